@@ -1,0 +1,1 @@
+int nt_placeholder(void) { return 0; }

@@ -1,1 +1,358 @@
-int nt_placeholder(void) { return 0; }
+/* nccltree host kernels: C11 + OpenMP.
+ *
+ * Structure: each public entry point checks its arguments, fills an nt_job and hands a
+ * range function to nt_run, which splits [0, n) into one contiguous, statically chosen
+ * chunk per thread.  Range functions are generated per (op, dtype, k) by macros, so the
+ * inner loop has no branch on the op, the dtype or the number of sources and the compiler
+ * vectorises it with the portable baseline instruction set (-O3, no -march=native).
+ */
+#include "nccltree.h"
+
+#include <stddef.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+/* the simd loops need either OpenMP or, without it, -fopenmp-simd (NT_OPENMP_SIMD) */
+#if defined(_OPENMP) || defined(NT_OPENMP_SIMD)
+#define NT_SIMD _Pragma("omp simd")
+#else
+#define NT_SIMD
+#endif
+#if defined(_OPENMP) && (defined(__unix__) || defined(__APPLE__))
+#include <pthread.h>
+#include <stdatomic.h>
+#define NT_FORK_GUARD 1
+#endif
+
+/* Work per thread below which waking another thread costs more than it saves. */
+#define NT_GRAIN_ELEMS ((int64_t)16384)
+#define NT_GRAIN_BYTES ((int64_t)1 << 18)
+
+typedef struct {
+    void *dst;
+    const void *srcs[NT_MAX_SOURCES];
+    void *aux1, *aux2; /* sgd: gradient and history */
+    double a, b, c;    /* scalars (alpha; lr, momentum, weight decay) */
+} nt_job;
+
+typedef void (*nt_range_fn)(const nt_job *job, int64_t lo, int64_t hi);
+
+#ifdef NT_FORK_GUARD
+/* libgomp's thread pool does not survive fork(): a child whose parent had started it hangs
+   in its first parallel region.  Such a child (Python's multiprocessing forks by default)
+   runs every kernel on its calling thread instead. */
+static atomic_int nt_pool_started;
+static int nt_serial_only;
+
+static void nt_after_fork_in_child(void) {
+    nt_serial_only = atomic_load_explicit(&nt_pool_started, memory_order_relaxed);
+}
+
+__attribute__((constructor)) static void nt_register_fork_guard(void) {
+    pthread_atfork(NULL, NULL, nt_after_fork_in_child);
+}
+#endif
+
+static void nt_run(nt_range_fn fn, const nt_job *job, int64_t n, int64_t grain, int nthreads) {
+    int64_t want = n / grain;
+    int nt = (want < (int64_t)nthreads) ? (int)want : nthreads;
+#ifdef NT_FORK_GUARD
+    if (nt_serial_only) nt = 1;
+#endif
+    if (nt <= 1) {
+        fn(job, 0, n);
+        return;
+    }
+#ifdef NT_FORK_GUARD
+    atomic_store_explicit(&nt_pool_started, 1, memory_order_relaxed);
+#endif
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+    {
+        int64_t t = omp_get_thread_num(), m = omp_get_num_threads();
+        /* chunks are multiples of 64 elements so no two threads write one cache line */
+        int64_t chunk = ((n + m - 1) / m + 63) & ~(int64_t)63;
+        int64_t lo = t * chunk, hi = lo + chunk;
+        if (hi > n) hi = n;
+        if (lo < hi) fn(job, lo, hi);
+    }
+#else
+    fn(job, 0, n);
+#endif
+}
+
+/* ---- IEEE half <-> float, branch-free so that loops over halves still vectorise ---- */
+
+static inline float nt_f32_from_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint32_t nt_bits_from_f32(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float nt_half_to_float(uint16_t h) {
+    const uint32_t shifted_exp = 0x7c00u << 13;
+    uint32_t o = ((uint32_t)h & 0x7fffu) << 13;
+    uint32_t e = o & shifted_exp;
+    o += (uint32_t)(127 - 15) << 23;
+    uint32_t infnan = o + ((uint32_t)(128 - 16) << 23);
+    /* subnormal half: let the FPU renormalise (the result is a normal float) */
+    uint32_t sub = nt_bits_from_f32(nt_f32_from_bits(o + (1u << 23)) -
+                                    nt_f32_from_bits(113u << 23));
+    o = (e == shifted_exp) ? infnan : o;
+    o = (e == 0) ? sub : o;
+    return nt_f32_from_bits(o | (((uint32_t)h & 0x8000u) << 16));
+}
+
+static inline uint16_t nt_float_to_half(float f) {
+    uint32_t u = nt_bits_from_f32(f);
+    uint32_t sign = (u >> 16) & 0x8000u;
+    u &= 0x7fffffffu;
+    uint32_t big = (u > 0x7f800000u) ? 0x7e00u : 0x7c00u; /* NaN stays NaN, else inf */
+    /* half subnormals: adding 0.5f aligns the 10 mantissa bits at the bottom and the
+       FPU rounds to nearest even for us */
+    const uint32_t magic = 126u << 23;
+    uint32_t sub = nt_bits_from_f32(nt_f32_from_bits(u) + nt_f32_from_bits(magic)) - magic;
+    /* normal: rebias the exponent and round to nearest even by hand */
+    uint32_t odd = (u >> 13) & 1u;
+    uint32_t norm = (u + ((uint32_t)(15 - 127) << 23) + 0xfffu + odd) >> 13;
+    uint32_t r = (u >= (143u << 23)) ? big : ((u < (113u << 23)) ? sub : norm);
+    return (uint16_t)(r | sign);
+}
+
+/* ---- per-dtype load/store and per-(op, dtype) combine ---- */
+
+#define LD_PLAIN(p, i) ((p)[i])
+#define ST_PLAIN(p, i, v) ((p)[i] = (v))
+#define LD_HALF(p, i) nt_half_to_float((p)[i])
+#define ST_HALF(p, i, v) ((p)[i] = nt_float_to_half(v))
+
+#define C_ADD(a, b) ((a) + (b))
+#define C_MUL(a, b) ((a) * (b))
+/* NaN-propagating, as numpy.maximum / numpy.minimum: a NaN b wins, else a wins when it is
+   greater or unordered (then a is the NaN).  Written as two selects because that form
+   if-converts for float16 too. */
+#define C_FMAX(a, b) (((b) != (b)) ? (b) : (!((a) <= (b)) ? (a) : (b)))
+#define C_FMIN(a, b) (((b) != (b)) ? (b) : (!((a) >= (b)) ? (a) : (b)))
+#define C_IMAX(a, b) (((a) > (b)) ? (a) : (b))
+#define C_IMIN(a, b) (((a) < (b)) ? (a) : (b))
+/* integer sum/prod wrap around as numpy's do; signed overflow is undefined in C */
+#define C_ADD32(a, b) ((int32_t)((uint32_t)(a) + (uint32_t)(b)))
+#define C_MUL32(a, b) ((int32_t)((uint32_t)(a) * (uint32_t)(b)))
+#define C_ADD64(a, b) ((int64_t)((uint64_t)(a) + (uint64_t)(b)))
+#define C_MUL64(a, b) ((int64_t)((uint64_t)(a) * (uint64_t)(b)))
+
+/* One range function per k.  K is a literal in each wrapper, so after inlining the
+   source loop is unrolled and the element loop is straight-line and vectorised. */
+#define NT_DEFINE_REDUCE(NAME, T, A, LD, ST, COMB)                                        \
+    static inline __attribute__((always_inline)) void NAME##_body(                        \
+        const nt_job *job, int64_t lo, int64_t hi, const int K) {                         \
+        T *d = (T *)job->dst;                                                             \
+        const T *s[NT_MAX_SOURCES];                                                       \
+        for (int j = 0; j < K; ++j) s[j] = (const T *)job->srcs[j];                       \
+        NT_SIMD for (int64_t i = lo; i < hi; ++i) {                           \
+            A acc = LD(s[0], i);                                                          \
+            for (int j = 1; j < K; ++j) acc = COMB(acc, LD(s[j], i));                     \
+            ST(d, i, acc);                                                                \
+        }                                                                                 \
+    }                                                                                     \
+    static void NAME##_1(const nt_job *j, int64_t lo, int64_t hi) { NAME##_body(j, lo, hi, 1); } \
+    static void NAME##_2(const nt_job *j, int64_t lo, int64_t hi) { NAME##_body(j, lo, hi, 2); } \
+    static void NAME##_3(const nt_job *j, int64_t lo, int64_t hi) { NAME##_body(j, lo, hi, 3); } \
+    static void NAME##_4(const nt_job *j, int64_t lo, int64_t hi) { NAME##_body(j, lo, hi, 4); } \
+    static void NAME##_5(const nt_job *j, int64_t lo, int64_t hi) { NAME##_body(j, lo, hi, 5); } \
+    static void NAME##_6(const nt_job *j, int64_t lo, int64_t hi) { NAME##_body(j, lo, hi, 6); } \
+    static void NAME##_7(const nt_job *j, int64_t lo, int64_t hi) { NAME##_body(j, lo, hi, 7); } \
+    static void NAME##_8(const nt_job *j, int64_t lo, int64_t hi) { NAME##_body(j, lo, hi, 8); }
+
+#define NT_ROW(NAME) {NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, NAME##_7, NAME##_8}
+
+NT_DEFINE_REDUCE(sum_f16, uint16_t, float, LD_HALF, ST_HALF, C_ADD)
+NT_DEFINE_REDUCE(prod_f16, uint16_t, float, LD_HALF, ST_HALF, C_MUL)
+NT_DEFINE_REDUCE(max_f16, uint16_t, float, LD_HALF, ST_HALF, C_FMAX)
+NT_DEFINE_REDUCE(min_f16, uint16_t, float, LD_HALF, ST_HALF, C_FMIN)
+NT_DEFINE_REDUCE(sum_f32, float, float, LD_PLAIN, ST_PLAIN, C_ADD)
+NT_DEFINE_REDUCE(prod_f32, float, float, LD_PLAIN, ST_PLAIN, C_MUL)
+NT_DEFINE_REDUCE(max_f32, float, float, LD_PLAIN, ST_PLAIN, C_FMAX)
+NT_DEFINE_REDUCE(min_f32, float, float, LD_PLAIN, ST_PLAIN, C_FMIN)
+NT_DEFINE_REDUCE(sum_f64, double, double, LD_PLAIN, ST_PLAIN, C_ADD)
+NT_DEFINE_REDUCE(prod_f64, double, double, LD_PLAIN, ST_PLAIN, C_MUL)
+NT_DEFINE_REDUCE(max_f64, double, double, LD_PLAIN, ST_PLAIN, C_FMAX)
+NT_DEFINE_REDUCE(min_f64, double, double, LD_PLAIN, ST_PLAIN, C_FMIN)
+NT_DEFINE_REDUCE(sum_i32, int32_t, int32_t, LD_PLAIN, ST_PLAIN, C_ADD32)
+NT_DEFINE_REDUCE(prod_i32, int32_t, int32_t, LD_PLAIN, ST_PLAIN, C_MUL32)
+NT_DEFINE_REDUCE(max_i32, int32_t, int32_t, LD_PLAIN, ST_PLAIN, C_IMAX)
+NT_DEFINE_REDUCE(min_i32, int32_t, int32_t, LD_PLAIN, ST_PLAIN, C_IMIN)
+NT_DEFINE_REDUCE(sum_i64, int64_t, int64_t, LD_PLAIN, ST_PLAIN, C_ADD64)
+NT_DEFINE_REDUCE(prod_i64, int64_t, int64_t, LD_PLAIN, ST_PLAIN, C_MUL64)
+NT_DEFINE_REDUCE(max_i64, int64_t, int64_t, LD_PLAIN, ST_PLAIN, C_IMAX)
+NT_DEFINE_REDUCE(min_i64, int64_t, int64_t, LD_PLAIN, ST_PLAIN, C_IMIN)
+
+static const nt_range_fn nt_reduce_table[NT_NOPS][NT_NDTYPES][NT_MAX_SOURCES] = {
+    {NT_ROW(sum_f16), NT_ROW(sum_f32), NT_ROW(sum_f64), NT_ROW(sum_i32), NT_ROW(sum_i64)},
+    {NT_ROW(prod_f16), NT_ROW(prod_f32), NT_ROW(prod_f64), NT_ROW(prod_i32), NT_ROW(prod_i64)},
+    {NT_ROW(max_f16), NT_ROW(max_f32), NT_ROW(max_f64), NT_ROW(max_i32), NT_ROW(max_i64)},
+    {NT_ROW(min_f16), NT_ROW(min_f32), NT_ROW(min_f64), NT_ROW(min_i32), NT_ROW(min_i64)},
+};
+
+/* ---- scale and SGD (floating dtypes; scalars are rounded to the array's compute type,
+   as numpy does for a Python float against a float32 array) ---- */
+
+#define NT_DEFINE_SCALE(NAME, T, A, LD, ST)                                               \
+    static void NAME(const nt_job *job, int64_t lo, int64_t hi) {                         \
+        T *x = (T *)job->dst;                                                             \
+        const A alpha = (A)job->a;                                                        \
+        NT_SIMD for (int64_t i = lo; i < hi; ++i) ST(x, i, LD(x, i) * alpha); \
+    }
+
+#define NT_DEFINE_SGD(NAME, T, A, LD, ST)                                                 \
+    static void NAME(const nt_job *job, int64_t lo, int64_t hi) {                         \
+        T *w = (T *)job->dst, *g = (T *)job->aux1, *v = (T *)job->aux2;                   \
+        const A lr = (A)job->a, mom = (A)job->b, wd = (A)job->c;                          \
+        NT_SIMD for (int64_t i = lo; i < hi; ++i) {                           \
+            A wi = LD(w, i);                                                              \
+            A gi = LD(g, i) + wd * wi;                                                    \
+            A vi = mom * LD(v, i) + lr * gi;                                              \
+            ST(g, i, gi);                                                                 \
+            ST(v, i, vi);                                                                 \
+            ST(w, i, wi - vi);                                                            \
+        }                                                                                 \
+    }
+
+NT_DEFINE_SCALE(scale_f16, uint16_t, float, LD_HALF, ST_HALF)
+NT_DEFINE_SCALE(scale_f32, float, float, LD_PLAIN, ST_PLAIN)
+NT_DEFINE_SCALE(scale_f64, double, double, LD_PLAIN, ST_PLAIN)
+NT_DEFINE_SGD(sgd_f16, uint16_t, float, LD_HALF, ST_HALF)
+NT_DEFINE_SGD(sgd_f32, float, float, LD_PLAIN, ST_PLAIN)
+NT_DEFINE_SGD(sgd_f64, double, double, LD_PLAIN, ST_PLAIN)
+
+static const nt_range_fn nt_scale_table[NT_NDTYPES] = {scale_f16, scale_f32, scale_f64, NULL, NULL};
+static const nt_range_fn nt_sgd_table[NT_NDTYPES] = {sgd_f16, sgd_f32, sgd_f64, NULL, NULL};
+
+static void nt_copy_range(const nt_job *job, int64_t lo, int64_t hi) {
+    memcpy((char *)job->dst + lo, (const char *)job->srcs[0] + lo, (size_t)(hi - lo));
+}
+
+/* ---- argument checks ---- */
+
+static const int64_t nt_itemsize[NT_NDTYPES] = {2, 4, 8, 4, 8};
+
+/* 1 if [a, a+nbytes) and [b, b+nbytes) share a byte */
+static int nt_overlaps(const void *a, const void *b, int64_t nbytes) {
+    uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+    return nbytes > 0 && x < y + (uintptr_t)nbytes && y < x + (uintptr_t)nbytes;
+}
+
+static int nt_check_common(int dtype, int64_t n, int nthreads) {
+    if (dtype < 0 || dtype >= NT_NDTYPES) return NT_ERR_DTYPE;
+    if (n < 0) return NT_ERR_SIZE;
+    if (nthreads < 1) return NT_ERR_THREADS;
+    return NT_OK;
+}
+
+/* ---- public entry points ---- */
+
+NT_API int nt_reduce_n(int op, int dtype, void *dst, const void *const *srcs, int k,
+                       int64_t n, int nthreads) {
+    if (op < 0 || op >= NT_NOPS) return NT_ERR_OP;
+    int st = nt_check_common(dtype, n, nthreads);
+    if (st != NT_OK) return st;
+    if (k < 1 || k > NT_MAX_SOURCES) return NT_ERR_NSOURCES;
+    if (n == 0) return NT_OK;
+    if (dst == NULL || srcs == NULL) return NT_ERR_NULL;
+    nt_job job = {0};
+    job.dst = dst;
+    int64_t nbytes = n * nt_itemsize[dtype];
+    for (int j = 0; j < k; ++j) {
+        if (srcs[j] == NULL) return NT_ERR_NULL;
+        /* the element loop reads every source at i before writing dst at i, so only an
+           identical pointer is safe; a shifted one would read already-written values */
+        if (srcs[j] != dst && nt_overlaps(srcs[j], dst, nbytes)) return NT_ERR_OVERLAP;
+        job.srcs[j] = srcs[j];
+    }
+    nt_range_fn fn = nt_reduce_table[op][dtype][k - 1];
+    if (fn == NULL) return NT_ERR_INTERNAL;
+    nt_run(fn, &job, n, NT_GRAIN_ELEMS, nthreads);
+    return NT_OK;
+}
+
+NT_API int nt_sum_n(int dtype, void *dst, const void *const *srcs, int k, int64_t n,
+                    int nthreads) {
+    return nt_reduce_n(NT_SUM, dtype, dst, srcs, k, n, nthreads);
+}
+
+NT_API int nt_sum_into(int dtype, void *dst, const void *src, int64_t n, int nthreads) {
+    const void *srcs[2] = {dst, src};
+    return nt_reduce_n(NT_SUM, dtype, dst, srcs, 2, n, nthreads);
+}
+
+NT_API int nt_scale(int dtype, void *x, double alpha, int64_t n, int nthreads) {
+    int st = nt_check_common(dtype, n, nthreads);
+    if (st != NT_OK) return st;
+    if (nt_scale_table[dtype] == NULL) return NT_ERR_UNSUPPORTED;
+    if (n == 0) return NT_OK;
+    if (x == NULL) return NT_ERR_NULL;
+    nt_job job = {0};
+    job.dst = x;
+    job.a = alpha;
+    nt_run(nt_scale_table[dtype], &job, n, NT_GRAIN_ELEMS, nthreads);
+    return NT_OK;
+}
+
+NT_API int nt_sgd_update(int dtype, void *w, void *g, void *v, double lr, double momentum,
+                         double weight_decay, int64_t n, int nthreads) {
+    int st = nt_check_common(dtype, n, nthreads);
+    if (st != NT_OK) return st;
+    if (nt_sgd_table[dtype] == NULL) return NT_ERR_UNSUPPORTED;
+    if (n == 0) return NT_OK;
+    if (w == NULL || g == NULL || v == NULL) return NT_ERR_NULL;
+    /* w, g and v are all written: any shared byte would make the result order-dependent */
+    int64_t nbytes = n * nt_itemsize[dtype];
+    if (nt_overlaps(w, g, nbytes) || nt_overlaps(w, v, nbytes) || nt_overlaps(g, v, nbytes))
+        return NT_ERR_OVERLAP;
+    nt_job job = {0};
+    job.dst = w;
+    job.aux1 = g;
+    job.aux2 = v;
+    job.a = lr;
+    job.b = momentum;
+    job.c = weight_decay;
+    nt_run(nt_sgd_table[dtype], &job, n, NT_GRAIN_ELEMS, nthreads);
+    return NT_OK;
+}
+
+NT_API int nt_copy(void *dst, const void *src, int64_t nbytes, int nthreads) {
+    if (nbytes < 0) return NT_ERR_SIZE;
+    if (nthreads < 1) return NT_ERR_THREADS;
+    if (nbytes == 0 || dst == src) return NT_OK;
+    if (dst == NULL || src == NULL) return NT_ERR_NULL;
+    if (nt_overlaps(dst, src, nbytes)) return NT_ERR_OVERLAP;
+    nt_job job = {0};
+    job.dst = dst;
+    job.srcs[0] = src;
+    nt_run(nt_copy_range, &job, nbytes, NT_GRAIN_BYTES, nthreads);
+    return NT_OK;
+}
+
+NT_API const char *nt_strerror(int status) {
+    switch (status) {
+    case NT_OK: return "success";
+    case NT_ERR_DTYPE: return "unknown dtype code";
+    case NT_ERR_OP: return "unknown reduction op code";
+    case NT_ERR_NSOURCES: return "number of sources outside 1..8";
+    case NT_ERR_SIZE: return "negative element count";
+    case NT_ERR_NULL: return "NULL pointer with a non-zero element count";
+    case NT_ERR_THREADS: return "thread count below 1";
+    case NT_ERR_UNSUPPORTED: return "dtype not supported by this kernel";
+    case NT_ERR_OVERLAP: return "arrays overlap in memory (only dst == a source is allowed)";
+    case NT_ERR_INTERNAL: return "internal error: kernel missing from the dispatch table";
+    default: return "unknown status";
+    }
+}

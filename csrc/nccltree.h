@@ -1,0 +1,66 @@
+/* nccltree native kernels: the C ABI shared by the host (C + OpenMP) library.
+ *
+ * Every function returns an int status (NT_OK = 0) and takes an explicit thread count,
+ * so that N virtual devices on a small machine never oversubscribe it.  Arrays are
+ * contiguous; n counts elements (nt_copy: bytes).  float16 is stored as IEEE half and
+ * accumulated in float32.  The Python mirror of these codes lives in nccltree/_native.py.
+ *
+ * fork(): a child of a process that had already run a multi-threaded kernel runs every
+ * kernel on its calling thread (the OpenMP thread pool does not survive fork).
+ */
+#ifndef NCCLTREE_H
+#define NCCLTREE_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define NT_API __declspec(dllexport)
+#else
+#define NT_API __attribute__((visibility("default")))
+#endif
+
+/* dtype codes */
+enum { NT_F16 = 0, NT_F32 = 1, NT_F64 = 2, NT_I32 = 3, NT_I64 = 4, NT_NDTYPES = 5 };
+/* op codes */
+enum { NT_SUM = 0, NT_PROD = 1, NT_MAX = 2, NT_MIN = 3, NT_NOPS = 4 };
+
+#define NT_MAX_SOURCES 8
+
+/* status codes: one per kind of bad argument, so the caller can say exactly what failed */
+enum {
+    NT_OK = 0,
+    NT_ERR_DTYPE = 1,       /* unknown dtype code */
+    NT_ERR_OP = 2,          /* unknown op code */
+    NT_ERR_NSOURCES = 3,    /* k outside 1..NT_MAX_SOURCES */
+    NT_ERR_SIZE = 4,        /* negative element or byte count */
+    NT_ERR_NULL = 5,        /* NULL pointer with a non-zero count */
+    NT_ERR_THREADS = 6,     /* nthreads < 1 */
+    NT_ERR_UNSUPPORTED = 7, /* dtype not supported by this kernel (integer scale/SGD) */
+    NT_ERR_OVERLAP = 8,     /* dst partially overlaps a source (identical is allowed) */
+    NT_ERR_INTERNAL = 9     /* a kernel is missing from the dispatch table */
+};
+
+/* dst += src */
+NT_API int nt_sum_into(int dtype, void *dst, const void *src, int64_t n, int nthreads);
+/* dst = op(srcs[0], ..., srcs[k-1]) in one pass, left to right; dst may be one of srcs */
+NT_API int nt_reduce_n(int op, int dtype, void *dst, const void *const *srcs, int k,
+                       int64_t n, int nthreads);
+NT_API int nt_sum_n(int dtype, void *dst, const void *const *srcs, int k, int64_t n,
+                    int nthreads);
+/* x *= alpha (floating dtypes) */
+NT_API int nt_scale(int dtype, void *x, double alpha, int64_t n, int nthreads);
+/* Caffe's update: g += wd*w; v = momentum*v + lr*g; w -= v (floating dtypes) */
+NT_API int nt_sgd_update(int dtype, void *w, void *g, void *v, double lr, double momentum,
+                         double weight_decay, int64_t n, int nthreads);
+NT_API int nt_copy(void *dst, const void *src, int64_t nbytes, int nthreads);
+NT_API const char *nt_strerror(int status);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* NCCLTREE_H */

@@ -1,0 +1,221 @@
+// nccltree CUDA kernels: the operations of the host library (nccltree_host.c) as
+// extern "C" kernels, one per (operation, dtype), e.g. nt_reduce_n_sum_f32.
+//
+// The file includes no headers, so the same text compiles with nvcc (to the shipped
+// fatbin) and with NVRTC at run time (cupy.RawModule(code=...)) when the fatbin is missing.
+// float16 is stored as IEEE half bits and accumulated in float32 (PTX cvt instructions,
+// which need no cuda_fp16.h).  Every kernel is a grid-stride loop; reduce/sum_into/scale/
+// sgd use 16-byte vector loads when every pointer involved is 16-byte aligned.
+//
+// Signatures (n counts elements, T is the storage type, S the scalar type:
+// float for f16/f32, double for f64):
+//   nt_reduce_n_{sum,prod,max,min}_{f16,f32,f64,i32,i64}(T *dst, nt_srcs srcs, int k, long long n)
+//   nt_sum_into_{dtype}(T *dst, const T *src, long long n)              dst += src
+//   nt_scale_{f16,f32,f64}(T *x, S alpha, long long n)                 x *= alpha
+//   nt_sgd_update_{f16,f32,f64}(T *w, T *g, T *v, S lr, S momentum, S weight_decay, long long n)
+//                                    g += wd*w; v = momentum*v + lr*g; w -= v
+
+#define NT_MAX_SOURCES 8
+
+// Passed by value: the k source pointers (unused slots are ignored).
+struct nt_srcs {
+    const void *p[NT_MAX_SOURCES];
+};
+
+// ---- storage <-> compute type ----
+template <typename T>
+struct nt_io {
+    typedef T acc;
+    static __device__ __forceinline__ acc load(T x) { return x; }
+    static __device__ __forceinline__ T store(acc x) { return x; }
+};
+
+template <>
+struct nt_io<unsigned short> {  // IEEE half bits
+    typedef float acc;
+    static __device__ __forceinline__ float load(unsigned short h) {
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+        return f;
+    }
+    static __device__ __forceinline__ unsigned short store(float f) {
+        unsigned short h;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+        return h;
+    }
+};
+
+// ---- ops; integer sum/prod wrap around (as numpy's) through unsigned arithmetic ----
+__device__ __forceinline__ float nt_add(float a, float b) { return a + b; }
+__device__ __forceinline__ double nt_add(double a, double b) { return a + b; }
+__device__ __forceinline__ int nt_add(int a, int b) { return (int)((unsigned)a + (unsigned)b); }
+__device__ __forceinline__ long long nt_add(long long a, long long b) {
+    return (long long)((unsigned long long)a + (unsigned long long)b);
+}
+__device__ __forceinline__ float nt_mul(float a, float b) { return a * b; }
+__device__ __forceinline__ double nt_mul(double a, double b) { return a * b; }
+__device__ __forceinline__ int nt_mul(int a, int b) { return (int)((unsigned)a * (unsigned)b); }
+__device__ __forceinline__ long long nt_mul(long long a, long long b) {
+    return (long long)((unsigned long long)a * (unsigned long long)b);
+}
+
+struct nt_op_sum {
+    template <typename A> static __device__ __forceinline__ A f(A a, A b) { return nt_add(a, b); }
+};
+struct nt_op_prod {
+    template <typename A> static __device__ __forceinline__ A f(A a, A b) { return nt_mul(a, b); }
+};
+// NaN-propagating, as numpy.maximum / numpy.minimum (a != a is false for integers)
+struct nt_op_max {
+    template <typename A> static __device__ __forceinline__ A f(A a, A b) {
+        return (a > b || a != a) ? a : b;
+    }
+};
+struct nt_op_min {
+    template <typename A> static __device__ __forceinline__ A f(A a, A b) {
+        return (a < b || a != a) ? a : b;
+    }
+};
+
+template <typename T>
+struct alignas(16) nt_vec {
+    T v[16 / sizeof(T)];
+};
+
+__device__ __forceinline__ bool nt_aligned16(const void *p) {
+    return ((unsigned long long)p & 15ull) == 0;
+}
+
+__device__ __forceinline__ long long nt_tid() {
+    return (long long)blockIdx.x * blockDim.x + threadIdx.x;
+}
+
+__device__ __forceinline__ long long nt_stride() {
+    return (long long)blockDim.x * gridDim.x;
+}
+
+// dst = op(srcs[0..k-1]); every thread reads all sources at i before writing dst at i,
+// so dst may be one of the sources.
+template <typename T, typename Op>
+__device__ __forceinline__ void nt_reduce(T *dst, const nt_srcs &s, int k, long long n) {
+    typedef nt_io<T> io;
+    typedef typename io::acc A;
+    const int V = 16 / sizeof(T);
+    bool aligned = nt_aligned16(dst);
+    for (int j = 0; j < NT_MAX_SOURCES; ++j)
+        if (j < k) aligned = aligned && nt_aligned16(s.p[j]);
+    long long nvec = aligned ? n / V : 0;
+    for (long long i = nt_tid(); i < nvec; i += nt_stride()) {
+        nt_vec<T> x = ((const nt_vec<T> *)s.p[0])[i];
+        A acc[V];
+#pragma unroll
+        for (int l = 0; l < V; ++l) acc[l] = io::load(x.v[l]);
+#pragma unroll
+        for (int j = 1; j < NT_MAX_SOURCES; ++j) {
+            if (j < k) {
+                nt_vec<T> y = ((const nt_vec<T> *)s.p[j])[i];
+#pragma unroll
+                for (int l = 0; l < V; ++l) acc[l] = Op::f(acc[l], io::load(y.v[l]));
+            }
+        }
+#pragma unroll
+        for (int l = 0; l < V; ++l) x.v[l] = io::store(acc[l]);
+        ((nt_vec<T> *)dst)[i] = x;
+    }
+    for (long long i = nvec * V + nt_tid(); i < n; i += nt_stride()) {
+        A acc = io::load(((const T *)s.p[0])[i]);
+#pragma unroll
+        for (int j = 1; j < NT_MAX_SOURCES; ++j)
+            if (j < k) acc = Op::f(acc, io::load(((const T *)s.p[j])[i]));
+        dst[i] = io::store(acc);
+    }
+}
+
+template <typename T, typename S>
+__device__ __forceinline__ void nt_scale(T *x, S alpha, long long n) {
+    typedef nt_io<T> io;
+    const int V = 16 / sizeof(T);
+    long long nvec = nt_aligned16(x) ? n / V : 0;
+    for (long long i = nt_tid(); i < nvec; i += nt_stride()) {
+        nt_vec<T> a = ((nt_vec<T> *)x)[i];
+#pragma unroll
+        for (int l = 0; l < V; ++l) a.v[l] = io::store(io::load(a.v[l]) * alpha);
+        ((nt_vec<T> *)x)[i] = a;
+    }
+    for (long long i = nvec * V + nt_tid(); i < n; i += nt_stride())
+        x[i] = io::store(io::load(x[i]) * alpha);
+}
+
+// Caffe's update, in the host library's order of operations.
+template <typename A>
+__device__ __forceinline__ void nt_sgd_one(A &w, A &g, A &v, A lr, A mom, A wd) {
+    g = g + wd * w;
+    v = mom * v + lr * g;
+    w = w - v;
+}
+
+template <typename T, typename S>
+__device__ __forceinline__ void nt_sgd(T *w, T *g, T *v, S lr, S mom, S wd, long long n) {
+    typedef nt_io<T> io;
+    const int V = 16 / sizeof(T);
+    bool aligned = nt_aligned16(w) && nt_aligned16(g) && nt_aligned16(v);
+    long long nvec = aligned ? n / V : 0;
+    for (long long i = nt_tid(); i < nvec; i += nt_stride()) {
+        nt_vec<T> a = ((nt_vec<T> *)w)[i], b = ((nt_vec<T> *)g)[i], c = ((nt_vec<T> *)v)[i];
+#pragma unroll
+        for (int l = 0; l < V; ++l) {
+            S wi = io::load(a.v[l]), gi = io::load(b.v[l]), vi = io::load(c.v[l]);
+            nt_sgd_one(wi, gi, vi, lr, mom, wd);
+            a.v[l] = io::store(wi);
+            b.v[l] = io::store(gi);
+            c.v[l] = io::store(vi);
+        }
+        ((nt_vec<T> *)w)[i] = a;
+        ((nt_vec<T> *)g)[i] = b;
+        ((nt_vec<T> *)v)[i] = c;
+    }
+    for (long long i = nvec * V + nt_tid(); i < n; i += nt_stride()) {
+        S wi = io::load(w[i]), gi = io::load(g[i]), vi = io::load(v[i]);
+        nt_sgd_one(wi, gi, vi, lr, mom, wd);
+        w[i] = io::store(wi);
+        g[i] = io::store(gi);
+        v[i] = io::store(vi);
+    }
+}
+
+// ---- extern "C" entry points ----
+#define NT_REDUCE(OP, NAME, T)                                                          \
+    extern "C" __global__ void nt_reduce_n_##OP##_##NAME(T *dst, nt_srcs srcs, int k,   \
+                                                         long long n) {                 \
+        nt_reduce<T, nt_op_##OP>(dst, srcs, k, n);                                      \
+    }
+
+#define NT_ALL_OPS(NAME, T)                                                             \
+    NT_REDUCE(sum, NAME, T)                                                             \
+    NT_REDUCE(prod, NAME, T)                                                            \
+    NT_REDUCE(max, NAME, T)                                                             \
+    NT_REDUCE(min, NAME, T)                                                             \
+    extern "C" __global__ void nt_sum_into_##NAME(T *dst, const T *src, long long n) {  \
+        nt_srcs s;                                                                      \
+        s.p[0] = dst;                                                                   \
+        s.p[1] = src;                                                                   \
+        nt_reduce<T, nt_op_sum>(dst, s, 2, n);                                          \
+    }
+
+#define NT_FLOAT_ONLY(NAME, T, S)                                                       \
+    extern "C" __global__ void nt_scale_##NAME(T *x, S alpha, long long n) {            \
+        nt_scale<T, S>(x, alpha, n);                                                    \
+    }                                                                                   \
+    extern "C" __global__ void nt_sgd_update_##NAME(T *w, T *g, T *v, S lr, S momentum, \
+                                                    S weight_decay, long long n) {      \
+        nt_sgd<T, S>(w, g, v, lr, momentum, weight_decay, n);                           \
+    }
+
+NT_ALL_OPS(f16, unsigned short)
+NT_ALL_OPS(f32, float)
+NT_ALL_OPS(f64, double)
+NT_ALL_OPS(i32, int)
+NT_ALL_OPS(i64, long long)
+NT_FLOAT_ONLY(f16, unsigned short, float)
+NT_FLOAT_ONLY(f32, float, float)
+NT_FLOAT_ONLY(f64, double, double)

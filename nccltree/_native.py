@@ -1,0 +1,317 @@
+"""ctypes face of the host kernel library (``csrc/nccltree_host.c``).
+
+The library is loaded once, on first use, from the ``_lib`` directory of the installed
+package.  Every wrapper checks its arguments in Python (numpy arrays, C-contiguous, one
+supported dtype, equal sizes, 1..8 sources) so that bad calls raise ``TypeError`` or
+``ValueError`` naming what is accepted; the C library checks them again and
+:func:`check` turns any status it returns into the matching exception.  ctypes releases
+the GIL for the duration of each call, so kernels of different devices run in parallel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ._errors import BackendUnavailable, NativeError
+
+__all__ = [
+    "DTYPES",
+    "MAX_SOURCES",
+    "OPS",
+    "check",
+    "copy",
+    "library",
+    "library_path",
+    "reduce_n",
+    "scale",
+    "sgd_update",
+    "sum_into",
+    "sum_n",
+]
+
+#: numpy dtype -> C dtype code (csrc/nccltree.h)
+DTYPES: dict[np.dtype, int] = {
+    np.dtype(np.float16): 0,
+    np.dtype(np.float32): 1,
+    np.dtype(np.float64): 2,
+    np.dtype(np.int32): 3,
+    np.dtype(np.int64): 4,
+}
+#: dtypes that scale and sgd_update accept
+FLOAT_DTYPES = tuple(dt for dt in DTYPES if dt.kind == "f")
+#: op name -> C op code
+OPS: dict[str, int] = {"sum": 0, "prod": 1, "max": 2, "min": 3}
+MAX_SOURCES = 8
+
+# status codes (csrc/nccltree.h) and the exception each one means
+OK = 0
+ERR_DTYPE = 1
+ERR_OP = 2
+ERR_NSOURCES = 3
+ERR_SIZE = 4
+ERR_NULL = 5
+ERR_THREADS = 6
+ERR_UNSUPPORTED = 7
+ERR_OVERLAP = 8
+ERR_INTERNAL = 9
+_STATUS_EXC: dict[int, type[Exception]] = {
+    ERR_DTYPE: TypeError,
+    ERR_UNSUPPORTED: TypeError,
+    ERR_OP: ValueError,
+    ERR_NSOURCES: ValueError,
+    ERR_SIZE: ValueError,
+    ERR_NULL: ValueError,
+    ERR_THREADS: ValueError,
+    ERR_OVERLAP: ValueError,
+}
+
+_LIB_NAMES = {
+    "win32": ("nccltree_host.dll", "libnccltree_host.dll"),
+    "darwin": ("libnccltree_host.dylib", "libnccltree_host.so"),
+}.get(sys.platform, ("libnccltree_host.so",))
+
+_BUILD_HINT = (
+    "build it with `pip install --no-build-isolation -e .` (or `pip install .`) from the "
+    "nccltree source tree; it needs CMake >= 3.18 and a C11 compiler"
+)
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+
+def _package_dirs() -> list[Path]:
+    # An editable install splits the package over the source tree and site-packages (where
+    # the build puts _lib), so every directory of the package path is searched; __file__
+    # would only name the source half.
+    import nccltree
+
+    return [Path(p) for p in getattr(nccltree, "__path__", [])]
+
+
+def _find_library(dirs: Iterable[Path]) -> Path | None:
+    for d in dirs:
+        for name in _LIB_NAMES:
+            candidate = Path(d) / "_lib" / name
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def library_path() -> Path:
+    """Path of the host kernel library; ``BackendUnavailable`` if it is not built."""
+    path = _find_library(_package_dirs())
+    if path is None:
+        raise BackendUnavailable(f"the nccltree host kernel library was not found; {_BUILD_HINT}")
+    return path
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i32, i64, f64, vp = ctypes.c_int, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
+    vpp = ctypes.POINTER(ctypes.c_void_p)
+    sigs = {
+        "nt_sum_into": [i32, vp, vp, i64, i32],
+        "nt_reduce_n": [i32, i32, vp, vpp, i32, i64, i32],
+        "nt_sum_n": [i32, vp, vpp, i32, i64, i32],
+        "nt_scale": [i32, vp, f64, i64, i32],
+        "nt_sgd_update": [i32, vp, vp, vp, f64, f64, f64, i64, i32],
+        "nt_copy": [vp, vp, i64, i32],
+    }
+    for name, argtypes in sigs.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = i32
+    lib.nt_strerror.argtypes = [i32]
+    lib.nt_strerror.restype = ctypes.c_char_p
+
+
+def library() -> ctypes.CDLL:
+    """The loaded host library (loaded and declared once, thread-safe)."""
+    global _lib
+    if _lib is None:
+        with _lock:
+            if _lib is None:
+                path = library_path()
+                try:
+                    lib = ctypes.CDLL(os.fspath(path))
+                    _declare(lib)
+                except (OSError, AttributeError) as exc:
+                    raise BackendUnavailable(
+                        f"cannot load the nccltree host kernel library {path}: {exc}; "
+                        f"rebuild it: {_BUILD_HINT}"
+                    ) from exc
+                _lib = lib
+    return _lib
+
+
+def strerror(status: int) -> str:
+    """The library's name for a status code."""
+    return library().nt_strerror(int(status)).decode()
+
+
+def check(status: int, what: str = "native kernel") -> None:
+    """Turn a status returned by the library into an exception (0 returns quietly).
+
+    Bad-argument statuses become ``TypeError`` (dtype) or ``ValueError`` (the rest);
+    anything else is a ``NativeError``.
+    """
+    if status == OK:
+        return
+    exc = _STATUS_EXC.get(status, NativeError)
+    raise exc(f"{what}: {strerror(status)} (status {status})")
+
+
+# ---- argument checks ----
+
+
+def _array(x: object, name: str, *, writable: bool = False) -> np.ndarray:
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+    if writable and not x.flags.writeable:
+        raise ValueError(f"{name} must be writeable")
+    return x
+
+
+def _dtype_code(x: np.ndarray, name: str, accepted: Sequence[np.dtype]) -> int:
+    if x.dtype not in accepted:
+        names = ", ".join(str(dt) for dt in accepted)
+        raise TypeError(f"{name} has dtype {x.dtype}; accepted: {names}")
+    return DTYPES[x.dtype]
+
+
+def _same(x: np.ndarray, ref: np.ndarray, name: str, ref_name: str) -> None:
+    if x.dtype != ref.dtype:
+        raise TypeError(f"{name} has dtype {x.dtype} but {ref_name} has {ref.dtype}")
+    if x.size != ref.size:
+        raise ValueError(f"{name} has {x.size} elements but {ref_name} has {ref.size}")
+
+
+def _threads(nthreads: int) -> int:
+    if isinstance(nthreads, bool) or not isinstance(nthreads, (int, np.integer)):
+        raise TypeError(f"nthreads must be an int >= 1, got {type(nthreads).__name__}")
+    if nthreads < 1:
+        raise ValueError(f"nthreads must be >= 1, got {nthreads}")
+    return int(nthreads)
+
+
+def _scalar(x: float, name: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
+    return float(x)
+
+
+def _addr(x: np.ndarray) -> int:
+    return x.__array_interface__["data"][0]
+
+
+def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
+    # contiguous arrays: byte ranges decide it exactly and cheaply
+    pa, pb = _addr(a), _addr(b)
+    return a.nbytes > 0 and b.nbytes > 0 and pa < pb + b.nbytes and pb < pa + a.nbytes
+
+
+# ---- wrappers ----
+
+
+def reduce_n(
+    dst: np.ndarray, srcs: Sequence[np.ndarray], op: str = "sum", nthreads: int = 1
+) -> np.ndarray:
+    """``dst = op(srcs[0], ..., srcs[k-1])`` in one pass, 1 <= k <= 8; returns ``dst``.
+
+    Sources are combined left to right (float16 in float32).  ``dst`` may be one of the
+    sources (the same array memory), but must not partially overlap any of them.
+    """
+    code = OPS.get(op) if isinstance(op, str) else None
+    if code is None:
+        raise ValueError(f"op must be one of {', '.join(OPS)}; got {op!r}")
+    dst = _array(dst, "dst", writable=True)
+    dtype = _dtype_code(dst, "dst", tuple(DTYPES))
+    if isinstance(srcs, np.ndarray) or not isinstance(srcs, Sequence):
+        raise TypeError("srcs must be a list or tuple of numpy arrays")
+    k = len(srcs)
+    if not 1 <= k <= MAX_SOURCES:
+        raise ValueError(f"reduce_n takes 1 to {MAX_SOURCES} sources, got {k}")
+    ptrs = (ctypes.c_void_p * k)()
+    dst_addr = _addr(dst)
+    for j, s in enumerate(srcs):
+        s = _array(s, f"srcs[{j}]")
+        _same(s, dst, f"srcs[{j}]", "dst")
+        addr = ptrs[j] = _addr(s)
+        if addr != dst_addr and _overlap(s, dst):
+            raise ValueError(f"srcs[{j}] partially overlaps dst (only the same memory is allowed)")
+    nthreads = _threads(nthreads)
+    check(library().nt_reduce_n(code, dtype, dst_addr, ptrs, k, dst.size, nthreads), "reduce_n")
+    return dst
+
+
+def sum_n(dst: np.ndarray, srcs: Sequence[np.ndarray], nthreads: int = 1) -> np.ndarray:
+    """``dst = srcs[0] + ... + srcs[k-1]``; see :func:`reduce_n`."""
+    return reduce_n(dst, srcs, "sum", nthreads)
+
+
+def sum_into(dst: np.ndarray, src: np.ndarray, nthreads: int = 1) -> np.ndarray:
+    """``dst += src``; returns ``dst``."""
+    return reduce_n(dst, (dst, src), "sum", nthreads)
+
+
+def scale(x: np.ndarray, alpha: float, nthreads: int = 1) -> np.ndarray:
+    """``x *= alpha`` for floating arrays (alpha rounded to x's compute type); returns x."""
+    x = _array(x, "x", writable=True)
+    dtype = _dtype_code(x, "x", FLOAT_DTYPES)
+    alpha = _scalar(alpha, "alpha")
+    nthreads = _threads(nthreads)
+    check(library().nt_scale(dtype, _addr(x), alpha, x.size, nthreads), "scale")
+    return x
+
+
+def sgd_update(
+    w: np.ndarray,
+    g: np.ndarray,
+    v: np.ndarray,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    nthreads: int = 1,
+) -> np.ndarray:
+    """Caffe's SGD step in one pass: ``g += wd*w; v = momentum*v + lr*g; w -= v``.
+
+    Updates ``w``, ``g`` and ``v`` in place (floating dtypes; float16 computed in float32)
+    and returns ``w``.  The three arrays must not overlap.
+    """
+    w = _array(w, "w", writable=True)
+    g = _array(g, "g", writable=True)
+    v = _array(v, "v", writable=True)
+    dtype = _dtype_code(w, "w", FLOAT_DTYPES)
+    _same(g, w, "g", "w")
+    _same(v, w, "v", "w")
+    if _overlap(w, g) or _overlap(w, v) or _overlap(g, v):
+        raise ValueError("w, g and v must be distinct, non-overlapping arrays")
+    lr = _scalar(lr, "lr")
+    momentum = _scalar(momentum, "momentum")
+    weight_decay = _scalar(weight_decay, "weight_decay")
+    nthreads = _threads(nthreads)
+    status = library().nt_sgd_update(
+        dtype, _addr(w), _addr(g), _addr(v), lr, momentum, weight_decay, w.size, nthreads
+    )
+    check(status, "sgd_update")
+    return w
+
+
+def copy(dst: np.ndarray, src: np.ndarray, nthreads: int = 1) -> np.ndarray:
+    """``dst[...] = src`` (same dtype and size, any dtype); returns ``dst``."""
+    dst = _array(dst, "dst", writable=True)
+    src = _array(src, "src")
+    _same(src, dst, "src", "dst")
+    if _addr(src) != _addr(dst) and _overlap(src, dst):
+        raise ValueError("src partially overlaps dst")
+    nthreads = _threads(nthreads)
+    check(library().nt_copy(_addr(dst), _addr(src), dst.nbytes, nthreads), "copy")
+    return dst

@@ -1,0 +1,292 @@
+"""The device interface every backend implements.
+
+Docstrings live here only; ``host.py`` and ``cuda.py`` implement the same methods with the
+same meaning. A backend is one small file: arrays, streams, events, copies (including peer
+copies), the native kernels and pinned host memory.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+#: Reduction operators every backend's ``Stream.reduce`` accepts.
+REDUCE_OPS = ("sum", "prod", "max", "min")
+
+#: Default timeout (seconds) of a wait when the caller passes ``timeout=None``: no wait is
+#: unbounded, so a lost event turns into an error instead of a hang.
+DEFAULT_TIMEOUT = 300.0
+
+
+class Transfer(NamedTuple):
+    """One cross-device data movement, as recorded by ``record_transfers()``.
+
+    ``src`` and ``dst`` are device indices; ``kind`` is ``"copy"`` (a stream copy whose
+    source lies on another device) or ``"peer_read"`` (a reduction reading a source that
+    lies on another device).
+    """
+
+    src: int
+    dst: int
+    nbytes: int
+    kind: str
+
+
+class Event(abc.ABC):
+    """A point in a stream. Completed once the stream's work up to that point has run.
+
+    An event that was never recorded counts as completed (as in CUDA).
+    """
+
+    @abc.abstractmethod
+    def record(self, stream: Stream) -> None:
+        """Mark the current end of ``stream``; replaces any earlier point."""
+
+    @abc.abstractmethod
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Block until the event completed.
+
+        Raises ``CommTimeout`` after ``timeout`` seconds (None: the backend default) and
+        re-raises the error of a failed op that precedes the event in its stream.
+        """
+
+    @abc.abstractmethod
+    def query(self) -> bool:
+        """True if the event completed (raises like ``synchronize`` on a failed stream)."""
+
+
+class Stream(abc.ABC):
+    """An ordered queue of asynchronous work on one device.
+
+    Every operation returns at once; work runs in the order it was enqueued. Arguments are
+    checked when the operation is enqueued (TypeError/ValueError), so a bad call never
+    leaves half-done work behind. ``with stream:`` makes it this thread's current stream
+    on its device.
+    """
+
+    device: Device
+
+    @abc.abstractmethod
+    def copy(
+        self,
+        dst: Any,
+        src: Any,
+        *,
+        src_device: Device | None = None,
+        dst_device: Device | None = None,
+    ) -> None:
+        """Copy ``src`` into ``dst`` (same number of bytes), in this stream's order.
+
+        ``dst`` is on ``dst_device`` (None: this stream's device); ``src`` is on
+        ``src_device`` (a peer copy) or, when None, on this device or in host memory. The
+        host backend records a ``"copy"`` transfer from ``src_device`` to ``dst_device``
+        when both are devices and differ.
+        """
+
+    @abc.abstractmethod
+    def reduce(
+        self,
+        dst: Any,
+        srcs: Sequence[Any],
+        op: str = "sum",
+        *,
+        src_devices: Sequence[Device | None] | None = None,
+        dst_device: Device | None = None,
+    ) -> None:
+        """``dst = op(*srcs)`` elementwise in one fused pass, in this stream's order.
+
+        ``dst`` may be one of ``srcs``; it is on ``dst_device`` (None: this stream's
+        device). ``src_devices[i]`` names the device holding ``srcs[i]`` (None: the dst's
+        device); sources on other devices are read directly where the backend can (the
+        host backend records a ``"peer_read"`` transfer from each to the dst's device).
+        ``op`` is one of ``REDUCE_OPS``.
+        """
+
+    @abc.abstractmethod
+    def scale(self, x: Any, alpha: float) -> None:
+        """``x *= alpha``."""
+
+    @abc.abstractmethod
+    def sgd_update(
+        self, w: Any, g: Any, v: Any, lr: float, momentum: float, weight_decay: float
+    ) -> None:
+        """Caffe's SGD step in one pass: ``g += wd*w; v = momentum*v + lr*g; w -= v``."""
+
+    @abc.abstractmethod
+    def call(self, fn: Any, *args: Any) -> None:
+        """Run ``fn(*args)`` in stream order.
+
+        Host: on the stream's worker thread, after all earlier work. CUDA: now, with this
+        stream current, so the array operations ``fn`` issues are enqueued on it.
+        """
+
+    @abc.abstractmethod
+    def record(self, event: Event | None = None) -> Event:
+        """Record ``event`` (a new one when None) at the current end; return it."""
+
+    @abc.abstractmethod
+    def wait_event(self, event: Event) -> None:
+        """Make later work on this stream wait for ``event``; never blocks the caller."""
+
+    @abc.abstractmethod
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Block until all enqueued work ran.
+
+        Raises ``CommTimeout`` after ``timeout`` seconds (None: the backend default) and
+        re-raises the error of a failed op (the stream stays failed).
+        """
+
+    @abc.abstractmethod
+    def query(self) -> bool:
+        """True if all enqueued work ran (raises the error of a failed op)."""
+
+    # `with stream:` -- the per-thread current-stream stack lives on the device.
+    def __enter__(self) -> Stream:
+        self.device._push_stream(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.device._pop_stream(self)
+
+
+class Device(abc.ABC):
+    """One device of a ``devices()`` list.
+
+    Attributes: ``backend`` ("host" | "cuda"), ``index`` (position in the list, the rank by
+    default), ``physical_id`` (GPU ordinal; == index on host), ``xp`` (numpy or cupy),
+    ``name``, ``threads`` (kernel threads this device may use), ``runtime`` (the backend
+    object shared by all devices of one ``devices()`` call).
+    """
+
+    backend: str
+    index: int
+    physical_id: int
+    name: str
+    runtime: Any
+
+    def __init__(self) -> None:
+        self._tls = threading.local()
+
+    @property
+    @abc.abstractmethod
+    def xp(self) -> Any:
+        """The array module of this device (numpy or cupy)."""
+
+    @property
+    @abc.abstractmethod
+    def default_stream(self) -> Stream:
+        """The device's default stream (created on first use)."""
+
+    @abc.abstractmethod
+    def empty(self, shape: Any, dtype: Any = "float32") -> Any:
+        """An uninitialised C-contiguous array on this device."""
+
+    @abc.abstractmethod
+    def zeros(self, shape: Any, dtype: Any = "float32") -> Any:
+        """A zero-filled C-contiguous array on this device."""
+
+    @abc.abstractmethod
+    def asarray(self, obj: Any) -> Any:
+        """A zero-copy view of a buffer on this device (numpy, CUDA array interface,
+        DLPack); TypeError for a buffer that lives elsewhere."""
+
+    @abc.abstractmethod
+    def check_array(self, arr: Any) -> None:
+        """TypeError/ValueError unless ``arr`` is a C-contiguous array usable here."""
+
+    @abc.abstractmethod
+    def from_host(self, host: Any, stream: Stream | None = None) -> Any:
+        """A new device array holding a copy of the host array ``host``.
+
+        ``stream=None``: the copy is complete on return. With a stream the copy is enqueued
+        on it and ``host`` must stay unchanged until the stream reaches it.
+        """
+
+    @abc.abstractmethod
+    def to_host(self, arr: Any, out: Any = None, stream: Stream | None = None) -> Any:
+        """Copy the device array ``arr`` to host memory (``out`` or a new numpy array).
+
+        ``stream=None``: complete on return; else enqueued on ``stream``.
+        """
+
+    @abc.abstractmethod
+    def new_stream(self) -> Stream:
+        """A new stream on this device."""
+
+    @abc.abstractmethod
+    def new_event(self) -> Event:
+        """A new (unrecorded, hence completed) event."""
+
+    @abc.abstractmethod
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Block until all work on all of this device's streams ran."""
+
+    @abc.abstractmethod
+    def can_access_peer(self, other: Device) -> bool:
+        """True if kernels on this device can read ``other``'s memory directly."""
+
+    @abc.abstractmethod
+    def sum_into(self, dst: Any, src: Any) -> None:
+        """``dst += src`` in the caller's order (host: now, in this thread; CUDA: on the
+        thread's current stream)."""
+
+    @abc.abstractmethod
+    def scale(self, x: Any, alpha: float) -> None:
+        """``x *= alpha`` in the caller's order."""
+
+    @abc.abstractmethod
+    def sgd_update(
+        self, w: Any, g: Any, v: Any, lr: float, momentum: float, weight_decay: float
+    ) -> None:
+        """Caffe's fused SGD step in the caller's order."""
+
+    @abc.abstractmethod
+    def pinned_empty(self, shape: Any, dtype: Any = "float32") -> Any:
+        """A host numpy array for fast transfers to and from this device (page-locked on
+        CUDA, 64-byte-aligned plain memory on host)."""
+
+    @contextmanager
+    def activate(self) -> Iterator[Device]:
+        """Make this the thread's current device for the duration of the block."""
+        yield self
+
+    def current_stream(self) -> Stream:
+        """This thread's current stream on this device (``with stream:``), else the
+        default stream."""
+        stack = getattr(self._tls, "streams", None)
+        if stack:
+            return stack[-1]
+        return self.default_stream
+
+    def explicit_current_stream(self) -> Stream | None:
+        """The stream of an enclosing ``with stream:`` in this thread, else None (on the
+        host backend the calling thread itself is then the caller's order)."""
+        stack = getattr(self._tls, "streams", None)
+        return stack[-1] if stack else None
+
+    def _push_stream(self, stream: Stream) -> None:
+        stack = getattr(self._tls, "streams", None)
+        if stack is None:
+            stack = self._tls.streams = []
+        stack.append(stream)
+
+    def _pop_stream(self, stream: Stream) -> None:
+        stack = self._tls.streams
+        if not stack or stack[-1] is not stream:
+            raise RuntimeError("streams must be exited in the reverse order of entering")
+        stack.pop()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} index={self.index}>"
+
+
+def timeout_or_default(timeout: float | None) -> float:
+    """The effective timeout of a wait: ``timeout``, else ``DEFAULT_TIMEOUT``."""
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if timeout < 0:
+        raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout!r}")
+    return float(timeout)

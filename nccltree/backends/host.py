@@ -1,0 +1,673 @@
+"""Host backend: N virtual devices made of CPU memory and threads.
+
+Arrays are plain numpy arrays. Each stream owns a worker thread and a FIFO, so work runs
+asynchronously and in order per stream, and a missing ``wait_event`` gives a wrong answer
+here just as on a GPU. An event is a sequence number in its stream: completed once the
+stream's worker finished every op enqueued before it was recorded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import random
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from .._errors import CommTimeout, NcclTreeError
+from .base import REDUCE_OPS, Device, Event, Stream, Transfer, timeout_or_default
+
+JITTER_ENV = "NCCLTREE_HOST_JITTER"
+_JITTER_DEFAULT_MAX_US = 200.0
+ALIGNMENT = 64  # one cache line; also what the C kernels' vector loads like best
+
+__all__ = [
+    "ALIGNMENT",
+    "HostDevice",
+    "HostEvent",
+    "HostRuntime",
+    "HostStream",
+    "Transfer",
+    "aligned_empty",
+    "record_transfers",
+]
+
+# -- native kernels (loaded on first use so importing the backend stays cheap) -------------
+
+_native_mod: Any = None
+
+
+def _nat() -> Any:
+    global _native_mod
+    if _native_mod is None:
+        from .. import _native
+
+        _native_mod = _native
+    return _native_mod
+
+
+# -- aligned allocation ---------------------------------------------------------------------
+
+
+def aligned_empty(shape: Any, dtype: Any = "float32", alignment: int = ALIGNMENT) -> np.ndarray:
+    """An uninitialised C-contiguous numpy array whose data starts on an ``alignment``
+    boundary (plain pageable memory, never locked)."""
+    dt = np.dtype(dtype)
+    shape = _as_shape(shape)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % alignment
+    return raw[offset : offset + nbytes].view(dt).reshape(shape)
+
+
+def _as_shape(shape: Any) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)):
+        shape = (int(shape),)
+    try:
+        out = tuple(int(s) for s in shape)
+    except TypeError:
+        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
+    if any(s < 0 for s in out):
+        raise ValueError(f"shape must not have negative sizes, got {out}")
+    return out
+
+
+# -- transfer recording ---------------------------------------------------------------------
+
+_recorders: list[list[Transfer]] = []
+_recorders_lock = threading.Lock()
+
+
+@contextmanager
+def record_transfers() -> Iterator[list[Transfer]]:
+    """Collect a ``Transfer`` for every cross-device copy or peer read that *runs* on any
+    host stream while the block is active (nested and concurrent recorders all see it)."""
+    log: list[Transfer] = []
+    with _recorders_lock:
+        _recorders.append(log)
+    try:
+        yield log
+    finally:
+        with _recorders_lock:
+            # by identity: two recorders' lists may compare equal
+            for i, other in enumerate(_recorders):
+                if other is log:
+                    del _recorders[i]
+                    break
+
+
+def _record(src: int, dst: int, nbytes: int, kind: str) -> None:
+    if not _recorders:  # the common case costs one truth test
+        return
+    t = Transfer(src, dst, nbytes, kind)
+    with _recorders_lock:
+        for log in _recorders:
+            log.append(t)
+
+
+# -- jitter ---------------------------------------------------------------------------------
+
+
+def _jitter_config() -> tuple[int, float] | None:
+    """(seed, max seconds) from ``NCCLTREE_HOST_JITTER=SEED[:MAX_US]``, or None."""
+    raw = os.environ.get(JITTER_ENV, "").strip()
+    if not raw:
+        return None
+    seed_s, _, max_s = raw.partition(":")
+    try:
+        seed = int(seed_s)
+        max_us = float(max_s) if max_s else _JITTER_DEFAULT_MAX_US
+    except ValueError:
+        raise ValueError(
+            f"{JITTER_ENV} must be SEED or SEED:MAX_US (integers/microseconds), got {raw!r}"
+        ) from None
+    if max_us < 0:
+        raise ValueError(f"{JITTER_ENV}: MAX_US must be >= 0, got {max_us}")
+    return seed, max_us * 1e-6
+
+
+# -- streams --------------------------------------------------------------------------------
+
+
+class _StreamShutdown(NcclTreeError):
+    """The backend was shut down while work was pending or being waited for."""
+
+
+class _Core:
+    """The state a stream's worker needs, kept apart from the ``HostStream`` object so the
+    worker does not keep the stream alive: when the stream is garbage collected its worker
+    finishes the queued work and exits."""
+
+    __slots__ = (
+        "name",
+        "q",
+        "lock",
+        "cv",
+        "enqueued",
+        "done",
+        "error",
+        "failed_seq",
+        "waiters",
+        "thread",
+        "closed",
+        "rng",
+        "jitter_max",
+        "__weakref__",
+    )
+
+    def __init__(self, name: str, jitter: tuple[int, float] | None, rng_key: int) -> None:
+        self.name = name
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.cv = threading.Condition(self.lock)
+        self.enqueued = 0  # sequence number of the last op enqueued
+        self.done = 0  # sequence number of the last op completed
+        self.error: BaseException | None = None
+        self.failed_seq = 0
+        self.waiters = 0
+        self.thread: threading.Thread | None = None
+        self.closed = False
+        if jitter is None:
+            self.rng = None
+            self.jitter_max = 0.0
+        else:
+            self.rng = random.Random(jitter[0] * 1_000_003 + rng_key)
+            self.jitter_max = jitter[1]
+
+    def enqueue(self, fn: Any, args: tuple) -> None:
+        with self.lock:
+            if self.closed:
+                raise _StreamShutdown(f"stream {self.name} is shut down")
+            seq = self.enqueued = self.enqueued + 1
+            # put under the lock so queue order == sequence order with several producers
+            self.q.put((seq, fn, args))
+            if self.thread is None:
+                self.thread = threading.Thread(
+                    target=_worker, args=(self,), name=f"nccltree-{self.name}", daemon=True
+                )
+                self.thread.start()
+
+    def wait_for(self, seq: int, timeout: float | None) -> None:
+        """Block until op ``seq`` completed; re-raise a failure at or before it."""
+        if self.done >= seq:
+            return
+        limit = timeout_or_default(timeout)
+        deadline = time.monotonic() + limit
+        with self.lock:
+            self.waiters += 1
+            try:
+                while self.done < seq:
+                    if self.error is not None and self.failed_seq <= seq:
+                        raise self.error
+                    if self.closed:
+                        raise _StreamShutdown(f"stream {self.name} was shut down")
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise CommTimeout(
+                            f"stream {self.name}: op {seq} not done after {limit:g} s "
+                            f"({self.done} of {self.enqueued} ops done)"
+                        )
+                    self.cv.wait(remaining)
+            finally:
+                self.waiters -= 1
+
+    def check(self, seq: int) -> bool:
+        """Non-blocking ``wait_for``: True if done, raises a failure at or before it."""
+        if self.done >= seq:
+            return True
+        err = self.error
+        if err is not None and self.failed_seq <= seq:
+            raise err
+        return False
+
+    def retire(self) -> None:
+        """The stream object is gone: let the worker finish the queue, then exit."""
+        self.q.put(None)
+
+    def close(self) -> None:
+        """Shut down: drop pending work and wake every waiter with an error."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.q.put(None)
+            self.cv.notify_all()
+
+
+def _worker(core: _Core) -> None:
+    q = core.q
+    sleep = time.sleep
+    while True:
+        item = q.get()
+        if item is None:
+            return
+        seq, fn, args = item
+        item = None  # drop references to finished work's buffers promptly
+        if core.error is not None or core.closed:
+            fn = args = None  # a failed stream drops the rest of its queue (sticky error)
+            continue
+        if core.rng is not None:
+            sleep(core.rng.random() * core.jitter_max)
+        try:
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - any failure must reach the waiters
+            with core.lock:
+                core.error = exc
+                core.failed_seq = seq
+                core.cv.notify_all()
+        else:
+            with core.lock:
+                core.done = seq
+                if core.waiters:
+                    core.cv.notify_all()
+        fn = args = None
+
+
+_wait_timeout: float | None = None  # None: DEFAULT_TIMEOUT; tests may shorten it
+
+
+def _op_wait(core: _Core, seq: int) -> None:
+    core.wait_for(seq, _wait_timeout)
+
+
+def _op_copy(dev: HostDevice, dst: np.ndarray, src: np.ndarray, rec: tuple | None) -> None:
+    _nat().copy(dst, src, nthreads=dev.threads)
+    if rec is not None:
+        _record(rec[0], rec[1], dst.nbytes, "copy")
+
+
+def _op_reduce(dev: HostDevice, dst: np.ndarray, srcs: list, op: str, reads: list) -> None:
+    nat = _nat()
+    # the native kernel takes up to 8 sources; longer lists are folded in chunks of 7 more
+    # into the running result, which keeps the order of the sum fixed
+    nat.reduce_n(dst, srcs[:8], op=op, nthreads=dev.threads)
+    for i in range(8, len(srcs), 7):
+        nat.reduce_n(dst, [dst, *srcs[i : i + 7]], op=op, nthreads=dev.threads)
+    for src_index, dst_index, nbytes in reads:
+        _record(src_index, dst_index, nbytes, "peer_read")
+
+
+# -- argument checks, at enqueue time (so the worker fails only for unforeseeable reasons) --
+
+
+def _arr(a: Any, what: str, writable: bool = False) -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{what} must be a numpy.ndarray on a host device, got {type(a)}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous")
+    if writable and not a.flags.writeable:
+        raise ValueError(f"{what} must be writable")
+    return a
+
+
+def _index(dev: Device | None, default: int | None, what: str) -> int | None:
+    if dev is None:
+        return default
+    if not isinstance(dev, HostDevice):
+        raise TypeError(f"{what} must be a host device, got {dev!r}")
+    return dev.index
+
+
+def _copy_args(
+    here: HostDevice, dst: Any, src: Any, src_device: Device | None, dst_device: Device | None
+) -> tuple:
+    _arr(dst, "dst", writable=True)
+    _arr(src, "src")
+    if dst.nbytes != src.nbytes:
+        raise ValueError(f"copy needs equal sizes: dst {dst.nbytes} B, src {src.nbytes} B")
+    if dst.dtype != src.dtype or dst.size != src.size:
+        # a copy moves bytes: reinterpret both sides as flat byte arrays
+        dst, src = dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8)
+    # src_device None means host memory or this device: not a transfer between devices
+    s_idx = _index(src_device, None, "src_device")
+    d_idx = _index(dst_device, here.index, "dst_device")
+    rec = (s_idx, d_idx) if s_idx is not None and s_idx != d_idx else None
+    return here, dst, src, rec
+
+
+def _reduce_args(
+    here: HostDevice,
+    dst: Any,
+    srcs: Sequence[Any],
+    op: str,
+    src_devices: Sequence[Device | None] | None,
+    dst_device: Device | None,
+) -> tuple:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {', '.join(REDUCE_OPS)}; got {op!r}")
+    _arr(dst, "dst", writable=True)
+    _check_dtype(dst, "dst", _nat().DTYPES)
+    srcs = list(srcs)
+    if not srcs:
+        raise ValueError("reduce needs at least one source")
+    for i, s in enumerate(srcs):
+        _arr(s, f"srcs[{i}]")
+        if s.dtype != dst.dtype or s.size != dst.size:
+            raise ValueError(f"srcs[{i}] is {s.dtype}[{s.size}] but dst is {dst.dtype}[{dst.size}]")
+    d_idx = _index(dst_device, here.index, "dst_device")
+    reads: list[tuple[int, int, int]] = []
+    if src_devices is not None:
+        src_devices = list(src_devices)
+        if len(src_devices) != len(srcs):
+            raise ValueError(f"src_devices has {len(src_devices)} entries for {len(srcs)} sources")
+        for s, d in zip(srcs, src_devices, strict=True):
+            s_idx = _index(d, d_idx, "src_devices entry")
+            if s_idx != d_idx:
+                reads.append((s_idx, d_idx, s.nbytes))
+    return here, dst, srcs, op, reads
+
+
+def _op_scale(dev: HostDevice, x: np.ndarray, alpha: float) -> None:
+    _nat().scale(x, alpha, nthreads=dev.threads)
+
+
+def _op_sgd(dev: HostDevice, w: Any, g: Any, v: Any, lr: float, mom: float, wd: float) -> None:
+    _nat().sgd_update(w, g, v, lr, mom, wd, nthreads=dev.threads)
+
+
+def _check_dtype(a: np.ndarray, what: str, accepted: Any) -> None:
+    if a.dtype not in accepted:
+        names = ", ".join(str(dt) for dt in accepted)
+        raise TypeError(f"{what} has dtype {a.dtype}; accepted: {names}")
+
+
+class HostEvent(Event):
+    """A (stream, sequence number) pair; completed when the stream's worker passed it."""
+
+    __slots__ = ("_core", "_seq")
+
+    def __init__(self) -> None:
+        self._core: _Core | None = None
+        self._seq = 0
+
+    def record(self, stream: Stream) -> None:
+        if not isinstance(stream, HostStream):
+            raise TypeError(f"a host event records on a host stream, got {stream!r}")
+        core = stream._core
+        with core.lock:
+            self._core, self._seq = core, core.enqueued
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        if self._core is not None:
+            self._core.wait_for(self._seq, timeout)
+
+    def query(self) -> bool:
+        return self._core is None or self._core.check(self._seq)
+
+
+class HostStream(Stream):
+    """A FIFO of work run by this stream's own worker thread (started on first use)."""
+
+    def __init__(self, device: HostDevice, serial: int) -> None:
+        self.device = device
+        jitter = _jitter_config()
+        self._core = _Core(f"cpu{device.index}-s{serial}", jitter, device.index * 1009 + serial)
+        # when the stream object goes away its worker drains the queue and exits
+        weakref.finalize(self, _Core.retire, self._core)
+
+    def __repr__(self) -> str:
+        return f"<HostStream {self._core.name}>"
+
+    def copy(
+        self,
+        dst: Any,
+        src: Any,
+        *,
+        src_device: Device | None = None,
+        dst_device: Device | None = None,
+    ) -> None:
+        self._core.enqueue(_op_copy, _copy_args(self.device, dst, src, src_device, dst_device))
+
+    def reduce(
+        self,
+        dst: Any,
+        srcs: Sequence[Any],
+        op: str = "sum",
+        *,
+        src_devices: Sequence[Device | None] | None = None,
+        dst_device: Device | None = None,
+    ) -> None:
+        args = _reduce_args(self.device, dst, srcs, op, src_devices, dst_device)
+        self._core.enqueue(_op_reduce, args)
+
+    def scale(self, x: Any, alpha: float) -> None:
+        _arr(x, "x", writable=True)
+        _check_dtype(x, "x", _nat().FLOAT_DTYPES)
+        self._core.enqueue(_op_scale, (self.device, x, float(alpha)))
+
+    def sgd_update(
+        self, w: Any, g: Any, v: Any, lr: float, momentum: float, weight_decay: float
+    ) -> None:
+        for a, what in ((w, "w"), (g, "g"), (v, "v")):
+            _arr(a, what, writable=True)
+        if not (w.dtype == g.dtype == v.dtype and w.size == g.size == v.size):
+            raise ValueError("w, g and v must have one dtype and one size")
+        _check_dtype(w, "w", _nat().FLOAT_DTYPES)
+        args = (self.device, w, g, v, float(lr), float(momentum), float(weight_decay))
+        self._core.enqueue(_op_sgd, args)
+
+    def call(self, fn: Any, *args: Any) -> None:
+        if not callable(fn):
+            raise TypeError(f"call needs a callable, got {fn!r}")
+        self._core.enqueue(fn, args)
+
+    def record(self, event: Event | None = None) -> Event:
+        if event is None:
+            event = HostEvent()
+        event.record(self)
+        return event
+
+    def wait_event(self, event: Event) -> None:
+        if not isinstance(event, HostEvent):
+            raise TypeError(f"a host stream waits on host events, got {event!r}")
+        core, seq = event._core, event._seq
+        # an unrecorded event, one of this stream (FIFO order suffices) or one already
+        # passed costs nothing
+        if core is None or core is self._core or core.done >= seq:
+            return
+        self._core.enqueue(_op_wait, (core, seq))
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        core = self._core
+        core.wait_for(core.enqueued, timeout)
+
+    def query(self) -> bool:
+        core = self._core
+        return core.check(core.enqueued)
+
+
+class HostDevice(Device):
+    """A virtual device: host memory plus worker-thread streams."""
+
+    backend = "host"
+
+    def __init__(self, runtime: HostRuntime, index: int, threads: int) -> None:
+        super().__init__()
+        self.runtime = runtime
+        self.index = index
+        self.physical_id = index
+        self.name = f"cpu:{index}"
+        self.threads = threads
+        self._serial = itertools.count()
+        self._cores: weakref.WeakSet[_Core] = weakref.WeakSet()
+        self._cores_lock = threading.Lock()
+        self._default: HostStream | None = None
+
+    @property
+    def threads(self) -> int:
+        return self._threads
+
+    @threads.setter
+    def threads(self, n: int) -> None:
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"threads must be an int >= 1, got {n!r}")
+        self._threads = int(n)
+
+    @property
+    def xp(self) -> Any:
+        return np
+
+    @property
+    def default_stream(self) -> HostStream:
+        if self._default is None:
+            with self._cores_lock:
+                if self._default is None:
+                    self._default = self._make_stream()
+        return self._default
+
+    def _make_stream(self) -> HostStream:
+        s = HostStream(self, next(self._serial))
+        self._cores.add(s._core)
+        return s
+
+    def new_stream(self) -> HostStream:
+        self.runtime._check_open()
+        with self._cores_lock:
+            return self._make_stream()
+
+    def new_event(self) -> HostEvent:
+        return HostEvent()
+
+    def empty(self, shape: Any, dtype: Any = "float32") -> np.ndarray:
+        return aligned_empty(shape, dtype)
+
+    def zeros(self, shape: Any, dtype: Any = "float32") -> np.ndarray:
+        a = aligned_empty(shape, dtype)
+        a.fill(0)
+        return a
+
+    pinned_empty = empty
+
+    def asarray(self, obj: Any) -> np.ndarray:
+        if isinstance(obj, np.ndarray):
+            return obj
+        if hasattr(obj, "__cuda_array_interface__"):
+            raise TypeError(
+                f"{type(obj).__name__} lives in GPU memory; a host device takes numpy arrays "
+                "or host buffers (copy it to the host first)"
+            )
+        if hasattr(obj, "__array_interface__") or hasattr(obj, "__array__"):
+            return np.asarray(obj)
+        if hasattr(obj, "__dlpack__"):
+            return np.from_dlpack(obj)
+        try:
+            return np.asarray(memoryview(obj))
+        except TypeError:
+            raise TypeError(
+                f"cannot view {type(obj).__name__} as a host array: expected a numpy array, "
+                "an object with __array_interface__, the buffer protocol or DLPack"
+            ) from None
+
+    def check_array(self, arr: Any) -> None:
+        if not isinstance(arr, np.ndarray):
+            raise TypeError(
+                f"{self.name} takes numpy.ndarray buffers, got {type(arr).__module__}."
+                f"{type(arr).__name__}"
+            )
+        if not arr.flags.c_contiguous:
+            raise ValueError(f"{self.name}: the array must be C-contiguous")
+
+    def from_host(self, host: Any, stream: Stream | None = None) -> np.ndarray:
+        src = np.ascontiguousarray(host)
+        out = aligned_empty(src.shape, src.dtype)
+        if stream is None:
+            _nat().copy(out, src, nthreads=self.threads)
+        else:
+            stream.copy(out, src)
+        return out
+
+    def to_host(self, arr: Any, out: Any = None, stream: Stream | None = None) -> np.ndarray:
+        self.check_array(arr)
+        if out is None:
+            out = aligned_empty(arr.shape, arr.dtype)
+        elif not isinstance(out, np.ndarray) or out.nbytes != arr.nbytes:
+            raise ValueError(f"out must be a numpy array of {arr.nbytes} bytes")
+        if stream is None:
+            _nat().copy(out, arr, nthreads=self.threads)
+        else:
+            stream.copy(out, arr)
+        return out
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        deadline = time.monotonic() + timeout_or_default(timeout)
+        with self._cores_lock:
+            cores = list(self._cores)
+        for core in cores:
+            core.wait_for(core.enqueued, max(0.0, deadline - time.monotonic()))
+
+    def can_access_peer(self, other: Device) -> bool:
+        # all virtual devices share one address space
+        return isinstance(other, HostDevice)
+
+    def copy_now(
+        self,
+        dst: Any,
+        src: Any,
+        *,
+        src_device: Device | None = None,
+        dst_device: Device | None = None,
+    ) -> None:
+        """``Stream.copy`` performed now, in the calling thread (recorded the same way)."""
+        _op_copy(*_copy_args(self, dst, src, src_device, dst_device))
+
+    def reduce_now(
+        self,
+        dst: Any,
+        srcs: Sequence[Any],
+        op: str = "sum",
+        *,
+        src_devices: Sequence[Device | None] | None = None,
+        dst_device: Device | None = None,
+    ) -> None:
+        """``Stream.reduce`` performed now, in the calling thread (recorded the same way)."""
+        _op_reduce(*_reduce_args(self, dst, srcs, op, src_devices, dst_device))
+
+    def sum_into(self, dst: Any, src: Any) -> None:
+        _nat().sum_into(dst, src, nthreads=self.threads)
+
+    def scale(self, x: Any, alpha: float) -> None:
+        _nat().scale(x, alpha, nthreads=self.threads)
+
+    def sgd_update(
+        self, w: Any, g: Any, v: Any, lr: float, momentum: float, weight_decay: float
+    ) -> None:
+        _nat().sgd_update(w, g, v, lr, momentum, weight_decay, nthreads=self.threads)
+
+    def _close(self) -> None:
+        with self._cores_lock:
+            cores = list(self._cores)
+        for core in cores:
+            core.close()
+
+
+class HostRuntime:
+    """The backend object shared by the devices of one ``devices("cpu:N")`` call."""
+
+    name = "host"
+
+    def __init__(self, n: int) -> None:
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"the host backend needs n >= 1 devices, got {n!r}")
+        threads = max(1, (os.cpu_count() or 1) // n)
+        self.closed = False
+        self.devices: list[HostDevice] = [HostDevice(self, i, threads) for i in range(n)]
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise NcclTreeError("the host backend was shut down")
+
+    def shutdown(self) -> None:
+        """Stop every stream worker; pending and later waits raise instead of hanging."""
+        self.closed = True
+        for d in self.devices:
+            d._close()
+
+    def __repr__(self) -> str:
+        return f"<HostRuntime {len(self.devices)} devices>"

@@ -1,0 +1,7 @@
+"""Collectives: plans, executors, algorithms, ``World`` / ``Comm`` / ``Work``."""
+
+from .plan import Buf, Plan, Step, check_races
+from .work import Work
+from .world import ALGORITHM_CHOICES, Comm, World
+
+__all__ = ["ALGORITHM_CHOICES", "Buf", "Comm", "Plan", "Step", "World", "Work", "check_races"]

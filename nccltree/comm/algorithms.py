@@ -1,0 +1,536 @@
+"""Algorithms: each turns a collective into a :class:`~nccltree.comm.plan.Plan`.
+
+Conventions shared by every builder:
+
+* ``count`` is the element count of each rank's *input* for all_reduce, reduce and
+  broadcast; of each rank's input *block* for all_gather (output: ``size * count``); and of
+  each rank's *output* block for reduce_scatter (input: ``size * count``).
+* ``res(r)`` is where rank ``r``'s result goes: its output buffer, or its input buffer
+  when the call is in place.
+* Summation order is fixed by the plan (tree shape, ring position, rank order), never by
+  arrival, so every run gives bitwise the same result.
+
+tree   — reduce up a topology-aware tree (a parent sums itself and all its children in one
+         fused pass, reading the children's buffers directly), broadcast down it, the most
+         distant subtree first; cut into chunks so that levels work concurrently.
+ring   — reduce-scatter then all-gather around the ring, chunked; bandwidth-optimal on
+         links that can't all be used at once.
+direct — every rank reduces its 1/N slice reading all peers, then writes it to every peer:
+         about 2N buffer passes in total, the least traffic in shared memory (one host,
+         NVSwitch). Needs every pair of devices to reach each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .plan import IN, OUT, TMP, Buf, Plan, PlanBuilder, chunked, split
+
+MAX_FAN_IN = 8  # sources one native reduce pass takes
+
+
+def _res_role(in_place: bool) -> str:
+    return IN if in_place else OUT
+
+
+def _reduce_many(b: PlanBuilder, rank: int, dst: Buf, srcs: list[Buf], op: str) -> None:
+    """dst = op(srcs) in passes of at most MAX_FAN_IN sources, in a fixed order."""
+    if dst in srcs[MAX_FAN_IN:]:
+        # The accumulator must not be overwritten before it is read.
+        srcs = [dst] + [s for s in srcs if s != dst]
+    b.reduce(rank, dst, srcs[:MAX_FAN_IN], op)
+    rest = srcs[MAX_FAN_IN:]
+    while rest:
+        b.reduce(rank, dst, [dst, *rest[: MAX_FAN_IN - 1]], op)
+        rest = rest[MAX_FAN_IN - 1 :]
+
+
+def _finish_mean(b: PlanBuilder, rank: int, buf: Buf, op: str, size: int) -> None:
+    if op == "mean" and size > 1:
+        b.scale(rank, buf, 1.0 / size)
+
+
+def _kernel_op(op: str) -> str:
+    return "sum" if op == "mean" else op
+
+
+# -- tree ---------------------------------------------------------------------------------
+
+
+def _tree_orders(tree) -> tuple[list[int], list[int]]:
+    """(children-before-parents order, parents-before-children order) of the tree's ranks."""
+    pre: list[int] = []
+    frontier = [tree.root]
+    while frontier:
+        r = frontier.pop(0)
+        pre.append(r)
+        frontier.extend(tree.children(r))
+    height: dict[int, int] = {}
+    for r in reversed(pre):
+        height[r] = 1 + max((height[k] for k in tree.children(r)), default=-1)
+    post = sorted(pre, key=lambda r: (height[r], pre.index(r)))
+    return post, pre
+
+
+def _subtree(tree, r: int) -> list[int]:
+    out, stack = [], [r]
+    while stack:
+        x = stack.pop()
+        out.append(x)
+        stack.extend(tree.children(x))
+    return sorted(out)
+
+
+def _ranges(blocks: list[int], count: int) -> list[tuple[int, int]]:
+    """Merge sorted block indices into (offset, count) element ranges."""
+    out: list[tuple[int, int]] = []
+    for blk in blocks:
+        off = blk * count
+        if out and out[-1][0] + out[-1][1] == off:
+            out[-1] = (out[-1][0], out[-1][1] + count)
+        else:
+            out.append((off, count))
+    return out
+
+
+def _tree_reduce_phase(
+    b: PlanBuilder,
+    tree,
+    post: list[int],
+    part: Callable[[int], Buf],
+    own: Callable[[int], Buf],
+    off: int,
+    c: int,
+    op: str,
+    ready: dict[tuple[int, int], int],
+    key: int,
+) -> None:
+    """One chunk of the reduction up the tree: part(r) <- own(r) + sum(part(children))."""
+    for r in post:
+        kids = tree.children(r)
+        if not kids:
+            continue
+        for k in kids:
+            if (k, key) in ready:
+                b.wait(r, ready[(k, key)])
+        srcs = [own(r).sub(off, c)] + [part(k).sub(off, c) for k in kids]
+        _reduce_many(b, r, part(r).sub(off, c), srcs, _kernel_op(op))
+        if r != tree.root:
+            ready[(r, key)] = b.signal(r)
+
+
+def _tree_push_phase(
+    b: PlanBuilder, tree, pre: list[int], src: Callable[[int], Buf], dst: Callable[[int], Buf],
+    ranges: Callable[[int], list[tuple[int, int]]],
+) -> None:
+    """Push down the tree, most distant child first; each child waits for its data."""
+    for r in pre:
+        for k in tree.children(r):
+            for off, c in ranges(k):
+                b.copy(r, dst(k).sub(off, c), src(r).sub(off, c))
+            b.wait(k, b.signal(r))
+
+
+def _interleave(n_chunks: int, lag: int, up: Callable[[int], None], down: Callable[[int], None]):
+    """Issue chunk t's upward work, then chunk t-lag's downward work, so both phases
+    progress together on every stream instead of one strictly after the other."""
+    for t in range(n_chunks + lag):
+        if t < n_chunks:
+            up(t)
+        if t - lag >= 0:
+            down(t - lag)
+
+
+def tree_all_reduce(tree, count, op, in_place, chunk) -> Plan:
+    n = tree.n
+    b = PlanBuilder(n, f"tree all_reduce {op} count={count}", same_buffer=in_place)
+    post, pre = _tree_orders(tree)
+    role = _res_role(in_place)
+
+    def own(r: int) -> Buf:
+        return Buf(r, IN, 0, count)
+
+    def part(r: int) -> Buf:
+        # A leaf's contribution is its input, read in place; inner nodes accumulate in
+        # their result buffer (overwritten by the final value later anyway).
+        return own(r) if not tree.children(r) else Buf(r, role, 0, count)
+
+    res = lambda r: Buf(r, role, 0, count)  # noqa: E731
+    pieces = list(chunked(count, chunk))
+    ready: dict[tuple[int, int], int] = {}
+
+    def up(i: int) -> None:
+        off, c = pieces[i]
+        _tree_reduce_phase(b, tree, post, part, own, off, c, op, ready, i)
+        if n == 1 and not in_place:
+            b.copy(0, res(0).sub(off, c), own(0).sub(off, c))
+        _finish_mean(b, tree.root, res(tree.root).sub(off, c), op, n)
+
+    def down(i: int) -> None:
+        off, c = pieces[i]
+        _tree_push_phase(b, tree, pre, res, res, lambda k: [(off, c)])
+
+    _interleave(len(pieces), max(1, tree.depth), up, down)
+    return b.build()
+
+
+def tree_reduce(tree, count, op, in_place, chunk) -> Plan:
+    """Reduce to ``tree.root``; inputs of other ranks stay unchanged (inner partial sums go
+    to scratch memory)."""
+    n, root = tree.n, tree.root
+    b = PlanBuilder(n, f"tree reduce {op} root={root} count={count}", same_buffer=in_place)
+    post, _ = _tree_orders(tree)
+    role = _res_role(in_place)
+    own = lambda r: Buf(r, IN, 0, count)  # noqa: E731
+
+    def part(r: int) -> Buf:
+        if r == root:
+            return Buf(r, role, 0, count)
+        if not tree.children(r):
+            return own(r)
+        b.need_scratch(r, count)
+        return Buf(r, TMP, 0, count)
+
+    ready: dict[tuple[int, int], int] = {}
+    for i, (off, c) in enumerate(chunked(count, chunk)):
+        _tree_reduce_phase(b, tree, post, part, own, off, c, op, ready, i)
+        if n == 1 and not in_place:
+            b.copy(root, part(root).sub(off, c), own(root).sub(off, c))
+        _finish_mean(b, root, part(root).sub(off, c), op, n)
+    return b.build()
+
+
+def tree_broadcast(tree, count, in_place, chunk) -> Plan:
+    n, root = tree.n, tree.root
+    b = PlanBuilder(n, f"tree broadcast root={root} count={count}", same_buffer=in_place)
+    _, pre = _tree_orders(tree)
+    role = _res_role(in_place)
+
+    def src(r: int) -> Buf:
+        return Buf(r, IN if r == root else role, 0, count)
+
+    for off, c in chunked(count, chunk):
+        if not in_place:
+            b.copy(root, Buf(root, OUT, off, c), Buf(root, IN, off, c))
+        _tree_push_phase(b, tree, pre, src, lambda k: Buf(k, role, 0, count),
+                         lambda k, off=off, c=c: [(off, c)])
+    return b.build()
+
+
+def tree_all_gather(tree, count, in_place, chunk) -> Plan:
+    """Gather every rank's block up the tree into the root's output, then push the blocks
+    each subtree lacks down the tree."""
+    n = tree.n
+    b = PlanBuilder(n, f"tree all_gather count={count}")
+    post, pre = _tree_orders(tree)
+    out = lambda r: Buf(r, OUT, 0, n * count)  # noqa: E731
+    mine = lambda r: Buf(r, OUT, r * count, count) if in_place else Buf(r, IN, 0, count)  # noqa: E731
+    ready: dict[int, int] = {}
+    for r in post:
+        if not in_place:
+            b.copy(r, out(r).sub(r * count, count), mine(r))
+        for k in tree.children(r):
+            if k in ready:
+                b.wait(r, ready[k])
+            for off, c in _ranges(_subtree(tree, k), count):
+                b.copy(r, out(r).sub(off, c), out(k).sub(off, c))
+        if r != tree.root:
+            ready[r] = b.signal(r)
+
+    def missing(k: int) -> list[tuple[int, int]]:
+        have = set(_subtree(tree, k))
+        pieces = []
+        for off, c in _ranges([x for x in range(n) if x not in have], count):
+            pieces.extend((off + o, cc) for o, cc in chunked(c, chunk))
+        return pieces
+
+    _tree_push_phase(b, tree, pre, out, out, missing)
+    return b.build()
+
+
+def tree_reduce_scatter(tree, count, op, in_place, chunk) -> Plan:
+    """Reduce the whole input to the root's scratch memory, then every rank copies its
+    block from there."""
+    n, root = tree.n, tree.root
+    total = n * count
+    b = PlanBuilder(n, f"tree reduce_scatter {op} count={count}")
+    post, _ = _tree_orders(tree)
+    own = lambda r: Buf(r, IN, 0, total)  # noqa: E731
+
+    def part(r: int) -> Buf:
+        if not tree.children(r) and r != root:
+            return own(r)
+        b.need_scratch(r, total)
+        return Buf(r, TMP, 0, total)
+
+    ready: dict[tuple[int, int], int] = {}
+    for i, (off, c) in enumerate(chunked(total, chunk)):
+        _tree_reduce_phase(b, tree, post, part, own, off, c, op, ready, i)
+        if n == 1:
+            b.copy(root, part(root).sub(off, c), own(root).sub(off, c))
+        _finish_mean(b, root, part(root).sub(off, c), op, n)
+    done = b.signal(root)
+    for r in range(n):
+        dst = Buf(r, IN, r * count, count) if in_place else Buf(r, OUT, 0, count)
+        if r != root:
+            b.wait(r, done)
+        b.copy(r, dst, part(root).sub(r * count, count))
+    return b.build()
+
+
+# -- ring ---------------------------------------------------------------------------------
+
+
+def _ring_reduce_scatter(
+    b: PlanBuilder, n: int, segs: list[tuple[int, int]], op: str, chunk: int,
+    src: Callable[[int], Buf], acc: Callable[[int], Buf], shift: int,
+    final: Callable[[int], Buf],
+) -> dict[tuple[int, int, int], int]:
+    """Ring reduce-scatter. At step s rank r adds its own part of segment (r + shift - s)
+    to the partial sum rank r-1 holds; after n-1 steps rank r has segment (r + shift + 2 -
+    n) complete, written to final(r). Returns the events that mark each (rank, step, chunk)
+    done."""
+    ev: dict[tuple[int, int, int], int] = {}
+    for s in range(n - 1):
+        for r in range(n):
+            p = (r - 1) % n
+            seg = (r + shift - s) % n
+            off, cnt = segs[seg]
+            last = s == n - 2
+            for i, (o, c) in enumerate(chunked(cnt, chunk)):
+                if (p, s - 1, i) in ev:
+                    b.wait(r, ev[(p, s - 1, i)])
+                prev = src(p) if s == 0 else acc(p)
+                dst = final(r) if last else acc(r)
+                b.reduce(r, dst.sub(off + o, c), [prev.sub(off + o, c), src(r).sub(off + o, c)],
+                         _kernel_op(op))
+                if last:
+                    _finish_mean(b, r, dst.sub(off + o, c), op, n)
+                ev[(r, s, i)] = b.signal(r)
+    return ev
+
+
+def ring_all_reduce(n, count, op, in_place, chunk) -> Plan:
+    b = PlanBuilder(n, f"ring all_reduce {op} count={count}", same_buffer=in_place)
+    role = _res_role(in_place)
+    own = lambda r: Buf(r, IN, 0, count)  # noqa: E731
+    acc = lambda r: Buf(r, role, 0, count)  # noqa: E731
+    if n == 1:
+        if not in_place:
+            b.copy(0, acc(0), own(0))
+        return b.build()
+    segs = split(count, n)
+    ev = _ring_reduce_scatter(b, n, segs, op, chunk, own, acc, shift=-1, final=acc)
+    # all-gather: at step t rank r pulls segment (r - t) from rank r-1, which completed it
+    # in the reduce-scatter (t = 0) or received it at step t-1.
+    for t in range(n - 1):
+        for r in range(n):
+            p = (r - 1) % n
+            off, cnt = segs[(r - t) % n]
+            for i, (o, c) in enumerate(chunked(cnt, chunk)):
+                key = (p, n - 2, i) if t == 0 else (p, n - 1 + t - 1, i)
+                b.wait(r, ev[key])
+                b.copy(r, acc(r).sub(off + o, c), acc(p).sub(off + o, c))
+                ev[(r, n - 1 + t, i)] = b.signal(r)
+    return b.build()
+
+
+def ring_reduce(n, root, count, op, in_place, chunk) -> Plan:
+    """Ring reduce-scatter into scratch, then every segment owner sends its piece to root."""
+    b = PlanBuilder(n, f"ring reduce {op} root={root} count={count}", same_buffer=in_place)
+    role = _res_role(in_place)
+    own = lambda r: Buf(r, IN, 0, count)  # noqa: E731
+    if n == 1:
+        if not in_place:
+            b.copy(0, Buf(0, OUT, 0, count), own(0))
+        return b.build()
+    segs = split(count, n)
+    for r in range(n):
+        b.need_scratch(r, count)
+    tmp = lambda r: Buf(r, TMP, 0, count)  # noqa: E731
+    dst = Buf(root, role, 0, count)
+    _ring_reduce_scatter(b, n, segs, op, chunk, own, tmp, shift=-1, final=tmp)
+    for r in range(n):
+        off, cnt = segs[(r + 1) % n]
+        b.copy(r, dst.sub(off, cnt), tmp(r).sub(off, cnt))
+    return b.build()
+
+
+def ring_broadcast(n, root, count, in_place, chunk) -> Plan:
+    """A chunked pipeline along the ring starting at root."""
+    b = PlanBuilder(n, f"ring broadcast root={root} count={count}", same_buffer=in_place)
+    role = _res_role(in_place)
+    res = lambda r: Buf(r, role, 0, count)  # noqa: E731
+    order = [(root + i) % n for i in range(n)]
+    for off, c in chunked(count, chunk):
+        if not in_place:
+            b.copy(root, res(root).sub(off, c), Buf(root, IN, off, c))
+        for prev, r in zip(order, order[1:]):
+            src = Buf(prev, IN, off, c) if prev == root else res(prev).sub(off, c)
+            b.copy(r, res(r).sub(off, c), src)
+            if r != order[-1]:
+                b.wait(order[order.index(r) + 1], b.signal(r))
+    return b.build()
+
+
+def ring_all_gather(n, count, in_place, chunk) -> Plan:
+    b = PlanBuilder(n, f"ring all_gather count={count}")
+    out = lambda r: Buf(r, OUT, 0, n * count)  # noqa: E731
+    ev: dict[tuple[int, int], int] = {}
+    for r in range(n):
+        if not in_place:
+            b.copy(r, out(r).sub(r * count, count), Buf(r, IN, 0, count))
+        ev[(r, -1)] = b.signal(r)
+    for t in range(n - 1):
+        for r in range(n):
+            p = (r - 1) % n
+            blk = (p - t) % n
+            b.wait(r, ev[(p, t - 1)])
+            for o, c in chunked(count, chunk):
+                b.copy(r, out(r).sub(blk * count + o, c), out(p).sub(blk * count + o, c))
+            ev[(r, t)] = b.signal(r)
+    return b.build()
+
+
+def ring_reduce_scatter(n, count, op, in_place, chunk) -> Plan:
+    b = PlanBuilder(n, f"ring reduce_scatter {op} count={count}")
+    total = n * count
+    own = lambda r: Buf(r, IN, 0, total)  # noqa: E731
+
+    def final(r: int) -> Buf:
+        # rank r finishes block r; address it in whole-input coordinates
+        return Buf(r, IN, 0, total) if in_place else Buf(r, OUT, -r * count, total)
+
+    if n == 1:
+        if not in_place:
+            b.copy(0, Buf(0, OUT, 0, count), Buf(0, IN, 0, count))
+        return b.build()
+    for r in range(n):
+        b.need_scratch(r, total)
+    tmp = lambda r: Buf(r, TMP, 0, total)  # noqa: E731
+    segs = [(i * count, count) for i in range(n)]
+    _ring_reduce_scatter(b, n, segs, op, chunk, own, tmp, shift=-2, final=final)
+    return b.build()
+
+
+# -- direct -------------------------------------------------------------------------------
+
+
+def direct_all_reduce(n, count, op, in_place, chunk) -> Plan:
+    b = PlanBuilder(n, f"direct all_reduce {op} count={count}", same_buffer=in_place)
+    role = _res_role(in_place)
+    for r, (off, cnt) in enumerate(split(count, n)):
+        for o, c in chunked(cnt, chunk):
+            mine = Buf(r, role, off + o, c)
+            _reduce_many(b, r, mine, [Buf(q, IN, off + o, c) for q in range(n)], _kernel_op(op))
+            _finish_mean(b, r, mine, op, n)
+            # While the chunk is still in cache, write it to every peer (staggered so the
+            # ranks do not all hit the same destination at once).
+            for i in range(1, n):
+                q = (r + i) % n
+                b.copy(r, Buf(q, role, off + o, c), mine)
+    return b.build()
+
+
+def direct_reduce(n, root, count, op, in_place, chunk) -> Plan:
+    """Rank r reduces slice r of every input straight into the root's result."""
+    b = PlanBuilder(n, f"direct reduce {op} root={root} count={count}", same_buffer=in_place)
+    role = _res_role(in_place)
+    for r, (off, cnt) in enumerate(split(count, n)):
+        for o, c in chunked(cnt, chunk):
+            dst = Buf(root, role, off + o, c)
+            _reduce_many(b, r, dst, [Buf(q, IN, off + o, c) for q in range(n)], _kernel_op(op))
+            _finish_mean(b, r, dst, op, n)
+    return b.build()
+
+
+def direct_broadcast(n, root, count, in_place, chunk) -> Plan:
+    """Every rank reads the root's buffer itself."""
+    b = PlanBuilder(n, f"direct broadcast root={root} count={count}", same_buffer=in_place)
+    role = _res_role(in_place)
+    for r in range(n):
+        if r == root and in_place:
+            continue
+        b.copy(r, Buf(r, role, 0, count), Buf(root, IN, 0, count))
+    return b.build()
+
+
+def direct_all_gather(n, count, in_place, chunk) -> Plan:
+    b = PlanBuilder(n, f"direct all_gather count={count}")
+    for r in range(n):
+        src = Buf(r, OUT, r * count, count) if in_place else Buf(r, IN, 0, count)
+        for i in range(n):
+            q = (r + i) % n
+            if q == r and in_place:
+                continue
+            b.copy(r, Buf(q, OUT, r * count, count), src)
+    return b.build()
+
+
+def direct_reduce_scatter(n, count, op, in_place, chunk) -> Plan:
+    b = PlanBuilder(n, f"direct reduce_scatter {op} count={count}")
+    for r in range(n):
+        dst = Buf(r, IN, r * count, count) if in_place else Buf(r, OUT, 0, count)
+        for o, c in chunked(count, chunk):
+            srcs = [Buf(q, IN, r * count + o, c) for q in range(n)]
+            _reduce_many(b, r, dst.sub(o, c), srcs, _kernel_op(op))
+            _finish_mean(b, r, dst.sub(o, c), op, n)
+    return b.build()
+
+
+# -- dispatch -----------------------------------------------------------------------------
+
+ALGORITHMS = ("tree", "ring", "direct")
+
+
+def build_plan(
+    algorithm: str,
+    collective: str,
+    *,
+    size: int,
+    count: int,
+    op: str = "sum",
+    root: int = 0,
+    in_place: bool = False,
+    chunk: int = 1 << 18,
+    tree_for: Callable[[int], object] | None = None,
+) -> Plan:
+    """The plan of ``collective`` by ``algorithm``. ``tree_for(root)`` gives the tree (only
+    the tree algorithm needs it); ``chunk`` is in elements."""
+    chunk = max(1, int(chunk))
+    if algorithm == "tree":
+        if tree_for is None:
+            raise ValueError("the tree algorithm needs a tree")
+        if collective == "all_reduce":
+            return tree_all_reduce(tree_for(0), count, op, in_place, chunk)
+        if collective == "reduce":
+            return tree_reduce(tree_for(root), count, op, in_place, chunk)
+        if collective == "broadcast":
+            return tree_broadcast(tree_for(root), count, in_place, chunk)
+        if collective == "all_gather":
+            return tree_all_gather(tree_for(0), count, in_place, chunk)
+        if collective == "reduce_scatter":
+            return tree_reduce_scatter(tree_for(0), count, op, in_place, chunk)
+    elif algorithm == "ring":
+        if collective == "all_reduce":
+            return ring_all_reduce(size, count, op, in_place, chunk)
+        if collective == "reduce":
+            return ring_reduce(size, root, count, op, in_place, chunk)
+        if collective == "broadcast":
+            return ring_broadcast(size, root, count, in_place, chunk)
+        if collective == "all_gather":
+            return ring_all_gather(size, count, in_place, chunk)
+        if collective == "reduce_scatter":
+            return ring_reduce_scatter(size, count, op, in_place, chunk)
+    elif algorithm == "direct":
+        if collective == "all_reduce":
+            return direct_all_reduce(size, count, op, in_place, chunk)
+        if collective == "reduce":
+            return direct_reduce(size, root, count, op, in_place, chunk)
+        if collective == "broadcast":
+            return direct_broadcast(size, root, count, in_place, chunk)
+        if collective == "all_gather":
+            return direct_all_gather(size, count, in_place, chunk)
+        if collective == "reduce_scatter":
+            return direct_reduce_scatter(size, count, op, in_place, chunk)
+    raise ValueError(f"no plan for {algorithm!r} {collective!r}")

@@ -1,0 +1,87 @@
+"""Executors: put a :class:`Plan` to work on a backend.
+
+``enqueue`` issues every step on its rank's stream, in the plan's global order; the
+ranks' devices then work in parallel and the plan's events order them. ``run_inline``
+performs the steps one after another in the calling thread, with no streams at all; it is
+what a synchronous call on the host backend uses for small messages, where handing work
+to N worker threads costs more than the work (the steps are in a valid topological order,
+so running them in sequence is one legal schedule of the same plan).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .plan import IN, OUT, TMP, Buf, Plan
+
+
+class Buffers:
+    """The memory behind a plan's symbolic buffers for one call: flat views per rank."""
+
+    __slots__ = ("arrays",)
+
+    def __init__(self, ins: Sequence[Any], outs: Sequence[Any], tmps: Sequence[Any | None]):
+        self.arrays = [{IN: i, OUT: o, TMP: t} for i, o, t in zip(ins, outs, tmps)]
+
+    def view(self, b: Buf) -> Any:
+        arr = self.arrays[b.rank][b.role]
+        return arr[b.offset : b.offset + b.count]
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    return _ptr(a) == _ptr(b) and a.nbytes == b.nbytes
+
+
+def _ptr(a: Any) -> int:
+    iface = getattr(a, "__array_interface__", None)
+    if iface is not None:
+        return iface["data"][0]
+    return a.data.ptr  # CuPy
+
+
+def enqueue(plan: Plan, bufs: Buffers, streams: Sequence[Any], devices: Sequence[Any],
+            events: Sequence[Any]) -> None:
+    """Issue every step of ``plan`` on ``streams[step.rank]``."""
+    view = bufs.view
+    for s in plan.steps:
+        st = streams[s.rank]
+        kind = s.kind
+        if kind == "record":
+            st.record(events[s.event])
+        elif kind == "wait":
+            st.wait_event(events[s.event])
+        elif kind == "copy":
+            dst, src = view(s.dst), view(s.srcs[0])
+            if not _same_memory(dst, src):
+                st.copy(dst, src, src_device=devices[s.srcs[0].rank],
+                        dst_device=devices[s.dst.rank])
+        elif kind == "reduce":
+            st.reduce(view(s.dst), [view(b) for b in s.srcs], s.op,
+                      src_devices=[devices[b.rank] for b in s.srcs],
+                      dst_device=devices[s.dst.rank])
+        elif kind == "scale":
+            st.scale(view(s.dst), s.alpha)
+        else:  # pragma: no cover - plans are built by this package
+            raise AssertionError(f"unknown step kind {kind!r}")
+
+
+def run_inline(plan: Plan, bufs: Buffers, devices: Sequence[Any]) -> None:
+    """Perform ``plan`` now, in the calling thread (host backend only)."""
+    view = bufs.view
+    for s in plan.steps:
+        kind = s.kind
+        if kind in ("record", "wait"):
+            continue
+        dev = devices[s.rank]
+        if kind == "copy":
+            dst, src = view(s.dst), view(s.srcs[0])
+            if not _same_memory(dst, src):
+                dev.copy_now(dst, src, src_device=devices[s.srcs[0].rank],
+                             dst_device=devices[s.dst.rank])
+        elif kind == "reduce":
+            dev.reduce_now(view(s.dst), [view(b) for b in s.srcs], s.op,
+                           src_devices=[devices[b.rank] for b in s.srcs],
+                           dst_device=devices[s.dst.rank])
+        elif kind == "scale":
+            dev.scale(view(s.dst), s.alpha)

@@ -1,0 +1,745 @@
+"""``World`` drives all ranks of one process; ``Comm`` is the per-rank face.
+
+One controller, many streams: a driver-side call (``world.all_reduce([x0, x1, ...])``)
+checks every rank's arguments together, builds (or reuses) the plan and enqueues each
+rank's part on that rank's communication stream; the devices then work in parallel. A
+per-rank call (``comm.all_reduce(x)`` from a thread per rank) is an adapter over the same
+engine: ranks deposit their arguments at a rendezvous, and the last to arrive runs the
+driver-side path for all of them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._errors import CommError, CommTimeout, NcclTreeError, PeerFailure
+from . import _ops
+from .algorithms import ALGORITHMS, build_plan
+from .executor import Buffers, enqueue, run_inline
+from .plan import Plan
+from .work import Work
+
+ALGORITHM_CHOICES = (*ALGORITHMS, "nccl", "auto")
+
+# "auto" thresholds (bytes per rank). Small messages are latency-bound: the tree has the
+# fewest dependent steps (log2 N) and on the host backend runs inline. Large messages are
+# bandwidth-bound: on fully connected devices with uniform links (one host, NVSwitch) the
+# direct algorithm moves the fewest bytes; otherwise the topology-aware tree keeps the
+# slow links for the few top-level transfers. NCCL, where usable, takes large messages on
+# GPUs. To be tuned with nccltree-bench measurements.
+AUTO_SMALL_BYTES = 64 << 10
+AUTO_NCCL_BYTES = 256 << 10
+
+
+@dataclass
+class _Prepared:
+    collective: str
+    ins: list[Any]  # flat views
+    outs: list[Any]  # flat views (== ins where in place)
+    results: list[Any]  # what each rank gets back, in the caller's shapes
+    dtype: np.dtype
+    count: int
+    in_place: bool
+    op: str
+    root: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the collective's message per rank (nccl-tests' S for all_reduce)."""
+        return self.count * self.dtype.itemsize
+
+
+@dataclass
+class _Launched:
+    results: list[Any]
+    events: list[Any] | None
+    caller_streams: list[Any]
+    keepalive: Any
+
+
+@dataclass
+class _Call:
+    collective: str
+    x: Any
+    out: Any
+    op: str
+    root: int
+    stream: Any
+    async_op: bool
+
+
+class World:
+    """All ranks of one process: ``World(devices, algorithm="tree", topology=None,
+    timeout=60.0)``.
+
+    ``devices`` is a list from :func:`nccltree.devices` or a spec string for it.
+    ``algorithm`` is one of ``tree``, ``ring``, ``direct``, ``nccl``, ``auto``.
+    ``timeout`` bounds every wait (seconds): a rank that stops arriving makes the others
+    raise ``CommTimeout``; a rank that fails makes them raise ``PeerFailure``; either way
+    the World is then closed for good. Argument errors leave it usable.
+
+    ``chunk_bytes`` sets the pipeline chunk of the tree and ring algorithms and the cache
+    block of the direct algorithm; on the host backend synchronous calls of at most
+    ``inline_bytes`` per rank run in the calling thread.
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[Any] | str,
+        algorithm: str = "tree",
+        topology: Any = None,
+        timeout: float = 60.0,
+        *,
+        chunk_bytes: int = 1 << 20,
+        inline_bytes: int = 256 << 10,
+    ) -> None:
+        if isinstance(devices, str):
+            from ..backends import devices as make_devices
+
+            devices = make_devices(devices)
+        devices = list(devices)
+        if not devices:
+            raise ValueError("a World needs at least one device")
+        if len({d.runtime if hasattr(d, "runtime") else d.backend for d in devices}) != 1:
+            raise ValueError("all devices of a World must come from one devices() call")
+        if algorithm not in ALGORITHM_CHOICES:
+            raise ValueError(
+                f"unknown algorithm {algorithm!r}; accepted: {', '.join(ALGORITHM_CHOICES)}"
+            )
+        if not timeout or timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if chunk_bytes < 64:
+            raise ValueError(f"chunk_bytes must be at least 64, got {chunk_bytes}")
+        self.devices = devices
+        self.size = len(devices)
+        self.backend = devices[0].backend
+        self.algorithm = algorithm
+        self.timeout = float(timeout)
+        self.chunk_bytes = int(chunk_bytes)
+        self.inline_bytes = int(inline_bytes)
+        if topology is None:
+            from ..topology import Topology
+
+            topology = Topology.detect(devices)
+        if topology.n != self.size:
+            raise ValueError(f"topology has {topology.n} devices, the World {self.size}")
+        self.topology = topology
+        self._trees: dict[int, Any] = {}
+        self._plans: dict[tuple, Plan] = {}
+        self._scratch: dict[tuple[int, str], Any] = {}
+        self._streams = [d.new_stream() for d in devices]
+        self._lock = threading.RLock()  # one collective is launched at a time
+        self._failure: BaseException | None = None
+        self._fail_lock = threading.Lock()
+        self._closed = False
+        self._nccl = None
+        if algorithm == "nccl":
+            self._nccl_engine()  # fail now, with the reason, rather than at the first call
+        self._rendezvous = _Rendezvous(self)
+        self._comms = [Comm(self, r) for r in range(self.size)]
+
+    # -- life cycle -----------------------------------------------------------------------
+    def __enter__(self) -> World:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Finish queued work (within the timeout), stop the streams, destroy NCCL
+        communicators. Later calls raise ``CommError``."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._failure is None:
+            for st in self._streams:
+                try:
+                    st.synchronize(self.timeout)
+                except NcclTreeError:
+                    pass
+        if self._nccl is not None:
+            self._nccl.close(abort=self._failure is not None)
+            self._nccl = None
+        self._rendezvous.wake_all()
+        self._streams = []
+        self._scratch.clear()
+
+    def _abort(self, exc: BaseException) -> None:
+        with self._fail_lock:
+            if self._failure is None:
+                self._failure = exc
+        if self._nccl is not None:
+            self._nccl.close(abort=True)
+        self._rendezvous.wake_all()
+
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise PeerFailure(
+                f"the World was aborted and is closed for good: {self._failure}"
+            ) from self._failure
+        if self._closed:
+            raise CommError("the World is closed")
+
+    @property
+    def aborted(self) -> bool:
+        return self._failure is not None
+
+    # -- per-rank side --------------------------------------------------------------------
+    def comm(self, rank: int) -> Comm:
+        """The per-rank face of ``rank`` (one thread per rank uses it)."""
+        if not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.size:
+            raise ValueError(f"rank must be in [0, {self.size}), got {rank!r}")
+        return self._comms[int(rank)]
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """Run ``fn(comm, *args)`` in a thread per rank; return each rank's result.
+
+        The first exception aborts the World (every other rank's collectives raise
+        ``PeerFailure``) and is re-raised here, with the rank named.
+        """
+        self._check_usable()
+        n = self.size
+        results: list[Any] = [None] * n
+        errors: list[tuple[int, int, BaseException]] = []
+        order = iter(range(1 << 62))
+        lock = threading.Lock()
+
+        def target(r: int) -> None:
+            try:
+                results[r] = fn(self._comms[r], *args)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+                with lock:
+                    errors.append((next(order), r, exc))
+                if not isinstance(exc, PeerFailure):
+                    self._abort(PeerFailure(f"rank {r} failed: {exc!r}"))
+
+        threads = [
+            threading.Thread(target=target, args=(r,), name=f"nccltree-rank{r}", daemon=True)
+            for r in range(n)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            errors.sort(key=lambda e: (isinstance(e[2], PeerFailure), e[0]))
+            _, rank, exc = errors[0]
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"(raised on rank {rank} of {n})")
+            raise exc
+        return results
+
+    # -- driver side ----------------------------------------------------------------------
+    def all_reduce(self, xs: Sequence[Any], op: str = "sum", outs: Sequence[Any] | None = None,
+                   *, streams: Sequence[Any] | None = None, async_op: bool = False) -> Any:
+        """Every rank gets ``op`` over all ranks' arrays; in place unless ``outs``."""
+        return self._driver("all_reduce", xs, outs, op, 0, streams, async_op)
+
+    def reduce(self, xs: Sequence[Any], root: int = 0, op: str = "sum",
+               outs: Sequence[Any] | None = None, *, streams: Sequence[Any] | None = None,
+               async_op: bool = False) -> Any:
+        """The root gets ``op`` over all ranks' arrays; other inputs stay unchanged."""
+        return self._driver("reduce", xs, outs, op, root, streams, async_op)
+
+    def broadcast(self, xs: Sequence[Any], root: int = 0, outs: Sequence[Any] | None = None,
+                  *, streams: Sequence[Any] | None = None, async_op: bool = False) -> Any:
+        """Every rank gets the root's array."""
+        return self._driver("broadcast", xs, outs, "sum", root, streams, async_op)
+
+    def all_gather(self, xs: Sequence[Any], outs: Sequence[Any], *,
+                   streams: Sequence[Any] | None = None, async_op: bool = False) -> Any:
+        """``outs[r]`` holds every rank's array, rank i's at ``[i*x.size, (i+1)*x.size)``."""
+        return self._driver("all_gather", xs, outs, "sum", 0, streams, async_op)
+
+    def reduce_scatter(self, xs: Sequence[Any], outs: Sequence[Any], op: str = "sum", *,
+                       streams: Sequence[Any] | None = None, async_op: bool = False) -> Any:
+        """``outs[r]`` gets block r of ``op`` over all ranks' arrays."""
+        return self._driver("reduce_scatter", xs, outs, op, 0, streams, async_op)
+
+    def barrier(self) -> None:
+        """Block until every rank's queued work (caller and communication streams) ran."""
+        self._check_usable()
+        for d in self.devices:
+            d.synchronize(self.timeout)
+        for st in self._streams:
+            st.synchronize(self.timeout)
+
+    def _driver(self, collective, xs, outs, op, root, streams, async_op):
+        self._check_usable()
+        n = self.size
+        if streams is None:
+            streams = [self._caller_stream(r, None) for r in range(n)]
+        else:
+            streams = list(streams)
+            if len(streams) != n:
+                raise ValueError(f"streams has {len(streams)} entries for {n} ranks")
+        launched = self._launch(collective, xs, outs, op, root, streams, async_op)
+        if async_op:
+            return Work(launched.events or [], launched.caller_streams, launched.results,
+                        launched.keepalive, self.timeout, self._on_stream_error)
+        return launched.results
+
+    def _caller_stream(self, rank: int, stream: Any) -> Any:
+        """The stream a rank's call is ordered against (None: the calling host thread)."""
+        if stream is not None:
+            return stream
+        dev = self.devices[rank]
+        if self.backend == "host":
+            return dev.explicit_current_stream()
+        return dev.current_stream()
+
+    # -- the engine -----------------------------------------------------------------------
+    def _launch(self, collective: str, xs, outs, op: str, root: int, streams: list,
+                async_op: bool) -> _Launched:
+        with self._lock:
+            self._check_usable()
+            prep = self._prepare(collective, xs, outs, op, root)
+            algorithm = self._choose(prep)
+            if algorithm == "nccl":
+                return self._nccl_engine().launch(prep, streams, async_op, self.timeout,
+                                                  self._on_stream_error)
+            plan = self._plan(algorithm, prep)
+            tmps = [self._scratch_for(r, prep.dtype, plan.scratch.get(r, 0))
+                    for r in range(self.size)]
+            bufs = Buffers(prep.ins, prep.outs, tmps)
+            if self._can_inline(prep, streams, async_op):
+                try:
+                    run_inline(plan, bufs, self.devices)
+                except (ValueError, TypeError):
+                    raise
+                except BaseException as exc:
+                    raise self._on_stream_error(exc) from exc
+                return _Launched(prep.results, None, list(streams), None)
+            events = [self.devices[r].new_event() for r in plan.event_owners()]
+            for r, cs in enumerate(streams):
+                if cs is not None:
+                    self._streams[r].wait_event(cs.record())
+            enqueue(plan, bufs, self._streams, self.devices, events)
+            ends = [events[plan.end_events[r]] for r in range(self.size)]
+            keep = (bufs, prep, events)
+            if not async_op:
+                if all(cs is None for cs in streams):
+                    try:
+                        for ev in ends:
+                            ev.synchronize(self.timeout)
+                    except BaseException as exc:
+                        raise self._on_stream_error(exc) from exc
+                else:
+                    for cs, ev in zip(streams, ends):
+                        if cs is not None:
+                            cs.wait_event(ev)
+                        else:
+                            ev.synchronize(self.timeout)
+            return _Launched(prep.results, ends, list(streams), keep)
+
+    def _on_stream_error(self, exc: BaseException) -> BaseException:
+        """A failure inside the devices' work: the World cannot be trusted any more."""
+        if isinstance(exc, CommTimeout):
+            err: BaseException = exc
+        elif isinstance(exc, NcclTreeError):
+            err = exc
+        else:
+            err = CommError(f"a collective failed on a device: {exc!r}")
+        self._abort(err)
+        return err
+
+    def _can_inline(self, prep: _Prepared, streams: list, async_op: bool) -> bool:
+        return (
+            self.backend == "host"
+            and not async_op
+            and prep.nbytes <= self.inline_bytes
+            and all(cs is None for cs in streams)
+            and all(st.query() for st in self._streams)
+        )
+
+    def _choose(self, prep: _Prepared) -> str:
+        if self.algorithm != "auto":
+            return self.algorithm
+        if self.backend == "cuda" and prep.nbytes >= AUTO_NCCL_BYTES and self._nccl_usable():
+            return "nccl"
+        if prep.nbytes <= AUTO_SMALL_BYTES or self.size <= 2:
+            return "tree"
+        return "direct" if self._uniform_peer_topology() else "tree"
+
+    def _uniform_peer_topology(self) -> bool:
+        topo = self.topology
+        links = {
+            (topo.link(i, j).kind, topo.link(i, j).p2p)
+            for i in range(self.size)
+            for j in range(self.size)
+            if i != j
+        }
+        return len(links) == 1 and next(iter(links))[1]
+
+    def _nccl_usable(self) -> bool:
+        try:
+            self._nccl_engine()
+            return True
+        except (NcclTreeError, ValueError):
+            return False
+
+    def _nccl_engine(self):
+        if self._nccl is None:
+            from .nccl import NcclEngine
+
+            self._nccl = NcclEngine(self.devices)
+        return self._nccl
+
+    def tree(self, root: int = 0) -> Any:
+        """The tree the tree algorithm uses for collectives rooted at ``root``."""
+        if root not in self._trees:
+            from ..tree import build_tree
+
+            self._trees[root] = build_tree(self.topology, root=root)
+        return self._trees[root]
+
+    def plan(self, collective: str, count: int, *, op: str = "sum", root: int = 0,
+             in_place: bool = False, dtype: Any = np.float32,
+             algorithm: str | None = None) -> Plan:
+        """The plan a call with these parameters runs (for inspection and tests)."""
+        dtype = np.dtype(dtype)
+        prep = _Prepared(_ops.collective_name(collective), [], [], [], dtype, int(count),
+                         bool(in_place), op, int(root))
+        alg = algorithm or self._choose(prep)
+        if alg not in ALGORITHMS:
+            raise ValueError(f"no inspectable plan for algorithm {alg!r}")
+        return self._plan(alg, prep)
+
+    def _plan(self, algorithm: str, prep: _Prepared) -> Plan:
+        chunk = max(1, self.chunk_bytes // prep.dtype.itemsize)
+        if algorithm == "direct":
+            # cache blocking: a chunk is reduced, then written to every peer while hot
+            chunk = max(1, min(chunk, (256 << 10) // prep.dtype.itemsize))
+        key = (algorithm, prep.collective, prep.count, prep.op, prep.root, prep.in_place,
+               chunk)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = build_plan(algorithm, prep.collective, size=self.size, count=prep.count,
+                              op=prep.op, root=prep.root, in_place=prep.in_place,
+                              chunk=chunk, tree_for=self.tree)
+            if len(self._plans) >= 256:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[key] = plan
+        return plan
+
+    def _scratch_for(self, rank: int, dtype: np.dtype, count: int) -> Any:
+        if count == 0:
+            return None
+        key = (rank, dtype.str)
+        buf = self._scratch.get(key)
+        if buf is None or buf.size < count:
+            # Reuse is safe: consecutive collectives are ordered on the comm streams and a
+            # plan's end fences cover every access to a rank's scratch.
+            buf = self.devices[rank].empty((count,), dtype)
+            self._scratch[key] = buf
+        return buf[:count]
+
+    # -- argument checks (every rank's, together, before anything is written) -------------
+    def _prepare(self, collective: str, xs, outs, op: str, root: int) -> _Prepared:
+        n = self.size
+        xs = _as_list(xs, "inputs", n)
+        outs = [None] * n if outs is None else _as_list(outs, "outputs", n)
+        if collective in ("reduce", "broadcast"):
+            if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not (
+                0 <= root < n
+            ):
+                raise ValueError(f"root must be a rank in [0, {n}), got {root!r}")
+        root = int(root)
+        ins, outs_arr = [], []
+        for r in range(n):
+            dev = self.devices[r]
+            ins.append(_device_array(dev, xs[r], f"rank {r}: input"))
+            outs_arr.append(
+                None if outs[r] is None else _device_array(dev, outs[r], f"rank {r}: output")
+            )
+        dtype = ins[0].dtype
+        for r, x in enumerate(ins):
+            if x.dtype != dtype:
+                raise TypeError(f"dtype mismatch: rank 0 has {dtype}, rank {r} has {x.dtype}")
+            o = outs_arr[r]
+            if o is not None and o.dtype != dtype:
+                raise TypeError(f"rank {r}: output dtype {o.dtype} differs from input {dtype}")
+        dtype = _ops.check_dtype(dtype)
+        if collective in ("all_reduce", "reduce", "reduce_scatter"):
+            _ops.check_op(op, dtype)
+        count = ins[0].size
+        for r, x in enumerate(ins):
+            if x.size != count:
+                raise ValueError(
+                    f"size mismatch: rank 0 passes {count} elements, rank {r} passes {x.size}"
+                )
+        if collective == "all_gather" and any(o is None for o in outs_arr):
+            raise ValueError("all_gather needs an output array on every rank")
+        if collective == "reduce_scatter":
+            if any(o is None for o in outs_arr):
+                raise ValueError("reduce_scatter needs an output array on every rank")
+            if count % n:
+                raise ValueError(
+                    f"reduce_scatter input of {count} elements does not split into {n} blocks"
+                )
+        want = {"all_gather": count * n, "reduce_scatter": count // n}.get(collective, count)
+        flat_in, flat_out, results, in_place = [], [], [], []
+        for r in range(n):
+            x, o = ins[r], outs_arr[r]
+            fx = x.reshape(-1)
+            if o is None:
+                flat_in.append(fx)
+                flat_out.append(fx)
+                results.append(xs[r])
+                in_place.append(True)
+                continue
+            if o.size != want:
+                raise ValueError(
+                    f"rank {r}: {collective} output needs {want} elements, got {o.size}"
+                )
+            fo = o.reshape(-1)
+            flat_in.append(fx)
+            flat_out.append(fo)
+            results.append(outs[r])
+            in_place.append(_in_place(collective, fx, fo, r, count, want))
+        all_in_place = all(in_place)
+        if collective in ("all_gather", "reduce_scatter") and any(in_place) != all_in_place:
+            raise ValueError(
+                f"{collective}: either every rank or no rank may call in place "
+                f"(in place: ranks {[r for r in range(n) if in_place[r]]})"
+            )
+        if collective == "reduce_scatter":
+            count = want
+        if collective in ("reduce", "broadcast"):
+            # only the root's output matters for reduce; broadcast writes every rank's
+            all_in_place = in_place[root] if collective == "reduce" else all_in_place
+        return _Prepared(collective, flat_in, flat_out, results, dtype, count,
+                         all_in_place, op, root)
+
+
+def _as_list(xs: Any, what: str, n: int) -> list[Any]:
+    if not isinstance(xs, (list, tuple)):
+        raise TypeError(f"{what} must be a list with one array per rank, got {type(xs).__name__}")
+    if len(xs) != n:
+        raise ValueError(f"{what}: {len(xs)} arrays for {n} ranks")
+    return list(xs)
+
+
+def _device_array(dev: Any, obj: Any, what: str) -> Any:
+    try:
+        arr = dev.asarray(obj)
+        dev.check_array(arr)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{what}: {exc}") from None
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{what}: the array must be C-contiguous")
+    return arr
+
+
+def _ptr(a: Any) -> int:
+    iface = getattr(a, "__array_interface__", None)
+    return iface["data"][0] if iface is not None else a.data.ptr
+
+
+def _in_place(collective: str, x: Any, out: Any, rank: int, count: int, want: int) -> bool:
+    """Whether ``out`` is the in-place buffer for ``x`` (NCCL's rules); ValueError when
+    the two overlap in any other way."""
+    px, po = _ptr(x), _ptr(out)
+    item = x.dtype.itemsize
+    if collective == "all_gather":
+        exact = px == po + rank * count * item and x.size == count
+    elif collective == "reduce_scatter":
+        exact = po == px + rank * want * item
+    else:
+        exact = px == po
+    if exact:
+        return True
+    if px < po + out.nbytes and po < px + x.nbytes and x.nbytes and out.nbytes:
+        raise ValueError(
+            f"rank {rank}: input and output overlap but are not the in-place layout of "
+            f"{collective}"
+        )
+    return False
+
+
+class Comm:
+    """Rank ``rank``'s face of a World, for a thread per rank (NCCL/MPI style).
+
+    Every rank calls the same collectives in the same order; the last to arrive runs the
+    collective for all. Arguments are checked for all ranks together, so a bad argument
+    raises on every rank before any buffer is written.
+    """
+
+    def __init__(self, world: World, rank: int) -> None:
+        self.world = world
+        self.rank = rank
+
+    @property
+    def size(self) -> int:
+        return self.world.size
+
+    @property
+    def device(self) -> Any:
+        return self.world.devices[self.rank]
+
+    def _call(self, collective, x, out, op, root, stream, async_op):
+        stream = self.world._caller_stream(self.rank, stream)
+        call = _Call(collective, x, out, op, root, stream, async_op)
+        return self.world._rendezvous.arrive(self.rank, call)
+
+    def all_reduce(self, x: Any, *, out: Any = None, op: str = "sum", stream: Any = None,
+                   async_op: bool = False) -> Any:
+        """``op`` over every rank's ``x``; returns ``out`` (or ``x`` in place), or a Work."""
+        return self._call("all_reduce", x, out, op, 0, stream, async_op)
+
+    def reduce(self, x: Any, root: int = 0, *, out: Any = None, op: str = "sum",
+               stream: Any = None, async_op: bool = False) -> Any:
+        """``op`` over every rank's ``x`` at ``root``; other ranks' ``x`` stay unchanged."""
+        return self._call("reduce", x, out, op, root, stream, async_op)
+
+    def broadcast(self, x: Any, root: int = 0, *, out: Any = None, stream: Any = None,
+                  async_op: bool = False) -> Any:
+        """Every rank gets the root's ``x``."""
+        return self._call("broadcast", x, out, "sum", root, stream, async_op)
+
+    def all_gather(self, x: Any, out: Any, *, stream: Any = None, async_op: bool = False) -> Any:
+        """``out`` gets every rank's ``x``, rank i's at ``[i*x.size, (i+1)*x.size)``."""
+        return self._call("all_gather", x, out, "sum", 0, stream, async_op)
+
+    def reduce_scatter(self, x: Any, out: Any, *, op: str = "sum", stream: Any = None,
+                       async_op: bool = False) -> Any:
+        """``out`` gets block ``rank`` of ``op`` over every rank's ``x``."""
+        return self._call("reduce_scatter", x, out, op, 0, stream, async_op)
+
+    def barrier(self) -> None:
+        """Return once every rank has called ``barrier`` and its queued work has run."""
+        stream = self.world._caller_stream(self.rank, None)
+        if stream is not None:
+            stream.synchronize(self.world.timeout)
+        self.world._rendezvous.arrive(self.rank, _Call("barrier", None, None, "sum", 0,
+                                                       None, False))
+
+
+@dataclass
+class _Pending:
+    calls: list[_Call | None]
+    arrived: int = 0
+    all_arrived_at: float | None = None
+    done: bool = False
+    launched: _Launched | None = None
+    error: BaseException | None = None
+    runner: int = -1
+
+
+class _Rendezvous:
+    """Where per-rank calls meet. Call k of every rank forms one collective."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.cond = threading.Condition()
+        self.next_index = [0] * world.size
+        self.pending: dict[int, _Pending] = {}
+
+    def wake_all(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    def arrive(self, rank: int, call: _Call) -> Any:
+        w = self.world
+        n = w.size
+        arrived_at = time.monotonic()
+        with self.cond:
+            w._check_usable()
+            idx = self.next_index[rank]
+            self.next_index[rank] += 1
+            p = self.pending.get(idx)
+            if p is None:
+                p = self.pending[idx] = _Pending([None] * n)
+            p.calls[rank] = call
+            p.arrived += 1
+            if p.arrived < n:
+                self._wait(p, rank, idx, call, arrived_at)
+                return self._result(p, rank)
+            p.all_arrived_at = time.monotonic()
+            p.runner = rank
+        try:
+            p.launched = self._run(p)
+        except BaseException as exc:  # noqa: BLE001 - handed to every rank
+            p.error = exc
+            if not isinstance(exc, (ValueError, TypeError)):
+                w._abort(exc if isinstance(exc, NcclTreeError) else CommError(repr(exc)))
+        with self.cond:
+            p.done = True
+            self.pending.pop(idx, None)
+            self.cond.notify_all()
+        return self._result(p, rank)
+
+    def _wait(self, p: _Pending, rank: int, idx: int, call: _Call, arrived_at: float) -> None:
+        w = self.world
+        while not p.done:
+            if w._failure is not None:
+                # a timeout seen by another rank of this collective is this rank's timeout too
+                kind = CommTimeout if isinstance(w._failure, CommTimeout) else PeerFailure
+                raise kind(
+                    f"rank {rank}: {call.collective} #{idx} cannot complete: {w._failure}"
+                ) from w._failure
+            if w._closed:
+                raise CommError(f"rank {rank}: the World was closed during {call.collective}")
+            start = p.all_arrived_at if p.all_arrived_at is not None else arrived_at
+            # waiting for late ranks is bounded by the timeout; once all arrived, the runner
+            # has its own timeout on the devices' work, and we allow for it
+            limit = w.timeout if p.all_arrived_at is None else 2 * w.timeout
+            remaining = start + limit - time.monotonic()
+            if remaining <= 0:
+                missing = [r for r, c in enumerate(p.calls) if c is None]
+                exc = CommTimeout(
+                    f"rank {rank}: {call.collective} #{idx} timed out after {w.timeout:g} s "
+                    + (f"waiting for rank(s) {missing}" if missing else "waiting for it to run")
+                )
+                w._abort(exc)
+                raise exc
+            self.cond.wait(min(remaining, 0.5))
+
+    def _result(self, p: _Pending, rank: int) -> Any:
+        if p.error is not None:
+            err = p.error
+            if isinstance(err, (ValueError, TypeError)):
+                raise type(err)(*err.args)
+            if rank == p.runner:
+                raise err
+            raise PeerFailure(f"rank {rank}: the collective failed: {err}") from err
+        launched = p.launched
+        if launched is None:  # barrier
+            return None
+        call = p.calls[rank]
+        if call.async_op:
+            events = [launched.events[rank]] if launched.events else []
+            return Work(events, [launched.caller_streams[rank]], launched.results[rank],
+                        launched.keepalive, self.world.timeout, self.world._on_stream_error)
+        return launched.results[rank]
+
+    def _run(self, p: _Pending) -> _Launched | None:
+        calls: list[_Call] = p.calls  # type: ignore[assignment]
+        first = calls[0]
+        for r, c in enumerate(calls):
+            for field in ("collective", "op", "root", "async_op"):
+                if getattr(c, field) != getattr(first, field):
+                    raise ValueError(
+                        f"ranks disagree on the collective: rank 0 called "
+                        f"{_describe(first)}, rank {r} called {_describe(c)}"
+                    )
+        if first.collective == "barrier":
+            return None
+        return self.world._launch(
+            first.collective, [c.x for c in calls], [c.out for c in calls], first.op,
+            first.root, [c.stream for c in calls], first.async_op,
+        )
+
+
+def _describe(c: _Call) -> str:
+    if c.collective in ("barrier", "all_gather", "broadcast"):
+        extra = f"root={c.root}" if c.collective == "broadcast" else ""
+    else:
+        extra = f"op={c.op}" + (f", root={c.root}" if c.collective == "reduce" else "")
+    return f"{c.collective}({extra}{', async' if c.async_op else ''})"

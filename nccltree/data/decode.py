@@ -1,0 +1,245 @@
+"""Batch decoders: many LMDB values into one batch slot, with Caffe's data transforms.
+
+A decoder's ``fill(values, x, y, transform)`` writes ``len(values)`` records into the
+first rows of ``x`` (and labels into ``y``). A record that does not fit raises
+``BadRecord(i, reason)``; the reader turns ``i`` into the record's key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from math import prod
+
+import numpy as np
+
+from . import datum
+from .format import RecordLayout, record_layout
+
+# Records up to this size are gathered with one C-level join and checked/split with
+# vectorised numpy; larger ones are copied one by one straight into the batch (the
+# per-record Python cost is small next to the copy, and a second copy would not be).
+SMALL_RECORD = 32 << 10
+
+
+class BadRecord(Exception):
+    """Record ``index`` (position in the values passed to ``fill``) cannot be used."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(index, reason)
+        self.index = index
+        self.reason = reason
+
+
+class Transform:
+    """Caffe's data-layer transform: ``(x - mean) * scale``, computed in ``dtype``.
+
+    ``mean`` is a scalar, one value per channel (axis 0 of a record, Caffe's
+    ``mean_value``) or an array of the record's shape (Caffe's ``mean_file``). With a
+    mean or a scale the output is float32 unless ``dtype`` says another float type.
+    """
+
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        in_dtype: np.dtype,
+        dtype: object = None,
+        scale: float | None = None,
+        mean: object = None,
+    ) -> None:
+        if dtype is not None:
+            dt = np.dtype(dtype)  # type: ignore[call-overload]
+            if dt.kind != "f":
+                raise ValueError(f"dtype must be a float type (e.g. 'float32') or None; got {dt}")
+        else:
+            dt = None
+        if scale is not None and (isinstance(scale, bool) or not np.isscalar(scale)):
+            raise TypeError(f"scale must be a number or None; got {scale!r}")
+        self.out_dtype = dt or (np.dtype(np.float32) if scale is not None or mean is not None else in_dtype)
+        self.scale = None if scale is None else self.out_dtype.type(scale)
+        self.mean = None if mean is None else _mean_array(mean, shape, self.out_dtype)
+        self.identity = self.out_dtype == in_dtype and self.scale is None and self.mean is None
+
+    def __call__(self, src: np.ndarray, dst: np.ndarray) -> None:
+        if self.mean is not None:
+            np.subtract(src, self.mean, out=dst, casting="unsafe")
+            if self.scale is not None:
+                np.multiply(dst, self.scale, out=dst)
+        elif self.scale is not None:
+            np.multiply(src, self.scale, out=dst, casting="unsafe")
+        else:
+            np.copyto(dst, src, casting="unsafe")
+
+
+def _mean_array(mean: object, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    m = np.asarray(mean, dtype=dtype)
+    if m.ndim == 0:
+        return m
+    if shape and m.shape == (shape[0],):
+        return m.reshape((shape[0],) + (1,) * (len(shape) - 1))
+    if m.shape == shape:
+        return m
+    per_channel = f"{shape[0]} values (one per channel), " if shape else ""
+    raise ValueError(
+        f"mean must be a scalar, {per_channel}or an array of the record shape {shape}; "
+        f"got shape {m.shape}"
+    )
+
+
+class _Staging:
+    """A reused buffer for records that still need a transform (reader thread only)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        self.shape, self.dtype = shape, dtype
+        self.buf = np.empty((0, *shape), dtype)
+
+    def __call__(self, n: int) -> np.ndarray:
+        if len(self.buf) < n:
+            self.buf = np.empty((n, *self.shape), self.dtype)
+        return self.buf[:n]
+
+
+class RecordDecoder:
+    """nccltree records of one layout."""
+
+    def __init__(self, layout: RecordLayout) -> None:
+        self.layout = layout
+        self.shape, self.dtype = layout.shape, layout.dtype
+        self._size = layout.record_size
+        self._hsize = layout.header_size
+        self._nbytes = layout.nbytes
+        # Header as little-endian words: word 1 is the label, every other word is fixed
+        # for the database, so one compare per batch checks all headers.
+        words = np.frombuffer(layout.header(), "<u8")
+        self._word0, self._rest = words[0], words[2:]
+        inner, step = [], self.dtype.itemsize
+        for d in reversed(self.shape):
+            inner.append(step)
+            step *= d
+        self._strides = (self._size, *reversed(inner))  # of the payloads in a joined batch
+        self._staging = _Staging(self.shape, self.dtype)
+
+    def _reason(self, value: memoryview) -> str:
+        try:
+            other = record_layout(value)
+        except ValueError as e:
+            return str(e)
+        return (
+            f"shape {other.shape} / dtype {other.dtype.name} differs from the database's "
+            f"shape {self.shape} / dtype {self.dtype.name} (records must all be alike)"
+        )
+
+    def fill(
+        self, values: Sequence[memoryview], x: np.ndarray, y: np.ndarray, transform: Transform
+    ) -> None:
+        n = len(values)
+        if n == 0:
+            return
+        if sum(map(len, values)) != n * self._size:
+            for i, v in enumerate(values):
+                if len(v) != self._size:
+                    raise BadRecord(i, self._reason(v))
+        if self._size <= SMALL_RECORD:
+            self._fill_small(values, x[:n], y[:n], transform)
+        else:
+            self._fill_large(values, x[:n], y[:n], transform)
+
+    def _check_headers(self, values, buf: bytes, stride: int, y: np.ndarray) -> None:
+        """Check the headers in ``buf`` (one every ``stride`` bytes) and copy the labels."""
+        n = len(values)
+        hw = np.ndarray((n, self._hsize // 8), "<u8", buf, 0, (stride, 8))
+        bad = hw[:, 0] != self._word0
+        if len(self._rest):
+            bad |= (hw[:, 2:] != self._rest).any(1)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise BadRecord(i, self._reason(values[i]))
+        np.copyto(y, hw[:, 1], casting="unsafe")
+
+    def _fill_small(self, values, x, y, transform) -> None:
+        n, size, h = len(values), self._size, self._hsize
+        joined = b"".join(values)
+        self._check_headers(values, joined, size, y)
+        payload = np.ndarray((n, *self.shape), self.dtype, joined, h, self._strides)
+        if transform.identity:
+            np.copyto(x, payload)
+        else:
+            transform(payload, x)
+
+    def _fill_large(self, values, x, y, transform) -> None:
+        n, h, nb = len(values), self._hsize, self._nbytes
+        self._check_headers(values, b"".join([v[:h] for v in values]), h, y)
+        dst = x if transform.identity else self._staging(n)
+        out = memoryview(dst.reshape(-1).view(np.uint8))
+        o = 0
+        for v in values:
+            out[o : o + nb] = v[h:]
+            o += nb
+        if not transform.identity:
+            transform(dst, x)
+
+
+class DatumDecoder:
+    """Caffe Datum records of one shape and dtype (uint8 data, float_data or encoded)."""
+
+    def __init__(self, first: memoryview | bytes) -> None:
+        arr, _ = datum._decode(first)
+        self.shape, self.dtype = tuple(arr.shape), arr.dtype.newbyteorder("=")
+        # Fast path for uniform unencoded uint8 Datums: everything before the data bytes
+        # (dims, tag, length) is the same in every record, so one compare checks it.
+        f = datum.parse_datum(first)
+        self._prefix: bytes | None = None
+        if not f.encoded and f.data is not None and len(f.data):
+            self._prefix = bytes(memoryview(first)[: f.data_offset])
+        self._count = prod(self.shape)
+        self._staging = _Staging(self.shape, self.dtype)
+
+    def _decode(self, i: int, v: memoryview) -> tuple[np.ndarray, int]:
+        try:
+            arr, label = datum._decode(v)
+        except ValueError as e:
+            raise BadRecord(i, str(e)) from None
+        if arr.shape != self.shape or arr.dtype != self.dtype:
+            raise BadRecord(
+                i,
+                f"shape {arr.shape} / dtype {arr.dtype.name} differs from the database's "
+                f"shape {self.shape} / dtype {self.dtype.name} (records must all be alike)",
+            )
+        return arr, label
+
+    def fill(
+        self, values: Sequence[memoryview], x: np.ndarray, y: np.ndarray, transform: Transform
+    ) -> None:
+        n = len(values)
+        if n == 0:
+            return
+        dst = x if transform.identity else self._staging(n)
+        prefix = self._prefix
+        off = len(prefix) if prefix is not None else 0
+        end = off + self._count
+        flat = dst.reshape(n, -1)
+        for i, v in enumerate(values):
+            if prefix is not None and len(v) >= end and v[:off] == prefix:
+                label = _tail_label(v[end:])
+                if label is not None:
+                    flat[i] = np.frombuffer(v, np.uint8, self._count, off)
+                    y[i] = label
+                    continue
+            arr, label = self._decode(i, v)
+            dst[i] = arr
+            y[i] = label
+        if not transform.identity:
+            transform(dst, x[:n])
+
+
+def _tail_label(tail: memoryview) -> int | None:
+    """The label from the fields after a Datum's data, or None if the tail holds anything
+    else (then the record goes through the full decoder, which reports any problem)."""
+    if not len(tail):
+        return 0
+    try:
+        f = datum.parse_datum(tail)
+    except ValueError:
+        return None
+    if f.encoded or f.data is not None or f.floats or f.channels or f.height or f.width:
+        return None
+    return f.label

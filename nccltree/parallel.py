@@ -1,0 +1,602 @@
+"""The data-parallel driver: a solver thread per rank, synchronised through a World.
+
+This is the P2PSync of the project. Every rank has its own model replica (a
+:class:`~nccltree.params.FlatParams` on its device), its own :class:`~nccltree.solver.SGD`
+and its own data stream (one shared reader dealing records round-robin to the ranks). Rank
+0 initialises the parameters and a broadcast makes every replica identical before the first
+step. Threads are enough for the host backend: numpy releases the GIL inside BLAS, so the
+ranks' forward and backward passes run on separate cores.
+
+Two update modes hook into the solvers' callbacks, as in Caffe:
+
+* ``allreduce`` -- ``on_gradients_ready`` averages ``params.grad`` over the ranks with one
+  collective over the flat buffer; every rank applies the same update.
+* ``root`` -- Caffe's P2PSync: ``on_gradients_ready`` sums the gradients at the root, which
+  scales them by ``1/N`` and updates; ``on_start`` of the next iteration broadcasts the
+  root's parameters. Both modes compute the same parameters.
+
+With the round-robin data rule, N ranks with batch ``b`` each see exactly the records of one
+rank with batch ``N*b``, so weak-scaling training is the 1-device computation with the larger
+batch, up to floating-point summation order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+import zipfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._errors import NcclTreeError, PeerFailure
+from .models import Model
+from .params import FlatParams
+from .solver import SGD, Callback
+
+UPDATE_MODES = ("allreduce", "root")
+SCALING_MODES = ("weak", "strong")
+SNAPSHOT_FORMAT = "nccltree-snapshot-1"
+
+# How often a rank waiting for data looks at the stop flag (seconds).
+_DATA_POLL_S = 0.5
+
+
+class RankFailure(NcclTreeError):
+    """A rank's error ended the run; ``rank`` names it and ``__cause__`` is the error."""
+
+    def __init__(self, rank: int, size: int, error: BaseException) -> None:
+        super().__init__(f"rank {rank} of {size} failed: {type(error).__name__}: {error}")
+        self.rank = rank
+        self.size = size
+        self.error = error
+
+
+def per_rank_batch(batch_size: int, ranks: int, scaling: str = "weak") -> int:
+    """The batch each rank computes: ``batch_size`` (weak) or ``batch_size / ranks``
+    (strong; ValueError when it does not divide evenly)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if scaling not in SCALING_MODES:
+        raise ValueError(f"scaling must be one of {', '.join(SCALING_MODES)}; got {scaling!r}")
+    if scaling == "weak":
+        return int(batch_size)
+    if batch_size % ranks:
+        raise ValueError(
+            f"strong scaling splits the global batch across ranks, but {batch_size} does not "
+            f"split evenly across {ranks} ranks; use a multiple of {ranks}"
+        )
+    return int(batch_size) // ranks
+
+
+# -- results and snapshots ---------------------------------------------------------------
+
+
+@dataclass
+class StepInfo:
+    """What the root sees after each iteration (passed to ``fit``'s ``on_step``)."""
+
+    iter: int  # iterations completed (the solver's iter)
+    loss: float  # mean training loss over all ranks' batches (root's own without comm)
+    lr: float  # the learning rate this iteration used
+    examples: int  # examples in this iteration, over all ranks
+    step_s: float  # wall time of this iteration on the root
+    comm_s: float  # of which inside collectives
+    elapsed_s: float  # since fit started
+    position: int | None  # data position where the next iteration starts
+    params: FlatParams  # the root's parameters (read-only use, in the root's thread)
+
+
+@dataclass
+class FitResult:
+    """Summary of a ``fit`` call; per-iteration lists are the root's."""
+
+    start_iter: int
+    iter: int
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    comm_times: list[float] = field(default_factory=list)
+    examples: int = 0
+    elapsed_s: float = 0.0
+    position: int | None = None
+    stopped: bool = False
+    rank_comm_s: list[float] = field(default_factory=list)
+    rank_step_s: list[float] = field(default_factory=list)
+
+    @property
+    def examples_per_s(self) -> float:
+        return self.examples / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def comm_fraction(self) -> float:
+        """Time inside collectives over step time, averaged over ranks."""
+        total = sum(self.rank_step_s)
+        return sum(self.rank_comm_s) / total if total > 0 else 0.0
+
+
+@dataclass
+class Snapshot:
+    """A training state as :func:`load_snapshot` returns it."""
+
+    params: dict[str, np.ndarray]
+    iter: int
+    history: np.ndarray
+    position: int | None
+    config: dict[str, Any]
+
+
+def save_snapshot(path: str | os.PathLike, params: Mapping[str, np.ndarray], solver_state: Mapping[str, Any],
+                  position: int | None, config: Mapping[str, Any] | None = None) -> None:
+    """Write a snapshot atomically: a temporary file in the same directory, then
+    ``os.replace``, so an interrupted write never destroys the previous snapshot.
+
+    The models have no random state of their own (initialisation is seeded, data order is
+    fixed by the position), so parameters, solver state and position are the whole state.
+    """
+    path = os.fspath(path)
+    arrays: dict[str, Any] = {f"param/{k}": np.asarray(v) for k, v in params.items()}
+    arrays["solver/iter"] = np.int64(solver_state["iter"])
+    arrays["solver/history"] = np.asarray(solver_state["history"])
+    arrays["data/position"] = np.int64(-1 if position is None else position)
+    arrays["meta/format"] = np.str_(SNAPSHOT_FORMAT)
+    arrays["meta/config"] = np.str_(json.dumps(dict(config or {}), sort_keys=True))
+    tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_snapshot(path: str | os.PathLike) -> Snapshot:
+    """Read a snapshot written by :func:`save_snapshot` (ValueError if it is not one)."""
+    path = os.fspath(path)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except (OSError, EOFError, ValueError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"cannot read snapshot {path}: {exc}") from None
+    fmt = arrays.get("meta/format")
+    if fmt is None or str(fmt) != SNAPSHOT_FORMAT:
+        raise ValueError(f"{path} is not an nccltree snapshot ({SNAPSHOT_FORMAT})")
+    params = {k[len("param/"):]: v for k, v in arrays.items() if k.startswith("param/")}
+    pos = int(arrays["data/position"])
+    return Snapshot(params, int(arrays["solver/iter"]), arrays["solver/history"],
+                    None if pos < 0 else pos, json.loads(str(arrays["meta/config"])))
+
+
+# -- evaluation --------------------------------------------------------------------------
+
+
+def evaluate(model: Model, params: FlatParams, x: np.ndarray, y: np.ndarray,
+             batch_size: int = 1024) -> tuple[float, float]:
+    """``(accuracy, mean loss)`` of ``model`` with ``params`` on the arrays ``x``, ``y``."""
+    n = len(y)
+    if n == 0:
+        raise ValueError("evaluation needs at least one example")
+    correct, loss = 0, 0.0
+    for i in range(0, n, batch_size):
+        logits = model.forward(params, x[i:i + batch_size])
+        if not isinstance(logits, np.ndarray):
+            logits = logits.get()  # a CuPy array
+        logits = logits.astype(np.float64)
+        yb = np.asarray(y[i:i + batch_size])
+        correct += int((logits.argmax(axis=1) == yb).sum())
+        logits -= logits.max(axis=1, keepdims=True)
+        logz = np.log(np.exp(logits).sum(axis=1))
+        loss += float((logz - logits[np.arange(len(yb)), yb]).sum())
+    return correct / n, loss / n
+
+
+# -- the synchronisation callbacks ---------------------------------------------------------
+
+
+class _Timed:
+    def __init__(self) -> None:
+        self.comm_s = 0.0
+
+    def _timed(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
+        t0 = time.perf_counter()
+        fn(*args, **kw)
+        self.comm_s += time.perf_counter() - t0
+
+
+class AllReduceSync(Callback, _Timed):
+    """``on_gradients_ready``: average the flat gradient buffer over all ranks."""
+
+    def __init__(self, comm: Any, params: FlatParams) -> None:
+        _Timed.__init__(self)
+        self.comm, self.params = comm, params
+
+    def on_gradients_ready(self) -> None:
+        self._timed(self.comm.all_reduce, self.params.grad, op="mean")
+
+
+class RootSync(Callback, _Timed):
+    """Caffe's P2PSync: gradients summed at the root, which alone updates; the root's
+    parameters are broadcast at the start of the next iteration."""
+
+    def __init__(self, comm: Any, params: FlatParams, root: int = 0) -> None:
+        _Timed.__init__(self)
+        self.comm, self.params, self.root = comm, params, root
+
+    def on_start(self) -> None:
+        self._timed(self.comm.broadcast, self.params.data, root=self.root)
+
+    def on_gradients_ready(self) -> None:
+        self._timed(self.comm.reduce, self.params.grad, root=self.root)
+        if self.comm.rank == self.root:
+            # each rank's loss is a mean over its batch: the sum of N means needs 1/N
+            self.params.device.scale(self.params.grad, 1.0 / self.comm.size)
+
+
+# -- the driver ----------------------------------------------------------------------------
+
+
+class _Stopped(Exception):
+    """Raised inside a rank thread when the run was asked to stop."""
+
+
+class _Run:
+    """State shared by the rank threads of one ``fit`` call."""
+
+    def __init__(self, size: int) -> None:
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.errors: list[tuple[int, BaseException]] = []
+        # Two slots per rank: a rank can run at most one iteration ahead of the root
+        # (the next collective needs the root), so slot it % 2 is stable while read.
+        self.losses = [[0.0, 0.0] for _ in range(size)]
+        self.alive = size
+        self.done = threading.Condition(self.lock)
+
+
+class DataParallel:
+    """Data-parallel SGD over ``devices`` (a list from :func:`nccltree.devices` or a spec).
+
+    ``model`` is a :class:`~nccltree.models.Model`; keyword arguments not listed below go
+    to every rank's :class:`~nccltree.solver.SGD` (``lr``, ``momentum``, ``weight_decay``,
+    ``lr_policy`` and its parameters). ``algorithm`` picks the collective algorithm
+    (``tree``, ``ring``, ``direct``, ``nccl``, ``auto``), ``update_mode`` is
+    ``allreduce`` or ``root``; ``comm=False`` turns communication off (each rank steps on
+    its own gradient -- a control for measuring the cost of communication). ``blas_threads``
+    limits BLAS threads during :meth:`fit` (None: ``max(1, cores // ranks)``; needs the
+    ``threadpoolctl`` package, otherwise BLAS is left alone).
+
+    ``grad_hook(rank, iteration, params)`` runs on every rank after the backward pass and
+    before communication (tests inject faults with it).
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        devices: Sequence[Any] | str,
+        *,
+        algorithm: str = "tree",
+        update_mode: str = "allreduce",
+        comm: bool = True,
+        seed: int = 0,
+        dtype: Any = np.float32,
+        timeout: float = 60.0,
+        blas_threads: int | None = None,
+        grad_hook: Callable[[int, int, FlatParams], None] | None = None,
+        **sgd: Any,
+    ) -> None:
+        from .backends import devices as make_devices
+        from .comm import ALGORITHM_CHOICES
+
+        if not isinstance(model, Model):
+            raise TypeError(f"model must be an nccltree Model, got {type(model).__name__}")
+        if isinstance(devices, str):
+            devices = make_devices(devices)
+        devices = list(devices)
+        if not devices:
+            raise ValueError("DataParallel needs at least one device")
+        if update_mode not in UPDATE_MODES:
+            raise ValueError(f"update_mode must be one of {', '.join(UPDATE_MODES)}; got {update_mode!r}")
+        if algorithm not in ALGORITHM_CHOICES:
+            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHM_CHOICES)}; got {algorithm!r}")
+        if blas_threads is not None and (isinstance(blas_threads, bool) or not isinstance(blas_threads, int) or blas_threads < 1):
+            raise ValueError(f"blas_threads must be None or an int >= 1, got {blas_threads!r}")
+        if grad_hook is not None and not callable(grad_hook):
+            raise TypeError("grad_hook must be callable(rank, iteration, params)")
+        self.model = model
+        self.devices = devices
+        self.size = len(devices)
+        self.algorithm = algorithm
+        self.update_mode = update_mode
+        self.comm_enabled = bool(comm)
+        self.seed = seed
+        self.timeout = float(timeout)
+        self.blas_threads = blas_threads
+        self.grad_hook = grad_hook
+        self.params = [model.make_params(dtype=dtype, device=d) for d in devices]
+        self.solvers = [SGD(p, **sgd) for p in self.params]
+        # Only rank 0 initialises; the first broadcast of fit makes the replicas equal.
+        model.init(self.params[0], seed=seed)
+        self.position: int | None = None  # data position of the next iteration, if known
+        self.last_snapshot: str | None = None
+        self._world: Any = None
+        self._run: _Run | None = None
+
+    # -- properties and state -------------------------------------------------------------
+    @property
+    def iter(self) -> int:
+        """Iterations completed (the root solver's iteration counter)."""
+        return self.solvers[0].iter
+
+    @property
+    def root_updates(self) -> bool:
+        return self.update_mode == "root" and self.comm_enabled
+
+    def world(self) -> Any:
+        """The World the ranks communicate through (created on first use)."""
+        if self._world is None or self._world._closed:
+            from .comm import World
+
+            self._world = World(self.devices, algorithm=self.algorithm, timeout=self.timeout)
+        return self._world
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The root's parameters, by name, as host arrays."""
+        return self.params[0].state_dict()
+
+    def snapshot(self, path: str | os.PathLike, config: Mapping[str, Any] | None = None) -> None:
+        """Save the root's state (parameters, solver, data position) to ``path``.
+
+        Call it between iterations: from ``fit``'s ``on_step`` (the root's thread) or when
+        no ``fit`` is running.
+        """
+        save_snapshot(path, self.params[0].state_dict(), self.solvers[0].state_dict(),
+                      self.position, config)
+        self.last_snapshot = os.fspath(path)
+
+    def restore(self, snap: Snapshot | str | os.PathLike) -> Snapshot:
+        """Load a snapshot (or a path to one) into every rank; returns it.
+
+        The next ``fit`` continues at ``snap.iter``; create its reader with
+        ``start=snap.position`` so the data continue where they stopped.
+        """
+        if not isinstance(snap, Snapshot):
+            snap = load_snapshot(snap)
+        self.params[0].load(snap.params)  # checks names and shapes before writing
+        state = {"iter": snap.iter, "history": snap.history}
+        for p, s in zip(self.params[1:], self.solvers[1:], strict=True):
+            p.copy_from(self.params[0])
+            s.load_state_dict(state)
+        self.solvers[0].load_state_dict(state)
+        self.position = snap.position
+        return snap
+
+    def stop(self) -> None:
+        """Ask a running ``fit`` to stop (thread-safe): ranks stop at their next
+        iteration boundary and ranks waiting in a collective are released at once."""
+        run = self._run
+        if run is None or run.stop.is_set():
+            return
+        run.stop.set()
+        world = self._world
+        if world is not None:
+            world.close()  # wakes every rank waiting in a collective
+
+    def close(self) -> None:
+        """Release the World (streams, communicators)."""
+        if self._world is not None:
+            self._world.close()
+            self._world = None
+
+    def __enter__(self) -> DataParallel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- training -------------------------------------------------------------------------
+    def fit(
+        self,
+        data: Any,
+        iters: int,
+        *,
+        on_step: Callable[[StepInfo], None] | None = None,
+    ) -> FitResult:
+        """Train until the solvers have done ``iters`` iterations in all (Caffe's
+        ``max_iter``: a restored driver continues from its snapshot's iteration).
+
+        ``data`` serves every rank: ``data.next_batch(rank)`` returns a batch that unpacks
+        as ``x, y`` and is handed back with ``release()`` (a
+        :class:`~nccltree.data.DataReader` with ``ranks=size``). ``on_step(info)`` runs in
+        the root's thread after every iteration (progress, evaluation, snapshots).
+
+        A rank that raises ends the run: every rank stops and :class:`RankFailure` names
+        the rank, with its error as the cause. Ctrl-C stops every rank promptly and
+        re-raises ``KeyboardInterrupt``; :meth:`stop` ends the run early with
+        ``FitResult.stopped`` set.
+        """
+        if isinstance(iters, bool) or not isinstance(iters, (int, np.integer)) or iters < 0:
+            raise ValueError(f"iters must be an int >= 0, got {iters!r}")
+        ranks = getattr(data, "ranks", self.size)
+        if ranks != self.size:
+            raise ValueError(f"the data serve {ranks} ranks, the driver has {self.size} devices")
+        start = getattr(data, "start", None)
+        if self.position is not None and start is not None and start != self.position:
+            raise ValueError(
+                f"the data start at position {start}, but the restored state continues at "
+                f"{self.position}: create the reader with start={self.position}"
+            )
+        if self.position is None and start is not None:
+            self.position = int(start)
+        result = FitResult(start_iter=self.iter, iter=self.iter, position=self.position,
+                           rank_comm_s=[0.0] * self.size, rank_step_s=[0.0] * self.size)
+        if iters <= self.iter:
+            return result
+        world = self.world() if self.comm_enabled or self.size > 1 else None
+        run = self._run = _Run(self.size)
+        t_start = time.perf_counter()
+        try:
+            with _blas_limit(self._blas_threads()):
+                self._launch(world, run, data, int(iters), on_step, result, t_start)
+        except KeyboardInterrupt:
+            self.stop()
+            with run.done:
+                run.done.wait_for(lambda: run.alive == 0, timeout=self.timeout)
+            raise
+        finally:
+            self._run = None
+            result.elapsed_s = time.perf_counter() - t_start
+            result.iter = self.iter
+            result.position = self.position
+        return result
+
+    def _blas_threads(self) -> int:
+        if self.blas_threads is not None:
+            return self.blas_threads
+        return max(1, (os.cpu_count() or 1) // self.size)
+
+    def _launch(self, world: Any, run: _Run, data: Any, iters: int,
+                on_step: Callable[[StepInfo], None] | None, result: FitResult,
+                t_start: float) -> None:
+        def body(comm: Any) -> None:
+            r = comm.rank
+            try:
+                with self.devices[r].activate():
+                    self._rank_loop(comm, r, run, data, iters, on_step, result, t_start)
+            except _Stopped:
+                pass
+            except BaseException as exc:
+                if run.stop.is_set() and not isinstance(exc, KeyboardInterrupt):
+                    return  # a consequence of stop(): released from a collective
+                if not isinstance(exc, PeerFailure):
+                    with run.lock:
+                        run.errors.append((r, exc))
+                raise
+            finally:
+                with run.done:
+                    run.alive -= 1
+                    run.done.notify_all()
+
+        try:
+            if world is not None:
+                world.run(body)
+            else:
+                body(_NoComm(0, 1))
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            if run.errors:
+                rank, err = run.errors[0]
+                raise RankFailure(rank, self.size, err) from err
+            raise
+        if run.errors:  # an error swallowed on the way (cannot happen with world.run)
+            rank, err = run.errors[0]
+            raise RankFailure(rank, self.size, err) from err
+        result.stopped = run.stop.is_set()
+
+    def _rank_loop(self, comm: Any, r: int, run: _Run, data: Any, iters: int,
+                   on_step: Callable[[StepInfo], None] | None, result: FitResult,
+                   t_start: float) -> None:
+        params, solver, model = self.params[r], self.solvers[r], self.model
+        sync: AllReduceSync | RootSync | None = None
+        if self.comm_enabled:
+            sync = RootSync(comm, params) if self.update_mode == "root" else AllReduceSync(comm, params)
+            # allreduce mode: make the replicas equal once; root mode does it every on_start
+            if self.update_mode == "allreduce":
+                comm.broadcast(params.data, root=0)
+        elif r != 0:
+            params.copy_from(self.params[0])
+        updates = not self.root_updates or r == 0
+        callbacks = [sync] if sync is not None else []
+        round_size = getattr(data, "round_size", None)
+        comm_before = 0.0
+        while solver.iter < iters:
+            if run.stop.is_set():
+                raise _Stopped
+            it = solver.iter
+            t0 = time.perf_counter()
+            batch = _next_batch(data, r, run)
+            with batch:
+                x, y = batch
+                n_local = len(y)
+                batch_pos = getattr(batch, "position", None)
+                lr = solver.learning_rate()
+                for cb in callbacks:
+                    cb.on_start()
+                loss = model.loss_and_grad(params, x, y)
+            run.losses[r][it % 2] = loss
+            if self.grad_hook is not None:
+                self.grad_hook(r, it, params)
+            for cb in callbacks:
+                cb.on_gradients_ready()
+            if updates:
+                solver.step()
+            else:
+                solver.iter += 1  # the root updates; this replica is refreshed at on_start
+            step_s = time.perf_counter() - t0
+            comm_s = (sync.comm_s if sync is not None else 0.0) - comm_before
+            comm_before += comm_s
+            result.rank_comm_s[r] += comm_s
+            result.rank_step_s[r] += step_s
+            if r != 0:
+                continue
+            if self.comm_enabled:
+                mean_loss = math.fsum(run.losses[k][it % 2] for k in range(self.size)) / self.size
+                examples = round_size if round_size is not None else n_local * self.size
+            else:
+                mean_loss, examples = loss, n_local * self.size
+            if batch_pos is not None and round_size is not None:
+                self.position = batch_pos + round_size
+            result.losses.append(mean_loss)
+            result.step_times.append(step_s)
+            result.comm_times.append(comm_s)
+            result.examples += examples
+            if on_step is not None:
+                on_step(StepInfo(solver.iter, mean_loss, lr, examples, step_s, comm_s,
+                                 time.perf_counter() - t_start, self.position, params))
+        if self.root_updates:
+            # the last update lives on the root only: share it so every replica ends equal
+            sync._timed(comm.broadcast, params.data, root=0)
+
+
+def _next_batch(data: Any, rank: int, run: _Run) -> Any:
+    """The rank's next batch, looking at the stop flag while it waits."""
+    while True:
+        try:
+            return data.next_batch(rank, timeout=_DATA_POLL_S)
+        except TimeoutError:
+            if run.stop.is_set():
+                raise _Stopped from None
+
+
+class _NoComm:
+    """Stands in for a Comm when communication is off."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+
+class _blas_limit:
+    """Limit BLAS threads with threadpoolctl when it is installed (else do nothing)."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._ctl: Any = None
+
+    def __enter__(self) -> _blas_limit:
+        try:
+            from threadpoolctl import threadpool_limits
+        except ImportError:
+            return self
+        self._ctl = threadpool_limits(limits=self.threads, user_api="blas")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._ctl is not None:
+            self._ctl.restore_original_limits()

@@ -1,0 +1,529 @@
+"""The link matrix between devices: kinds of links, presets, the nvidia-smi parser, detection.
+
+A ``Topology`` is pure data — an N×N matrix of ``Link`` values — so that the tree builder
+and the collective algorithms never query hardware. Hardware is read in one place,
+``Topology.detect``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+from . import _smi
+from ._errors import BackendUnavailable
+from ._topo_presets import FLAT_DESCRIPTION, PRESETS
+
+
+class LinkKind(IntEnum):
+    """How two devices are connected, ordered from best (fastest) to worst."""
+
+    SELF = 0  #: a device and itself (the diagonal)
+    SAME_DEVICE = 1  #: two logical ranks on one physical GPU
+    NVLINK = 2  #: NVLink, directly or through NVSwitch (``Link.nvlinks`` says how many)
+    SAME_BOARD = 3  #: the two GPUs of a multi-GPU board such as the K80
+    PIX = 4  #: through at most one PCIe switch
+    PXB = 5  #: through several PCIe switches, not the host bridge
+    PHB = 6  #: through a PCIe host bridge
+    NODE = 7  #: between host bridges within one NUMA node
+    SYS = 8  #: across NUMA nodes / sockets (QPI, UPI); older drivers print SOC
+
+
+# Weight of one link in tree costs: about 1200 / (nominal unidirectional GB/s), kept
+# integral so that sums compare exactly. NVLink: ~25 GB/s per link, so 48 / nvlinks.
+_COST = {
+    LinkKind.SELF: 0,
+    LinkKind.SAME_DEVICE: 1,  # a copy within one GPU's memory, ~1 TB/s
+    LinkKind.SAME_BOARD: 80,  # the board's own PCIe switch, ~15 GB/s
+    LinkKind.PIX: 96,  # ~12.5 GB/s
+    LinkKind.PXB: 120,  # ~10 GB/s
+    LinkKind.PHB: 160,  # ~7.5 GB/s
+    LinkKind.NODE: 200,  # ~6 GB/s
+    LinkKind.SYS: 300,  # ~4 GB/s
+}
+# Without peer access a copy is staged through pinned host memory: two transfers.
+_NO_PEER_FACTOR = 2
+
+# Spellings in nvidia-smi output. nvidia-smi has no token for "same board" (a K80's
+# twins print as PIX) nor for "same device"; BRD and DEV are this library's own, so
+# that ``str(topology)`` can be read back.
+_TOKEN_KIND = {
+    "X": LinkKind.SELF,
+    "DEV": LinkKind.SAME_DEVICE,
+    "BRD": LinkKind.SAME_BOARD,
+    "PIX": LinkKind.PIX,
+    "PXB": LinkKind.PXB,
+    "PHB": LinkKind.PHB,
+    "NODE": LinkKind.NODE,
+    "SYS": LinkKind.SYS,
+    "SOC": LinkKind.SYS,
+}
+_KIND_TOKEN = {kind: tok for tok, kind in _TOKEN_KIND.items() if tok != "SOC"}
+_NV_TOKEN = re.compile(r"^NV([1-9]\d*)$")
+_ACCEPTED = "X, NV#, BRD, DEV, PIX, PXB, PHB, NODE, SYS, SOC"
+
+_LEGEND = {
+    LinkKind.SELF: "X    = Self",
+    LinkKind.SAME_DEVICE: "DEV  = Same physical device (several ranks on one GPU)",
+    LinkKind.NVLINK: "NV#  = Connection traversing a bonded set of # NVLinks",
+    LinkKind.SAME_BOARD: "BRD  = Same multi-GPU board (nvidia-smi prints PIX)",
+    LinkKind.PIX: "PIX  = Connection traversing at most a single PCIe bridge",
+    LinkKind.PXB: "PXB  = Connection traversing multiple PCIe bridges (without traversing the PCIe Host Bridge)",
+    LinkKind.PHB: "PHB  = Connection traversing PCIe as well as a PCIe Host Bridge (typically the CPU)",
+    LinkKind.NODE: "NODE = Connection traversing PCIe as well as the interconnect between PCIe Host Bridges within a NUMA node",
+    LinkKind.SYS: "SYS  = Connection traversing PCIe as well as the SMP interconnect between NUMA nodes (e.g., QPI/UPI)",
+}
+
+# `nvidia-smi topo -p2p r` statuses; only OK means peer reads work.
+_P2P_TOKENS = frozenset({"X", "OK", "CNS", "GNS", "TNS", "NS", "DR", "U"})
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link of the matrix: its kind, NVLink count (NVLINK only) and peer access."""
+
+    kind: LinkKind
+    nvlinks: int = 0
+    p2p: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", LinkKind(self.kind))
+        if isinstance(self.nvlinks, bool) or not isinstance(self.nvlinks, int):
+            raise TypeError(f"nvlinks must be an int, got {type(self.nvlinks).__name__}")
+        if (self.kind == LinkKind.NVLINK) != (self.nvlinks > 0):
+            raise ValueError(
+                f"nvlinks must be >= 1 for an NVLINK link and 0 otherwise, got {self.kind.name} "
+                f"with nvlinks={self.nvlinks}"
+            )
+        if not isinstance(self.p2p, bool):
+            raise TypeError(f"p2p must be a bool, got {type(self.p2p).__name__}")
+        if self.kind in (LinkKind.SELF, LinkKind.SAME_DEVICE) and not self.p2p:
+            raise ValueError(f"a {self.kind.name} link always has peer access")
+
+    @property
+    def cost(self) -> int:
+        """Tree weight of the link: ~1200 / nominal GB/s, doubled without peer access."""
+        if self.kind == LinkKind.NVLINK:
+            base = max(2, (48 + self.nvlinks // 2) // self.nvlinks)
+        else:
+            base = _COST[self.kind]
+        return base if self.p2p else base * _NO_PEER_FACTOR
+
+    @property
+    def rank(self) -> tuple[int, int, int]:
+        """Sort key, smaller is better: cost, then kind, then more NVLinks first."""
+        return (self.cost, int(self.kind), -self.nvlinks)
+
+    @property
+    def token(self) -> str:
+        """The nvidia-smi spelling (``X``, ``NV2``, ``PIX``...; ``BRD``/``DEV`` are ours)."""
+        return f"NV{self.nvlinks}" if self.kind == LinkKind.NVLINK else _KIND_TOKEN[self.kind]
+
+    @classmethod
+    def from_token(cls, token: str, p2p: bool | None = None) -> Link:
+        """The link an nvidia-smi cell names; ``p2p=None``: peer access unless ``SYS``."""
+        tok = token.upper()
+        m = _NV_TOKEN.match(tok)
+        if m:
+            kind, nvlinks = LinkKind.NVLINK, int(m.group(1))
+        elif tok in _TOKEN_KIND:
+            kind, nvlinks = _TOKEN_KIND[tok], 0
+        else:
+            raise ValueError(f"unknown link token {token!r} (accepted: {_ACCEPTED})")
+        if p2p is None or kind in (LinkKind.SELF, LinkKind.SAME_DEVICE):
+            p2p = kind != LinkKind.SYS
+        return cls(kind, nvlinks, p2p)
+
+
+def _is_link_token(tok: str) -> bool:
+    tok = tok.upper()
+    return tok in _TOKEN_KIND or bool(_NV_TOKEN.match(tok))
+
+
+_SELF = Link(LinkKind.SELF)
+
+
+class Topology:
+    """An N×N matrix of links between devices (pure data, immutable).
+
+    ``Topology(links, names=None)`` takes a square, symmetric matrix of ``Link`` with
+    ``SELF`` exactly on the diagonal; ``names`` default to ``GPU0``, ``GPU1``...
+    """
+
+    def __init__(self, links: Sequence[Sequence[Link]], names: Sequence[str] | None = None):
+        rows = tuple(tuple(row) for row in links)
+        n = len(rows)
+        if n == 0:
+            raise ValueError("a topology needs at least one device")
+        for i, row in enumerate(rows):
+            if len(row) != n:
+                raise ValueError(
+                    f"the link matrix must be square: row {i} has {len(row)} entries, expected {n}"
+                )
+            for j, link in enumerate(row):
+                if not isinstance(link, Link):
+                    raise TypeError(f"links[{i}][{j}] must be a Link, got {type(link).__name__}")
+                if (i == j) != (link.kind == LinkKind.SELF):
+                    raise ValueError(
+                        f"links[{i}][{j}]: SELF links belong on the diagonal and only there"
+                    )
+                if j < i and link != rows[j][i]:
+                    raise ValueError(
+                        f"the link matrix must be symmetric: links[{i}][{j}] != links[{j}][{i}]"
+                    )
+        if names is None:
+            names = [f"GPU{i}" for i in range(n)]
+        names = tuple(str(x) for x in names)
+        if len(names) != n:
+            raise ValueError(f"{len(names)} names for {n} devices")
+        self._links = rows
+        self._names = names
+
+    @property
+    def n(self) -> int:
+        """Number of devices."""
+        return len(self._links)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Device names (``GPU0``... unless given)."""
+        return self._names
+
+    def link(self, i: int, j: int) -> Link:
+        """The link between devices ``i`` and ``j``."""
+        n = self.n
+        for x in (i, j):
+            if isinstance(x, bool) or not isinstance(x, int):
+                raise TypeError(f"device indices must be ints, got {type(x).__name__}")
+            if not 0 <= x < n:
+                raise ValueError(f"device index {x} out of range for {n} devices (0..{n - 1})")
+        return self._links[i][j]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Topology):
+            return NotImplemented
+        return self._links == other._links and self._names == other._names
+
+    def __hash__(self) -> int:
+        return hash((self._links, self._names))
+
+    def __repr__(self) -> str:
+        return f"<Topology n={self.n} {' '.join(self._names)}>"
+
+    # -- construction ------------------------------------------------------------------
+
+    @classmethod
+    def uniform(cls, n: int, link: Link) -> Topology:
+        """``n`` devices with the same ``link`` between every pair."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an int >= 1, got {n!r}")
+        return cls([[_SELF if i == j else link for j in range(n)] for i in range(n)])
+
+    @classmethod
+    def presets(cls) -> dict[str, str]:
+        """Names of the presets, each with a one-line description."""
+        out = {name: desc for name, (desc, _) in PRESETS.items()}
+        out["flat:N"] = FLAT_DESCRIPTION
+        return out
+
+    @classmethod
+    def preset(cls, name: str) -> Topology:
+        """A preset by name (see ``presets()``); ``flat:N`` for any N >= 1."""
+        if not isinstance(name, str):
+            raise TypeError(f"preset name must be a str, got {type(name).__name__}")
+        if name.startswith("flat:"):
+            count = name[5:]
+            if not count.isdigit() or int(count) < 1:
+                raise ValueError(f"flat:N needs a device count N >= 1, got {name!r}")
+            return cls.uniform(int(count), Link(LinkKind.PIX))
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; accepted: {', '.join(cls.presets())}")
+        return cls.from_smi(PRESETS[name][1])
+
+    @classmethod
+    def from_smi(cls, text: str, p2p: str | None = None) -> Topology:
+        """Parse what ``nvidia-smi topo -m`` prints (GPU rows and columns; NICs ignored).
+
+        ``p2p`` is optionally what ``nvidia-smi topo -p2p r`` prints for the same
+        machine; without it, peer access is assumed everywhere except across sockets
+        (``SYS``/``SOC``). ``PIX`` stays ``PIX`` (nvidia-smi prints twin-board GPUs so
+        too); this library's ``BRD`` and ``DEV`` are read back as SAME_BOARD and
+        SAME_DEVICE. Unknown tokens are a ``ValueError`` naming the row and column.
+        """
+        names, grid = _smi.parse_matrix(text, _is_link_token, _ACCEPTED)
+        n = len(names)
+        peer = None
+        if p2p is not None:
+            p2p_names, p2p_grid = _smi.parse_matrix(
+                p2p, lambda t: t.upper() in _P2P_TOKENS, ", ".join(sorted(_P2P_TOKENS))
+            )
+            if p2p_names != names:
+                raise ValueError(
+                    f"the p2p matrix names {' '.join(p2p_names)}, the topology {' '.join(names)}"
+                )
+            peer = [[tok.upper() in ("OK", "X") for tok in row] for row in p2p_grid]
+        links = []
+        for i in range(n):
+            row = []
+            for j in range(n):
+                tok = grid[i][j]
+                if (i == j) != (tok.upper() == "X"):
+                    where = f"row {names[i]}, column {names[j]}"
+                    raise ValueError(
+                        f"{where}: 'X' belongs on the diagonal and only there, got {tok!r}"
+                    )
+                if peer is not None and peer[i][j] != peer[j][i]:
+                    raise ValueError(f"the p2p matrix is not symmetric at {names[i]}/{names[j]}")
+                link = Link.from_token(tok, None if peer is None else peer[i][j])
+                if j < i and link != links[j][i]:
+                    raise ValueError(
+                        f"the matrix is not symmetric: row {names[i]}, column {names[j]} is "
+                        f"{tok!r} but row {names[j]}, column {names[i]} is {grid[j][i]!r}"
+                    )
+                row.append(link)
+            links.append(row)
+        return cls(links, names)
+
+    def to_json(self) -> str:
+        """A JSON text that ``from_json`` reads back to an equal topology."""
+        return json.dumps(
+            {
+                "format": "nccltree.topology",
+                "version": 1,
+                "names": list(self._names),
+                "links": [[link.token for link in row] for row in self._links],
+                "p2p": [[link.p2p for link in row] for row in self._links],
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Topology:
+        """Read a topology written by ``to_json``."""
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise TypeError(f"expected JSON text, got {type(text).__name__}")
+        try:
+            data: Any = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not a JSON topology: {exc}") from None
+        if not isinstance(data, dict) or data.get("format") != "nccltree.topology":
+            raise ValueError(
+                "not a JSON topology: expected an object with format 'nccltree.topology'"
+            )
+        if data.get("version") != 1:
+            raise ValueError(
+                f"unsupported topology JSON version {data.get('version')!r} (accepted: 1)"
+            )
+        tokens, p2p, names = data.get("links"), data.get("p2p"), data.get("names")
+        if not (isinstance(tokens, list) and isinstance(p2p, list) and len(tokens) == len(p2p)):
+            raise ValueError("a JSON topology needs 'links' and 'p2p' matrices of one size")
+        links = []
+        for i, (trow, prow) in enumerate(zip(tokens, p2p, strict=True)):
+            if not (isinstance(trow, list) and isinstance(prow, list) and len(trow) == len(prow)):
+                raise ValueError(f"row {i} of 'links' and 'p2p' differ in shape")
+            links.append(
+                [Link.from_token(str(t), bool(p)) for t, p in zip(trow, prow, strict=True)]
+            )
+        return cls(links, names)
+
+    # -- printing ----------------------------------------------------------------------
+
+    def __str__(self) -> str:
+        """The matrix as ``nvidia-smi topo -m`` prints it, then its legend; where some
+        pair lacks peer access, also the ``nvidia-smi topo -p2p r`` matrix."""
+        kinds = sorted({link.kind for row in self._links for link in row})
+        lines = self._matrix([[link.token for link in row] for row in self._links])
+        lines += ["", "Legend:", ""] + ["  " + _LEGEND[k] for k in kinds]
+        if not all(link.p2p for row in self._links for link in row):
+            peer = [
+                ["X" if i == j else "OK" if link.p2p else "NS" for j, link in enumerate(row)]
+                for i, row in enumerate(self._links)
+            ]
+            lines += ["", "Peer access (nvidia-smi topo -p2p r):", ""] + self._matrix(peer)
+            lines += [
+                "",
+                "  OK   = peer access",
+                "  NS   = none: copies are staged through host memory",
+            ]
+        return "\n".join(lines) + "\n"
+
+    def _matrix(self, tokens: list[list[str]]) -> list[str]:
+        names = self._names
+        width = max(4, *(len(x) for x in names), *(len(t) for row in tokens for t in row)) + 2
+        label = max(len(x) for x in names) + 2
+        lines = [" " * label + "".join(x.ljust(width) for x in names).rstrip()]
+        for name, row in zip(names, tokens, strict=True):
+            cells = "".join((" X" if t == "X" else t).ljust(width) for t in row)
+            lines.append(name.ljust(label) + cells.rstrip())
+        return lines
+
+    # -- detection ---------------------------------------------------------------------
+
+    @classmethod
+    def detect(cls, devices: Sequence[Any]) -> Topology:
+        """The topology of ``devices`` (as ``nt.devices`` returns them, one backend).
+
+        Host devices share one memory: a uniform topology (``NODE``, peer access). CUDA
+        devices are read through NVML; logical ranks on one physical GPU are linked as
+        SAME_DEVICE. Without NVML, peer access comes from CuPy and the link kinds are
+        guessed (``PHB`` with peer access, ``SYS`` without), with a warning.
+        """
+        devices = list(devices)
+        if not devices:
+            raise ValueError("detect needs at least one device")
+        backends = {getattr(d, "backend", None) for d in devices}
+        if len(backends) != 1:
+            raise ValueError(
+                f"devices must all come from one backend, got {sorted(map(str, backends))}"
+            )
+        backend = backends.pop()
+        names = [str(getattr(d, "name", f"dev{i}")) for i, d in enumerate(devices)]
+        if backend == "host":
+            topo = cls.uniform(len(devices), Link(LinkKind.NODE))
+            return cls([list(row) for row in topo._links], names)
+        if backend == "cuda":
+            return cls(_detect_cuda([int(d.physical_id) for d in devices]), names)
+        raise ValueError(f"unknown backend {backend!r} (accepted: 'host', 'cuda')")
+
+
+# -- CUDA detection (NVML through nvidia-ml-py, else CuPy peer access) ----------------------
+
+_NVML_LEVEL_KIND = {  # nvmlGpuTopologyLevel_t
+    0: LinkKind.SAME_BOARD,  # INTERNAL: the two GPUs of one board
+    10: LinkKind.PIX,  # SINGLE
+    20: LinkKind.PXB,  # MULTIPLE
+    30: LinkKind.PHB,  # HOSTBRIDGE
+    40: LinkKind.NODE,  # NODE
+    50: LinkKind.SYS,  # SYSTEM
+}
+# pynvml spells NVML_P2P_CAPS_INDEX_READ with a stray comma (a one-element tuple), which
+# ctypes cannot pass; the enum values themselves are fixed by the NVML headers.
+_P2P_CAPS_READ = 0
+_P2P_CAPS_NVLINK = 2
+_P2P_STATUS_OK = 0
+_NVLINK_REMOTE_SWITCH = 2
+_BUS_ID = re.compile(r"([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)\.([0-7])")
+
+
+def _bus_key(bus_id: str | bytes) -> tuple[int, ...]:
+    """A PCI bus id as numbers: CUDA prints a 4-digit domain, NVML an 8-digit one."""
+    if isinstance(bus_id, bytes):
+        bus_id = bus_id.decode("ascii", "replace")
+    m = _BUS_ID.search(bus_id)
+    if not m:
+        raise ValueError(f"unreadable PCI bus id {bus_id!r}")
+    return tuple(int(g, 16) for g in m.groups())
+
+
+def _cupy_runtime() -> Any:
+    try:
+        import cupy
+    except ImportError as exc:
+        raise BackendUnavailable(
+            f"CUDA devices need CuPy, which cannot be imported: {exc}"
+        ) from exc
+    return cupy.cuda.runtime
+
+
+def _detect_cuda(phys: list[int]) -> list[list[Link]]:
+    try:
+        import pynvml
+    except ImportError as exc:
+        return _detect_by_peer_access(phys, f"cannot import pynvml: {exc}")
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        return _detect_by_peer_access(phys, f"nvmlInit failed: {exc}")
+    try:
+        return _detect_by_nvml(pynvml, phys)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _detect_by_nvml(nvml: Any, phys: list[int]) -> list[list[Link]]:
+    def ask(default: Any, fn: Any, *args: Any) -> Any:
+        # NVML answers "not supported" for absent features (no NVLink, no board id).
+        try:
+            return fn(*args)
+        except nvml.NVMLError:
+            return default
+
+    runtime = _cupy_runtime()
+    uniq = sorted(set(phys))
+    # CUDA and NVML number GPUs differently (CUDA fastest-first by default, NVML by PCI
+    # address); the PCI bus id is the one name both share.
+    cuda_bus = {p: runtime.deviceGetPCIBusId(p) for p in uniq}
+    bus = {p: _bus_key(cuda_bus[p]) for p in uniq}
+    handle = {p: nvml.nvmlDeviceGetHandleByPciBusId(cuda_bus[p]) for p in uniq}
+    direct: dict[int, dict[tuple[int, ...], int]] = {}
+    to_switch: dict[int, int] = {}
+    for p in uniq:
+        direct[p], to_switch[p] = {}, 0
+        for link in range(nvml.NVML_NVLINK_MAX_LINKS):
+            if ask(0, nvml.nvmlDeviceGetNvLinkState, handle[p], link) != 1:
+                continue
+            if (
+                ask(-1, nvml.nvmlDeviceGetNvLinkRemoteDeviceType, handle[p], link)
+                == _NVLINK_REMOTE_SWITCH
+            ):
+                to_switch[p] += 1
+                continue
+            remote = ask(None, nvml.nvmlDeviceGetNvLinkRemotePciInfo, handle[p], link)
+            if remote is not None:
+                key = _bus_key(remote.busId)
+                direct[p][key] = direct[p].get(key, 0) + 1
+    board = {}
+    for p in uniq:
+        if ask(0, nvml.nvmlDeviceGetMultiGpuBoard, handle[p]):
+            board[p] = ask(None, nvml.nvmlDeviceGetBoardId, handle[p])
+
+    def pair(p: int, q: int) -> Link:
+        if p == q:
+            return Link(LinkKind.SAME_DEVICE)
+        hp, hq = handle[p], handle[q]
+        p2p = ask(-1, nvml.nvmlDeviceGetP2PStatus, hp, hq, _P2P_CAPS_READ) == _P2P_STATUS_OK
+        nvlinks = direct[p].get(bus[q], 0)
+        if not nvlinks and to_switch[p] and to_switch[q]:
+            # Through NVSwitch: nvidia-smi counts the links a GPU has into the fabric.
+            if ask(-1, nvml.nvmlDeviceGetP2PStatus, hp, hq, _P2P_CAPS_NVLINK) == _P2P_STATUS_OK:
+                nvlinks = min(to_switch[p], to_switch[q])
+        if nvlinks:
+            return Link(LinkKind.NVLINK, nvlinks, p2p)
+        if board.get(p) is not None and board.get(p) == board.get(q):
+            return Link(LinkKind.SAME_BOARD, 0, p2p)
+        level = ask(50, nvml.nvmlDeviceGetTopologyCommonAncestor, hp, hq)
+        return Link(_NVML_LEVEL_KIND.get(level, LinkKind.SYS), 0, p2p)
+
+    cache = {(p, q): pair(p, q) for p in uniq for q in uniq if p <= q}
+    n = len(phys)
+    return [
+        [_SELF if i == j else cache[min(phys[i], phys[j]), max(phys[i], phys[j])] for j in range(n)]
+        for i in range(n)
+    ]
+
+
+def _detect_by_peer_access(phys: list[int], reason: str) -> list[list[Link]]:
+    warnings.warn(
+        f"NVML is not available ({reason}); link kinds are guessed from CUDA peer access "
+        "(PHB with peer access, SYS without)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    runtime = _cupy_runtime()
+    n = len(phys)
+    links = [[_SELF] * n for _ in range(n)]
+    for i in range(n):
+        for j in range(i + 1, n):
+            p, q = phys[i], phys[j]
+            if p == q:
+                link = Link(LinkKind.SAME_DEVICE)
+            elif runtime.deviceCanAccessPeer(p, q) and runtime.deviceCanAccessPeer(q, p):
+                link = Link(LinkKind.PHB)
+            else:
+                link = Link(LinkKind.SYS, 0, False)
+            links[i][j] = links[j][i] = link
+    return links

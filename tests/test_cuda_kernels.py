@@ -1,0 +1,278 @@
+"""CUDA kernels: source checks that run anywhere, results against numpy on a GPU."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from nccltree import BackendUnavailable
+from nccltree import _cuda_kernels as ck
+
+DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
+FLOATS = [np.float16, np.float32, np.float64]
+NP_OPS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+
+
+def kernel_names() -> list[str]:
+    """Every kernel the Python wrappers may ask for."""
+    names = [f"nt_reduce_n_{op}_{s}" for op in ck.OPS for s in ck._SUFFIX.values()]
+    names += [f"nt_sum_into_{s}" for s in ck._SUFFIX.values()]
+    for s in (ck._SUFFIX[dt] for dt in ck._SCALAR):
+        names += [f"nt_scale_{s}", f"nt_sgd_update_{s}"]
+    return names
+
+
+# ---- anywhere ----
+
+
+def test_import_needs_no_cupy() -> None:
+    code = "import sys, nccltree._cuda_kernels; assert 'cupy' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_without_cupy_kernels_raise_backend_unavailable(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` fail
+    with pytest.raises(BackendUnavailable, match="CuPy"):
+        ck.reduce_n(np.zeros(4, np.float32), [np.zeros(4, np.float32)])
+    with pytest.raises(BackendUnavailable):
+        ck.module(0)
+
+
+def test_source_is_shipped_and_header_free() -> None:
+    text = ck.source_text()
+    # NVRTC compiles it at run time without system headers
+    assert "#include" not in text
+    assert 'extern "C"' in text
+
+
+@pytest.fixture(scope="module")
+def ptx_params(tmp_path_factory) -> dict[str, list[int]]:
+    """Kernel name -> byte size of each parameter, from the source compiled to PTX."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc")
+    d = tmp_path_factory.mktemp("ptx")
+    (d / "k.cu").write_text(ck.source_text())
+    subprocess.run(
+        ["nvcc", "--ptx", "-arch=compute_75", "--fmad=false", "-o", str(d / "k.ptx"), str(d / "k.cu")],
+        check=True,
+        timeout=120,
+    )
+    out = {}
+    for name, params in re.findall(r"\.entry\s+(\w+)\s*\((.*?)\)", (d / "k.ptx").read_text(), re.S):
+        sizes = []
+        for p in params.split(","):
+            array = re.search(r"\.b8\s+\w+\[(\d+)\]", p)
+            sizes.append(int(array.group(1)) if array else int(re.search(r"\.[usbf](\d+)", p).group(1)) // 8)
+        out[name] = sizes
+    return out
+
+
+def test_source_defines_every_kernel_the_wrappers_use(ptx_params) -> None:
+    assert set(kernel_names()) <= set(ptx_params)
+
+
+class FakeArray:
+    """Just enough of cupy.ndarray for the wrappers: a numpy array and its address."""
+
+    def __init__(self, a: np.ndarray) -> None:
+        self.a = a
+        self.dtype, self.size, self.itemsize, self.nbytes = a.dtype, a.size, a.itemsize, a.nbytes
+        self.flags = a.flags
+        self.data = SimpleNamespace(ptr=a.ctypes.data)
+        self.device = SimpleNamespace(id=0)
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """A stand-in for CuPy that records kernel launches instead of running them."""
+    launches: list[tuple[str, tuple, tuple, tuple]] = []
+
+    class Device:
+        def __init__(self, i: int = 0) -> None:
+            self.id = i
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class RawModule:
+        def __init__(self, **kwargs) -> None:
+            self.kwargs = kwargs
+
+        def compile(self) -> None:
+            pass
+
+        def get_function(self, name: str):
+            return lambda grid, block, args: launches.append((name, grid, block, args))
+
+    fake = SimpleNamespace(
+        ndarray=FakeArray, RawModule=RawModule, cuda=SimpleNamespace(Device=Device)
+    )
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    for cache in ("_modules", "_origin", "_functions"):
+        monkeypatch.setattr(ck, cache, {})
+    return launches
+
+
+def _arg_size(arg) -> int:
+    if isinstance(arg, FakeArray):
+        return 8  # a device pointer
+    assert isinstance(arg, np.generic | np.ndarray), f"untyped kernel argument {arg!r}"
+    return arg.dtype.itemsize
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_wrapper_arguments_match_the_kernel_signatures(fake_cupy, ptx_params, dtype) -> None:
+    n = 1000
+    arrays = [FakeArray(np.zeros(n, dtype)) for _ in range(4)]
+    dst = arrays[0]
+    ck.reduce_n(dst, arrays[1:], "max")
+    ck.sum_into(dst, arrays[1])
+    if np.dtype(dtype).kind == "f":
+        ck.scale(dst, 0.5)
+        ck.sgd_update(*arrays[:3], 0.1, 0.9, 1e-4)
+    ck.reduce_n(FakeArray(np.zeros(0, dtype)), [FakeArray(np.zeros(0, dtype))])  # no launch
+    assert len(fake_cupy) == (4 if np.dtype(dtype).kind == "f" else 2)
+    for name, grid, block, args in fake_cupy:
+        assert [_arg_size(a) for a in args] == ptx_params[name], name
+        # the grid-stride loop covers n with 16-byte vectors
+        assert grid[0] * block[0] * (16 // dst.itemsize) >= n
+    name, _, _, args = fake_cupy[0]
+    assert name == f"nt_reduce_n_max_{ck._SUFFIX[np.dtype(dtype)]}"
+    assert list(args[1]["p"][0]) == [a.data.ptr for a in arrays[1:]] + [0] * 5
+    assert args[2] == 3 and args[3] == n
+
+
+# ---- on a GPU ----
+
+
+def reference(op: str, srcs: list[np.ndarray]) -> np.ndarray:
+    wide = np.float32 if srcs[0].dtype == np.float16 else srcs[0].dtype
+    acc = srcs[0].astype(wide)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for s in srcs[1:]:
+            acc = NP_OPS[op](acc, s.astype(wide))
+        return acc.astype(srcs[0].dtype)
+
+
+def sources(dtype: type, op: str, k: int, n: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    if np.dtype(dtype).kind == "i":
+        info = np.iinfo(dtype)
+        return [rng.integers(info.min, info.max, n, dtype=dtype) for _ in range(k)]
+    if op == "prod":
+        return [rng.uniform(0.5, 2.0, n).astype(dtype) for _ in range(k)]
+    return [rng.standard_normal(n).astype(dtype) for _ in range(k)]
+
+
+def assert_bitwise(got: np.ndarray, want: np.ndarray) -> None:
+    if got.dtype.kind == "f":
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        bits = np.dtype(f"u{got.dtype.itemsize}")
+        got, want = got[~np.isnan(got)].view(bits), want[~np.isnan(want)].view(bits)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.fixture
+def cp():
+    import cupy
+
+    return cupy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", ck.OPS)
+def test_reduce_n_matches_numpy(cp, op: str, dtype: type) -> None:
+    for k in range(1, ck.MAX_SOURCES + 1):
+        for n in (0, 1, 7, 8, 1023, 4099, 300_001):
+            host = sources(dtype, op, k, n, seed=k)
+            dst = cp.empty(n, dtype)
+            ck.reduce_n(dst, [cp.asarray(h) for h in host], op)
+            assert_bitwise(cp.asnumpy(dst), reference(op, host))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_aliasing_misalignment_and_sum_into(cp, dtype: type) -> None:
+    n = 4099
+    host = sources(dtype, "sum", 4, n + 1)
+    dev = [cp.asarray(h) for h in host]
+    # dst is a source
+    ck.reduce_n(dev[2], dev, "sum")
+    assert_bitwise(cp.asnumpy(dev[2]), reference("sum", host))
+    # one-element offsets defeat 16-byte alignment: the scalar path
+    dev = [cp.asarray(h) for h in host]
+    views = [d[1:] for d in dev[:3]]
+    ck.reduce_n(views[0], views, "sum")
+    assert_bitwise(cp.asnumpy(views[0]), reference("sum", [h[1:] for h in host[:3]]))
+    a, b = cp.asarray(host[0]), cp.asarray(host[1])
+    ck.sum_into(a, b, cp.cuda.Stream())  # an explicit stream
+    cp.cuda.Device().synchronize()
+    assert_bitwise(cp.asnumpy(a), reference("sum", host[:2]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+def test_scale_and_sgd(cp, dtype: type) -> None:
+    wide = np.float32 if dtype == np.float16 else dtype
+    for n in (1, 1023, 300_001):
+        w, g, v = sources(dtype, "sum", 3, n)
+        x = cp.asarray(w)
+        ck.scale(x, 1 / 3)
+        assert_bitwise(cp.asnumpy(x), (w.astype(wide) * wide(1 / 3)).astype(dtype))
+        dw, dg, dv = cp.asarray(w), cp.asarray(g), cp.asarray(v)
+        ck.sgd_update(dw, dg, dv, 0.05, 0.9, 5e-4)
+        wf, gf, vf = (a.astype(wide) for a in (w, g, v))
+        gf = gf + wide(5e-4) * wf
+        vf = wide(0.9) * vf + wide(0.05) * gf
+        wf = wf - vf
+        for got, want in ((dw, wf), (dg, gf), (dv, vf)):
+            assert_bitwise(cp.asnumpy(got), want.astype(dtype))
+
+
+@pytest.mark.gpu
+def test_copy_and_bad_arguments(cp) -> None:
+    src = cp.arange(1001, dtype=cp.float32)
+    dst = cp.zeros_like(src)
+    ck.copy(dst, src)
+    np.testing.assert_array_equal(cp.asnumpy(dst), np.arange(1001, dtype=np.float32))
+    with pytest.raises(TypeError, match="cupy.ndarray"):
+        ck.reduce_n(dst, [np.zeros(1001, np.float32)])
+    with pytest.raises(TypeError, match="accepted"):
+        ck.scale(cp.zeros(4, cp.int32), 2.0)
+    with pytest.raises(ValueError, match="1 to 8"):
+        ck.reduce_n(dst, [src] * 9)
+    with pytest.raises(ValueError, match="elements"):
+        ck.sum_into(dst, src[:10])
+    with pytest.raises(ValueError, match="one of"):
+        ck.reduce_n(dst, [src], "mean")
+
+
+@pytest.mark.gpu
+def test_runtime_compiled_source_matches_fatbin(cp) -> None:
+    dev = cp.cuda.Device().id
+    compiled, origin = ck._load(dev, use_fatbin=False)
+    assert origin == "source"
+    host = sources(np.float16, "sum", 5, 4099)
+    srcs = [cp.asarray(h) for h in host]
+    ck.module(dev)  # the default module (fatbin where it loads)
+    out_default = cp.empty(4099, cp.float16)
+    ck.reduce_n(out_default, srcs, "sum")
+    out_source = cp.empty(4099, cp.float16)
+    ptrs = np.zeros(1, ck._SRCS)
+    ptrs["p"][0, :5] = [s.data.ptr for s in srcs]
+    compiled.get_function("nt_reduce_n_sum_f16")(
+        (8,), (256,), (out_source, ptrs, np.int32(5), np.int64(4099))
+    )
+    want = reference("sum", host)
+    assert_bitwise(cp.asnumpy(out_default), want)
+    assert_bitwise(cp.asnumpy(out_source), want)

@@ -1,0 +1,278 @@
+"""pinned_empty, PinnedPool and SyncedMemory's head state machine."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import nccltree as nt
+from nccltree.memory import PinnedPool, size_class
+
+# -- pinned_empty ---------------------------------------------------------------------------
+
+
+def test_pinned_empty_shape_dtype_alignment():
+    a = nt.pinned_empty((3, 5), np.float64)
+    assert a.shape == (3, 5) and a.dtype == np.float64 and a.flags.c_contiguous
+    assert a.ctypes.data % 64 == 0
+    a[...] = 1.5  # writable
+    assert nt.pinned_empty(0, np.float32).size == 0
+    b = nt.pinned_empty(10, np.int32, pinned=False)
+    assert b.ctypes.data % 64 == 0
+
+
+@pytest.mark.gpu
+def test_pinned_empty_is_page_locked_on_gpu_machines():
+    import cupy
+
+    a = nt.pinned_empty(1 << 16, np.float32)
+    attrs = cupy.cuda.runtime.pointerGetAttributes(a.ctypes.data)
+    assert attrs.type == 1  # cudaMemoryTypeHost: page-locked host memory
+    pool = PinnedPool(max_bytes=1 << 20)
+    b = pool.alloc(1000, np.float32)
+    assert cupy.cuda.runtime.pointerGetAttributes(b.ctypes.data).type == 1
+
+
+# -- PinnedPool -----------------------------------------------------------------------------
+
+
+def test_size_classes_are_fine_grained():
+    assert size_class(0) == 64 and size_class(1) == 64 and size_class(65) == 128
+    for n in [513, 1000, 4097, 10**6, 3 * 2**20 + 1, 2**30 - 5]:
+        c = size_class(n)
+        assert n <= c <= n * 1.125 + 64, n  # at most 1/8 waste
+        assert size_class(c) == c  # a class is its own class
+    assert size_class(1 << 20) == 1 << 20
+
+
+def test_pool_reuses_freed_blocks_and_counts():
+    pool = PinnedPool(max_bytes=1 << 20, pinned=False)
+    a = pool.alloc((100,), np.float32)
+    assert a.shape == (100,) and a.dtype == np.float32
+    st = pool.stats()
+    assert (st.hits, st.misses, st.in_use_bytes, st.cached_bytes) == (0, 1, 448, 0)
+    ptr = a.ctypes.data
+    pool.free(a)
+    assert pool.stats().cached_bytes == 448
+    b = pool.alloc((10, 11), np.float32)  # 440 bytes: same class, same block
+    assert b.ctypes.data == ptr and b.shape == (10, 11)
+    st = pool.stats()
+    assert (st.hits, st.misses, st.in_use_bytes, st.cached_bytes) == (1, 1, 448, 0)
+    c = pool.alloc(1000, np.float64)  # another class: a new block
+    assert c.ctypes.data != ptr
+    assert pool.stats().peak_bytes == 448 + size_class(8000)
+    pool.free(b)
+    pool.free(c)
+    assert pool.stats().in_use_bytes == 0
+    assert pool.trim() == 448 + size_class(8000)
+    assert pool.stats().cached_bytes == 0
+
+
+def test_pool_refuses_to_grow_past_max_bytes():
+    pool = PinnedPool(max_bytes=10_000, pinned=False)
+    a = pool.alloc(1000, np.float64)  # 8000 bytes: an 8192-byte block
+    with pytest.raises(MemoryError, match="max_bytes=10000"):
+        pool.alloc(500, np.float64)
+    assert pool.stats().in_use_bytes == 8192  # the failed request took nothing
+    pool.free(a)
+    b = pool.alloc(240, np.float64)  # 1920 B: the cached 8192-byte block makes room
+    st = pool.stats()
+    assert st.cached_bytes == 0 and st.in_use_bytes == 1920
+    pool.free(b)
+
+
+def test_pool_free_checks_its_argument():
+    pool = PinnedPool(max_bytes=1 << 16, pinned=False)
+    a = pool.alloc(8)
+    with pytest.raises(ValueError, match="alloc"):
+        pool.free(np.zeros(8, np.float32))
+    pool.free(a)
+    with pytest.raises(ValueError, match="alloc"):
+        pool.free(a)  # a second free
+    with pytest.raises(ValueError, match="max_bytes"):
+        PinnedPool(max_bytes=0)
+
+
+def test_pool_borrow():
+    pool = PinnedPool(max_bytes=1 << 16, pinned=False)
+    with pool.borrow((4, 4), np.float64) as a:
+        a[...] = 1
+        assert pool.stats().in_use_bytes == 128
+    assert pool.stats().in_use_bytes == 0
+
+
+def test_pool_under_many_threads():
+    pool = PinnedPool(max_bytes=1 << 22, pinned=False)
+    errors = []
+
+    def worker(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(200):
+                n = int(rng.integers(1, 2000))
+                a = pool.alloc(n, np.float32)
+                a[...] = seed  # blocks are not shared between live allocations
+                assert (a == seed).all()
+                pool.free(a)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    st = pool.stats()
+    assert st.in_use_bytes == 0 and st.hits + st.misses == 1600 and st.hits > 0
+
+
+# -- SyncedMemory ---------------------------------------------------------------------------
+
+
+def _sm(dev, shape=(3, 4)):
+    return nt.SyncedMemory(shape, np.float32, dev)
+
+
+def _dev_values(dev, arr):
+    return dev.to_host(arr)
+
+
+def test_lazy_zero_filled_allocation(dev):
+    m = _sm(dev)
+    assert m.head == "uninitialized" and m.nbytes == 48
+    np.testing.assert_array_equal(m.host(), np.zeros((3, 4)))
+    assert m.head == "host"
+    m2 = _sm(dev)
+    np.testing.assert_array_equal(_dev_values(dev, m2.device_array()), np.zeros((3, 4)))
+    assert m2.head == "device"
+
+
+@pytest.mark.parametrize("first", ["mutable_host", "mutable_device_array"])
+def test_uninitialized_to_mutable(dev, first):
+    m = _sm(dev)
+    getattr(m, first)()
+    assert m.head == ("host" if first == "mutable_host" else "device")
+
+
+def test_host_to_synced_to_device_to_synced(dev):
+    m = _sm(dev)
+    m.mutable_host()[...] = 7
+    assert m.head == "host"
+    d = m.device_array()  # host -> synced: copied to the device
+    assert m.head == "synced"
+    np.testing.assert_array_equal(_dev_values(dev, d), np.full((3, 4), 7))
+    m.host()  # synced stays synced on reads
+    m.device_array()
+    assert m.head == "synced"
+    md = m.mutable_device_array()  # synced -> device: no copy
+    assert m.head == "device"
+    md[...] = 3
+    h = m.host()  # device -> synced: copied back
+    assert m.head == "synced"
+    np.testing.assert_array_equal(h, np.full((3, 4), 3))
+
+
+def test_host_to_device_with_mutable_device_array(dev):
+    m = _sm(dev)
+    m.mutable_host()[...] = 5
+    d = m.mutable_device_array()
+    assert m.head == "device"
+    np.testing.assert_array_equal(_dev_values(dev, d), np.full((3, 4), 5))
+
+
+def test_device_to_host_with_mutable_host(dev):
+    m = _sm(dev)
+    m.mutable_device_array()[...] = 2
+    h = m.mutable_host()
+    assert m.head == "host"
+    np.testing.assert_array_equal(h, np.full((3, 4), 2))
+    h[...] = 9
+    np.testing.assert_array_equal(_dev_values(dev, m.device_array()), np.full((3, 4), 9))
+    assert m.head == "synced"
+
+
+def test_synced_to_host_with_mutable_host(dev):
+    m = _sm(dev)
+    m.mutable_host()[...] = 1
+    m.device_array()
+    assert m.head == "synced"
+    m.mutable_host()[...] = 4
+    assert m.head == "host"
+    np.testing.assert_array_equal(_dev_values(dev, m.device_array()), np.full((3, 4), 4))
+
+
+def test_copies_happen_only_when_the_other_side_is_fresh(host_devs):
+    # on the host backend the device copy is a separate numpy buffer, so a write that
+    # bypasses the state machine shows whether a copy took place
+    (d,) = host_devs(1)
+    m = _sm(d)
+    m.mutable_host()[...] = 1
+    dev_arr = m.mutable_device_array()  # copies, head -> device
+    assert not np.shares_memory(dev_arr, m._host)
+    m.host()  # device -> synced: copies
+    dev_arr[...] = 8  # behind the state machine's back
+    np.testing.assert_array_equal(m.host(), np.full((3, 4), 1))  # synced: no copy
+    m._host[...] = 6
+    np.testing.assert_array_equal(m.device_array(), np.full((3, 4), 8))  # synced: no copy
+
+
+def test_read_only_views(dev):
+    m = _sm(dev)
+    with pytest.raises(ValueError):
+        m.host()[0, 0] = 1
+    if dev.backend == "host":
+        with pytest.raises(ValueError):
+            m.device_array()[0, 0] = 1
+
+
+def test_set_host_adopts_the_array(dev):
+    m = _sm(dev)
+    m.mutable_device_array()
+    a = np.full((3, 4), 11, np.float32)
+    m.set_host(a)
+    assert m.head == "host"
+    a[0, 0] = 12  # adopted, not copied
+    np.testing.assert_array_equal(_dev_values(dev, m.device_array())[0, 0], 12)
+    with pytest.raises(ValueError, match="float32"):
+        m.set_host(np.zeros((4, 3), np.float32))
+    with pytest.raises(TypeError):
+        m.set_host(np.zeros((4, 6), np.float32)[:, ::2])
+
+
+def test_async_device_push(dev):
+    m = _sm(dev)
+    m.mutable_host()[...] = 13
+    s = dev.new_stream()
+    m.async_device_push(s)
+    assert m.head == "synced"
+    s.synchronize()
+    np.testing.assert_array_equal(_dev_values(dev, m.device_array()), np.full((3, 4), 13))
+    with pytest.raises(ValueError, match="head 'host'"):
+        m.async_device_push(s)  # head is synced
+
+
+def test_async_device_push_needs_a_stream_of_its_device(devs):
+    m = nt.SyncedMemory(4, np.float64, devs[0])
+    m.mutable_host()
+    with pytest.raises(ValueError, match="not on"):
+        m.async_device_push(devs[1].new_stream())
+
+
+def test_remembers_its_device_across_threads(devs):
+    d0, d1 = devs
+    m = nt.SyncedMemory(8, np.float32, d1)
+    m.mutable_host()[...] = 2
+    result = []
+
+    def other_thread():
+        with d0.activate():  # another current device in this thread
+            result.append(m.device_array())
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    t.join()
+    d1.check_array(result[0])
+    np.testing.assert_array_equal(d1.to_host(result[0]), np.full(8, 2))

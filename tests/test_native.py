@@ -1,0 +1,410 @@
+"""The host kernel library against numpy: every op, dtype, source count and size,
+aliasing, thread counts, float16 rounding, and every bad argument."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from nccltree import BackendUnavailable, NativeError
+from nccltree import _native as nat
+
+DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
+FLOATS = [np.float16, np.float32, np.float64]
+SIZES = [0, 1, 7, 8, 1023, 4099, 300_001]
+BIG = max(SIZES)
+NP_OPS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+
+
+@functools.cache
+def pool(dtype: type, op: str = "sum") -> tuple[np.ndarray, ...]:
+    """Eight read-only source arrays of BIG + 1 elements (the +1 allows misaligned views)."""
+    rng = np.random.default_rng([DTYPES.index(dtype), list(NP_OPS).index(op)])
+    out = []
+    for _ in range(nat.MAX_SOURCES):
+        if np.dtype(dtype).kind == "i":
+            info = np.iinfo(dtype)
+            # the full range, so integer sums and products wrap around
+            a = rng.integers(info.min, info.max, BIG + 1, dtype=dtype, endpoint=True)
+        elif op == "prod":
+            # near 1 so that 8-way float16 products stay mostly finite
+            a = rng.uniform(0.5, 2.0, BIG + 1).astype(dtype)
+        else:
+            a = rng.standard_normal(BIG + 1).astype(dtype)
+        a.flags.writeable = False
+        out.append(a)
+    return tuple(out)
+
+
+def reference(op: str, srcs: list[np.ndarray]) -> np.ndarray:
+    """Left-to-right op, float16 accumulated in float32 and rounded once."""
+    wide = np.float32 if srcs[0].dtype == np.float16 else srcs[0].dtype
+    acc = srcs[0].astype(wide)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for s in srcs[1:]:
+            acc = NP_OPS[op](acc, s.astype(wide))
+        return acc.astype(srcs[0].dtype)
+
+
+def assert_bitwise(got: np.ndarray, want: np.ndarray) -> None:
+    """Equal bit patterns; NaNs only need to be NaN in the same places."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if got.dtype.kind == "f":
+        nan_got, nan_want = np.isnan(got), np.isnan(want)
+        np.testing.assert_array_equal(nan_got, nan_want)
+        bits = np.dtype(f"u{got.dtype.itemsize}")
+        got, want = got[~nan_got].view(bits), want[~nan_want].view(bits)
+    np.testing.assert_array_equal(got, want)
+
+
+# ---- results ----
+
+
+@pytest.mark.parametrize("k", range(1, nat.MAX_SOURCES + 1))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", list(NP_OPS))
+def test_reduce_n_matches_numpy(op: str, dtype: type, k: int) -> None:
+    src = pool(dtype, op)
+    for n in SIZES:
+        srcs = [s[:n] for s in src[:k]]
+        dst = np.full(n, 3, dtype)
+        assert nat.reduce_n(dst, srcs, op) is dst
+        assert_bitwise(dst, reference(op, srcs))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_sum_n_and_sum_into(dtype: type) -> None:
+    src = pool(dtype)
+    for n in SIZES:
+        srcs = [s[:n] for s in src[:5]]
+        dst = np.empty(n, dtype)
+        nat.sum_n(dst, srcs)
+        assert_bitwise(dst, reference("sum", srcs))
+        acc = srcs[0].copy()
+        assert nat.sum_into(acc, srcs[1]) is acc
+        assert_bitwise(acc, reference("sum", srcs[:2]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", list(NP_OPS))
+def test_dst_may_be_a_source(op: str, dtype: type) -> None:
+    src = pool(dtype, op)
+    for n in (1, 1023, 4099, BIG):
+        for where in (0, 2, 3):
+            srcs = [s[:n].copy() for s in src[:4]]
+            want = reference(op, srcs)
+            nat.reduce_n(srcs[where], srcs, op, nthreads=2)
+            assert_bitwise(srcs[where], want)
+        # the same array twice, and as the destination: x = op(x, x, y)
+        x, y = src[0][:n].copy(), src[1][:n]
+        want = reference(op, [x, x, y])
+        nat.reduce_n(x, [x, x, y], op)
+        assert_bitwise(x, want)
+        # sum_into onto itself doubles
+        z = src[2][:n].copy()
+        want = reference("sum", [z, z])
+        nat.sum_into(z, z)
+        assert_bitwise(z, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_misaligned_views(dtype: type) -> None:
+    # one-element offsets defeat 16-byte alignment, so the vector loop's peeling is used
+    src = pool(dtype)
+    for n in (5, 1023, 4099):
+        srcs = [src[0][1 : n + 1], src[1][:n], src[2][1 : n + 1]]
+        buf = np.zeros(n + 1, dtype)
+        dst = buf[1:]
+        nat.reduce_n(dst, srcs, "sum")
+        assert_bitwise(dst, reference("sum", srcs))
+        assert buf[0] == 0
+
+
+@pytest.mark.parametrize("nthreads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_thread_counts(dtype: type, nthreads: int) -> None:
+    src = pool(dtype)
+    for n in (4099, 3 * 16384 + 1, BIG):
+        srcs = [s[:n] for s in src[:4]]
+        canary = np.full(n + 64, 7, dtype)
+        dst = canary[:n]
+        nat.reduce_n(dst, srcs, "sum", nthreads=nthreads)
+        assert_bitwise(dst, reference("sum", srcs))
+        assert (canary[n:] == 7).all()
+        out = np.empty(n, dtype)
+        nat.copy(out, srcs[3], nthreads=nthreads)
+        assert_bitwise(out, srcs[3])
+
+
+@pytest.mark.parametrize("shape", [(0,), (3, 5), (2, 3, 4)])
+def test_multidimensional_arrays_are_flat(shape: tuple[int, ...]) -> None:
+    a = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    dst = np.empty(shape, np.float32)
+    nat.reduce_n(dst, [a, a, a], "sum")
+    np.testing.assert_array_equal(dst, 3 * a)
+
+
+def test_integer_wraparound() -> None:
+    big = np.array([np.iinfo(np.int32).max, np.iinfo(np.int32).min], np.int32)
+    one = np.array([1, -1], np.int32)
+    dst = np.empty(2, np.int32)
+    nat.reduce_n(dst, [big, one], "sum")
+    np.testing.assert_array_equal(dst, [np.iinfo(np.int32).min, np.iinfo(np.int32).max])
+    two = np.full(1, 2**62, np.int64)
+    out = np.empty(1, np.int64)
+    nat.reduce_n(out, [two, np.full(1, 4, np.int64)], "prod")
+    assert out[0] == 0
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_max_min_propagate_nan(op: str, dtype: type) -> None:
+    n = 37
+    a = np.arange(n, dtype=dtype)
+    b = a[::-1].copy()
+    c = np.ones(n, dtype)
+    a[3] = b[10] = c[20] = np.nan
+    dst = np.empty(n, dtype)
+    nat.reduce_n(dst, [a, b, c], op)
+    assert_bitwise(dst, reference(op, [a, b, c]))
+    assert np.isnan(dst[[3, 10, 20]]).all() and np.isnan(dst).sum() == 3
+
+
+def test_float16_round_trip_is_exact() -> None:
+    every = np.arange(2**16, dtype=np.uint16).view(np.float16)
+    out = np.empty_like(every)
+    nat.reduce_n(out, [every], "sum")
+    assert_bitwise(out, every)
+
+
+def test_float16_rounding_matches_numpy() -> None:
+    # pairs of halves summed in float32 land on ties, subnormals, overflow and NaN/inf
+    rng = np.random.default_rng(1)
+    bits = rng.integers(0, 2**16, 2**18, dtype=np.uint16)
+    a, b = bits.view(np.float16), np.roll(bits, 1).view(np.float16)
+    out = np.empty_like(a)
+    nat.reduce_n(out, [a, b], "sum")
+    assert_bitwise(out, reference("sum", [a, b]))
+    edge = np.array([65504, 65504, 2.0**-24, 2.0**-25, -0.0, 1.0], np.float16)
+    tiny = np.array([8, 16, 2.0**-25, 2.0**-25, -0.0, 2.0**-11], np.float16)
+    out = np.empty_like(edge)
+    nat.reduce_n(out, [edge, tiny], "sum")
+    assert_bitwise(out, reference("sum", [edge, tiny]))
+    assert np.isinf(out[1]) and out[0] == 65504 and np.signbit(out[4])
+
+
+# ---- scale and SGD ----
+
+
+@pytest.mark.parametrize("nthreads", [1, 3])
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+def test_scale(dtype: type, nthreads: int) -> None:
+    wide = np.float32 if dtype == np.float16 else dtype
+    for n in SIZES:
+        for alpha in (0.25, 1 / 3, -7.5):
+            x = pool(dtype)[0][:n].copy()
+            want = (x.astype(wide) * wide(alpha)).astype(dtype)
+            assert nat.scale(x, alpha, nthreads=nthreads) is x
+            assert_bitwise(x, want)
+
+
+@pytest.mark.parametrize("nthreads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+def test_sgd_update_matches_caffe_rule(dtype: type, nthreads: int) -> None:
+    wide = np.float32 if dtype == np.float16 else dtype
+    lr, mom, wd = 0.05, 0.9, 5e-4
+    src = pool(dtype)
+    for n in SIZES:
+        w, g, v = (s[:n].copy() for s in src[:3])
+        wf, gf, vf = (a.astype(wide) for a in (w, g, v))
+        gf = gf + wide(wd) * wf
+        vf = wide(mom) * vf + wide(lr) * gf
+        wf = wf - vf
+        assert nat.sgd_update(w, g, v, lr, mom, wd, nthreads=nthreads) is w
+        assert_bitwise(g, gf.astype(dtype))
+        assert_bitwise(v, vf.astype(dtype))
+        assert_bitwise(w, wf.astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32, np.complex64, np.int64])
+def test_copy_any_dtype(dtype: type) -> None:
+    for n in (0, 1, 13, 100_003):
+        src = (np.arange(n) % 251).astype(dtype)
+        dst = np.zeros(n, dtype)
+        assert nat.copy(dst, src, nthreads=2) is dst
+        np.testing.assert_array_equal(dst, src)
+    same = np.arange(10.0)
+    nat.copy(same, same)
+    np.testing.assert_array_equal(same, np.arange(10.0))
+
+
+# ---- bad arguments: Python checks ----
+
+F32 = np.zeros(8, np.float32)
+
+
+def ro(a: np.ndarray) -> np.ndarray:
+    a = a.copy()
+    a.flags.writeable = False
+    return a
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "match"),
+    [
+        (lambda: nat.reduce_n([0.0] * 8, [F32]), TypeError, "numpy.ndarray"),
+        (lambda: nat.reduce_n(np.zeros(16, np.float32)[::2], [F32]), ValueError, "C-contiguous"),
+        (lambda: nat.reduce_n(np.zeros((4, 2), np.float32, order="F"), [F32]), ValueError, "C-contiguous"),
+        (lambda: nat.reduce_n(ro(F32), [F32]), ValueError, "writeable"),
+        (lambda: nat.reduce_n(np.zeros(8, np.uint8), [np.zeros(8, np.uint8)]), TypeError, "accepted: float16"),
+        (lambda: nat.reduce_n(F32.copy(), [np.zeros(8, np.float64)]), TypeError, "dtype"),
+        (lambda: nat.reduce_n(F32.copy(), [np.zeros(9, np.float32)]), ValueError, "elements"),
+        (lambda: nat.reduce_n(F32.copy(), []), ValueError, "1 to 8 sources"),
+        (lambda: nat.reduce_n(F32.copy(), [F32] * 9), ValueError, "1 to 8 sources"),
+        (lambda: nat.reduce_n(F32.copy(), F32), TypeError, "list or tuple"),
+        (lambda: nat.reduce_n(F32.copy(), [F32[::2].repeat(2)[::-1]]), ValueError, "C-contiguous"),
+        (lambda: nat.reduce_n(F32.copy(), [F32], op="mean"), ValueError, "sum, prod, max, min"),
+        (lambda: nat.reduce_n(F32.copy(), [F32], op=0), ValueError, "one of"),
+        (lambda: nat.reduce_n(F32.copy(), [F32], nthreads=0), ValueError, "nthreads"),
+        (lambda: nat.reduce_n(F32.copy(), [F32], nthreads=1.5), TypeError, "nthreads"),
+        (lambda: nat.reduce_n(F32.copy(), [F32], nthreads=True), TypeError, "nthreads"),
+        (lambda: nat.sum_into(F32.copy(), np.zeros(8, np.int32)), TypeError, "dtype"),
+        (lambda: nat.scale(np.zeros(4, np.int32), 2.0), TypeError, "accepted: float16, float32, float64"),
+        (lambda: nat.scale(F32.copy(), "2"), TypeError, "alpha"),
+        (lambda: nat.scale(ro(F32), 2.0), ValueError, "writeable"),
+        (lambda: nat.sgd_update(F32.copy(), F32.copy(), np.zeros(7, np.float32), 0.1, 0.9, 0.0), ValueError, "elements"),
+        (lambda: nat.sgd_update(F32.copy(), F32.copy(), F32.copy(), None, 0.9, 0.0), TypeError, "lr"),
+        (lambda: nat.sgd_update(np.zeros(8, np.int64), np.zeros(8, np.int64), np.zeros(8, np.int64), 0.1, 0.9, 0.0), TypeError, "accepted"),
+        (lambda: nat.copy(F32.copy(), np.zeros(8, np.int32)), TypeError, "dtype"),
+        (lambda: nat.copy(F32.copy(), np.zeros(4, np.float32)), ValueError, "elements"),
+    ],
+)
+def test_bad_arguments(call, exc: type[Exception], match: str) -> None:
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_overlap_is_rejected_but_identity_allowed() -> None:
+    buf = np.arange(16, dtype=np.float32)
+    with pytest.raises(ValueError, match="overlap"):
+        nat.reduce_n(buf[1:9], [buf[:8]])
+    with pytest.raises(ValueError, match="overlap"):
+        nat.copy(buf[:8], buf[4:12])
+    with pytest.raises(ValueError, match="non-overlapping"):
+        nat.sgd_update(buf[:8], buf[8:], buf[:8], 0.1, 0.9, 0.0)
+    with pytest.raises(ValueError, match="non-overlapping"):
+        nat.sgd_update(buf[:8], buf[4:12], np.zeros(8, np.float32), 0.1, 0.9, 0.0)
+    np.testing.assert_array_equal(buf, np.arange(16, dtype=np.float32))
+
+
+# ---- bad arguments: C statuses and check() ----
+
+
+def _ptrs(*arrays: np.ndarray):
+    return (ctypes.c_void_p * len(arrays))(*(a.ctypes.data for a in arrays))
+
+
+def test_c_statuses_map_to_exceptions() -> None:
+    lib = nat.library()
+    a, b = np.zeros(8, np.float32), np.ones(8, np.float32)
+    pa, pb = a.ctypes.data, b.ctypes.data
+    cases = [
+        (lib.nt_reduce_n(0, 9, pa, _ptrs(b), 1, 8, 1), nat.ERR_DTYPE, TypeError),
+        (lib.nt_reduce_n(4, 1, pa, _ptrs(b), 1, 8, 1), nat.ERR_OP, ValueError),
+        (lib.nt_reduce_n(-1, 1, pa, _ptrs(b), 1, 8, 1), nat.ERR_OP, ValueError),
+        (lib.nt_reduce_n(0, 1, pa, _ptrs(b), 0, 8, 1), nat.ERR_NSOURCES, ValueError),
+        (lib.nt_reduce_n(0, 1, pa, _ptrs(*[b] * 9), 9, 8, 1), nat.ERR_NSOURCES, ValueError),
+        (lib.nt_reduce_n(0, 1, pa, _ptrs(b), 1, -1, 1), nat.ERR_SIZE, ValueError),
+        (lib.nt_reduce_n(0, 1, None, _ptrs(b), 1, 8, 1), nat.ERR_NULL, ValueError),
+        (lib.nt_reduce_n(0, 1, pa, None, 1, 8, 1), nat.ERR_NULL, ValueError),
+        (lib.nt_reduce_n(0, 1, pa, (ctypes.c_void_p * 2)(pb, None), 2, 8, 1), nat.ERR_NULL, ValueError),
+        (lib.nt_reduce_n(0, 1, pa, _ptrs(b), 1, 8, 0), nat.ERR_THREADS, ValueError),
+        (lib.nt_reduce_n(0, 1, pa + 4, _ptrs(a), 1, 4, 1), nat.ERR_OVERLAP, ValueError),
+        (lib.nt_sum_into(5, pa, pb, 8, 1), nat.ERR_DTYPE, TypeError),
+        (lib.nt_sum_n(1, pa, _ptrs(b), 9, 8, 1), nat.ERR_NSOURCES, ValueError),
+        (lib.nt_scale(3, pa, 2.0, 8, 1), nat.ERR_UNSUPPORTED, TypeError),
+        (lib.nt_scale(1, None, 2.0, 8, 1), nat.ERR_NULL, ValueError),
+        (lib.nt_sgd_update(4, pa, pb, pa, 0.1, 0.9, 0.0, 8, 1), nat.ERR_UNSUPPORTED, TypeError),
+        (lib.nt_sgd_update(1, pa, pb, pa, 0.1, 0.9, 0.0, 8, 1), nat.ERR_OVERLAP, ValueError),
+        (lib.nt_sgd_update(1, pa, pb, None, 0.1, 0.9, 0.0, 8, 1), nat.ERR_NULL, ValueError),
+        (lib.nt_copy(pa, pb, -1, 1), nat.ERR_SIZE, ValueError),
+        (lib.nt_copy(pa, pb, 8, 0), nat.ERR_THREADS, ValueError),
+        (lib.nt_copy(pa, pa + 4, 16, 1), nat.ERR_OVERLAP, ValueError),
+        (lib.nt_copy(None, pb, 8, 1), nat.ERR_NULL, ValueError),
+    ]
+    for i, (status, want, exc) in enumerate(cases):
+        assert status == want, f"case {i}: status {status}, expected {want}"
+        with pytest.raises(exc, match=f"status {want}"):
+            nat.check(status, f"case {i}")
+    # nothing was written by a rejected call
+    np.testing.assert_array_equal(a, 0)
+    # a zero count needs no pointers
+    assert lib.nt_reduce_n(0, 1, None, None, 1, 0, 1) == nat.OK
+    assert lib.nt_copy(None, None, 0, 1) == nat.OK
+
+
+def test_check_and_strerror() -> None:
+    nat.check(nat.OK)
+    names = {nat.strerror(s) for s in range(nat.ERR_INTERNAL + 1)}
+    assert len(names) == nat.ERR_INTERNAL + 1
+    assert nat.strerror(12345) == "unknown status"
+    for status in (nat.ERR_INTERNAL, 12345, -1):
+        with pytest.raises(NativeError, match=f"status {status}"):
+            nat.check(status)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_forked_child_can_run_kernels() -> None:
+    # the OpenMP pool does not survive fork(); without the library's guard the child hangs
+    code = """if True:
+        import os, numpy as np
+        from nccltree import _native as nat
+        a = np.ones(1 << 18, np.float32)
+        d = np.empty_like(a)
+        nat.reduce_n(d, [a, a], nthreads=2)
+        pid = os.fork()
+        if pid == 0:
+            nat.reduce_n(d, [a, a, a], nthreads=2)
+            os._exit(0 if (d == 3).all() else 1)
+        _, status = os.waitpid(pid, 0)
+        raise SystemExit(os.waitstatus_to_exitcode(status))
+    """
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# ---- finding the library ----
+
+
+def test_library_is_found_in_any_package_directory(tmp_path) -> None:
+    first, second = tmp_path / "src", tmp_path / "site"
+    (first / "_lib").mkdir(parents=True)
+    (second / "_lib").mkdir(parents=True)
+    lib = second / "_lib" / nat._LIB_NAMES[0]
+    lib.write_bytes(b"")
+    assert nat._find_library([first, second]) == lib
+    assert nat._find_library([first]) is None
+    assert nat.library_path().parent.name == "_lib"
+
+
+def test_missing_library_raises_backend_unavailable(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(nat, "_package_dirs", lambda: [tmp_path])
+    monkeypatch.setattr(nat, "_lib", None)
+    with pytest.raises(BackendUnavailable, match="pip install"):
+        nat.library()
+    with pytest.raises(BackendUnavailable):
+        nat.reduce_n(F32.copy(), [F32])
+
+
+def test_broken_library_raises_backend_unavailable(monkeypatch, tmp_path) -> None:
+    (tmp_path / "_lib").mkdir()
+    (tmp_path / "_lib" / nat._LIB_NAMES[0]).write_bytes(b"not a shared library")
+    monkeypatch.setattr(nat, "_package_dirs", lambda: [tmp_path])
+    monkeypatch.setattr(nat, "_lib", None)
+    with pytest.raises(BackendUnavailable, match="cannot load"):
+        nat.library()

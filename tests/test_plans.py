@@ -1,0 +1,155 @@
+"""Plans as data: race-free by construction, and the copy pattern the backend records."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+import nccltree as nt
+from nccltree.backends.host import record_transfers
+from nccltree.comm.algorithms import build_plan
+from nccltree.comm.plan import Buf, Plan, PlanBuilder, Step, check_races
+
+COLLS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter")
+
+
+def _trees(topo):
+    cache = {}
+
+    def get(root):
+        if root not in cache:
+            cache[root] = nt.build_tree(topo, root=root)
+        return cache[root]
+
+    return get
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 12])
+@pytest.mark.parametrize("alg", ["tree", "ring", "direct"])
+def test_every_plan_is_race_free(n, alg):
+    tree_for = _trees(nt.Topology.preset(f"flat:{n}"))
+    for coll in COLLS:
+        for count in (0, 1, 5, 64):
+            for in_place in (False, True):
+                for root in sorted({0, n - 1}) if coll in ("reduce", "broadcast") else [0]:
+                    plan = build_plan(alg, coll, size=n, count=count, op="mean", root=root,
+                                      in_place=in_place, chunk=7, tree_for=tree_for)
+                    assert check_races(plan) == [], (alg, coll, count, in_place, root)
+
+
+@pytest.mark.parametrize("alg", ["tree", "ring", "direct"])
+def test_mixed_in_place_all_reduce_is_race_free(alg):
+    # An out-of-place plan stays correct when some ranks pass out == x: check it with
+    # "in" and "out" treated as one buffer.
+    n = 5
+    plan = build_plan(alg, "all_reduce", size=n, count=50, op="sum", in_place=False, chunk=6,
+                      tree_for=_trees(nt.Topology.preset(f"flat:{n}")))
+    plan.same_buffer = True
+    assert check_races(plan) == []
+
+
+def test_race_checker_catches_a_missing_wait():
+    # rank 1 reads rank 0's input while rank 0 overwrites it
+    steps = [
+        Step(1, "copy", Buf(1, "out", 0, 4), (Buf(0, "in", 0, 4),)),
+        Step(0, "scale", Buf(0, "in", 0, 4), (Buf(0, "in", 0, 4),), alpha=2.0),
+    ]
+    racy = Plan(size=2, steps=list(steps), n_events=1)
+    assert check_races(racy)
+    # ordering the write after the read (record on rank 1, wait on rank 0) fixes it
+    fixed = Plan(size=2, steps=[steps[0], Step(1, "record", event=0),
+                                Step(0, "wait", event=0), steps[1]], n_events=1)
+    assert check_races(fixed) == []
+    # a wait on an event that is recorded only later is a bug on CUDA: it must be flagged
+    early = Plan(size=2, steps=[Step(0, "wait", event=0), steps[1], steps[0],
+                                Step(1, "record", event=0)], n_events=1)
+    assert check_races(early)
+    # and the builder's fences make the unordered version safe
+    b = PlanBuilder(2)
+    b.copy(1, Buf(1, "out", 0, 4), Buf(0, "in", 0, 4))
+    b.scale(0, Buf(0, "in", 0, 4), 2.0)
+    assert check_races(b.build())  # data flow inside one plan is the algorithm's job
+
+
+def _bytes_by_pair(transfers):
+    agg = collections.Counter()
+    for t in transfers:
+        agg[(t.src, t.dst, t.kind)] += t.nbytes
+    return dict(agg)
+
+
+@pytest.mark.parametrize("preset", ["dgx1", "pcie2s8", "flat:5"])
+def test_tree_copy_pattern_follows_tree_edges(preset):
+    topo = nt.Topology.preset(preset)
+    n = topo.n
+    count = 10_000
+    nbytes = count * 4
+    with nt.World(nt.devices(f"cpu:{n}"), algorithm="tree", topology=topo,
+                  chunk_bytes=8192, inline_bytes=0) as w:
+        xs = [np.full(count, float(r), np.float32) for r in range(n)]
+        with record_transfers() as log:
+            w.all_reduce(xs)
+        tree = w.tree(0)
+    want = {}
+    for parent, child, _level in tree.edges:
+        want[(child, parent, "peer_read")] = nbytes  # reduce: the parent reads the child
+        want[(parent, child, "copy")] = nbytes  # broadcast: the parent writes the child
+    assert _bytes_by_pair(log) == want
+    assert xs[0][0] == sum(range(n))
+
+
+def test_broadcast_sends_most_distant_subtree_first():
+    topo = nt.Topology.preset("dgx1")
+    with nt.World(nt.devices("cpu:8"), algorithm="tree", topology=topo,
+                  inline_bytes=0) as w:
+        xs = [np.full(16, float(r)) for r in range(8)]
+        with record_transfers() as log:
+            w.broadcast(xs, root=0)
+        tree = w.tree(0)
+    sent_by_root = [t.dst for t in log if t.src == 0]
+    assert sent_by_root == list(tree.children(0))
+    assert all(np.all(x == 0.0) for x in xs)
+
+
+def test_ring_copy_pattern():
+    n, count = 4, 4000
+    with nt.World(nt.devices(f"cpu:{n}"), algorithm="ring", chunk_bytes=1 << 20,
+                  inline_bytes=0) as w:
+        xs = [np.ones(count, np.float32) for _ in range(n)]
+        with record_transfers() as log:
+            w.all_reduce(xs)
+    got = _bytes_by_pair(log)
+    seg = count // n * 4
+    want = {}
+    for r in range(n):
+        p = (r - 1) % n
+        want[(p, r, "peer_read")] = (n - 1) * seg  # reduce-scatter reads the left neighbour
+        want[(p, r, "copy")] = (n - 1) * seg  # all-gather pulls from the left neighbour
+    assert got == want
+
+
+def test_direct_copy_pattern():
+    n, count = 3, 3000
+    with nt.World(nt.devices(f"cpu:{n}"), algorithm="direct", inline_bytes=0) as w:
+        xs = [np.ones(count) for _ in range(n)]
+        with record_transfers() as log:
+            w.all_reduce(xs)
+    got = _bytes_by_pair(log)
+    sl = count // n * 8
+    want = {}
+    for r in range(n):
+        for q in range(n):
+            if q != r:
+                want[(q, r, "peer_read")] = sl  # r reduces its slice reading q
+                want[(r, q, "copy")] = sl  # then writes it to q
+    assert got == want
+
+
+def test_plan_str_and_transfers_are_readable():
+    plan = build_plan("tree", "all_reduce", size=2, count=4, chunk=4,
+                      tree_for=_trees(nt.Topology.preset("flat:2")))
+    text = str(plan)
+    assert "tree all_reduce" in text and "reduce(sum)" in text
+    assert sorted(plan.transfers()) == [(0, 1, 4), (1, 0, 4)]

@@ -1,0 +1,640 @@
+"""Topology: links and their ordering, presets, the nvidia-smi parser, JSON, detection."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import nccltree as nt
+from nccltree.topology import Link, LinkKind, Topology
+
+SMI = Path(__file__).parent / "data" / "smi"
+K = LinkKind
+
+
+def read(name: str) -> str:
+    return (SMI / name).read_text()
+
+
+def tokens(topo: Topology) -> list[str]:
+    return [" ".join(topo.link(i, j).token for j in range(topo.n)) for i in range(topo.n)]
+
+
+def p2p_rows(topo: Topology) -> list[str]:
+    return [
+        "".join("1" if topo.link(i, j).p2p else "." for j in range(topo.n)) for i in range(topo.n)
+    ]
+
+
+# -- links ---------------------------------------------------------------------------------
+
+
+def test_link_kinds_are_ordered_best_first():
+    assert list(K) == sorted(K)
+    assert [k.name for k in K] == [
+        "SELF", "SAME_DEVICE", "NVLINK", "SAME_BOARD", "PIX", "PXB", "PHB", "NODE", "SYS",
+    ]  # fmt: skip
+
+
+def test_link_cost_follows_kind_and_nvlink_count():
+    best_to_worst = [
+        Link(K.SELF),
+        Link(K.SAME_DEVICE),
+        Link(K.NVLINK, 24),
+        Link(K.NVLINK, 12),
+        Link(K.NVLINK, 6),
+        Link(K.NVLINK, 2),
+        Link(K.NVLINK, 1),
+        Link(K.SAME_BOARD),
+        Link(K.PIX),
+        Link(K.PXB),
+        Link(K.PHB),
+        Link(K.NODE),
+        Link(K.SYS),
+    ]
+    costs = [link.cost for link in best_to_worst]
+    assert costs == sorted(costs) and len(set(costs)) == len(costs)
+    assert [link.rank for link in best_to_worst] == sorted(link.rank for link in best_to_worst)
+    assert Link(K.NVLINK, 2).cost == 24 and Link(K.NVLINK, 1).cost == 48
+    assert Link(K.PIX, p2p=False).cost == 2 * Link(K.PIX).cost
+    # More NVLinks never rank worse, even where the integer cost saturates.
+    ranks = [Link(K.NVLINK, m).rank for m in range(1, 40)]
+    assert ranks == sorted(ranks, reverse=True) and len(set(ranks)) == len(ranks)
+
+
+@pytest.mark.parametrize(
+    "kwargs, err",
+    [
+        (dict(kind=K.NVLINK, nvlinks=0), ValueError),
+        (dict(kind=K.PIX, nvlinks=2), ValueError),
+        (dict(kind=K.NVLINK, nvlinks=True), TypeError),
+        (dict(kind=K.NVLINK, nvlinks=2.0), TypeError),
+        (dict(kind=K.PIX, p2p=1), TypeError),
+        (dict(kind=K.SAME_DEVICE, p2p=False), ValueError),
+        (dict(kind=42), ValueError),
+    ],
+)
+def test_link_rejects_bad_fields(kwargs, err):
+    with pytest.raises(err):
+        Link(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "token, link",
+    [
+        ("X", Link(K.SELF)),
+        ("NV1", Link(K.NVLINK, 1)),
+        ("NV18", Link(K.NVLINK, 18)),
+        ("PIX", Link(K.PIX)),
+        ("PXB", Link(K.PXB)),
+        ("PHB", Link(K.PHB)),
+        ("NODE", Link(K.NODE)),
+        ("SYS", Link(K.SYS, p2p=False)),
+        ("SOC", Link(K.SYS, p2p=False)),
+        ("BRD", Link(K.SAME_BOARD)),
+        ("DEV", Link(K.SAME_DEVICE)),
+    ],
+)
+def test_link_tokens(token, link):
+    assert Link.from_token(token) == link
+    assert link.token == ("SYS" if token == "SOC" else token)
+    assert Link.from_token(link.token, link.p2p) == link
+
+
+@pytest.mark.parametrize("token", ["NV0", "NVX", "PCI", "", "N/A"])
+def test_link_unknown_token(token):
+    with pytest.raises(ValueError, match="accepted: X, NV#"):
+        Link.from_token(token)
+
+
+# -- the Topology value --------------------------------------------------------------------
+
+
+def test_constructor_validates():
+    s, p = Link(K.SELF), Link(K.PIX)
+    assert Topology([[s, p], [p, s]]).names == ("GPU0", "GPU1")
+    with pytest.raises(ValueError, match="at least one"):
+        Topology([])
+    with pytest.raises(ValueError, match="square"):
+        Topology([[s, p], [p]])
+    with pytest.raises(ValueError, match="symmetric"):
+        Topology([[s, p], [Link(K.PXB), s]])
+    with pytest.raises(ValueError, match="diagonal"):
+        Topology([[s, s], [s, s]])
+    with pytest.raises(ValueError, match="diagonal"):
+        Topology([[p, p], [p, p]])
+    with pytest.raises(TypeError, match="Link"):
+        Topology([[s, "PIX"], ["PIX", s]])
+    with pytest.raises(ValueError, match="3 names for 2"):
+        Topology([[s, p], [p, s]], names=["a", "b", "c"])
+
+
+def test_link_index_checks():
+    topo = Topology.preset("flat:3")
+    assert topo.link(0, 2) == Link(K.PIX)
+    with pytest.raises(ValueError, match=r"out of range for 3 devices \(0..2\)"):
+        topo.link(0, 3)
+    with pytest.raises(ValueError):
+        topo.link(-1, 0)
+    with pytest.raises(TypeError):
+        topo.link(0, True)
+
+
+def test_presets_listed_with_descriptions():
+    listed = Topology.presets()
+    assert {"dgx1", "nvswitch8", "k80x4", "pcie2s8", "flat:N"} <= set(listed)
+    for name, desc in listed.items():
+        assert isinstance(desc, str) and desc and "\n" not in desc, name
+        if name != "flat:N":
+            assert Topology.preset(name).n == 8
+
+
+def test_preset_dgx1_is_the_v100_hybrid_cube_mesh():
+    topo = Topology.preset("dgx1")
+    assert tokens(topo) == [
+        "X NV1 NV1 NV2 NV2 SYS SYS SYS",
+        "NV1 X NV2 NV1 SYS NV2 SYS SYS",
+        "NV1 NV2 X NV2 SYS SYS NV1 SYS",
+        "NV2 NV1 NV2 X SYS SYS SYS NV1",
+        "NV2 SYS SYS SYS X NV1 NV1 NV2",
+        "SYS NV2 SYS SYS NV1 X NV2 NV1",
+        "SYS SYS NV1 SYS NV1 NV2 X NV2",
+        "SYS SYS SYS NV1 NV2 NV1 NV2 X",
+    ]
+    # Six NVLinks per V100; peer access exactly where there is NVLink.
+    for i in range(8):
+        assert sum(topo.link(i, j).nvlinks for j in range(8)) == 6
+        for j in range(8):
+            assert topo.link(i, j).p2p == (topo.link(i, j).kind != K.SYS)
+
+
+def test_preset_k80x4_pcie2s8_nvswitch8_flat():
+    k80 = Topology.preset("k80x4")
+    assert [k80.link(i, i + 1).kind for i in range(0, 8, 2)] == [K.SAME_BOARD] * 4
+    assert k80.link(0, 2).kind == K.PHB and k80.link(5, 7).kind == K.PHB
+    assert p2p_rows(k80) == ["1111...."] * 4 + ["....1111"] * 4
+    pcie = Topology.preset("pcie2s8")
+    assert tokens(pcie)[0] == "X PIX PXB PXB SYS SYS SYS SYS"
+    assert tokens(pcie)[6] == "SYS SYS SYS SYS PXB PXB X PIX"
+    assert p2p_rows(pcie) == ["1111...."] * 4 + ["....1111"] * 4
+    nvs = Topology.preset("nvswitch8")
+    assert {nvs.link(i, j) for i in range(8) for j in range(8) if i != j} == {Link(K.NVLINK, 12)}
+    flat = Topology.preset("flat:5")
+    assert flat.n == 5 and {flat.link(i, j) for i in range(5) for j in range(5) if i != j} == {
+        Link(K.PIX)
+    }
+    assert Topology.preset("flat:1").n == 1
+
+
+@pytest.mark.parametrize("name", ["dgx2", "flat:0", "flat:", "flat:-3", "flat:x", "DGX1"])
+def test_preset_unknown(name):
+    with pytest.raises(ValueError, match="flat"):
+        Topology.preset(name)
+
+
+def test_preset_type_error():
+    with pytest.raises(TypeError):
+        Topology.preset(8)
+
+
+# -- nvidia-smi parsing ----------------------------------------------------------------------
+
+# What each sample file must parse to (GPU part of the matrix, row by row).
+EXPECTED = {
+    "dgx1_v100.txt": Topology.preset("dgx1"),
+    "dgx_a100.txt": Topology.preset("nvswitch8"),
+    "dgx1_p100_soc.txt": [
+        "X NV1 NV1 NV1 NV1 SYS SYS SYS",
+        "NV1 X NV1 NV1 SYS NV1 SYS SYS",
+        "NV1 NV1 X NV1 SYS SYS NV1 SYS",
+        "NV1 NV1 NV1 X SYS SYS SYS NV1",
+        "NV1 SYS SYS SYS X NV1 NV1 NV1",
+        "SYS NV1 SYS SYS NV1 X NV1 NV1",
+        "SYS SYS NV1 SYS NV1 NV1 X NV1",
+        "SYS SYS SYS NV1 NV1 NV1 NV1 X",
+    ],
+    "k80_8gpu_soc.txt": [
+        "X PIX PHB PHB SYS SYS SYS SYS",
+        "PIX X PHB PHB SYS SYS SYS SYS",
+        "PHB PHB X PIX SYS SYS SYS SYS",
+        "PHB PHB PIX X SYS SYS SYS SYS",
+        "SYS SYS SYS SYS X PIX PHB PHB",
+        "SYS SYS SYS SYS PIX X PHB PHB",
+        "SYS SYS SYS SYS PHB PHB X PIX",
+        "SYS SYS SYS SYS PHB PHB PIX X",
+    ],
+    "pcie_misaligned.txt": [
+        "X PIX NODE SYS",
+        "PIX X NODE SYS",
+        "NODE NODE X SYS",
+        "SYS SYS SYS X",
+    ],
+    "single_gpu.txt": ["X"],
+}
+P2P_FILES = {"k80_8gpu_p2p_read.txt"}  # `nvidia-smi topo -p2p r`, read with its topo file
+
+
+def test_every_sample_file_has_expectations():
+    assert {p.name for p in SMI.glob("*.txt")} == set(EXPECTED) | P2P_FILES
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_from_smi_sample(name):
+    topo = Topology.from_smi(read(name))
+    want = EXPECTED[name]
+    if isinstance(want, Topology):
+        assert topo == want
+    else:
+        assert tokens(topo) == want
+    assert topo.names == tuple(f"GPU{i}" for i in range(topo.n))
+    # Default peer access: everywhere but across sockets.
+    for i in range(topo.n):
+        for j in range(topo.n):
+            assert topo.link(i, j).p2p == (topo.link(i, j).kind != K.SYS)
+
+
+def test_from_smi_with_p2p_matrix():
+    topo = Topology.from_smi(read("k80_8gpu_soc.txt"), p2p=read("k80_8gpu_p2p_read.txt"))
+    assert p2p_rows(topo) == ["1111...."] * 4 + ["....1111"] * 4
+    # The p2p matrix, not the kind, decides: a machine with peer access across sockets.
+    text = "\tGPU0\tGPU1\nGPU0\t X \tSYS\nGPU1\tSYS\t X \n"
+    p2p = " \tGPU0\tGPU1\t\n GPU0\tX\tOK\t\n GPU1\tOK\tX\t\n"
+    assert Topology.from_smi(text, p2p=p2p).link(0, 1) == Link(K.SYS, p2p=True)
+    no = p2p.replace("OK", "CNS")
+    assert Topology.from_smi(text.replace("SYS", "PIX"), p2p=no).link(0, 1) == Link(
+        K.PIX, p2p=False
+    )
+
+
+HEADER = "\tGPU0\tGPU1\tGPU2\tmlx5_0\tCPU Affinity\n"
+GOOD_ROWS = [
+    "GPU0\t X \tNV2\tPIX\tPIX\t0-7\n",
+    "GPU1\tNV2\t X \tPHB\tPIX\t0-7\n",
+    "GPU2\tPIX\tPHB\t X \tSYS\t8-15\n",
+    "mlx5_0\tPIX\tPIX\tSYS\t X \n",
+]
+
+
+def smi(*rows: str) -> str:
+    return HEADER + "".join(rows) + "\nLegend:\n\n  X    = Self\n"
+
+
+def test_malformed_fixture_is_well_formed():
+    topo = Topology.from_smi(smi(*GOOD_ROWS))
+    assert tokens(topo) == ["X NV2 PIX", "NV2 X PHB", "PIX PHB X"]
+
+
+@pytest.mark.parametrize(
+    "row_at, bad_row, message",
+    [
+        (1, "GPU1\tNV2\t X \tFOO\tPIX\t0-7\n", r"unknown token 'FOO' in row GPU1, column GPU2"),
+        (1, "GPU1\tNV2\t X \tPHB\tQPI\t0-7\n", r"unknown token 'QPI' in row GPU1, column mlx5_0"),
+        (3, "mlx5_0\tPIX\tPIX\tSYS\t Y \n", r"unknown token 'Y' in row mlx5_0, column mlx5_0"),
+        (1, "GPU1\tNV2\t X \n", r"row GPU1 has 2 cells .* \(no cell for column GPU2\)"),
+        (1, "GPU1\tNV0\t X \tPHB\tPIX\n", r"unknown token 'NV0' in row GPU1, column GPU0"),
+        (1, "GPU1\tNV2\tPHB\tPHB\tPIX\n", r"row GPU1, column GPU1: 'X' belongs on the diagonal"),
+        (1, "GPU1\t X \tX\tPHB\tPIX\n", r"row GPU1, column GPU0: 'X' belongs on the diagonal"),
+        (1, "GPU1\tNV1\t X \tPHB\tPIX\n", r"not symmetric: row GPU1, column GPU0 is 'NV1' but"),
+        (1, "", r"no row for GPU1"),
+        (1, "GPU0\t X \tNV2\tPIX\tPIX\n", r"row GPU0 appears twice"),
+    ],
+)
+def test_from_smi_malformed(row_at, bad_row, message):
+    rows = list(GOOD_ROWS)
+    if row_at == 1 and bad_row.startswith("GPU0"):
+        rows.insert(1, bad_row)
+    else:
+        rows[row_at] = bad_row
+    with pytest.raises(ValueError, match=message):
+        Topology.from_smi(smi(*rows))
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "no matrix header"),
+        ("Legend:\n  X = Self\n", "no matrix header"),
+        ("\tGPU0\tGPU0\nGPU0\t X \n", "duplicate column"),
+    ],
+)
+def test_from_smi_no_matrix(text, message):
+    with pytest.raises(ValueError, match=message):
+        Topology.from_smi(text)
+
+
+def test_from_smi_bad_p2p():
+    text = "\tGPU0\tGPU1\nGPU0\t X \tPIX\nGPU1\tPIX\t X \n"
+    with pytest.raises(ValueError, match=r"unknown token 'YES' in row GPU1, column GPU0"):
+        Topology.from_smi(text, p2p="\tGPU0\tGPU1\nGPU0\tX\tOK\nGPU1\tYES\tX\n")
+    with pytest.raises(ValueError, match="p2p matrix names GPU0 GPU1 GPU2"):
+        Topology.from_smi(text, p2p=read("k80_8gpu_p2p_read.txt"))
+    with pytest.raises(ValueError, match="not symmetric"):
+        Topology.from_smi(text, p2p="\tGPU0\tGPU1\nGPU0\tX\tOK\nGPU1\tNS\tX\n")
+
+
+def test_from_smi_type_error():
+    with pytest.raises(TypeError, match="str"):
+        Topology.from_smi(b"\tGPU0\nGPU0\t X \n")
+
+
+# -- printing, JSON --------------------------------------------------------------------------
+
+
+def test_str_prints_like_nvidia_smi():
+    text = str(Topology.preset("dgx1"))
+    lines = text.splitlines()
+    assert lines[0].split() == [f"GPU{i}" for i in range(8)]
+    assert lines[1].split() == ["GPU0", "X", "NV1", "NV1", "NV2", "NV2", "SYS", "SYS", "SYS"]
+    assert "Legend:" in lines
+    assert any(line.strip().startswith("NV#") for line in lines)
+    assert "Peer access (nvidia-smi topo -p2p r):" in lines
+    assert "  PIX" not in text  # the legend names only kinds that occur
+    assert "Peer access" not in str(Topology.preset("nvswitch8"))
+
+
+@pytest.mark.parametrize("name", ["dgx1", "nvswitch8", "k80x4", "pcie2s8", "flat:3"])
+def test_str_reads_back(name):
+    topo = Topology.preset(name)
+    assert Topology.from_smi(str(topo)) == topo
+
+
+def test_str_reads_back_with_its_p2p_matrix():
+    s, dev = Link(K.SELF), Link(K.SAME_DEVICE)
+    odd_sys, odd_pix = Link(K.SYS, p2p=True), Link(K.PIX, p2p=False)
+    topo = Topology([[s, dev, odd_sys], [dev, s, odd_pix], [odd_sys, odd_pix, s]])
+    text = str(topo)
+    matrix, peer = text.split("Peer access")
+    assert Topology.from_smi(matrix, p2p=peer) == topo
+    assert Topology.from_smi(matrix) != topo
+
+
+_LINKS = st.one_of(
+    st.builds(Link, st.just(K.NVLINK), st.integers(1, 24), st.booleans()),
+    st.builds(
+        Link,
+        st.sampled_from([K.SAME_BOARD, K.PIX, K.PXB, K.PHB, K.NODE, K.SYS]),
+        st.just(0),
+        st.booleans(),
+    ),
+    st.just(Link(K.SAME_DEVICE)),
+)
+
+
+@st.composite
+def topologies(draw, max_n: int = 12) -> Topology:
+    n = draw(st.integers(1, max_n))
+    pairs = draw(st.lists(_LINKS, min_size=n * (n - 1) // 2, max_size=n * (n - 1) // 2))
+    links = [[Link(K.SELF)] * n for _ in range(n)]
+    it = iter(pairs)
+    for i in range(n):
+        for j in range(i + 1, n):
+            links[i][j] = next(it)
+    return Topology([[links[min(i, j)][max(i, j)] for j in range(n)] for i in range(n)])
+
+
+@settings(max_examples=40, deadline=None)
+@given(topologies())
+def test_json_round_trip(topo):
+    text = topo.to_json()
+    assert Topology.from_json(text) == topo
+    assert Topology.from_json(text).to_json() == text
+
+
+def test_json_keeps_names():
+    s, p = Link(K.SELF), Link(K.PXB, p2p=False)
+    topo = Topology([[s, p], [p, s]], names=["a", "b"])
+    assert Topology.from_json(topo.to_json()).names == ("a", "b")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("not json", "not a JSON topology"),
+        ("[]", "format"),
+        (json.dumps({"format": "nccltree.topology", "version": 2}), "version 2"),
+        (json.dumps({"format": "nccltree.topology", "version": 1, "links": [["X"]]}), "'p2p'"),
+        (
+            json.dumps(
+                {"format": "nccltree.topology", "version": 1, "links": [["Z"]], "p2p": [[True]]}
+            ),
+            "unknown link token 'Z'",
+        ),
+        (
+            json.dumps(
+                {
+                    "format": "nccltree.topology",
+                    "version": 1,
+                    "links": [["X", "PIX"]],
+                    "p2p": [[True]],
+                }
+            ),
+            "differ in shape",
+        ),
+    ],
+)
+def test_from_json_malformed(text, message):
+    with pytest.raises(ValueError, match=message):
+        Topology.from_json(text)
+
+
+def test_from_json_type_error():
+    with pytest.raises(TypeError):
+        Topology.from_json({"format": "nccltree.topology"})
+
+
+# -- detection -------------------------------------------------------------------------------
+
+
+def fake_devices(backend: str, physical: list[int]) -> list[SimpleNamespace]:
+    return [
+        SimpleNamespace(backend=backend, physical_id=p, index=i, name=f"{backend}{i}")
+        for i, p in enumerate(physical)
+    ]
+
+
+def test_detect_host_is_uniform():
+    topo = Topology.detect(fake_devices("host", [0, 1, 2]))
+    assert topo.n == 3 and topo.names == ("host0", "host1", "host2")
+    assert {topo.link(i, j) for i in range(3) for j in range(3) if i != j} == {Link(K.NODE)}
+
+
+def test_detect_real_host_devices(host_devs):
+    devs = host_devs(4)
+    topo = nt.Topology.detect(devs)
+    assert topo.n == 4
+    assert all(topo.link(i, j).p2p for i in range(4) for j in range(4))
+    assert nt.build_tree(topo).depth == 2
+
+
+def test_detect_rejects():
+    with pytest.raises(ValueError, match="at least one"):
+        Topology.detect([])
+    with pytest.raises(ValueError, match="one backend"):
+        Topology.detect(fake_devices("host", [0]) + fake_devices("cuda", [0]))
+    with pytest.raises(ValueError, match="unknown backend 'tpu'"):
+        Topology.detect(fake_devices("tpu", [0]))
+
+
+class FakeNVMLError(Exception):
+    pass
+
+
+def fake_machine(monkeypatch):
+    """Four GPUs as CUDA numbers them 0..3, listed by NVML in another (PCI) order.
+
+    Sockets: CUDA 0, 2, 3 and CUDA 1, 4, 5. CUDA 0-1: two direct NVLinks across the
+    sockets. CUDA 2-3: one K80-style board. CUDA 4-5: twelve NVLinks each into NVSwitch.
+    Peer access within a socket and over NVLink.
+    """
+    bus = [
+        "0000:3B:00.0",
+        "0000:1A:00.0",
+        "0000:86:00.0",
+        "0000:87:00.0",
+        "0000:B1:00.0",
+        "0000:B2:00.0",
+    ]
+    nvml_bus = {b: "0000" + b for b in bus}  # NVML writes an 8-digit domain
+    links = {0: [bus[1], bus[1]], 1: [bus[0], bus[0]], 4: ["switch"] * 12, 5: ["switch"] * 12}
+    board = {2: 7, 3: 7}
+    socket = {0: 0, 1: 1, 2: 0, 3: 0, 4: 1, 5: 1}
+
+    def handle_of(bus_id):
+        for k, b in enumerate(bus):
+            if bus_id in (b, nvml_bus[b]):
+                return k
+        raise FakeNVMLError("not found")
+
+    def need_nvlink(h, link):
+        if link >= len(links.get(h, [])):
+            raise FakeNVMLError("not supported")
+        return links[h][link]
+
+    def p2p_status(a, b, index):
+        if index == 2:  # NVLink
+            return 0 if {a, b} <= {4, 5} else 3
+        if index != 0:
+            raise AssertionError(f"peer read status asked with index {index!r}")
+        return 0 if socket[a] == socket[b] or {a, b} in ({0, 1}, {4, 5}) else 2
+
+    def ancestor(a, b):
+        if board.get(a) is not None and board.get(a) == board.get(b):
+            return 0
+        return 40 if socket[a] == socket[b] else 50
+
+    calls = []
+    nvml = types.ModuleType("pynvml")
+    nvml.NVMLError = FakeNVMLError
+    nvml.NVML_NVLINK_MAX_LINKS = 18
+    nvml.nvmlInit = lambda: calls.append("init")
+    nvml.nvmlShutdown = lambda: calls.append("shutdown")
+    nvml.nvmlDeviceGetHandleByPciBusId = handle_of
+    nvml.nvmlDeviceGetNvLinkState = lambda h, link: 1 if need_nvlink(h, link) else 0
+    nvml.nvmlDeviceGetNvLinkRemoteDeviceType = lambda h, link: (
+        2 if need_nvlink(h, link) == "switch" else 0
+    )
+    nvml.nvmlDeviceGetNvLinkRemotePciInfo = lambda h, link: SimpleNamespace(
+        busId=nvml_bus[need_nvlink(h, link)].encode()
+    )
+    nvml.nvmlDeviceGetMultiGpuBoard = lambda h: int(h in board)
+    nvml.nvmlDeviceGetBoardId = lambda h: board[h]
+    nvml.nvmlDeviceGetP2PStatus = p2p_status
+    nvml.nvmlDeviceGetTopologyCommonAncestor = ancestor
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+
+    runtime = SimpleNamespace(
+        deviceGetPCIBusId=lambda k: bus[k],
+        deviceCanAccessPeer=lambda a, b: int(socket[a] == socket[b]),
+    )
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = SimpleNamespace(runtime=runtime)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    return calls
+
+
+def test_detect_cuda_through_nvml(monkeypatch):
+    calls = fake_machine(monkeypatch)
+    topo = Topology.detect(fake_devices("cuda", [0, 1, 2, 3, 1, 4, 5]))
+    assert tokens(topo) == [
+        "X NV2 NODE NODE NV2 SYS SYS",
+        "NV2 X SYS SYS DEV NODE NODE",
+        "NODE SYS X BRD SYS SYS SYS",
+        "NODE SYS BRD X SYS SYS SYS",
+        "NV2 DEV SYS SYS X NODE NODE",
+        "SYS NODE SYS SYS NODE X NV12",
+        "SYS NODE SYS SYS NODE NV12 X",
+    ]
+    # Peer access as NVML reports it, not as the kind suggests (NVLink across sockets).
+    assert p2p_rows(topo) == [
+        "11111..",
+        "11..111",
+        "1.11...",
+        "1.11...",
+        "11..111",
+        ".1..111",
+        ".1..111",
+    ]
+    assert calls == ["init", "shutdown"]
+
+
+def test_detect_cuda_without_nvml_warns_and_uses_peer_access(monkeypatch):
+    fake_machine(monkeypatch)
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
+    with pytest.warns(RuntimeWarning, match="NVML is not available"):
+        topo = Topology.detect(fake_devices("cuda", [0, 2, 1, 0]))
+    assert tokens(topo) == [
+        "X PHB SYS DEV",
+        "PHB X SYS PHB",
+        "SYS SYS X SYS",
+        "DEV PHB SYS X",
+    ]
+    assert not topo.link(0, 2).p2p
+
+
+def test_detect_cuda_nvml_init_failure_falls_back(monkeypatch):
+    fake_machine(monkeypatch)
+
+    def broken():
+        raise FakeNVMLError("driver not loaded")
+
+    monkeypatch.setattr(sys.modules["pynvml"], "nvmlInit", broken)
+    with pytest.warns(RuntimeWarning, match="driver not loaded"):
+        topo = Topology.detect(fake_devices("cuda", [0, 1]))
+    assert topo.link(0, 1) == Link(K.SYS, p2p=False)
+
+
+def test_detect_cuda_without_cupy(monkeypatch):
+    fake_machine(monkeypatch)
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    with pytest.raises(nt.BackendUnavailable, match="CuPy"):
+        Topology.detect(fake_devices("cuda", [0, 1]))
+
+
+@pytest.mark.gpu
+def test_detect_real_gpu_shared_by_two_ranks():
+    devs = nt.devices("gpu:0,0")
+    try:
+        topo = nt.Topology.detect(devs)
+    finally:
+        devs[0].runtime.shutdown()
+    assert topo.link(0, 1) == Link(K.SAME_DEVICE)
+
+
+@pytest.mark.multi_gpu(2)
+def test_detect_real_gpus():
+    devs = nt.devices("gpu:all")
+    try:
+        topo = nt.Topology.detect(devs)
+    finally:
+        devs[0].runtime.shutdown()
+    assert topo.n == len(devs)
+    for i in range(topo.n):
+        for j in range(topo.n):
+            assert (topo.link(i, j).kind == K.SELF) == (i == j)

@@ -1,8 +1,8 @@
 /* nccltree host kernels: C11 + OpenMP.
  *
  * Structure: each public entry point checks its arguments, fills an nt_job and hands a
- * range function to nt_run, which splits [0, n) into one contiguous, statically chosen
- * chunk per thread.  Range functions are generated per (op, dtype, k) by macros, so the
+ * range function to nt_run, which runs it on [0, n) on the calling thread, or splits
+ * [0, n) into fixed blocks that an OpenMP team takes on demand.  Range functions are generated per (op, dtype, k) by macros, so the
  * inner loop has no branch on the op, the dtype or the number of sources and the compiler
  * vectorises it with the portable baseline instruction set (-O3, no -march=native).
  */
@@ -26,7 +26,8 @@
 #define NT_FORK_GUARD 1
 #endif
 
-/* Work per thread below which waking another thread costs more than it saves. */
+/* Work per thread below which waking another thread costs more than it saves; also the
+   block size of the parallel loop (64 KiB of float32, 256 KiB of a copy). */
 #define NT_GRAIN_ELEMS ((int64_t)16384)
 #define NT_GRAIN_BYTES ((int64_t)1 << 18)
 
@@ -69,14 +70,13 @@ static void nt_run(nt_range_fn fn, const nt_job *job, int64_t n, int64_t grain, 
     atomic_store_explicit(&nt_pool_started, 1, memory_order_relaxed);
 #endif
 #ifdef _OPENMP
-#pragma omp parallel num_threads(nt)
-    {
-        int64_t t = omp_get_thread_num(), m = omp_get_num_threads();
-        /* chunks are multiples of 64 elements so no two threads write one cache line */
-        int64_t chunk = ((n + m - 1) / m + 63) & ~(int64_t)63;
-        int64_t lo = t * chunk, hi = lo + chunk;
-        if (hi > n) hi = n;
-        if (lo < hi) fn(job, lo, hi);
+    /* blocks handed out on demand: if another process holds one of our cores, the threads
+       that do run take over its share instead of the whole call waiting for it */
+    const int64_t nblocks = (n + grain - 1) / grain;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t b = 0; b < nblocks; ++b) {
+        int64_t lo = b * grain, hi = lo + grain;
+        fn(job, lo, hi < n ? hi : n);
     }
 #else
     fn(job, 0, n);

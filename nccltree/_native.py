@@ -213,9 +213,12 @@ def _addr(x: np.ndarray) -> int:
 
 
 def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
+    return _overlap_at(_addr(a), a.nbytes, _addr(b), b.nbytes)
+
+
+def _overlap_at(pa: int, na: int, pb: int, nb: int) -> bool:
     # contiguous arrays: byte ranges decide it exactly and cheaply
-    pa, pb = _addr(a), _addr(b)
-    return a.nbytes > 0 and b.nbytes > 0 and pa < pb + b.nbytes and pb < pa + a.nbytes
+    return na > 0 and nb > 0 and pa < pb + nb and pb < pa + na
 
 
 # ---- wrappers ----
@@ -241,11 +244,12 @@ def reduce_n(
         raise ValueError(f"reduce_n takes 1 to {MAX_SOURCES} sources, got {k}")
     ptrs = (ctypes.c_void_p * k)()
     dst_addr = _addr(dst)
+    nbytes = dst.nbytes
     for j, s in enumerate(srcs):
         s = _array(s, f"srcs[{j}]")
         _same(s, dst, f"srcs[{j}]", "dst")
         addr = ptrs[j] = _addr(s)
-        if addr != dst_addr and _overlap(s, dst):
+        if addr != dst_addr and _overlap_at(addr, nbytes, dst_addr, nbytes):
             raise ValueError(f"srcs[{j}] partially overlaps dst (only the same memory is allowed)")
     nthreads = _threads(nthreads)
     check(library().nt_reduce_n(code, dtype, dst_addr, ptrs, k, dst.size, nthreads), "reduce_n")
@@ -310,8 +314,9 @@ def copy(dst: np.ndarray, src: np.ndarray, nthreads: int = 1) -> np.ndarray:
     dst = _array(dst, "dst", writable=True)
     src = _array(src, "src")
     _same(src, dst, "src", "dst")
-    if _addr(src) != _addr(dst) and _overlap(src, dst):
+    pd, ps, nbytes = _addr(dst), _addr(src), dst.nbytes
+    if ps != pd and _overlap_at(ps, nbytes, pd, nbytes):
         raise ValueError("src partially overlaps dst")
     nthreads = _threads(nthreads)
-    check(library().nt_copy(_addr(dst), _addr(src), dst.nbytes, nthreads), "copy")
+    check(library().nt_copy(pd, ps, nbytes, nthreads), "copy")
     return dst

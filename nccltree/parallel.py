@@ -60,7 +60,11 @@ class RankFailure(NcclTreeError):
 def per_rank_batch(batch_size: int, ranks: int, scaling: str = "weak") -> int:
     """The batch each rank computes: ``batch_size`` (weak) or ``batch_size / ranks``
     (strong; ValueError when it does not divide evenly)."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+    if (
+        isinstance(batch_size, bool)
+        or not isinstance(batch_size, (int, np.integer))
+        or batch_size < 1
+    ):
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if scaling not in SCALING_MODES:
         raise ValueError(f"scaling must be one of {', '.join(SCALING_MODES)}; got {scaling!r}")
@@ -130,8 +134,13 @@ class Snapshot:
     config: dict[str, Any]
 
 
-def save_snapshot(path: str | os.PathLike, params: Mapping[str, np.ndarray], solver_state: Mapping[str, Any],
-                  position: int | None, config: Mapping[str, Any] | None = None) -> None:
+def save_snapshot(
+    path: str | os.PathLike,
+    params: Mapping[str, np.ndarray],
+    solver_state: Mapping[str, Any],
+    position: int | None,
+    config: Mapping[str, Any] | None = None,
+) -> None:
     """Write a snapshot atomically: a temporary file in the same directory, then
     ``os.replace``, so an interrupted write never destroys the previous snapshot.
 
@@ -168,28 +177,34 @@ def load_snapshot(path: str | os.PathLike) -> Snapshot:
     fmt = arrays.get("meta/format")
     if fmt is None or str(fmt) != SNAPSHOT_FORMAT:
         raise ValueError(f"{path} is not an nccltree snapshot ({SNAPSHOT_FORMAT})")
-    params = {k[len("param/"):]: v for k, v in arrays.items() if k.startswith("param/")}
+    params = {k[len("param/") :]: v for k, v in arrays.items() if k.startswith("param/")}
     pos = int(arrays["data/position"])
-    return Snapshot(params, int(arrays["solver/iter"]), arrays["solver/history"],
-                    None if pos < 0 else pos, json.loads(str(arrays["meta/config"])))
+    return Snapshot(
+        params,
+        int(arrays["solver/iter"]),
+        arrays["solver/history"],
+        None if pos < 0 else pos,
+        json.loads(str(arrays["meta/config"])),
+    )
 
 
 # -- evaluation --------------------------------------------------------------------------
 
 
-def evaluate(model: Model, params: FlatParams, x: np.ndarray, y: np.ndarray,
-             batch_size: int = 1024) -> tuple[float, float]:
+def evaluate(
+    model: Model, params: FlatParams, x: np.ndarray, y: np.ndarray, batch_size: int = 1024
+) -> tuple[float, float]:
     """``(accuracy, mean loss)`` of ``model`` with ``params`` on the arrays ``x``, ``y``."""
     n = len(y)
     if n == 0:
         raise ValueError("evaluation needs at least one example")
     correct, loss = 0, 0.0
     for i in range(0, n, batch_size):
-        logits = model.forward(params, x[i:i + batch_size])
+        logits = model.forward(params, x[i : i + batch_size])
         if not isinstance(logits, np.ndarray):
             logits = logits.get()  # a CuPy array
         logits = logits.astype(np.float64)
-        yb = np.asarray(y[i:i + batch_size])
+        yb = np.asarray(y[i : i + batch_size])
         correct += int((logits.argmax(axis=1) == yb).sum())
         logits -= logits.max(axis=1, keepdims=True)
         logz = np.log(np.exp(logits).sum(axis=1))
@@ -296,16 +311,23 @@ class DataParallel:
 
         if not isinstance(model, Model):
             raise TypeError(f"model must be an nccltree Model, got {type(model).__name__}")
+        self._owns_devices = isinstance(devices, str)  # then close() shuts them down
         if isinstance(devices, str):
             devices = make_devices(devices)
         devices = list(devices)
         if not devices:
             raise ValueError("DataParallel needs at least one device")
         if update_mode not in UPDATE_MODES:
-            raise ValueError(f"update_mode must be one of {', '.join(UPDATE_MODES)}; got {update_mode!r}")
+            raise ValueError(
+                f"update_mode must be one of {', '.join(UPDATE_MODES)}; got {update_mode!r}"
+            )
         if algorithm not in ALGORITHM_CHOICES:
-            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHM_CHOICES)}; got {algorithm!r}")
-        if blas_threads is not None and (isinstance(blas_threads, bool) or not isinstance(blas_threads, int) or blas_threads < 1):
+            raise ValueError(
+                f"algorithm must be one of {', '.join(ALGORITHM_CHOICES)}; got {algorithm!r}"
+            )
+        if blas_threads is not None and (
+            isinstance(blas_threads, bool) or not isinstance(blas_threads, int) or blas_threads < 1
+        ):
             raise ValueError(f"blas_threads must be None or an int >= 1, got {blas_threads!r}")
         if grad_hook is not None and not callable(grad_hook):
             raise TypeError("grad_hook must be callable(rank, iteration, params)")
@@ -327,6 +349,7 @@ class DataParallel:
         self.last_snapshot: str | None = None
         self._world: Any = None
         self._run: _Run | None = None
+        self._restored = False
 
     # -- properties and state -------------------------------------------------------------
     @property
@@ -340,7 +363,8 @@ class DataParallel:
 
     def world(self) -> Any:
         """The World the ranks communicate through (created on first use)."""
-        if self._world is None or self._world._closed:
+        # a World aborted by a failed rank or closed by stop() is closed for good
+        if self._world is None or self._world.aborted:
             from .comm import World
 
             self._world = World(self.devices, algorithm=self.algorithm, timeout=self.timeout)
@@ -356,8 +380,9 @@ class DataParallel:
         Call it between iterations: from ``fit``'s ``on_step`` (the root's thread) or when
         no ``fit`` is running.
         """
-        save_snapshot(path, self.params[0].state_dict(), self.solvers[0].state_dict(),
-                      self.position, config)
+        save_snapshot(
+            path, self.params[0].state_dict(), self.solvers[0].state_dict(), self.position, config
+        )
         self.last_snapshot = os.fspath(path)
 
     def restore(self, snap: Snapshot | str | os.PathLike) -> Snapshot:
@@ -375,6 +400,7 @@ class DataParallel:
             s.load_state_dict(state)
         self.solvers[0].load_state_dict(state)
         self.position = snap.position
+        self._restored = snap.position is not None  # the next fit checks its reader's start
         return snap
 
     def stop(self) -> None:
@@ -384,15 +410,19 @@ class DataParallel:
         if run is None or run.stop.is_set():
             return
         run.stop.set()
-        world = self._world
+        world, self._world = self._world, None  # the next fit makes a fresh one
         if world is not None:
             world.close()  # wakes every rank waiting in a collective
 
     def close(self) -> None:
-        """Release the World (streams, communicators)."""
+        """Release the World (streams, communicators), and the devices if they were
+        made from a spec string."""
         if self._world is not None:
             self._world.close()
             self._world = None
+        if self._owns_devices:
+            self.devices[0].runtime.shutdown()
+            self._owns_devices = False
 
     def __enter__(self) -> DataParallel:
         return self
@@ -427,15 +457,21 @@ class DataParallel:
         if ranks != self.size:
             raise ValueError(f"the data serve {ranks} ranks, the driver has {self.size} devices")
         start = getattr(data, "start", None)
-        if self.position is not None and start is not None and start != self.position:
+        if self._restored and start is not None and start != self.position:
             raise ValueError(
                 f"the data start at position {start}, but the restored state continues at "
                 f"{self.position}: create the reader with start={self.position}"
             )
+        self._restored = False
         if self.position is None and start is not None:
             self.position = int(start)
-        result = FitResult(start_iter=self.iter, iter=self.iter, position=self.position,
-                           rank_comm_s=[0.0] * self.size, rank_step_s=[0.0] * self.size)
+        result = FitResult(
+            start_iter=self.iter,
+            iter=self.iter,
+            position=self.position,
+            rank_comm_s=[0.0] * self.size,
+            rank_step_s=[0.0] * self.size,
+        )
         if iters <= self.iter:
             return result
         world = self.world() if self.comm_enabled or self.size > 1 else None
@@ -461,9 +497,16 @@ class DataParallel:
             return self.blas_threads
         return max(1, (os.cpu_count() or 1) // self.size)
 
-    def _launch(self, world: Any, run: _Run, data: Any, iters: int,
-                on_step: Callable[[StepInfo], None] | None, result: FitResult,
-                t_start: float) -> None:
+    def _launch(
+        self,
+        world: Any,
+        run: _Run,
+        data: Any,
+        iters: int,
+        on_step: Callable[[StepInfo], None] | None,
+        result: FitResult,
+        t_start: float,
+    ) -> None:
         def body(comm: Any) -> None:
             r = comm.rank
             try:
@@ -500,13 +543,25 @@ class DataParallel:
             raise RankFailure(rank, self.size, err) from err
         result.stopped = run.stop.is_set()
 
-    def _rank_loop(self, comm: Any, r: int, run: _Run, data: Any, iters: int,
-                   on_step: Callable[[StepInfo], None] | None, result: FitResult,
-                   t_start: float) -> None:
+    def _rank_loop(
+        self,
+        comm: Any,
+        r: int,
+        run: _Run,
+        data: Any,
+        iters: int,
+        on_step: Callable[[StepInfo], None] | None,
+        result: FitResult,
+        t_start: float,
+    ) -> None:
         params, solver, model = self.params[r], self.solvers[r], self.model
         sync: AllReduceSync | RootSync | None = None
         if self.comm_enabled:
-            sync = RootSync(comm, params) if self.update_mode == "root" else AllReduceSync(comm, params)
+            sync = (
+                RootSync(comm, params)
+                if self.update_mode == "root"
+                else AllReduceSync(comm, params)
+            )
             # allreduce mode: make the replicas equal once; root mode does it every on_start
             if self.update_mode == "allreduce":
                 comm.broadcast(params.data, root=0)
@@ -558,8 +613,19 @@ class DataParallel:
             result.comm_times.append(comm_s)
             result.examples += examples
             if on_step is not None:
-                on_step(StepInfo(solver.iter, mean_loss, lr, examples, step_s, comm_s,
-                                 time.perf_counter() - t_start, self.position, params))
+                on_step(
+                    StepInfo(
+                        solver.iter,
+                        mean_loss,
+                        lr,
+                        examples,
+                        step_s,
+                        comm_s,
+                        time.perf_counter() - t_start,
+                        self.position,
+                        params,
+                    )
+                )
         if self.root_updates:
             # the last update lives on the root only: share it so every replica ends equal
             sync._timed(comm.broadcast, params.data, root=0)

@@ -24,7 +24,7 @@ class LinkKind(IntEnum):
     """How two devices are connected, ordered from best (fastest) to worst."""
 
     SELF = 0  #: a device and itself (the diagonal)
-    SAME_DEVICE = 1  #: two logical ranks on one physical GPU
+    SAME_DEVICE = 1  #: ranks on one physical GPU, or virtual host devices in one memory
     NVLINK = 2  #: NVLink, directly or through NVSwitch (``Link.nvlinks`` says how many)
     SAME_BOARD = 3  #: the two GPUs of a multi-GPU board such as the K80
     PIX = 4  #: through at most one PCIe switch
@@ -69,7 +69,7 @@ _ACCEPTED = "X, NV#, BRD, DEV, PIX, PXB, PHB, NODE, SYS, SOC"
 
 _LEGEND = {
     LinkKind.SELF: "X    = Self",
-    LinkKind.SAME_DEVICE: "DEV  = Same physical device (several ranks on one GPU)",
+    LinkKind.SAME_DEVICE: "DEV  = Same physical device (ranks sharing one GPU, or host memory)",
     LinkKind.NVLINK: "NV#  = Connection traversing a bonded set of # NVLinks",
     LinkKind.SAME_BOARD: "BRD  = Same multi-GPU board (nvidia-smi prints PIX)",
     LinkKind.PIX: "PIX  = Connection traversing at most a single PCIe bridge",
@@ -367,7 +367,7 @@ class Topology:
     def detect(cls, devices: Sequence[Any]) -> Topology:
         """The topology of ``devices`` (as ``nt.devices`` returns them, one backend).
 
-        Host devices share one memory: a uniform topology (``NODE``, peer access). CUDA
+        Host devices are ranks in one memory: every pair SAME_DEVICE (``DEV``). CUDA
         devices are read through NVML; logical ranks on one physical GPU are linked as
         SAME_DEVICE. Without NVML, peer access comes from CuPy and the link kinds are
         guessed (``PHB`` with peer access, ``SYS`` without), with a warning.
@@ -383,7 +383,7 @@ class Topology:
         backend = backends.pop()
         names = [str(getattr(d, "name", f"dev{i}")) for i, d in enumerate(devices)]
         if backend == "host":
-            topo = cls.uniform(len(devices), Link(LinkKind.NODE))
+            topo = cls.uniform(len(devices), Link(LinkKind.SAME_DEVICE))
             return cls([list(row) for row in topo._links], names)
         if backend == "cuda":
             return cls(_detect_cuda([int(d.physical_id) for d in devices]), names)

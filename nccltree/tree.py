@@ -15,14 +15,18 @@ level:
 
 - at most ``EXACT_LEADERS`` (8) leaders: an exact search over every level-by-level
   pairing, memoised on the set of leaders left (the cost of the levels above depends on
-  nothing else). For N <= 8 the tree is therefore optimal; ties are broken by the
-  smallest sequence of (parent, child) edges, level 0 first, so the result is
-  deterministic and, on uniform topologies, the binomial tree rooted at 0.
-- more leaders: one level at a time, a minimum-cost pairing (exact over bitmasks up to
-  ``MATCHING_DP_LEADERS`` (16) leaders, greedy by link rank plus pair-swapping
-  improvement beyond), where of each pair the member better connected to the other
-  leaders stays; once 8 or fewer leaders remain, the exact search finishes the tree.
-  This is a heuristic: optimal per level, not necessarily over the whole tree.
+  nothing else). For N <= 8 the tree is therefore optimal (tests compare it with brute
+  force). Ties go to the smallest sequence of (parent, child) edges, level 0 first,
+  counted from the root: on a uniform topology the binomial tree.
+- more leaders (a heuristic): the first levels one at a time — a minimum-cost pairing
+  (exact over bitmasks up to ``MATCHING_DP_LEADERS`` leaders, else greedy by link rank
+  then partner swaps), the member of a pair with the cheaper links to the other leaders
+  staying. The level that leaves <= 8 leaders is judged with the exact search of the
+  rest: every choice of the one who waits (odd counts, up to ``ODD_TRIALS_LEADERS``),
+  partner exchanges (up to ``REPAIR_TRIALS_LEADERS``), pairs turned around. Last, a
+  local search over the whole tree (``_improve``). Nested hierarchies (switches in
+  sockets in nodes, in any rank order) come out optimal up to 64 ranks; on random link
+  matrices of 9-11 ranks the cost averaged 0.1-2 % above the optimum.
 
 ``root=r`` keeps ``r`` the leader of every pair it is in, so it ends as the overall root.
 """
@@ -311,7 +315,7 @@ def _stay_order(
 
 def _stay_key(
     x: int, partner: int, leaders: tuple[int, ...], cost: list[list[int]]
-) -> tuple[int, int]:
+) -> tuple[list[int], int]:
     """Who of a pair stays: the one better connected to the leaders of the next levels
     (its cheapest links first)."""
     return (sorted(cost[x][y] for y in leaders if y not in (x, partner)), x)

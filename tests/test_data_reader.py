@@ -262,12 +262,13 @@ def test_waiting_is_counted_and_logged(db10, caplog):
     with DataReader(db10, 2, 2, prefetch=1, log_on_wait="rank {rank} starves") as r:
         held = r.next_batch(0)  # rank 0 keeps its only buffer, so the reader stalls
         r.next_batch(1).release()
+        waited = r.stats()["wait_s"][1]
         with caplog.at_level("INFO", logger="nccltree.queue"):
             with pytest.raises(TimeoutError, match="rank 1"):
                 r.next_batch(1, timeout=0.05)
         assert "rank 1 starves" in caplog.text
         st = r.stats()
-        assert st["wait_s"][1] > 0 and st["wait_s"][0] == 0
+        assert st["wait_s"][1] > waited
         assert st["batches_served"] == [1, 1]
         held.release()
         r.next_batch(1, timeout=10).release()
@@ -290,7 +291,7 @@ def test_close_wakes_a_waiting_rank(db10):
 
     t = threading.Thread(target=rank1)
     t.start()
-    wait_for(lambda: r.stats()["wait_s"][1] > 0 or caught, "rank 1 to wait")
+    wait_for(lambda: r.stats()["waiting"][1] or caught, "rank 1 to wait")
     r.close()
     t.join(10)
     assert not t.is_alive()
@@ -389,7 +390,7 @@ def _raw_db(path, values) -> None:
 @pytest.mark.parametrize("size", [4, 20000])  # the small- and the large-record path
 def test_undecodable_record_is_raised_with_its_key(tmp_path, size):
     good = [encode_record(np.full(size, i, np.uint8), i) for i in range(6)]
-    good[4] = good[4][: len(good[4]) // 2]
+    good[4] = good[4][:-1]  # truncated
     _raw_db(tmp_path / "db", good)
     with DataReader(tmp_path / "db", 2, 1) as r:
         assert r.next_batch().y.tolist() == [0, 1]  # batches before the bad one are fine

@@ -462,7 +462,7 @@ def fake_devices(backend: str, physical: list[int]) -> list[SimpleNamespace]:
 def test_detect_host_is_uniform():
     topo = Topology.detect(fake_devices("host", [0, 1, 2]))
     assert topo.n == 3 and topo.names == ("host0", "host1", "host2")
-    assert {topo.link(i, j) for i in range(3) for j in range(3) if i != j} == {Link(K.NODE)}
+    assert {topo.link(i, j) for i in range(3) for j in range(3) if i != j} == {Link(K.SAME_DEVICE)}
 
 
 def test_detect_real_host_devices(host_devs):
@@ -638,3 +638,54 @@ def test_detect_real_gpus():
     for i in range(topo.n):
         for j in range(topo.n):
             assert (topo.link(i, j).kind == K.SELF) == (i == j)
+
+
+_DEFAULT_P2P_LINKS = st.one_of(
+    st.builds(Link, st.just(K.NVLINK), st.integers(1, 24)),
+    st.sampled_from([Link(k) for k in (K.SAME_DEVICE, K.SAME_BOARD, K.PIX, K.PXB, K.PHB, K.NODE)]),
+    st.just(Link(K.SYS, p2p=False)),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_from_smi_any_layout(data):
+    """Whatever the whitespace, NIC columns and trailing columns, cells map by order."""
+    n = data.draw(st.integers(1, 10))
+    nics = data.draw(st.integers(0, 3))
+    gap = st.sampled_from([" ", "  ", "\t", " \t", "\t\t", "    "])
+    links = [[Link(K.SELF)] * n for _ in range(n)]
+    for i in range(n):
+        for j in range(i + 1, n):
+            links[i][j] = links[j][i] = data.draw(_DEFAULT_P2P_LINKS)
+    topo = Topology(links)
+    names = [f"GPU{i}" for i in range(n)] + [f"NIC{k}" for k in range(nics)]
+    trailing = data.draw(
+        st.sampled_from(["", "CPU Affinity", "CPU Affinity\tNUMA Affinity\tGPU NUMA ID"])
+    )
+
+    def line(cells: list[str]) -> str:
+        return data.draw(st.sampled_from(["", " ", "\t"])) + "".join(
+            c + data.draw(gap) for c in cells
+        )
+
+    text = ["$ nvidia-smi topo -m", line(names) + trailing]
+    for i in range(n):
+        cells = [" X " if i == j else links[i][j].token for j in range(n)]
+        cells += [
+            data.draw(st.sampled_from(["PIX", "PXB", "NODE", "SYS", "SOC"])) for _ in range(nics)
+        ]
+        extra = {"": [], "CPU Affinity": ["0-7"]}.get(trailing, ["0-7,16-23", "0", "N/A"])
+        text.append(line([f"GPU{i}", *cells, *extra]))
+    for k in range(nics):
+        text.append(
+            line([f"NIC{k}"] + ["PIX"] * n + ["X" if k == m else "SYS" for m in range(nics)])
+        )
+    text += [
+        "",
+        "Legend:",
+        "",
+        "  X    = Self",
+        "  NV#  = Connection traversing a bonded set of # NVLinks",
+    ]
+    assert Topology.from_smi("\n".join(text)) == topo

@@ -277,21 +277,51 @@ def _op_wait(core: _Core, seq: int) -> None:
     core.wait_for(seq, _wait_timeout)
 
 
+# Below this many bytes numpy's ufuncs beat a native call: the work is a few cache lines
+# and the ctypes call plus its argument checks dominate. Results are bitwise the same (both
+# combine sources left to right, rounding to the dtype after each step, no FMA), except for
+# float16, which the native kernels accumulate in float32 and therefore always run.
+SMALL_BYTES = 16 << 10
+_UFUNCS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+
+
 def _op_copy(dev: HostDevice, dst: np.ndarray, src: np.ndarray, rec: tuple | None) -> None:
-    _nat().copy(dst, src, nthreads=dev.threads)
+    if dst.nbytes <= SMALL_BYTES:
+        np.copyto(dst, src)
+    else:
+        _nat().copy(dst, src, nthreads=dev.threads)
     if rec is not None:
         _record(rec[0], rec[1], dst.nbytes, "copy")
 
 
 def _op_reduce(dev: HostDevice, dst: np.ndarray, srcs: list, op: str, reads: list) -> None:
-    nat = _nat()
-    # the native kernel takes up to 8 sources; longer lists are folded in chunks of 7 more
-    # into the running result, which keeps the order of the sum fixed
-    nat.reduce_n(dst, srcs[:8], op=op, nthreads=dev.threads)
-    for i in range(8, len(srcs), 7):
-        nat.reduce_n(dst, [dst, *srcs[i : i + 7]], op=op, nthreads=dev.threads)
+    if dst.nbytes <= SMALL_BYTES and dst.dtype != np.float16:
+        _small_reduce(dst, srcs, _UFUNCS[op])
+    else:
+        nat = _nat()
+        # the native kernel takes up to 8 sources; longer lists are folded in chunks of 7
+        # more into the running result, which keeps the order of the sum fixed
+        nat.reduce_n(dst, srcs[:8], op=op, nthreads=dev.threads)
+        for i in range(8, len(srcs), 7):
+            nat.reduce_n(dst, [dst, *srcs[i : i + 7]], op=op, nthreads=dev.threads)
     for src_index, dst_index, nbytes in reads:
         _record(src_index, dst_index, nbytes, "peer_read")
+
+
+def _small_reduce(dst: np.ndarray, srcs: list, ufunc: Any) -> None:
+    """``dst = ufunc(...ufunc(srcs[0], srcs[1])..., srcs[-1])`` with numpy, left to right."""
+    if len(srcs) == 1:
+        if srcs[0] is not dst:
+            np.copyto(dst, srcs[0])
+        return
+    # dst may be one of the sources: only the first may be overwritten before it is read
+    acc = dst if not any(np.may_share_memory(dst, s) for s in srcs[1:]) else np.empty_like(dst)
+    with np.errstate(all="ignore"):  # overflow and NaN pass silently, as in the kernels
+        ufunc(srcs[0], srcs[1], out=acc)
+        for s in srcs[2:]:
+            ufunc(acc, s, out=acc)
+    if acc is not dst:
+        np.copyto(dst, acc)
 
 
 # -- argument checks, at enqueue time (so the worker fails only for unforeseeable reasons) --

@@ -77,93 +77,178 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 success, 1 the run failed, 2 bad arguments, 130 interrupted.",
     )
     g = p.add_argument_group("devices and communication")
-    g.add_argument("--devices", metavar="SPEC",
-                   help='"cpu:N" (N virtual CPU devices), "gpu:0,1", "gpu:all", or "auto" '
-                        f"(every GPU, else cpu:2) (default: {_d('devices')})")
-    g.add_argument("--algorithm", choices=["tree", "ring", "direct", "nccl", "auto"],
-                   help=f"collective algorithm (default: {_d('algorithm')})")
-    g.add_argument("--update-mode", choices=["allreduce", "root"],
-                   help="allreduce: every rank averages the gradients and updates; root: "
-                        "gradients are summed at rank 0, which updates and broadcasts the "
-                        f"parameters (Caffe's P2PSync). Same result. (default: {_d('update_mode')})")
-    g.add_argument("--timeout", type=float, metavar="S",
-                   help="seconds a rank may wait in a collective before the run fails "
-                        f"(default: {_d('timeout')})")
-    g.add_argument("--blas-threads", type=int, metavar="N",
-                   help="BLAS threads while training (needs threadpoolctl; "
-                        "default: cores // ranks, at least 1)")
+    g.add_argument(
+        "--devices",
+        metavar="SPEC",
+        help='"cpu:N" (N virtual CPU devices), "gpu:0,1", "gpu:all", or "auto" '
+        f"(every GPU, else cpu:2) (default: {_d('devices')})",
+    )
+    g.add_argument(
+        "--algorithm",
+        choices=["tree", "ring", "direct", "nccl", "auto"],
+        help=f"collective algorithm (default: {_d('algorithm')})",
+    )
+    g.add_argument(
+        "--update-mode",
+        choices=["allreduce", "root"],
+        help="allreduce: every rank averages the gradients and updates; root: "
+        "gradients are summed at rank 0, which updates and broadcasts the "
+        f"parameters (Caffe's P2PSync). Same result. (default: {_d('update_mode')})",
+    )
+    g.add_argument(
+        "--timeout",
+        type=float,
+        metavar="S",
+        help="seconds a rank may wait in a collective before the run fails "
+        f"(default: {_d('timeout')})",
+    )
+    g.add_argument(
+        "--blas-threads",
+        type=int,
+        metavar="N",
+        help="BLAS threads while training (needs threadpoolctl; "
+        "default: cores // ranks, at least 1)",
+    )
 
     g = p.add_argument_group("data")
-    g.add_argument("--data", metavar="DB",
-                   help="training LMDB (nccltree records or Caffe Datum); default: the "
-                        "built-in synthetic task")
-    g.add_argument("--val-data", metavar="DB",
-                   help="held-out LMDB for evaluation (default: the synthetic task's held-out "
-                        "split with the built-in data, none with --data)")
-    g.add_argument("--synthetic", type=int, metavar="N",
-                   help="training records of the built-in task; the held-out set is a "
-                        f"quarter of that (default: {_d('synthetic')})")
-    g.add_argument("--classes", type=int, metavar="K",
-                   help="number of classes (default: the largest label in --data plus one)")
-    g.add_argument("--scale", type=float, metavar="S",
-                   help="multiply inputs by S as they are read, as Caffe's transform_param "
-                        "scale (e.g. 0.00390625 for uint8 images) (default: none)")
-    g.add_argument("--shuffle", action="store_true", default=None,
-                   help="visit records in a seeded random order per epoch (seed from --seed) "
-                        "instead of key order")
+    g.add_argument(
+        "--data",
+        metavar="DB",
+        help="training LMDB (nccltree records or Caffe Datum); default: the "
+        "built-in synthetic task",
+    )
+    g.add_argument(
+        "--val-data",
+        metavar="DB",
+        help="held-out LMDB for evaluation (default: the synthetic task's held-out "
+        "split with the built-in data, none with --data)",
+    )
+    g.add_argument(
+        "--synthetic",
+        type=int,
+        metavar="N",
+        help="training records of the built-in task; the held-out set is a "
+        f"quarter of that (default: {_d('synthetic')})",
+    )
+    g.add_argument(
+        "--classes",
+        type=int,
+        metavar="K",
+        help="number of classes (default: the largest label in --data plus one)",
+    )
+    g.add_argument(
+        "--scale",
+        type=float,
+        metavar="S",
+        help="multiply inputs by S as they are read, as Caffe's transform_param "
+        "scale (e.g. 0.00390625 for uint8 images) (default: none)",
+    )
+    g.add_argument(
+        "--shuffle",
+        action="store_true",
+        default=None,
+        help="visit records in a seeded random order per epoch (seed from --seed) "
+        "instead of key order",
+    )
 
     g = p.add_argument_group("model")
-    g.add_argument("--model", choices=["softmax", "mlp", "cnn"],
-                   help=f"softmax regression, MLP or a small CNN (default: {_d('model')})")
-    g.add_argument("--hidden", metavar="N[,N...]",
-                   help=f"MLP hidden layer sizes (default: {_d('hidden')})")
-    g.add_argument("--seed", type=int, metavar="S",
-                   help=f"seed of the parameter initialisation (default: {_d('seed')})")
+    g.add_argument(
+        "--model",
+        choices=["softmax", "mlp", "cnn"],
+        help=f"softmax regression, MLP or a small CNN (default: {_d('model')})",
+    )
+    g.add_argument(
+        "--hidden", metavar="N[,N...]", help=f"MLP hidden layer sizes (default: {_d('hidden')})"
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        metavar="S",
+        help=f"seed of the parameter initialisation (default: {_d('seed')})",
+    )
 
     g = p.add_argument_group("solver")
-    g.add_argument("--batch-size", type=int, metavar="B",
-                   help=f"batch size, per rank or global, see --scaling (default: {_d('batch_size')})")
-    g.add_argument("--scaling", choices=["weak", "strong"],
-                   help="weak: --batch-size per rank, effective batch N x B (Caffe's -gpu); "
-                        "strong: --batch-size is the global batch, split evenly across ranks "
-                        f"(default: {_d('scaling')})")
-    g.add_argument("--iters", type=int, metavar="N",
-                   help="iterations to train in all (a resumed run continues up to N) "
-                        f"(default: {_d('iters')})")
+    g.add_argument(
+        "--batch-size",
+        type=int,
+        metavar="B",
+        help=f"batch size, per rank or global, see --scaling (default: {_d('batch_size')})",
+    )
+    g.add_argument(
+        "--scaling",
+        choices=["weak", "strong"],
+        help="weak: --batch-size per rank, effective batch N x B (Caffe's -gpu); "
+        "strong: --batch-size is the global batch, split evenly across ranks "
+        f"(default: {_d('scaling')})",
+    )
+    g.add_argument(
+        "--iters",
+        type=int,
+        metavar="N",
+        help="iterations to train in all (a resumed run continues up to N) "
+        f"(default: {_d('iters')})",
+    )
     g.add_argument("--lr", type=float, help=f"base learning rate (default: {_d('lr')})")
     g.add_argument("--momentum", type=float, help=f"momentum (default: {_d('momentum')})")
-    g.add_argument("--weight-decay", type=float, metavar="WD",
-                   help=f"L2 weight decay (default: {_d('weight_decay')})")
-    g.add_argument("--lr-policy",
-                   choices=["fixed", "step", "exp", "inv", "multistep", "poly", "sigmoid"],
-                   help="Caffe's learning-rate policy; step: lr*gamma^floor(iter/stepsize), "
-                        "exp: lr*gamma^iter, inv: lr*(1+gamma*iter)^-power, multistep: lr*gamma"
-                        "^(stepvalues passed), poly: lr*(1-iter/max_iter)^power, sigmoid: "
-                        f"lr/(1+exp(-gamma*(iter-stepsize))) (default: {_d('lr_policy')})")
+    g.add_argument(
+        "--weight-decay",
+        type=float,
+        metavar="WD",
+        help=f"L2 weight decay (default: {_d('weight_decay')})",
+    )
+    g.add_argument(
+        "--lr-policy",
+        choices=["fixed", "step", "exp", "inv", "multistep", "poly", "sigmoid"],
+        help="Caffe's learning-rate policy; step: lr*gamma^floor(iter/stepsize), "
+        "exp: lr*gamma^iter, inv: lr*(1+gamma*iter)^-power, multistep: lr*gamma"
+        "^(stepvalues passed), poly: lr*(1-iter/max_iter)^power, sigmoid: "
+        f"lr/(1+exp(-gamma*(iter-stepsize))) (default: {_d('lr_policy')})",
+    )
     g.add_argument("--gamma", type=float, help="gamma of step, exp, inv, multistep, sigmoid")
     g.add_argument("--power", type=float, help="power of inv and poly")
     g.add_argument("--stepsize", type=int, metavar="N", help="stepsize of step and sigmoid")
-    g.add_argument("--stepvalue", metavar="N[,N...]",
-                   help="iterations where multistep multiplies the rate by gamma")
+    g.add_argument(
+        "--stepvalue",
+        metavar="N[,N...]",
+        help="iterations where multistep multiplies the rate by gamma",
+    )
     g.add_argument("--max-iter", type=int, metavar="N", help="max_iter of poly")
 
     g = p.add_argument_group("output")
-    g.add_argument("--out", metavar="DIR",
-                   help="write metrics.jsonl, final.npz (parameters by name) and snapshots "
-                        "here; the built-in data are cached here too (default: none)")
-    g.add_argument("--eval-every", type=int, metavar="K",
-                   help="evaluate on the held-out set every K iterations (0: only at the end) "
-                        f"(default: {_d('eval_every')})")
-    g.add_argument("--snapshot-every", type=int, metavar="K",
-                   help="write DIR/snapshot.npz every K iterations and at the end (needs --out; "
-                        f"0: never) (default: {_d('snapshot_every')})")
-    g.add_argument("--resume", metavar="PATH",
-                   help="continue from a snapshot (a file, or a --out directory holding "
-                        "snapshot.npz); flags not given are taken from the snapshot")
-    g.add_argument("--target-accuracy", type=float, metavar="PCT",
-                   help="exit with status 1 if the final held-out accuracy is below PCT "
-                        f"(default: report against {SYNTHETIC_TARGET:g}%% for the built-in "
-                        "task, without failing)")
+    g.add_argument(
+        "--out",
+        metavar="DIR",
+        help="write metrics.jsonl, final.npz (parameters by name) and snapshots "
+        "here; the built-in data are cached here too (default: none)",
+    )
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        metavar="K",
+        help="evaluate on the held-out set every K iterations (0: only at the end) "
+        f"(default: {_d('eval_every')})",
+    )
+    g.add_argument(
+        "--snapshot-every",
+        type=int,
+        metavar="K",
+        help="write DIR/snapshot.npz every K iterations and at the end (needs --out; "
+        f"0: never) (default: {_d('snapshot_every')})",
+    )
+    g.add_argument(
+        "--resume",
+        metavar="PATH",
+        help="continue from a snapshot (a file, or a --out directory holding "
+        "snapshot.npz); flags not given are taken from the snapshot",
+    )
+    g.add_argument(
+        "--target-accuracy",
+        type=float,
+        metavar="PCT",
+        help="exit with status 1 if the final held-out accuracy is below PCT "
+        f"(default: report against {SYNTHETIC_TARGET:g}%% for the built-in "
+        "task, without failing)",
+    )
     g.add_argument("--quiet", action="store_true", help="print only the result and errors")
     return p
 
@@ -224,7 +309,9 @@ def _check_config(cfg: dict) -> None:
         raise ValueError(f"--blas-threads must be >= 1, got {cfg['blas_threads']}")
     if cfg["snapshot_every"] and not cfg["out"]:
         raise ValueError("--snapshot-every needs --out DIR (where snapshot.npz goes)")
-    cfg["hidden"] = _int_list(cfg["hidden"], "--hidden") if isinstance(cfg["hidden"], str) else cfg["hidden"]
+    cfg["hidden"] = (
+        _int_list(cfg["hidden"], "--hidden") if isinstance(cfg["hidden"], str) else cfg["hidden"]
+    )
     if isinstance(cfg["stepvalue"], str):
         cfg["stepvalue"] = _int_list(cfg["stepvalue"], "--stepvalue")
     for key in ("data", "val_data"):
@@ -242,8 +329,14 @@ def _check_config(cfg: dict) -> None:
 class Dataset:
     """Where the training records are and what the held-out arrays are."""
 
-    def __init__(self, train_path: str, val: tuple[np.ndarray, np.ndarray] | None,
-                 shape: tuple[int, ...], classes: int, description: str) -> None:
+    def __init__(
+        self,
+        train_path: str,
+        val: tuple[np.ndarray, np.ndarray] | None,
+        shape: tuple[int, ...],
+        classes: int,
+        description: str,
+    ) -> None:
         self.train_path, self.val = train_path, val
         self.shape, self.classes, self.description = shape, classes, description
 
@@ -272,10 +365,13 @@ def _synthetic(cfg: dict, stack: contextlib.ExitStack) -> Dataset:
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
-    xv, yv = ntdata.synthetic(n_val, shape=(SYNTHETIC_FEATURES,), classes=SYNTHETIC_CLASSES,
-                              split="test")
-    desc = (f"built-in synthetic task: {n} training / {n_val} held-out records, "
-            f"{SYNTHETIC_FEATURES} features, {SYNTHETIC_CLASSES} classes ({where})")
+    xv, yv = ntdata.synthetic(
+        n_val, shape=(SYNTHETIC_FEATURES,), classes=SYNTHETIC_CLASSES, split="test"
+    )
+    desc = (
+        f"built-in synthetic task: {n} training / {n_val} held-out records, "
+        f"{SYNTHETIC_FEATURES} features, {SYNTHETIC_CLASSES} classes ({where})"
+    )
     return Dataset(path, (xv.reshape(n_val, *shape), yv), shape, SYNTHETIC_CLASSES, desc)
 
 
@@ -302,9 +398,11 @@ def load_dataset(cfg: dict, stack: contextlib.ExitStack) -> Dataset:
     info = db_info(cfg["data"])
     classes = cfg["classes"] or info["label_max"] + 1
     val = _read_all(cfg["val_data"], cfg["scale"]) if cfg["val_data"] else None
-    desc = (f"{cfg['data']}: {info['records']} {info['format']} records of shape "
-            f"{tuple(info['shape'])} {info['dtype']}, {classes} classes"
-            + (f"; held-out {cfg['val_data']} ({len(val[1])} records)" if val else ""))
+    desc = (
+        f"{cfg['data']}: {info['records']} {info['format']} records of shape "
+        f"{tuple(info['shape'])} {info['dtype']}, {classes} classes"
+        + (f"; held-out {cfg['val_data']} ({len(val[1])} records)" if val else "")
+    )
     return Dataset(cfg["data"], val, tuple(info["shape"]), classes, desc)
 
 
@@ -331,13 +429,15 @@ class Progress:
         # Averages over the last few iterations: the current speed rather than the run's
         # average, and a loss smoothed as Caffe's average_loss does (one batch is noisy).
         self._window.append((info.examples, info.step_s, info.comm_s, info.loss))
-        del self._window[:-self.WINDOW]
+        del self._window[: -self.WINDOW]
         ex, secs, comm_s, loss = (sum(col) for col in zip(*self._window, strict=True))
         rate = ex / secs if secs > 0 else 0.0
         comm = f"  comm {100 * comm_s / secs:3.0f}%" if secs > 0 else ""
         loss /= len(self._window)
-        line = (f"iter {info.iter:>{len(str(self.total))}}/{self.total}  loss {loss:.4f}  "
-                f"lr {info.lr:.4g}  {rate:,.0f} examples/s{comm}")
+        line = (
+            f"iter {info.iter:>{len(str(self.total))}}/{self.total}  loss {loss:.4f}  "
+            f"lr {info.lr:.4g}  {rate:,.0f} examples/s{comm}"
+        )
         now = time.monotonic()
         last = info.iter >= self.total
         if self.tty:
@@ -396,8 +496,11 @@ def _print_header(cfg: dict, ds: Dataset, dp: Any, per_rank: int, snap: Any, out
         f"  devices    {cfg['devices']} -> {names} ({n} rank{'s' if n > 1 else ''})",
         f"  algorithm  {cfg['algorithm']}, update mode {cfg['update_mode']}",
         f"  scaling    {cfg['scaling']}: batch {per_rank} per rank, effective batch {effective}"
-        + (f" (global batch {cfg['batch_size']} split across {n} ranks)"
-           if cfg["scaling"] == "strong" else ""),
+        + (
+            f" (global batch {cfg['batch_size']} split across {n} ranks)"
+            if cfg["scaling"] == "strong"
+            else ""
+        ),
         f"  solver     learning rate {dp.solvers[0].learning_rate():g} (policy {policy}), "
         f"momentum {cfg['momentum']:g}, weight decay {cfg['weight_decay']:g}, "
         f"{cfg['iters']} iterations",
@@ -423,13 +526,27 @@ def run(cfg: dict, snap: Any, out: TextIO, err: TextIO, target: float | None) ->
         ds = load_dataset(cfg, stack)
         kw = {"hidden": tuple(cfg["hidden"])} if cfg["model"] == "mlp" else {}
         model = build_model(cfg["model"], ds.shape, ds.classes, **kw)
-        policy = {k: cfg[k] for k in ("gamma", "power", "stepsize", "stepvalue", "max_iter")
-                  if cfg[k] is not None}
-        dp = stack.enter_context(DataParallel(
-            model, devs, algorithm=cfg["algorithm"], update_mode=cfg["update_mode"],
-            seed=cfg["seed"], timeout=cfg["timeout"], blas_threads=cfg["blas_threads"],
-            lr=cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"],
-            lr_policy=cfg["lr_policy"], **policy))
+        policy = {
+            k: cfg[k]
+            for k in ("gamma", "power", "stepsize", "stepvalue", "max_iter")
+            if cfg[k] is not None
+        }
+        dp = stack.enter_context(
+            DataParallel(
+                model,
+                devs,
+                algorithm=cfg["algorithm"],
+                update_mode=cfg["update_mode"],
+                seed=cfg["seed"],
+                timeout=cfg["timeout"],
+                blas_threads=cfg["blas_threads"],
+                lr=cfg["lr"],
+                momentum=cfg["momentum"],
+                weight_decay=cfg["weight_decay"],
+                lr_policy=cfg["lr_policy"],
+                **policy,
+            )
+        )
         start = 0
         if snap is not None:
             dp.restore(snap)
@@ -441,8 +558,13 @@ def run(cfg: dict, snap: Any, out: TextIO, err: TextIO, target: float | None) ->
             os.makedirs(outdir, exist_ok=True)
         metrics = Metrics(os.path.join(outdir, "metrics.jsonl") if outdir else None)
         stack.callback(metrics.close)
-        metrics.write(event="config", **{k: v for k, v in cfg.items() if k != "quiet"},
-                      ranks=n, per_rank_batch=per_rank, start_iter=dp.iter)
+        metrics.write(
+            event="config",
+            **{k: v for k, v in cfg.items() if k != "quiet"},
+            ranks=n,
+            per_rank_batch=per_rank,
+            start_iter=dp.iter,
+        )
         iters = cfg["iters"]
         every = max(1, iters // 10)
         progress = Progress(iters, every, quiet, err)
@@ -454,32 +576,59 @@ def run(cfg: dict, snap: Any, out: TextIO, err: TextIO, target: float | None) ->
             acc, loss = evaluate(model, info.params, *ds.val)
             state["accuracy"] = acc
             metrics.write(event="eval", iter=info.iter, accuracy=acc, loss=loss)
-            progress.message(f"iter {info.iter}: held-out accuracy {100 * acc:.2f}%, "
-                             f"loss {loss:.4f}")
+            progress.message(
+                f"iter {info.iter}: held-out accuracy {100 * acc:.2f}%, loss {loss:.4f}"
+            )
 
         def on_step(info: Any) -> None:
-            metrics.write(event="train", iter=info.iter, loss=info.loss, lr=info.lr,
-                          examples=info.examples, step_s=info.step_s, comm_s=info.comm_s,
-                          elapsed_s=info.elapsed_s)
+            metrics.write(
+                event="train",
+                iter=info.iter,
+                loss=info.loss,
+                lr=info.lr,
+                examples=info.examples,
+                step_s=info.step_s,
+                comm_s=info.comm_s,
+                elapsed_s=info.elapsed_s,
+            )
             progress.update(info)
             last = info.iter >= iters
-            if ds.val is not None and (last or (cfg["eval_every"] and info.iter % cfg["eval_every"] == 0)):
+            if ds.val is not None and (
+                last or (cfg["eval_every"] and info.iter % cfg["eval_every"] == 0)
+            ):
                 do_eval(info)
-            if snap_path and cfg["snapshot_every"] and (last or info.iter % cfg["snapshot_every"] == 0):
+            if (
+                snap_path
+                and cfg["snapshot_every"]
+                and (last or info.iter % cfg["snapshot_every"] == 0)
+            ):
                 dp.snapshot(snap_path, config)
-                metrics.write(event="snapshot", iter=info.iter, path=snap_path,
-                              position=info.position)
+                metrics.write(
+                    event="snapshot", iter=info.iter, path=snap_path, position=info.position
+                )
 
         shuffle = cfg["seed"] if cfg["shuffle"] else None
-        reader = stack.enter_context(DataReader(
-            ds.train_path, per_rank, n, start=start, shuffle=shuffle, scale=cfg["scale"],
-            device=devs if devs[0].backend != "host" else None, log_on_wait=None))
+        reader = stack.enter_context(
+            DataReader(
+                ds.train_path,
+                per_rank,
+                n,
+                start=start,
+                shuffle=shuffle,
+                scale=cfg["scale"],
+                device=devs if devs[0].backend != "host" else None,
+                log_on_wait=None,
+            )
+        )
         try:
             result = dp.fit(reader, iters, on_step=on_step)
         except KeyboardInterrupt:
             progress.finish()
-            where = (f"; the last snapshot is {dp.last_snapshot}" if dp.last_snapshot
-                     else "; no snapshot was written")
+            where = (
+                f"; the last snapshot is {dp.last_snapshot}"
+                if dp.last_snapshot
+                else "; no snapshot was written"
+            )
             print(f"interrupted at iteration {dp.iter}{where}", file=err, flush=True)
             return 130
         except RankFailure as exc:
@@ -493,16 +642,26 @@ def run(cfg: dict, snap: Any, out: TextIO, err: TextIO, target: float | None) ->
         if outdir:
             final = os.path.join(outdir, "final.npz")
             np.savez(final, **dp.state_dict())
-        summary = (f"done: {result.iter - result.start_iter} iterations in {result.elapsed_s:.1f} s, "
-                   f"{result.examples_per_s:,.0f} examples/s"
-                   + (f", final training loss {result.losses[-1]:.4f}" if result.losses else ""))
-        metrics.write(event="final", iter=result.iter, elapsed_s=result.elapsed_s,
-                      examples_per_s=result.examples_per_s, accuracy=state["accuracy"])
+        summary = (
+            f"done: {result.iter - result.start_iter} iterations in {result.elapsed_s:.1f} s, "
+            f"{result.examples_per_s:,.0f} examples/s"
+            + (f", final training loss {result.losses[-1]:.4f}" if result.losses else "")
+        )
+        metrics.write(
+            event="final",
+            iter=result.iter,
+            elapsed_s=result.elapsed_s,
+            examples_per_s=result.examples_per_s,
+            accuracy=state["accuracy"],
+        )
         if not quiet:
             print(summary, file=out)
             if outdir:
-                print(f"wrote {os.path.join(outdir, 'final.npz')} and "
-                      f"{os.path.join(outdir, 'metrics.jsonl')}", file=out)
+                print(
+                    f"wrote {os.path.join(outdir, 'final.npz')} and "
+                    f"{os.path.join(outdir, 'metrics.jsonl')}",
+                    file=out,
+                )
         return _report_accuracy(state["accuracy"], target, cfg, out)
 
 
@@ -517,11 +676,17 @@ def _report_accuracy(acc: float | None, target: float | None, cfg: dict, out: Te
     if shown is None:
         print(f"reached {pct:.2f}% accuracy on the held-out set", file=out, flush=True)
     elif pct >= shown:
-        print(f"reached {pct:.2f}% accuracy on the held-out set (target {shown:g}%)",
-              file=out, flush=True)
+        print(
+            f"reached {pct:.2f}% accuracy on the held-out set (target {shown:g}%)",
+            file=out,
+            flush=True,
+        )
     else:
-        print(f"reached {pct:.2f}% accuracy on the held-out set, below the target {shown:g}%",
-              file=out, flush=True)
+        print(
+            f"reached {pct:.2f}% accuracy on the held-out set, below the target {shown:g}%",
+            file=out,
+            flush=True,
+        )
         return 1 if target is not None else 0
     return 0
 
@@ -536,6 +701,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg["quiet"] = args.quiet
     try:
         return run(cfg, snap, sys.stdout, sys.stderr, args.target_accuracy)
+    except KeyboardInterrupt:  # before training started (while preparing the data)
+        print("interrupted", file=sys.stderr, flush=True)
+        return 130
     except (NcclTreeError, OSError) as exc:  # a backend, database or file problem
         print(f"nccltree-train: error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -137,6 +137,7 @@ class _State:
         self.served = [0] * ranks
         self.held = [0] * ranks
         self.wait_s = [0.0] * ranks
+        self.waiting = [False] * ranks
         self.error: BaseException | None = None
         self.ended = False
         self.closed = False
@@ -273,9 +274,11 @@ class _State:
             slot = q.try_pop()
             if slot is None:
                 t0 = time.perf_counter()
+                self.waiting[rank] = True
                 try:
                     slot = q.pop(timeout, log_on_wait=self.log_msgs[rank])
                 finally:
+                    self.waiting[rank] = False
                     self.wait_s[rank] += time.perf_counter() - t0
         except QueueClosed:
             raise self._terminal(rank) from None
@@ -514,8 +517,11 @@ class DataReader:
                 batch.release()
 
     def stats(self) -> dict[str, Any]:
-        """Counters: records read, rounds built, batches served and seconds waited per rank,
-        position, and the reader thread's phase (starting/reading/waiting/ended/failed/closed)."""
+        """Counters and state: ``records_read`` (from the database), ``rounds_built``;
+        per rank ``batches_served``, ``wait_s`` (seconds spent waiting for data),
+        ``waiting`` (waiting now) and ``queued`` (batches ready); ``position``; and
+        ``phase``, the reader thread's state: starting, reading, waiting (for a free
+        buffer: the consumers are the bottleneck), ended, failed or closed."""
         st = self._state
         with st.lock:
             return {
@@ -523,6 +529,7 @@ class DataReader:
                 "rounds_built": st.rounds_built,
                 "batches_served": list(st.served),
                 "wait_s": list(st.wait_s),
+                "waiting": list(st.waiting),
                 "position": self.position,
                 "phase": st.phase,
                 "queued": [len(q) for q in st.full],

@@ -1,0 +1,654 @@
+"""``nccltree-bench``: collective and training benchmarks, and the topology the tree uses.
+
+``collectives`` runs the library's benchmark driver (:mod:`nccltree.comm.bench`) over a
+size sweep and prints an nccl-tests style table; ``train`` measures the reference
+trainer's examples/s over device sets; ``topo`` prints a topology matrix and its tree.
+This module parses, calls the library and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from ..comm import bench as drv
+
+COLLECTIVE_DEFAULTS = {"devices": "auto", "algorithm": "tree", "collective": "all_reduce",
+                       "minbytes": "8", "maxbytes": "32M", "stepfactor": 2.0, "iters": 20,
+                       "warmup": 5, "check": 1, "op": "sum", "dtype": "float32", "root": 0}
+PLOT_MISSING = ("--plot needs matplotlib, which is not installed; install it with "
+                "`pip install matplotlib` (or the `plot` extra: `pip install nccltree[plot]`)")
+
+
+class UsageError(ValueError):
+    """A flag is wrong; the message says what is accepted."""
+
+
+def _split(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def human_bytes(n: int) -> str:
+    """``8 B``, ``64 KiB``, ``64 MiB``: exact binary units where they fit."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError(PLOT_MISSING) from None
+
+
+class Progress:
+    """A progress line on stderr for long sweeps: redrawn in place on a terminal, a line
+    every ``every_s`` seconds otherwise; nothing when quiet."""
+
+    def __init__(self, total: int, quiet: bool, stream: TextIO, every_s: float = 30.0) -> None:
+        self.total, self.quiet, self.stream = total, quiet, stream
+        self.tty = stream.isatty()
+        self.every_s = every_s
+        self.done = 0
+        self.t0 = self._last = time.monotonic()
+        self._open = False
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if self.quiet:
+            return
+        now = time.monotonic()
+        line = f"[{self.done}/{self.total}] {what}  ({now - self.t0:.0f} s)"
+        if self.tty:
+            self.stream.write("\r\x1b[2K" + line)
+            self.stream.flush()
+            self._open = True
+        elif now - self._last >= self.every_s:
+            print(line, file=self.stream, flush=True)
+            self._last = now
+
+    def clear(self) -> None:
+        if self._open:
+            self.stream.write("\r\x1b[2K")
+            self.stream.flush()
+            self._open = False
+
+
+# -- collectives --------------------------------------------------------------------------
+
+
+def _fmt_time(us: float) -> str:
+    return f"{us:.2f}" if us < 100 else f"{us:.1f}" if us < 10000 else f"{us:.0f}"
+
+
+_COLS = ("{:>12} {:>12} {:>8} {:>6} {:>5} {:>10}", " {:>10} {:>7} {:>7} {:>7}")
+
+
+def table_header(collective: str) -> list[str]:
+    left = _COLS[0].format("size", "count", "type", "redop", "root", "algorithm")
+    units = _COLS[0].format("(B)", "(elements)", "", "", "", "")
+    half = len(_COLS[1].format("", "", "", ""))
+    groups = " " * len(left) + "out-of-place".center(half) + "in-place".center(half)
+    cols = left + 2 * _COLS[1].format("time", "algbw", "busbw", "#wrong")
+    units += 2 * _COLS[1].format("(us)", "(GB/s)", "(GB/s)", "")
+    return [f"# {collective}", *("#" + s[1:].rstrip() for s in (groups, cols, units))]
+
+
+def table_row(recs: Sequence[drv.BenchRecord]) -> str:
+    """One line: the columns of a size x algorithm, then each placement's figures."""
+    r0 = recs[0]
+    line = _COLS[0].format(r0.size, r0.count, r0.dtype, r0.op, r0.root, r0.algorithm)
+    for r in recs:
+        wrong = "N/A" if r.wrong is None else str(r.wrong)
+        line += _COLS[1].format(_fmt_time(r.time_us), f"{r.algbw:.2f}", f"{r.busbw:.2f}", wrong)
+    return line
+
+
+def table_footer(records: Sequence[drv.BenchRecord]) -> list[str]:
+    wrong = sum(r.wrong or 0 for r in records)
+    algs = list(dict.fromkeys(r.algorithm for r in records))
+    avg = []
+    for a in algs:
+        vals = [r.busbw for r in records if r.algorithm == a]
+        avg.append(f"{sum(vals) / len(vals):.3f} ({a})")
+    return [f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
+            f"# Avg bus bandwidth    : {'  '.join(avg)}  GB/s", "#"]
+
+
+def _collectives_header(bench: drv.Benchmark, sizes: list[int], factor: float) -> list[str]:
+    m = bench.machine
+    where = (f"{bench.label} ({bench.n} ranks, {m['backend']} backend; {m['cpu']}, "
+             f"{m['cpu_count']} cores)")
+    rng = (f"{human_bytes(sizes[0])} .. {human_bytes(sizes[-1])}, step x{factor:g}"
+           if len(sizes) > 1 else human_bytes(sizes[0]))
+    op = bench.op if any(drv.SPECS[c].reduces for c in bench.collectives) else "none"
+    return [
+        "# nccltree-bench collectives",
+        f"#   devices     {where}",
+        f"#   algorithms  {', '.join(bench.algorithms)}",
+        f"#   sizes       {rng}; dtype {bench.dtype}, op {op}, root {bench.root}",
+        f"#   iterations  {bench.iters} timed (median), {bench.warmup} warm-up, "
+        f"check {bench.check}",
+        "#   algbw = size / time, busbw = algbw x bus factor (nccl-tests), GB = 1e9 B",
+        "#",
+    ]
+
+
+def write_json(path: str, payload: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=1)
+        f.write("\n")
+
+
+def write_csv(path: str, records: Sequence[drv.BenchRecord]) -> None:
+    """One row per record; the machine description becomes backend and cpu columns."""
+    rows = []
+    for r in records:
+        d = r.as_dict()
+        m = d.pop("machine")
+        d["backend"], d["cpu"] = m.get("backend"), m.get("cpu")
+        rows.append(d)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["collective"])
+        w.writeheader()
+        w.writerows(rows)
+
+
+def plot_collectives(path: str, records: Sequence[drv.BenchRecord]) -> None:
+    """busbw against size, one line per algorithm (solid out of place, dashed in place),
+    one panel per collective."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colls = list(dict.fromkeys(r.collective for r in records))
+    fig, axes = plt.subplots(1, len(colls), figsize=(6 * len(colls), 4.2), squeeze=False)
+    for ax, coll in zip(axes[0], colls):
+        recs = [r for r in records if r.collective == coll and r.size > 0]
+        for i, alg in enumerate(dict.fromkeys(r.algorithm for r in recs)):
+            for placement, style in (("out-of-place", "-"), ("in-place", "--")):
+                pts = [(r.size, r.busbw) for r in recs
+                       if r.algorithm == alg and r.placement == placement]
+                if pts:
+                    xs, ys = zip(*pts)
+                    ax.plot(xs, ys, style, marker="o", ms=3, color=f"C{i}",
+                            label=f"{alg} ({placement})")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("size (bytes)")
+        ax.set_ylabel("bus bandwidth (GB/s)")
+        r0 = recs[0] if recs else records[0]
+        ax.set_title(f"{coll}, {r0.devices} ({r0.ranks} ranks), {r0.dtype}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _sizes(args: argparse.Namespace) -> list[int]:
+    lo, hi = drv.parse_size(args.minbytes), drv.parse_size(args.maxbytes)
+    if lo > hi:
+        raise UsageError(f"-b/--minbytes ({args.minbytes}) is larger than -e/--maxbytes "
+                         f"({args.maxbytes}); accepted: minbytes <= maxbytes")
+    if not args.stepfactor > 1:
+        raise UsageError(f"-f/--stepfactor must be > 1, got {args.stepfactor:g}")
+    return drv.size_range(lo, hi, args.stepfactor)
+
+
+def make_benchmark(args: argparse.Namespace, world_factory: Any = None) -> drv.Benchmark:
+    """Check every collectives flag and create the Worlds; nothing runs yet."""
+    from ..comm import ALGORITHM_CHOICES
+    from ..comm._ops import collective_name
+
+    sizes = _sizes(args)
+    algorithms = _split(args.algorithm)
+    if not algorithms:
+        raise UsageError(f"--algorithm is empty; accepted: {', '.join(ALGORITHM_CHOICES)}")
+    if world_factory is None:
+        bad = [a for a in algorithms if a not in ALGORITHM_CHOICES]
+        if bad:
+            raise UsageError(f"unknown algorithm {', '.join(bad)}; accepted: "
+                             f"{', '.join(ALGORITHM_CHOICES)} (several: tree,ring)")
+    collectives = [collective_name(c) for c in _split(args.collective)]
+    if args.plot:
+        _require_matplotlib()
+    for flag, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise UsageError(f"{flag} {path}: the directory does not exist")
+    return drv.Benchmark(
+        args.devices, algorithms, collectives, sizes, dtype=args.dtype, op=args.op,
+        root=args.root, iters=args.iters, warmup=args.warmup, check=args.check,
+        world_factory=world_factory, devices_label=args.devices)
+
+
+def run_collectives(bench: drv.Benchmark, args: argparse.Namespace, out: TextIO,
+                    err: TextIO) -> int:
+    quiet = args.quiet
+    sizes = bench.sizes
+    if not quiet:
+        print("\n".join(_collectives_header(bench, sizes, args.stepfactor)), file=out,
+              flush=True)
+    progress = Progress(bench.total, quiet, err)
+    records: list[drv.BenchRecord] = []
+    group: list[drv.BenchRecord] = []
+    current = None
+    for rec in bench:
+        progress.step(f"{rec.collective} {human_bytes(rec.size)} {rec.algorithm} "
+                      f"{rec.placement}")
+        if rec.collective != current:
+            if current is not None and not quiet:
+                progress.clear()
+                print("\n".join(table_footer([r for r in records if r.collective == current])),
+                      file=out)
+            current = rec.collective
+            if not quiet:
+                progress.clear()
+                print("\n".join(table_header(current)), file=out, flush=True)
+        records.append(rec)
+        group.append(rec)
+        if len(group) == len(bench.placements):
+            if not quiet:
+                progress.clear()
+                print(table_row(group), file=out, flush=True)
+            group = []
+    progress.clear()
+    if current is not None and not quiet:
+        print("\n".join(table_footer([r for r in records if r.collective == current])),
+              file=out, flush=True)
+    if args.json:
+        write_json(args.json, {
+            "tool": "nccltree-bench collectives",
+            "config": {k: getattr(args, k) for k in COLLECTIVE_DEFAULTS},
+            "machine": bench.machine,
+            "records": [r.as_dict() for r in records],
+        })
+    if args.csv:
+        write_csv(args.csv, records)
+    if args.plot:
+        plot_collectives(args.plot, records)
+    wrong = sum(r.wrong or 0 for r in records)
+    if wrong:
+        print(f"nccltree-bench: {wrong} wrong element(s) in the results", file=err, flush=True)
+        return 1
+    return 0
+
+
+# -- train --------------------------------------------------------------------------------
+
+
+def _train_dataset(args: argparse.Namespace, stack: contextlib.ExitStack):
+    """(LMDB path, example shape, classes) of the data the trainer reads."""
+    from .. import data as ntdata
+
+    if args.data:
+        info = ntdata.db_info(args.data)
+        return args.data, tuple(info["shape"]), int(info["label_max"]) + 1
+    root = stack.enter_context(tempfile.TemporaryDirectory(prefix="nccltree-bench-"))
+    x, y = ntdata.synthetic(args.records, shape=(args.features,), classes=10)
+    path = os.path.join(root, "synthetic")
+    ntdata.write_lmdb(path, x, y)
+    return path, (args.features,), 10
+
+
+def train_point(spec: str, scaling: str, args: argparse.Namespace, dataset) -> dict:
+    """Train ``args.warmup + args.iters`` iterations on ``spec``; figures over the timed
+    iterations (those after the warm-up), as the root sees them."""
+    from ..backends import devices as make_devices
+    from ..data import DataReader
+    from ..models import build_model
+    from ..parallel import DataParallel, per_rank_batch
+
+    path, shape, classes = dataset
+    devs = make_devices(spec)
+    n = len(devs)
+    per_rank = per_rank_batch(args.batch_size, n, scaling)
+    hidden = tuple(int(h) for h in _split(args.hidden))
+    kw = {"hidden": hidden} if args.model == "mlp" else {}
+    model = build_model(args.model, shape, classes, **kw)
+    steps: list[Any] = []
+    with contextlib.ExitStack() as stack:
+        if devs[0].backend == "host":
+            stack.callback(devs[0].runtime.shutdown)
+        dp = stack.enter_context(DataParallel(model, devs, algorithm=args.algorithm,
+                                              lr=0.01, momentum=0.9))
+        reader = stack.enter_context(DataReader(
+            path, per_rank, n, device=devs if devs[0].backend != "host" else None,
+            log_on_wait=None))
+        dp.fit(reader, args.warmup + args.iters, on_step=steps.append)
+    timed = steps[args.warmup:]
+    t0 = steps[args.warmup - 1].elapsed_s if args.warmup else 0.0
+    secs = timed[-1].elapsed_s - t0
+    step_s = sum(s.step_s for s in timed)
+    return {
+        "devices": spec, "ranks": n, "scaling": scaling, "per_rank_batch": per_rank,
+        "effective_batch": per_rank * n, "iters": len(timed),
+        "examples_per_s": sum(s.examples for s in timed) / secs if secs > 0 else 0.0,
+        "comm_fraction": sum(s.comm_s for s in timed) / step_s if step_s > 0 else 0.0,
+        "backend": devs[0].backend, "algorithm": args.algorithm, "model": args.model,
+    }
+
+
+def add_speedups(points: list[dict]) -> None:
+    """Speedup over the first device set of the same scaling mode, and efficiency =
+    speedup / (ranks / its ranks)."""
+    base: dict[str, dict] = {}
+    for p in points:
+        b = base.setdefault(p["scaling"], p)
+        p["speedup"] = p["examples_per_s"] / b["examples_per_s"] if b["examples_per_s"] else 0.0
+        p["efficiency"] = p["speedup"] / (p["ranks"] / b["ranks"])
+
+
+def train_table(points: Sequence[dict]) -> list[str]:
+    fmt = "{:<16} {:>5} {:>7} {:>9} {:>9} {:>12} {:>8} {:>10} {:>6}"
+    lines = [fmt.format("devices", "ranks", "scaling", "per-rank", "effective", "examples/s",
+                        "speedup", "efficiency", "comm"),
+             fmt.format("", "", "", "batch", "batch", "", "", "", "")]
+    for p in points:
+        lines.append(fmt.format(p["devices"], p["ranks"], p["scaling"], p["per_rank_batch"],
+                                p["effective_batch"], f"{p['examples_per_s']:,.0f}",
+                                f"{p['speedup']:.2f}x", f"{100 * p['efficiency']:.0f}%",
+                                f"{100 * p['comm_fraction']:.0f}%"))
+    return lines
+
+
+def plot_train(path: str, points: Sequence[dict]) -> None:
+    """Examples/s and efficiency against device count, one line per scaling mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for i, mode in enumerate(dict.fromkeys(p["scaling"] for p in points)):
+        pts = [p for p in points if p["scaling"] == mode]
+        xs = [p["ranks"] for p in pts]
+        a1.plot(xs, [p["examples_per_s"] for p in pts], "-o", color=f"C{i}", label=mode)
+        a2.plot(xs, [100 * p["efficiency"] for p in pts], "-o", color=f"C{i}", label=mode)
+    a1.set_ylabel("examples/s")
+    a2.set_ylabel("scaling efficiency (%)")
+    for ax in (a1, a2):
+        ax.set_xlabel("devices")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def check_train_args(args: argparse.Namespace) -> None:
+    """Every train flag, before the first device set trains."""
+    from ..backends import devices as make_devices
+    from ..comm import ALGORITHM_CHOICES
+    from ..models import MODELS
+    from ..parallel import per_rank_batch
+
+    if args.model not in MODELS:
+        raise UsageError(f"unknown model {args.model!r}; accepted: {', '.join(MODELS)}")
+    if args.algorithm not in ALGORITHM_CHOICES:
+        raise UsageError(f"unknown algorithm {args.algorithm!r}; accepted: "
+                         f"{', '.join(ALGORITHM_CHOICES)}")
+    for flag, v, lo in (("--iters", args.iters, 1), ("-w/--warmup-iters", args.warmup, 0),
+                        ("--batch-size", args.batch_size, 1), ("--records", args.records, 1),
+                        ("--features", args.features, 1)):
+        if v < lo:
+            raise UsageError(f"{flag} must be >= {lo}, got {v}")
+    try:
+        [int(h) for h in _split(args.hidden)]
+    except ValueError:
+        raise UsageError(f"--hidden takes comma-separated layer widths, got "
+                         f"{args.hidden!r}") from None
+    for spec in args.devices:
+        devs = make_devices(spec)
+        if devs[0].backend == "host":
+            devs[0].runtime.shutdown()
+        for mode in args.scaling:
+            per_rank_batch(args.batch_size, len(devs), mode)
+    if args.plot:
+        _require_matplotlib()
+    if args.data and not os.path.exists(args.data):
+        raise UsageError(f"--data {args.data}: no such database")
+
+
+def run_train(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from ..backends import devices as make_devices
+
+    points = []
+    total = len(args.devices) * len(args.scaling)
+    progress = Progress(total, args.quiet, err, every_s=0.0)
+    with contextlib.ExitStack() as stack:
+        dataset = _train_dataset(args, stack)
+        for spec in args.devices:
+            for mode in args.scaling:
+                points.append(train_point(spec, mode, args, dataset))
+                progress.step(f"{spec} {mode}: {points[-1]['examples_per_s']:,.0f} examples/s")
+    progress.clear()
+    add_speedups(points)
+    if not args.quiet:
+        print(f"# nccltree-bench train: model {args.model}, algorithm {args.algorithm}, "
+              f"batch size {args.batch_size} ({', '.join(args.scaling)} scaling), "
+              f"{args.iters} timed iterations after {args.warmup} warm-up", file=out)
+        print("\n".join(train_table(points)), file=out, flush=True)
+    if args.json:
+        write_json(args.json, {"tool": "nccltree-bench train", "points": points,
+                               "machine": drv.machine_description(make_devices("cpu:1"))})
+    if args.plot:
+        plot_train(args.plot, points)
+    return 0
+
+
+# -- topo ---------------------------------------------------------------------------------
+
+
+def topology_dot(topo: Any, tree: Any) -> str:
+    """Graphviz: every link labelled with its kind; the tree's edges bold, pointing from
+    parent to child."""
+    tree_edges = {(p, c): lvl for p, c, lvl in tree.edges}
+    names = topo.names
+    lines = ["digraph topology {", "  node [shape=box];", "  edge [arrowhead=none];"]
+    for i, name in enumerate(names):
+        root = ", style=bold" if i == tree.root else ""
+        lines.append(f'  n{i} [label="{name}\\nrank {i}"{root}];')
+    for i in range(topo.n):
+        for j in range(i + 1, topo.n):
+            link = topo.link(i, j)
+            label = link.token + ("" if link.p2p else " (no p2p)")
+            edge = next(((p, c) for p, c in ((i, j), (j, i)) if (p, c) in tree_edges), None)
+            if edge:
+                p, c = edge
+                lines.append(f'  n{p} -> n{c} [label="{label}, level {tree_edges[edge]}", '
+                             'penwidth=3, color="firebrick", arrowhead=normal];')
+            else:
+                lines.append(f'  n{i} -> n{j} [label="{label}", color="gray60", '
+                             'fontcolor="gray40"];')
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def resolve_topology(args: argparse.Namespace) -> tuple[Any, str, Any]:
+    """(topology, where it came from, its tree) for the topo flags."""
+    from ..topology import Topology
+    from ..tree import build_tree
+
+    if args.preset:
+        topo, where = Topology.preset(args.preset), f"preset {args.preset}"
+    elif args.smi:
+        with open(args.smi, encoding="utf-8") as f:
+            topo, where = Topology.from_smi(f.read()), f"parsed from {args.smi}"
+    else:
+        from ..backends import devices as make_devices
+
+        devs = make_devices(args.devices)
+        topo, where = Topology.detect(devs), f"detected on {args.devices}"
+        if devs[0].backend == "host":
+            devs[0].runtime.shutdown()
+    if args.root is not None and not 0 <= args.root < topo.n:
+        raise UsageError(f"--root must be a rank in [0, {topo.n}), got {args.root}")
+    return topo, where, build_tree(topo, root=args.root)
+
+
+def run_topo(topo: Any, where: str, tree: Any, args: argparse.Namespace, out: TextIO) -> int:
+    print(f"# topology ({where}, {topo.n} devices)", file=out)
+    print(str(topo), file=out)
+    print("", file=out)
+    print(str(tree), file=out, flush=True)
+    if args.dot:
+        with open(args.dot, "w", encoding="utf-8") as f:
+            f.write(topology_dot(topo, tree))
+    return 0
+
+
+# -- parser and entry point ---------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="nccltree-bench",
+        description="Collective and training benchmarks, and the topology the tree uses.")
+    sub = p.add_subparsers(dest="command", metavar="{collectives,train,topo}")
+    sub.required = True
+    d = COLLECTIVE_DEFAULTS
+    c = sub.add_parser(
+        "collectives", help="nccl-tests style bandwidth sweep of collectives",
+        description="Time collectives over a size sweep and check every result. Figures "
+        "mean what nccl-tests' mean: algbw = size / time, busbw = algbw x 2(n-1)/n "
+        "(all_reduce), (n-1)/n (all_gather, reduce_scatter), 1 (broadcast, reduce); "
+        "GB = 1e9 bytes. Exit status 1 if any element was wrong.")
+    c.add_argument("--devices", default=d["devices"],
+                   help='device spec: "cpu:N", "gpu:0,1", "gpu:all" or "auto" (default: '
+                   '%(default)s)')
+    c.add_argument("--algorithm", default=d["algorithm"],
+                   help="comma-separated algorithms compared side by side: tree, ring, "
+                   "direct, nccl, auto (default: %(default)s)")
+    c.add_argument("--collective", default=d["collective"],
+                   help="comma-separated: all_reduce, broadcast, reduce, all_gather, "
+                   "reduce_scatter (allreduce, allgather, reducescatter too; default: "
+                   "%(default)s)")
+    c.add_argument("-b", "--minbytes", default=d["minbytes"],
+                   help="smallest size, bytes with K/M/G suffixes (default: %(default)s)")
+    c.add_argument("-e", "--maxbytes", default=d["maxbytes"],
+                   help="largest size (default: %(default)s)")
+    c.add_argument("-f", "--stepfactor", type=float, default=d["stepfactor"],
+                   help="multiply the size by this between steps, > 1 (default: %(default)g)")
+    c.add_argument("-n", "--iters", type=int, default=d["iters"],
+                   help="timed iterations per size; the median is reported (default: "
+                   "%(default)s)")
+    c.add_argument("-w", "--warmup-iters", dest="warmup", type=int, default=d["warmup"],
+                   help="untimed iterations before timing (default: %(default)s)")
+    c.add_argument("-c", "--check", type=int, default=d["check"],
+                   help="check runs per size on fresh data, counted in #wrong; 0 turns the "
+                   "check off (default: %(default)s)")
+    c.add_argument("-o", "--op", default=d["op"],
+                   help="reduction op: sum, mean, max, min, prod (default: %(default)s)")
+    c.add_argument("-d", "--dtype", default=d["dtype"],
+                   help="float16, float32, float64, int32, int64 (half, float, double, int "
+                   "too; default: %(default)s)")
+    c.add_argument("-r", "--root", type=int, default=d["root"],
+                   help="root rank of reduce and broadcast (default: %(default)s)")
+    c.add_argument("--json", metavar="FILE", help="write every record as JSON")
+    c.add_argument("--csv", metavar="FILE", help="write every record as CSV")
+    c.add_argument("--plot", metavar="FILE.png",
+                   help="draw busbw against size, a line per algorithm (needs matplotlib)")
+    c.add_argument("--quiet", action="store_true",
+                   help="print no table or progress (for scripts; use --json/--csv)")
+
+    t = sub.add_parser(
+        "train", help="examples/s of the reference trainer over device sets",
+        description="Train the reference model on each device set and report examples/s, "
+        "speedup and efficiency over the first set, and the fraction of step time spent "
+        "in communication.")
+    t.add_argument("--devices", nargs="+", default=["cpu:1", "cpu:2"],
+                   help="device sets, space-separated, e.g. cpu:1 cpu:2 or gpu:0 gpu:0,1 "
+                   "(default: %(default)s)")
+    t.add_argument("--scaling", nargs="+", choices=("weak", "strong"), default=["weak"],
+                   help="weak: --batch-size per rank; strong: global, split across ranks "
+                   "(one or both; default: weak)")
+    t.add_argument("--batch-size", type=int, default=64,
+                   help="batch size (per rank or global, see --scaling; default: %(default)s)")
+    t.add_argument("--model", default="mlp", help="softmax, mlp, cnn (default: %(default)s)")
+    t.add_argument("--hidden", default="512,512",
+                   help="mlp hidden layer widths, comma-separated (default: %(default)s)")
+    t.add_argument("--algorithm", default="tree",
+                   help="collective algorithm: tree, ring, direct, nccl, auto (default: "
+                   "%(default)s)")
+    t.add_argument("--iters", type=int, default=30,
+                   help="timed iterations per device set (default: %(default)s)")
+    t.add_argument("-w", "--warmup-iters", dest="warmup", type=int, default=5,
+                   help="untimed iterations first (default: %(default)s)")
+    t.add_argument("--data", metavar="DB",
+                   help="an LMDB to train on (default: a synthetic task)")
+    t.add_argument("--records", type=int, default=4096,
+                   help="records of the synthetic task (default: %(default)s)")
+    t.add_argument("--features", type=int, default=256,
+                   help="features per record of the synthetic task (default: %(default)s)")
+    t.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    t.add_argument("--plot", metavar="FILE.png",
+                   help="draw examples/s and efficiency against device count")
+    t.add_argument("--quiet", action="store_true", help="print no table or progress")
+
+    g = sub.add_parser("topo", help="the topology matrix and the tree built from it",
+                       description="Print the detected topology (or a preset, or one "
+                       "parsed from `nvidia-smi topo -m` output) and the tree build_tree "
+                       "makes of it.")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--devices", default="auto",
+                     help="detect the topology of these devices (default: %(default)s)")
+    src.add_argument("--preset", metavar="NAME",
+                     help="a built-in topology: dgx1, nvswitch8, k80x4, pcie2s8, flat:N")
+    src.add_argument("--smi", metavar="FILE", help="a saved `nvidia-smi topo -m` output")
+    g.add_argument("--root", type=int, default=None, help="root the tree at this rank")
+    g.add_argument("--dot", metavar="FILE", help="also write the graph as Graphviz dot")
+    return p
+
+
+def main(argv: list[str] | None = None, *, world_factory: Any = None) -> int:
+    """Entry point of ``nccltree-bench``; returns the exit status.
+
+    ``world_factory(devices, algorithm)`` replaces how the collectives benchmark makes
+    the World of each algorithm (tests inject a deliberately broken one).
+    """
+    from .._errors import NcclTreeError
+
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a flag argparse itself rejects
+        return int(exc.code or 0)
+    sub = f"nccltree-bench {args.command}"
+    try:
+        # first every flag is checked (and Worlds created): errors here run nothing
+        try:
+            if args.command == "collectives":
+                bench = make_benchmark(args, world_factory)
+            elif args.command == "train":
+                check_train_args(args)
+            else:
+                topo, where, tree = resolve_topology(args)
+        except (ValueError, TypeError, NcclTreeError, OSError) as exc:
+            print(f"{sub}: error: {exc}", file=sys.stderr, flush=True)
+            return 2
+        if args.command == "collectives":
+            with bench:
+                return run_collectives(bench, args, sys.stdout, sys.stderr)
+        if args.command == "train":
+            return run_train(args, sys.stdout, sys.stderr)
+        return run_topo(topo, where, tree, args, sys.stdout)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        return 130
+    except (NcclTreeError, OSError) as exc:
+        print(f"{sub}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from train_table import Case, MemoryData, make_driver
 
-BATCH, STEPS = 128, 10
+BATCH, STEPS = 256, 10
 CASES = [Case(1, True), Case(1, False), Case(2, True), Case(2, False)]
 
 

@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--iters", type=int, default=30, help="timed iterations per run")
     ap.add_argument("--warmup", type=int, default=5, help="untimed iterations first")
     ap.add_argument("--repeat", type=int, default=3, help="runs per case (median)")
-    ap.add_argument("--batch", type=int, default=128, help="batch per rank")
+    ap.add_argument("--batch", type=int, default=256, help="batch per rank")
     ap.add_argument("--algorithm", default="tree")
     ap.add_argument("--no-consumption", action="store_true", help="skip the reader table")
     args = ap.parse_args(argv)

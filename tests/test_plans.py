@@ -26,10 +26,13 @@ def _trees(topo):
     return get
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 12])
+@pytest.mark.parametrize("topo", ["flat:1", "flat:2", "flat:3", "flat:4", "flat:5", "flat:7",
+                                  "flat:12", "pcie2s8", "dgx1", "k80x4"])
 @pytest.mark.parametrize("alg", ["tree", "ring", "direct"])
-def test_every_plan_is_race_free(n, alg):
-    tree_for = _trees(nt.Topology.preset(f"flat:{n}"))
+def test_every_plan_is_race_free(topo, alg):
+    topology = nt.Topology.preset(topo)
+    n = topology.n
+    tree_for = _trees(topology)
     for coll in COLLS:
         for count in (0, 1, 5, 64):
             for in_place in (False, True):
@@ -94,9 +97,13 @@ def test_tree_copy_pattern_follows_tree_edges(preset):
         tree = w.tree(0)
     want = {}
     for parent, child, _level in tree.edges:
+        if not topo.link(parent, child).p2p:
+            continue  # staged through pinned host memory: no device-to-device transfer
         want[(child, parent, "peer_read")] = nbytes  # reduce: the parent reads the child
         want[(parent, child, "copy")] = nbytes  # broadcast: the parent writes the child
     assert _bytes_by_pair(log) == want
+    if preset == "pcie2s8":
+        assert any(not topo.link(p, c).p2p for p, c, _ in tree.edges)
     assert xs[0][0] == sum(range(n))
 
 
@@ -153,3 +160,21 @@ def test_plan_str_and_transfers_are_readable():
     text = str(plan)
     assert "tree all_reduce" in text and "reduce(sum)" in text
     assert sorted(plan.transfers()) == [(0, 1, 4), (1, 0, 4)]
+
+
+def test_links_without_peer_access_are_staged_through_bounded_host_memory():
+    topo = nt.Topology.preset("pcie2s8")
+    tree = nt.build_tree(topo)
+    chunk = 100
+    plan = build_plan("tree", "all_reduce", size=8, count=10_000, chunk=chunk,
+                      tree_for=lambda root: tree)
+    crossing = [(p, c) for p, c, _ in tree.edges if not topo.link(p, c).p2p]
+    assert crossing, "the two-socket preset has edges without peer access"
+    # no step reads or writes across a link without peer access...
+    for s in plan.steps:
+        for b in s.touches:
+            if b.role != "stage" and b.rank != s.rank:
+                assert topo.link(b.rank, s.rank).p2p, (s, b)
+    # ...the staging memory is two chunks per sending rank, whatever the message size
+    assert plan.stage and all(v == 2 * chunk for v in plan.stage.values())
+    assert check_races(plan) == []

@@ -93,6 +93,46 @@ def _ranges(blocks: list[int], count: int) -> list[tuple[int, int]]:
     return out
 
 
+class _Stager:
+    """Moves data across tree edges whose devices have no peer access, through pinned host
+    memory: the sender copies a chunk into one of two staging slots of its own, the
+    receiver copies it out. Double buffering with "slot free" events bounds the staging
+    memory to two chunks per rank while sender and receiver overlap."""
+
+    SLOTS = 2
+
+    def __init__(self, b: PlanBuilder, tree, chunk: int) -> None:
+        self.b, self.chunk = b, chunk
+        self.p2p = lambda i, j: tree.topology.link(i, j).p2p
+        self.areas: dict[int, Buf] = {}
+        self.turn: dict[int, int] = {}
+        self.free: dict[tuple[int, int], int] = {}
+
+    def direct(self, i: int, j: int) -> bool:
+        return self.p2p(i, j)
+
+    def send(self, sender: int, receiver: int, dst: Buf, src: Buf) -> None:
+        """dst (on receiver) <- src (on sender), in chunks through the sender's slots; the
+        copy out of the last slot is on the receiver's stream, so later work of the
+        receiver is ordered after it."""
+        b = self.b
+        if sender not in self.areas:
+            self.areas[sender] = b.alloc_stage(sender, self.SLOTS * self.chunk)
+            self.turn[sender] = 0
+        for off, c in chunked(src.count, self.chunk):
+            if not c:
+                continue
+            slot = self.turn[sender]
+            self.turn[sender] = (slot + 1) % self.SLOTS
+            area = self.areas[sender].sub(slot * self.chunk, c)
+            if (sender, slot) in self.free:
+                b.wait(sender, self.free[(sender, slot)])
+            b.copy(sender, area, src.sub(off, c))
+            b.wait(receiver, b.signal(sender))
+            b.copy(receiver, dst.sub(off, c), area)
+            self.free[(sender, slot)] = b.signal(receiver)
+
+
 def _tree_reduce_phase(
     b: PlanBuilder,
     tree,
@@ -104,16 +144,29 @@ def _tree_reduce_phase(
     op: str,
     ready: dict[tuple[int, int], int],
     key: int,
+    stager: _Stager,
+    landing: dict[tuple[int, int], Buf],
 ) -> None:
-    """One chunk of the reduction up the tree: part(r) <- own(r) + sum(part(children))."""
+    """One chunk of the reduction up the tree: part(r) <- own(r) + sum(part(children)).
+
+    A child behind a link without peer access sends its chunk through the stager into a
+    landing area in the parent's scratch memory, which the fused pass then reads."""
     for r in post:
         kids = tree.children(r)
         if not kids:
             continue
+        srcs = [own(r).sub(off, c)]
         for k in kids:
-            if (k, key) in ready:
-                b.wait(r, ready[(k, key)])
-        srcs = [own(r).sub(off, c)] + [part(k).sub(off, c) for k in kids]
+            if stager.direct(r, k):
+                if (k, key) in ready:
+                    b.wait(r, ready[(k, key)])
+                srcs.append(part(k).sub(off, c))
+            else:
+                if (r, k) not in landing:
+                    landing[(r, k)] = b.alloc_scratch(r, stager.chunk)
+                land = landing[(r, k)].sub(0, c)
+                stager.send(k, r, land, part(k).sub(off, c))
+                srcs.append(land)
         _reduce_many(b, r, part(r).sub(off, c), srcs, _kernel_op(op))
         if r != tree.root:
             ready[(r, key)] = b.signal(r)
@@ -121,14 +174,18 @@ def _tree_reduce_phase(
 
 def _tree_push_phase(
     b: PlanBuilder, tree, pre: list[int], src: Callable[[int], Buf], dst: Callable[[int], Buf],
-    ranges: Callable[[int], list[tuple[int, int]]],
+    ranges: Callable[[int], list[tuple[int, int]]], stager: _Stager,
 ) -> None:
     """Push down the tree, most distant child first; each child waits for its data."""
     for r in pre:
         for k in tree.children(r):
-            for off, c in ranges(k):
-                b.copy(r, dst(k).sub(off, c), src(r).sub(off, c))
-            b.wait(k, b.signal(r))
+            if stager.direct(r, k):
+                for off, c in ranges(k):
+                    b.copy(r, dst(k).sub(off, c), src(r).sub(off, c))
+                b.wait(k, b.signal(r))
+            else:
+                for off, c in ranges(k):
+                    stager.send(r, k, dst(k).sub(off, c), src(r).sub(off, c))
 
 
 def _interleave(n_chunks: int, lag: int, up: Callable[[int], None], down: Callable[[int], None]):
@@ -158,17 +215,18 @@ def tree_all_reduce(tree, count, op, in_place, chunk) -> Plan:
     res = lambda r: Buf(r, role, 0, count)  # noqa: E731
     pieces = list(chunked(count, chunk))
     ready: dict[tuple[int, int], int] = {}
+    stager, landing = _Stager(b, tree, chunk), {}
 
     def up(i: int) -> None:
         off, c = pieces[i]
-        _tree_reduce_phase(b, tree, post, part, own, off, c, op, ready, i)
+        _tree_reduce_phase(b, tree, post, part, own, off, c, op, ready, i, stager, landing)
         if n == 1 and not in_place:
             b.copy(0, res(0).sub(off, c), own(0).sub(off, c))
         _finish_mean(b, tree.root, res(tree.root).sub(off, c), op, n)
 
     def down(i: int) -> None:
         off, c = pieces[i]
-        _tree_push_phase(b, tree, pre, res, res, lambda k: [(off, c)])
+        _tree_push_phase(b, tree, pre, res, res, lambda k: [(off, c)], stager)
 
     _interleave(len(pieces), max(1, tree.depth), up, down)
     return b.build()
@@ -182,18 +240,18 @@ def tree_reduce(tree, count, op, in_place, chunk) -> Plan:
     post, _ = _tree_orders(tree)
     role = _res_role(in_place)
     own = lambda r: Buf(r, IN, 0, count)  # noqa: E731
+    partials = {r: b.alloc_scratch(r, count) for r in range(n)
+                if r != root and tree.children(r)}
 
     def part(r: int) -> Buf:
         if r == root:
             return Buf(r, role, 0, count)
-        if not tree.children(r):
-            return own(r)
-        b.need_scratch(r, count)
-        return Buf(r, TMP, 0, count)
+        return partials.get(r, own(r))
 
     ready: dict[tuple[int, int], int] = {}
+    stager, landing = _Stager(b, tree, chunk), {}
     for i, (off, c) in enumerate(chunked(count, chunk)):
-        _tree_reduce_phase(b, tree, post, part, own, off, c, op, ready, i)
+        _tree_reduce_phase(b, tree, post, part, own, off, c, op, ready, i, stager, landing)
         if n == 1 and not in_place:
             b.copy(root, part(root).sub(off, c), own(root).sub(off, c))
         _finish_mean(b, root, part(root).sub(off, c), op, n)
@@ -209,11 +267,13 @@ def tree_broadcast(tree, count, in_place, chunk) -> Plan:
     def src(r: int) -> Buf:
         return Buf(r, IN if r == root else role, 0, count)
 
+    stager = _Stager(b, tree, chunk)
+
     for off, c in chunked(count, chunk):
         if not in_place:
             b.copy(root, Buf(root, OUT, off, c), Buf(root, IN, off, c))
         _tree_push_phase(b, tree, pre, src, lambda k: Buf(k, role, 0, count),
-                         lambda k, off=off, c=c: [(off, c)])
+                         lambda k, off=off, c=c: [(off, c)], stager)
     return b.build()
 
 
@@ -226,14 +286,18 @@ def tree_all_gather(tree, count, in_place, chunk) -> Plan:
     out = lambda r: Buf(r, OUT, 0, n * count)  # noqa: E731
     mine = lambda r: Buf(r, OUT, r * count, count) if in_place else Buf(r, IN, 0, count)  # noqa: E731
     ready: dict[int, int] = {}
+    stager = _Stager(b, tree, chunk)
     for r in post:
         if not in_place:
             b.copy(r, out(r).sub(r * count, count), mine(r))
         for k in tree.children(r):
-            if k in ready:
-                b.wait(r, ready[k])
             for off, c in _ranges(_subtree(tree, k), count):
-                b.copy(r, out(r).sub(off, c), out(k).sub(off, c))
+                if stager.direct(r, k):
+                    if k in ready:
+                        b.wait(r, ready.pop(k))
+                    b.copy(r, out(r).sub(off, c), out(k).sub(off, c))
+                else:
+                    stager.send(k, r, out(r).sub(off, c), out(k).sub(off, c))
         if r != tree.root:
             ready[r] = b.signal(r)
 
@@ -244,7 +308,7 @@ def tree_all_gather(tree, count, in_place, chunk) -> Plan:
             pieces.extend((off + o, cc) for o, cc in chunked(c, chunk))
         return pieces
 
-    _tree_push_phase(b, tree, pre, out, out, missing)
+    _tree_push_phase(b, tree, pre, out, out, missing, stager)
     return b.build()
 
 
@@ -256,25 +320,29 @@ def tree_reduce_scatter(tree, count, op, in_place, chunk) -> Plan:
     b = PlanBuilder(n, f"tree reduce_scatter {op} count={count}")
     post, _ = _tree_orders(tree)
     own = lambda r: Buf(r, IN, 0, total)  # noqa: E731
+    partials = {r: b.alloc_scratch(r, total) for r in range(n)
+                if r == root or tree.children(r)}
 
     def part(r: int) -> Buf:
-        if not tree.children(r) and r != root:
-            return own(r)
-        b.need_scratch(r, total)
-        return Buf(r, TMP, 0, total)
+        return partials.get(r, own(r))
 
     ready: dict[tuple[int, int], int] = {}
+    stager, landing = _Stager(b, tree, chunk), {}
     for i, (off, c) in enumerate(chunked(total, chunk)):
-        _tree_reduce_phase(b, tree, post, part, own, off, c, op, ready, i)
+        _tree_reduce_phase(b, tree, post, part, own, off, c, op, ready, i, stager, landing)
         if n == 1:
             b.copy(root, part(root).sub(off, c), own(root).sub(off, c))
         _finish_mean(b, root, part(root).sub(off, c), op, n)
     done = b.signal(root)
     for r in range(n):
         dst = Buf(r, IN, r * count, count) if in_place else Buf(r, OUT, 0, count)
-        if r != root:
-            b.wait(r, done)
-        b.copy(r, dst, part(root).sub(r * count, count))
+        block = part(root).sub(r * count, count)
+        if r == root or stager.direct(root, r):
+            if r != root:
+                b.wait(r, done)
+            b.copy(r, dst, block)
+        else:
+            stager.send(root, r, dst, block)
     return b.build()
 
 
@@ -345,9 +413,8 @@ def ring_reduce(n, root, count, op, in_place, chunk) -> Plan:
             b.copy(0, Buf(0, OUT, 0, count), own(0))
         return b.build()
     segs = split(count, n)
-    for r in range(n):
-        b.need_scratch(r, count)
-    tmp = lambda r: Buf(r, TMP, 0, count)  # noqa: E731
+    tmps = {r: b.alloc_scratch(r, count) for r in range(n)}
+    tmp = tmps.__getitem__
     dst = Buf(root, role, 0, count)
     _ring_reduce_scatter(b, n, segs, op, chunk, own, tmp, shift=-1, final=tmp)
     for r in range(n):
@@ -405,9 +472,8 @@ def ring_reduce_scatter(n, count, op, in_place, chunk) -> Plan:
         if not in_place:
             b.copy(0, Buf(0, OUT, 0, count), Buf(0, IN, 0, count))
         return b.build()
-    for r in range(n):
-        b.need_scratch(r, total)
-    tmp = lambda r: Buf(r, TMP, 0, total)  # noqa: E731
+    tmps = {r: b.alloc_scratch(r, total) for r in range(n)}
+    tmp = tmps.__getitem__
     segs = [(i * count, count) for i in range(n)]
     _ring_reduce_scatter(b, n, segs, op, chunk, own, tmp, shift=-2, final=final)
     return b.build()

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .plan import IN, OUT, TMP, Buf, Plan
+from .plan import IN, OUT, STAGE, TMP, Buf, Plan
 
 
 class Buffers:
@@ -21,12 +21,20 @@ class Buffers:
 
     __slots__ = ("arrays",)
 
-    def __init__(self, ins: Sequence[Any], outs: Sequence[Any], tmps: Sequence[Any | None]):
-        self.arrays = [{IN: i, OUT: o, TMP: t} for i, o, t in zip(ins, outs, tmps)]
+    def __init__(self, ins: Sequence[Any], outs: Sequence[Any], tmps: Sequence[Any | None],
+                 stages: Sequence[Any | None] | None = None):
+        stages = stages if stages is not None else [None] * len(ins)
+        self.arrays = [{IN: i, OUT: o, TMP: t, STAGE: g}
+                       for i, o, t, g in zip(ins, outs, tmps, stages)]
 
     def view(self, b: Buf) -> Any:
         arr = self.arrays[b.rank][b.role]
         return arr[b.offset : b.offset + b.count]
+
+
+def _device_of(b: Buf, devices: Sequence[Any]) -> Any:
+    # staging memory is pinned host memory: no device holds it
+    return None if b.role == STAGE else devices[b.rank]
 
 
 def _same_memory(a: Any, b: Any) -> bool:
@@ -54,11 +62,11 @@ def enqueue(plan: Plan, bufs: Buffers, streams: Sequence[Any], devices: Sequence
         elif kind == "copy":
             dst, src = view(s.dst), view(s.srcs[0])
             if not _same_memory(dst, src):
-                st.copy(dst, src, src_device=devices[s.srcs[0].rank],
-                        dst_device=devices[s.dst.rank])
+                st.copy(dst, src, src_device=_device_of(s.srcs[0], devices),
+                        dst_device=_device_of(s.dst, devices))
         elif kind == "reduce":
             st.reduce(view(s.dst), [view(b) for b in s.srcs], s.op,
-                      src_devices=[devices[b.rank] for b in s.srcs],
+                      src_devices=[_device_of(b, devices) for b in s.srcs],
                       dst_device=devices[s.dst.rank])
         elif kind == "scale":
             st.scale(view(s.dst), s.alpha)
@@ -77,11 +85,11 @@ def run_inline(plan: Plan, bufs: Buffers, devices: Sequence[Any]) -> None:
         if kind == "copy":
             dst, src = view(s.dst), view(s.srcs[0])
             if not _same_memory(dst, src):
-                dev.copy_now(dst, src, src_device=devices[s.srcs[0].rank],
-                             dst_device=devices[s.dst.rank])
+                dev.copy_now(dst, src, src_device=_device_of(s.srcs[0], devices),
+                             dst_device=_device_of(s.dst, devices))
         elif kind == "reduce":
             dev.reduce_now(view(s.dst), [view(b) for b in s.srcs], s.op,
-                           src_devices=[devices[b.rank] for b in s.srcs],
+                           src_devices=[_device_of(b, devices) for b in s.srcs],
                            dst_device=devices[s.dst.rank])
         elif kind == "scale":
             dev.scale(view(s.dst), s.alpha)

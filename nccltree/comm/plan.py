@@ -26,8 +26,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 # Buffer roles: the caller's input, the caller's output (same memory as "in" when the call
-# is in place), and scratch memory the engine owns.
-IN, OUT, TMP = "in", "out", "tmp"
+# is in place), scratch memory the engine owns on the rank's device, and pinned host
+# memory the engine owns for the rank (staging between devices without peer access).
+IN, OUT, TMP, STAGE = "in", "out", "tmp", "stage"
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class Plan:
     steps: list[Step]
     n_events: int
     scratch: dict[int, int] = field(default_factory=dict)
+    stage: dict[int, int] = field(default_factory=dict)
     same_buffer: bool = False
     start_events: dict[int, int] = field(default_factory=dict)
     end_events: dict[int, int] = field(default_factory=dict)
@@ -131,6 +133,7 @@ class PlanBuilder:
         self._steps: list[Step] = []
         self._n_events = 0
         self.scratch: dict[int, int] = {}
+        self.stage: dict[int, int] = {}
 
     # -- algorithm-facing API -------------------------------------------------------------
     def copy(self, rank: int, dst: Buf, src: Buf) -> None:
@@ -163,8 +166,17 @@ class PlanBuilder:
     def wait(self, rank: int, event: int) -> None:
         self._steps.append(Step(rank, "wait", event=event))
 
-    def need_scratch(self, rank: int, count: int) -> None:
-        self.scratch[rank] = max(self.scratch.get(rank, 0), count)
+    def alloc_scratch(self, rank: int, count: int) -> Buf:
+        """A fresh region of ``count`` elements of ``rank``'s scratch, after all others."""
+        off = self.scratch.get(rank, 0)
+        self.scratch[rank] = off + count
+        return Buf(rank, TMP, off, count)
+
+    def alloc_stage(self, rank: int, count: int) -> Buf:
+        """A fresh region of ``count`` elements of ``rank``'s pinned host staging memory."""
+        off = self.stage.get(rank, 0)
+        self.stage[rank] = off + count
+        return Buf(rank, STAGE, off, count)
 
     # -- fences ---------------------------------------------------------------------------
     def build(self) -> Plan:
@@ -227,6 +239,7 @@ class PlanBuilder:
             steps=out,
             n_events=n_events,
             scratch=dict(self.scratch),
+            stage=dict(self.stage),
             same_buffer=self.same_buffer,
             start_events=starts,
             end_events=ends,

@@ -139,6 +139,7 @@ class World:
         self._fail_lock = threading.Lock()
         self._closed = False
         self._nccl = None
+        self._nccl_unusable: str | None = None
         if algorithm == "nccl":
             self._nccl_engine()  # fail now, with the reason, rather than at the first call
         self._rendezvous = _Rendezvous(self)
@@ -307,7 +308,9 @@ class World:
             plan = self._plan(algorithm, prep)
             tmps = [self._scratch_for(r, prep.dtype, plan.scratch.get(r, 0))
                     for r in range(self.size)]
-            bufs = Buffers(prep.ins, prep.outs, tmps)
+            stages = [self._scratch_for(r, prep.dtype, plan.stage.get(r, 0), pinned=True)
+                      for r in range(self.size)]
+            bufs = Buffers(prep.ins, prep.outs, tmps, stages)
             if self._can_inline(prep, streams, async_op):
                 try:
                     run_inline(plan, bufs, self.devices)
@@ -378,11 +381,13 @@ class World:
         return len(links) == 1 and next(iter(links))[1]
 
     def _nccl_usable(self) -> bool:
-        try:
-            self._nccl_engine()
-            return True
-        except (NcclTreeError, ValueError):
-            return False
+        if self._nccl_unusable is None:
+            try:
+                self._nccl_engine()
+                self._nccl_unusable = ""
+            except (NcclTreeError, ValueError) as exc:
+                self._nccl_unusable = str(exc)  # asked once: "auto" falls back for good
+        return not self._nccl_unusable
 
     def _nccl_engine(self):
         if self._nccl is None:
@@ -428,15 +433,17 @@ class World:
             self._plans[key] = plan
         return plan
 
-    def _scratch_for(self, rank: int, dtype: np.dtype, count: int) -> Any:
+    def _scratch_for(self, rank: int, dtype: np.dtype, count: int, pinned: bool = False) -> Any:
+        """Rank ``rank``'s scratch (device memory) or staging (pinned host) buffer."""
         if count == 0:
             return None
-        key = (rank, dtype.str)
+        key = (rank, dtype.str, pinned)
         buf = self._scratch.get(key)
         if buf is None or buf.size < count:
             # Reuse is safe: consecutive collectives are ordered on the comm streams and a
             # plan's end fences cover every access to a rank's scratch.
-            buf = self.devices[rank].empty((count,), dtype)
+            dev = self.devices[rank]
+            buf = dev.pinned_empty((count,), dtype) if pinned else dev.empty((count,), dtype)
             self._scratch[key] = buf
         return buf[:count]
 

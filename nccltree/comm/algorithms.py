@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .plan import IN, OUT, TMP, Buf, Plan, PlanBuilder, chunked, split
+from .plan import IN, OUT, Buf, Plan, PlanBuilder, chunked, split
 
 MAX_FAN_IN = 8  # sources one native reduce pass takes
 

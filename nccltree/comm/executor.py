@@ -31,21 +31,15 @@ class Buffers:
         arr = self.arrays[b.rank][b.role]
         return arr[b.offset : b.offset + b.count]
 
+    def same(self, a: Buf, b: Buf) -> bool:
+        """Whether two ranges are one memory (an in-place rank's "in" and "out")."""
+        return (a.offset == b.offset and a.count == b.count
+                and self.arrays[a.rank][a.role] is self.arrays[b.rank][b.role])
+
 
 def _device_of(b: Buf, devices: Sequence[Any]) -> Any:
     # staging memory is pinned host memory: no device holds it
     return None if b.role == STAGE else devices[b.rank]
-
-
-def _same_memory(a: Any, b: Any) -> bool:
-    return _ptr(a) == _ptr(b) and a.nbytes == b.nbytes
-
-
-def _ptr(a: Any) -> int:
-    iface = getattr(a, "__array_interface__", None)
-    if iface is not None:
-        return iface["data"][0]
-    return a.data.ptr  # CuPy
 
 
 def enqueue(plan: Plan, bufs: Buffers, streams: Sequence[Any], devices: Sequence[Any],
@@ -60,9 +54,8 @@ def enqueue(plan: Plan, bufs: Buffers, streams: Sequence[Any], devices: Sequence
         elif kind == "wait":
             st.wait_event(events[s.event])
         elif kind == "copy":
-            dst, src = view(s.dst), view(s.srcs[0])
-            if not _same_memory(dst, src):
-                st.copy(dst, src, src_device=_device_of(s.srcs[0], devices),
+            if not bufs.same(s.dst, s.srcs[0]):
+                st.copy(view(s.dst), view(s.srcs[0]), src_device=_device_of(s.srcs[0], devices),
                         dst_device=_device_of(s.dst, devices))
         elif kind == "reduce":
             st.reduce(view(s.dst), [view(b) for b in s.srcs], s.op,
@@ -77,15 +70,12 @@ def enqueue(plan: Plan, bufs: Buffers, streams: Sequence[Any], devices: Sequence
 def run_inline(plan: Plan, bufs: Buffers, devices: Sequence[Any]) -> None:
     """Perform ``plan`` now, in the calling thread (host backend only)."""
     view = bufs.view
-    for s in plan.steps:
+    for s in plan.data_steps():
         kind = s.kind
-        if kind in ("record", "wait"):
-            continue
         dev = devices[s.rank]
         if kind == "copy":
-            dst, src = view(s.dst), view(s.srcs[0])
-            if not _same_memory(dst, src):
-                dev.copy_now(dst, src, src_device=_device_of(s.srcs[0], devices),
+            if not bufs.same(s.dst, s.srcs[0]):
+                dev.copy_now(view(s.dst), view(s.srcs[0]), src_device=_device_of(s.srcs[0], devices),
                              dst_device=_device_of(s.dst, devices))
         elif kind == "reduce":
             dev.reduce_now(view(s.dst), [view(b) for b in s.srcs], s.op,

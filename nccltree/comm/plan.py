@@ -86,6 +86,15 @@ class Plan:
     end_events: dict[int, int] = field(default_factory=dict)
     description: str = ""
 
+    def data_steps(self) -> list[Step]:
+        """The steps that move or combine data, in order (what an inline run performs)."""
+        cached = self.__dict__.get("_data_steps")
+        if cached is None:
+            cached = self.__dict__["_data_steps"] = [
+                s for s in self.steps if s.kind not in ("record", "wait")
+            ]
+        return cached
+
     def event_owners(self) -> list[int]:
         """The rank whose stream records each event (events are created on its device)."""
         owners = [0] * self.n_events

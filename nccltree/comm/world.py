@@ -506,10 +506,12 @@ class World:
                     f"rank {r}: {collective} output needs {want} elements, got {o.size}"
                 )
             fo = o.reshape(-1)
+            same = _in_place(collective, fx, fo, r, count, want)
             flat_in.append(fx)
-            flat_out.append(fo)
+            # one object for one memory, so the executor can tell copies onto themselves
+            flat_out.append(fx if same and fo.size == fx.size else fo)
             results.append(outs[r])
-            in_place.append(_in_place(collective, fx, fo, r, count, want))
+            in_place.append(same)
         all_in_place = all(in_place)
         if collective in ("all_gather", "reduce_scatter") and any(in_place) != all_in_place:
             raise ValueError(

@@ -1,11 +1,12 @@
 """Turn benchmark JSON into Markdown tables.
 
-Usage: python bench/make_tables.py FILE.json [FILE.json ...] [--out FILE.md]
+Usage: python bench/make_tables.py FILE.json [FILE.json ...] [--out FILE.md] [--full]
 
 Reads the JSON of ``bench/collectives_table.py`` (the all_reduce comparison with MPICH,
 numpy, copy bandwidth and the barrier), of ``nccltree-bench collectives --json`` and of
 ``nccltree-bench train --json``, and prints the tables docs/performance.md and
-docs/benchmarks.md show.
+docs/benchmarks.md show. Given several runs of the comparison, it prints the first in
+full and the spread of the target ratios over all of them.
 """
 
 from __future__ import annotations
@@ -127,28 +128,56 @@ def targets_tables(d: dict) -> list[str]:
 # -- nccltree-bench outputs ---------------------------------------------------------------
 
 
-def collectives_tables(d: dict) -> list[str]:
+def _find(rs: list[dict], size: int, alg: str, placement: str) -> dict | None:
+    return next((x for x in rs if x["size"] == size and x["algorithm"] == alg
+                 and x["placement"] == placement), None)
+
+
+def _full_cell(r: dict | None) -> str:
+    if r is None:
+        return ""
+    wrong = "N/A" if r["wrong"] is None else r["wrong"]
+    return f"{fmt_us(r['time_us'])} · {r['algbw']:.2f} · {r['busbw']:.2f} · {wrong}"
+
+
+def _busbw(r: dict | None) -> str:
+    return "" if r is None else f"{r['busbw']:.2f}"
+
+
+def _time(r: dict | None) -> str:
+    return "" if r is None else fmt_us(r["time_us"])
+
+
+def collectives_tables(d: dict, full: bool = False) -> list[str]:
+    """Per collective: busbw out of place / in place for each algorithm side by side
+    (``full``: every column of every record, a row per size x algorithm)."""
     recs = d["records"]
     out = []
     m = d["machine"]
     for coll in dict.fromkeys(r["collective"] for r in recs):
         rs = [r for r in recs if r["collective"] == coll]
         r0 = rs[0]
-        out += [f"**{coll}, {r0['devices']} ({r0['ranks']} ranks, {m['backend']}), "
-                f"{r0['dtype']} {r0['op']}** — median of {r0['iters']} iterations; "
-                "time µs · algbw · busbw (GB/s) · #wrong", ""]
-        rows = []
-        keys = list(dict.fromkeys((r["size"], r["algorithm"]) for r in rs))
-        for size, alg in keys:
-            row = [human_bytes(size), alg]
-            for placement in ("out-of-place", "in-place"):
-                r = next((x for x in rs if x["size"] == size and x["algorithm"] == alg
-                          and x["placement"] == placement), None)
-                row.append("" if r is None else
-                           f"{fmt_us(r['time_us'])} · {r['algbw']:.2f} · {r['busbw']:.2f} · "
-                           f"{'N/A' if r['wrong'] is None else r['wrong']}")
-            rows.append(row)
-        out += md_table(["size", "algorithm", "out of place", "in place"], rows, "llrr")
+        algs = list(dict.fromkeys(r["algorithm"] for r in rs))
+        sizes = list(dict.fromkeys(r["size"] for r in rs))
+        wrong = sum(r["wrong"] or 0 for r in rs)
+        title = (f"**{coll}, {r0['devices']} ({r0['ranks']} ranks, {m['backend']}), "
+                 f"{r0['dtype']} {r0['op']}**, median of {r0['iters']} iterations, "
+                 f"#wrong {wrong}")
+        if full:
+            out += [title + "; time µs · algbw · busbw (GB/s) · #wrong", ""]
+            rows = [[human_bytes(s), a, _full_cell(_find(rs, s, a, "out-of-place")),
+                     _full_cell(_find(rs, s, a, "in-place"))] for s in sizes for a in algs]
+            out += md_table(["size", "algorithm", "out of place", "in place"], rows, "llrr")
+        else:
+            out += [title + "; busbw (GB/s) out of place / in place, and the in-place "
+                    "time (µs)", ""]
+            rows = [[human_bytes(s),
+                     *(f"{_busbw(_find(rs, s, a, 'out-of-place'))} / "
+                       f"{_busbw(_find(rs, s, a, 'in-place'))}" for a in algs),
+                     *(_time(_find(rs, s, a, "in-place")) for a in algs)]
+                    for s in sizes]
+            out += md_table(["size", *(f"{a} busbw" for a in algs),
+                             *(f"{a} µs" for a in algs)], rows)
         out.append("")
     return out
 
@@ -159,32 +188,74 @@ def train_tables(d: dict) -> list[str]:
              f"{100 * p['efficiency']:.0f}%", f"{100 * p['comm_fraction']:.0f}%"]
             for p in d["points"]]
     p0 = d["points"][0]
-    out = [f"**training, model {p0['model']}, algorithm {p0['algorithm']}**", ""]
+    c = d.get("config", {})
+    blas = c.get("blas_threads") or "cores // ranks"
+    data = c.get("data") or (f"synthetic, {c.get('features')} features" if c else "")
+    hidden = f" ({c['hidden']} hidden)" if c.get("model") == "mlp" else ""
+    out = [f"**training, model {p0['model']}{hidden}, algorithm {p0['algorithm']}, "
+           f"{data}, BLAS threads per rank: {blas}**" + (
+               f", {c['iters']} timed iterations after {c['warmup']}" if c else ""), ""]
     out += md_table(["devices", "ranks", "scaling", "per-rank batch", "effective batch",
                      "examples/s", "speedup", "efficiency", "comm"], rows, "lrlrrrrrr")
     return out + [""]
 
 
-def tables(d: dict) -> list[str]:
+def tables(d: dict, full: bool = False) -> list[str]:
     tool = d.get("tool", "")
     if tool.endswith("collectives_table.py"):
         return comparison_tables(d)
     if tool == "nccltree-bench collectives":
-        return collectives_tables(d)
+        return collectives_tables(d, full)
     if tool == "nccltree-bench train":
         return train_tables(d)
     raise ValueError(f"unknown benchmark JSON (tool {tool!r})")
+
+
+def spread_table(ds: list[dict]) -> list[str]:
+    """The three ratios of several comparison runs side by side: min - max per row."""
+    t = ds[0]["targets"]
+    rows: dict[tuple, list[float]] = {}
+    for d in ds:
+        for n, run in d["runs"].items():
+            s = run["summary"]
+            for b in s["bounds"]:
+                key = (f"{human_bytes(d['sizes'][-1])} time / bound (≤ {t['bound_ratio_max']})",
+                       n, b["algorithm"], b["placement"])
+                rows.setdefault(key, []).append(b["ratio"])
+            if "mpi" in s:
+                key = (f"{human_bytes(d['sizes'][-1])} best busbw / MPICH "
+                       f"(≥ {t['mpi_ratio_min']})", n, "best", "")
+                rows.setdefault(key, []).append(s["mpi"]["best_ratio"])
+            for x in s["small"]:
+                key = (f"{human_bytes(d['sizes'][0])} time / barrier "
+                       f"(≤ {t['barrier_ratio_max']})", n, x["algorithm"], x["placement"])
+                rows.setdefault(key, []).append(x["ratio"])
+    body = [[k[0], k[1], k[2], k[3], f"{min(v):.2f} – {max(v):.2f}", len(v)]
+            for k, v in rows.items()]
+    out = [f"**Spread over {len(ds)} runs** (min – max of each ratio)", ""]
+    return out + md_table(["ratio (target)", "ranks", "algorithm", "placement", "range",
+                           "runs"], body, "llllrr") + [""]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", help="benchmark JSON files")
     p.add_argument("--out", help="write the Markdown here (default: stdout)")
+    p.add_argument("--full", action="store_true",
+                   help="nccltree-bench collectives: every column, a row per size x algorithm")
     args = p.parse_args(argv)
     lines: list[str] = []
+    comparisons = []
     for path in args.files:
         with open(path, encoding="utf-8") as f:
-            lines += tables(json.load(f))
+            d = json.load(f)
+        if d.get("tool", "").endswith("collectives_table.py"):
+            comparisons.append(d)
+            if len(comparisons) > 1:
+                continue  # later runs of the comparison only enter the spread table
+        lines += tables(d, args.full)
+    if len(comparisons) > 1:
+        lines += spread_table(comparisons)
     text = "\n".join(lines).rstrip() + "\n"
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:

@@ -204,6 +204,13 @@ def test_bad_arguments_fail_before_any_world_exists(host_devs, kwargs, match):
     assert made == []
 
 
+def test_devices_from_a_spec_are_shut_down_by_close():
+    with drv.Benchmark("cpu:2", sizes=[64], iters=1, warmup=0) as bench:
+        assert [r.wrong for r in bench] == [0, 0]
+        assert bench.label == "cpu:2"
+    assert bench.devices[0].runtime.closed and bench.worlds == {}
+
+
 def test_machine_description(host_devs):
     m = drv.machine_description(host_devs(2))
     assert m["backend"] == "host" and m["device_names"] == ["cpu:0", "cpu:1"]
@@ -233,9 +240,13 @@ def test_make_tables_renders_driver_json(host_devs):
     mt = _bench_module("make_tables")
     recs = drv.run_benchmark(host_devs(2), algorithms=["tree", "ring"], sizes=[8, 4096],
                              iters=1, warmup=0)
-    lines = mt.tables({"tool": "nccltree-bench collectives", "machine": recs[0].machine,
-                       "records": [r.as_dict() for r in recs]})
-    rows = [x for x in lines if x.startswith("| ") and ("tree" in x or "ring" in x)]
+    data = {"tool": "nccltree-bench collectives", "machine": recs[0].machine,
+            "records": [r.as_dict() for r in recs]}
+    rows = [x for x in mt.tables(data) if x.startswith("| ") and "B |" in x]
+    # compact: a row per size, busbw out of place / in place per algorithm
+    assert len(rows) == 2 and rows[1].startswith("| 4 KiB |") and rows[1].count(" / ") == 2
+    rows = [x for x in mt.tables(data, full=True) if x.startswith("| ") and "B |" in x]
     assert len(rows) == 4 and rows[0].startswith("| 8 B | tree |")
+    assert rows[0].endswith(" · 0 |")  # the #wrong of the in-place run
     with pytest.raises(ValueError, match="unknown benchmark JSON"):
         mt.tables({"tool": "something else"})

@@ -171,10 +171,15 @@ def plot_collectives(path: str, records: Sequence[drv.BenchRecord]) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     colls = list(dict.fromkeys(r.collective for r in records))
-    fig, axes = plt.subplots(1, len(colls), figsize=(6 * len(colls), 4.2), squeeze=False)
-    for ax, coll in zip(axes[0], colls):
+    cols = min(2, len(colls))
+    rows = -(-len(colls) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.2 * rows), squeeze=False)
+    for ax in axes.flat[len(colls):]:
+        ax.set_visible(False)
+    for ax, coll in zip(axes.flat, colls):
         recs = [r for r in records if r.collective == coll and r.size > 0]
         for i, alg in enumerate(dict.fromkeys(r.algorithm for r in recs)):
             for placement, style in (("out-of-place", "-"), ("in-place", "--")):
@@ -185,7 +190,9 @@ def plot_collectives(path: str, records: Sequence[drv.BenchRecord]) -> None:
                     ax.plot(xs, ys, style, marker="o", ms=3, color=f"C{i}",
                             label=f"{alg} ({placement})")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("size (bytes)")
+        # tick labels people read at a glance: 64 B, 1 KiB, 1 MiB, 64 MiB
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: human_bytes(int(round(v)))))
+        ax.set_xlabel("size")
         ax.set_ylabel("bus bandwidth (GB/s)")
         r0 = recs[0] if recs else records[0]
         ax.set_title(f"{coll}, {r0.devices} ({r0.ranks} ranks), {r0.dtype}")
@@ -321,6 +328,7 @@ def train_point(spec: str, scaling: str, args: argparse.Namespace, dataset) -> d
         if devs[0].backend == "host":
             stack.callback(devs[0].runtime.shutdown)
         dp = stack.enter_context(DataParallel(model, devs, algorithm=args.algorithm,
+                                              blas_threads=args.blas_threads,
                                               lr=0.01, momentum=0.9))
         reader = stack.enter_context(DataReader(
             path, per_rank, n, device=devs if devs[0].backend != "host" else None,
@@ -336,6 +344,7 @@ def train_point(spec: str, scaling: str, args: argparse.Namespace, dataset) -> d
         "examples_per_s": sum(s.examples for s in timed) / secs if secs > 0 else 0.0,
         "comm_fraction": sum(s.comm_s for s in timed) / step_s if step_s > 0 else 0.0,
         "backend": devs[0].backend, "algorithm": args.algorithm, "model": args.model,
+        "blas_threads": args.blas_threads,  # None: the trainer's default
     }
 
 
@@ -400,7 +409,9 @@ def check_train_args(args: argparse.Namespace) -> None:
                          f"{', '.join(ALGORITHM_CHOICES)}")
     for flag, v, lo in (("--iters", args.iters, 1), ("-w/--warmup-iters", args.warmup, 0),
                         ("--batch-size", args.batch_size, 1), ("--records", args.records, 1),
-                        ("--features", args.features, 1)):
+                        ("--features", args.features, 1),
+                        ("--blas-threads", 1 if args.blas_threads is None else args.blas_threads,
+                         1)):
         if v < lo:
             raise UsageError(f"{flag} must be >= {lo}, got {v}")
     try:
@@ -440,8 +451,14 @@ def run_train(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
               f"{args.iters} timed iterations after {args.warmup} warm-up", file=out)
         print("\n".join(train_table(points)), file=out, flush=True)
     if args.json:
-        write_json(args.json, {"tool": "nccltree-bench train", "points": points,
-                               "machine": drv.machine_description(make_devices("cpu:1"))})
+        one = make_devices("cpu:1")
+        config = {k: getattr(args, k) for k in ("devices", "scaling", "batch_size", "model",
+                                                "hidden", "algorithm", "iters", "warmup",
+                                                "data", "records", "features",
+                                                "blas_threads")}
+        write_json(args.json, {"tool": "nccltree-bench train", "config": config,
+                               "points": points, "machine": drv.machine_description(one)})
+        one[0].runtime.shutdown()
     if args.plot:
         plot_train(args.plot, points)
     return 0
@@ -581,6 +598,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--algorithm", default="tree",
                    help="collective algorithm: tree, ring, direct, nccl, auto (default: "
                    "%(default)s)")
+    t.add_argument("--blas-threads", type=int, default=None,
+                   help="BLAS threads per rank (default: the trainer's, cores // ranks)")
     t.add_argument("--iters", type=int, default=30,
                    help="timed iterations per device set (default: %(default)s)")
     t.add_argument("-w", "--warmup-iters", dest="warmup", type=int, default=5,

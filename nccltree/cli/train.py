@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed",
         type=int,
         metavar="S",
-        help=f"seed of the parameter initialisation (default: {_d('seed')})",
+        help=f"seed of the parameter initialisation and of --shuffle (default: {_d('seed')})",
     )
 
     g = p.add_argument_group("solver")

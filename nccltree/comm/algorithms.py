@@ -490,8 +490,8 @@ def direct_all_reduce(n, count, op, in_place, chunk) -> Plan:
             mine = Buf(r, role, off + o, c)
             _reduce_many(b, r, mine, [Buf(q, IN, off + o, c) for q in range(n)], _kernel_op(op))
             _finish_mean(b, r, mine, op, n)
-            # While the chunk is still in cache, write it to every peer (staggered so the
-            # ranks do not all hit the same destination at once).
+            # Write the chunk to every peer right away (staggered so the ranks do not all
+            # hit the same destination at once).
             for i in range(1, n):
                 q = (r + i) % n
                 b.copy(r, Buf(q, role, off + o, c), mine)

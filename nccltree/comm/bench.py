@@ -257,8 +257,9 @@ def machine_description(devices: Sequence[Any]) -> dict:
         pass
     import nccltree
 
-    return {
-        "backend": devices[0].backend if devices else "none",
+    backend = devices[0].backend if devices else "none"
+    desc = {
+        "backend": backend,
         "device_names": [d.name for d in devices],
         "device_threads": [getattr(d, "threads", None) for d in devices],
         "cpu": cpu,
@@ -268,6 +269,20 @@ def machine_description(devices: Sequence[Any]) -> dict:
         "numpy": np.__version__,
         "nccltree": nccltree.__version__,
     }
+    if backend == "cuda":
+        desc["gpus"] = _gpu_models(devices)
+    return desc
+
+
+def _gpu_models(devices: Sequence[Any]) -> list[str]:
+    """The model name of each device's GPU (CuPy is there: the devices are CUDA ones)."""
+    import cupy as cp
+
+    names = []
+    for d in devices:
+        name = cp.cuda.runtime.getDeviceProperties(d.physical_id)["name"]
+        names.append(name.decode() if isinstance(name, bytes) else str(name))
+    return names
 
 
 # -- sizes and arguments ------------------------------------------------------------------
@@ -402,11 +417,29 @@ class Benchmark:
         world_factory: WorldFactory | None = None,
         devices_label: str | None = None,
     ) -> None:
+        self._own_runtime = None  # the host runtime made here, shut down by close()
         if isinstance(devices, str):
             from ..backends import devices as make_devices
 
             devices_label = devices_label or devices
             devices = make_devices(devices)
+            if devices[0].backend == "host":
+                self._own_runtime = devices[0].runtime
+        self.worlds: dict[str, Any] = {}
+        try:
+            self._configure(devices, algorithms, collectives, sizes, dtype, op, root, iters,
+                            warmup, check, placements, seed, timeout, world_factory,
+                            devices_label)
+        except BaseException:
+            self.close()  # the Worlds (and a runtime) made so far
+            raise
+        self.machine = machine_description(self.devices)
+        self._timer = _Timer(self.devices)
+
+    def _configure(self, devices, algorithms, collectives, sizes, dtype, op, root, iters,
+                   warmup, check, placements, seed, timeout, world_factory,
+                   devices_label) -> None:
+        """Check every argument, then create the Worlds."""
         self.devices = list(devices)
         if not self.devices:
             raise ValueError("the benchmark needs at least one device")
@@ -439,16 +472,9 @@ class Benchmark:
         if not self.algorithms:
             raise ValueError("no algorithm given")
         factory = world_factory or (lambda d, a: default_world(d, a, self.timeout))
-        self.worlds: dict[str, Any] = {}
-        try:
-            for a in self.algorithms:
-                if a not in self.worlds:
-                    self.worlds[a] = factory(self.devices, a)
-        except BaseException:
-            self.close()
-            raise
-        self.machine = machine_description(self.devices)
-        self._timer = _Timer(self.devices)
+        for a in self.algorithms:
+            if a not in self.worlds:
+                self.worlds[a] = factory(self.devices, a)
 
     @property
     def total(self) -> int:
@@ -457,9 +483,13 @@ class Benchmark:
                 * len(self.placements))
 
     def close(self) -> None:
+        """Close the Worlds, and shut down the devices made from a spec string."""
         for w in self.worlds.values():
             w.close()
         self.worlds = {}
+        if self._own_runtime is not None:
+            self._own_runtime.shutdown()
+            self._own_runtime = None
 
     def __enter__(self) -> Benchmark:
         return self

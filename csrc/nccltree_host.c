@@ -2,9 +2,15 @@
  *
  * Structure: each public entry point checks its arguments, fills an nt_job and hands a
  * range function to nt_run, which runs it on [0, n) on the calling thread, or splits
- * [0, n) into fixed blocks that an OpenMP team takes on demand.  Range functions are generated per (op, dtype, k) by macros, so the
- * inner loop has no branch on the op, the dtype or the number of sources and the compiler
- * vectorises it with the portable baseline instruction set (-O3, no -march=native).
+ * [0, n) into fixed blocks that an OpenMP team takes on demand.  Range functions are
+ * generated per (op, dtype, k) by macros, so the inner loop has no branch on the op, the
+ * dtype or the number of sources and the compiler vectorises it with the portable baseline
+ * instruction set (-O3, no -march=native).
+ *
+ * Large reductions into a destination that is not one of their sources write it with
+ * non-temporal (streaming) stores where SSE2 exists (all of x86-64): an ordinary store to
+ * a line that is not in cache first reads that line from memory (write-allocate), which
+ * for a 2-source sum is half again as much traffic as the job needs.
  */
 #include "nccltree.h"
 
@@ -20,6 +26,12 @@
 #else
 #define NT_SIMD
 #endif
+/* SSE2 is part of the x86-64 baseline, so streaming stores need no -march flag; elsewhere
+   every store is an ordinary one */
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#define NT_STREAM 1
+#endif
 #if defined(_OPENMP) && (defined(__unix__) || defined(__APPLE__))
 #include <pthread.h>
 #include <stdatomic.h>
@@ -30,12 +42,20 @@
    block size of the parallel loop (64 KiB of float32, 256 KiB of a copy). */
 #define NT_GRAIN_ELEMS ((int64_t)16384)
 #define NT_GRAIN_BYTES ((int64_t)1 << 18)
+/* Destination size from which a reduction streams its stores.  Below it the result is
+   likely still in cache when the next step reads it, and the write-allocate read is
+   cheap; above it streaming is faster even counting the later read from memory. */
+#define NT_STREAM_MIN_BYTES ((int64_t)1 << 20)
+/* streaming stores go out whole cache lines at a time, computed into an L1-resident tile */
+#define NT_LINE_BYTES 64
+#define NT_TILE_BYTES 1024
 
 typedef struct {
     void *dst;
     const void *srcs[NT_MAX_SOURCES];
     void *aux1, *aux2; /* sgd: gradient and history */
     double a, b, c;    /* scalars (alpha; lr, momentum, weight decay) */
+    int stream;        /* write dst with non-temporal stores (only where NT_STREAM) */
 } nt_job;
 
 typedef void (*nt_range_fn)(const nt_job *job, int64_t lo, int64_t hi);
@@ -56,6 +76,19 @@ __attribute__((constructor)) static void nt_register_fork_guard(void) {
 }
 #endif
 
+/* Streaming stores are weakly ordered: they may still sit in a write-combining buffer
+   after the kernel returns.  Only the thread that issued them can order them, so every
+   thread that ran a range fences before the barrier that ends the parallel region (and
+   the calling thread before returning); after that the caller, or a later kernel on
+   another thread, reads the results. */
+static inline void nt_fence(const nt_job *job) {
+#ifdef NT_STREAM
+    if (job->stream) _mm_sfence();
+#else
+    (void)job;
+#endif
+}
+
 static void nt_run(nt_range_fn fn, const nt_job *job, int64_t n, int64_t grain, int nthreads) {
     int64_t want = n / grain;
     int nt = (want < (int64_t)nthreads) ? (int)want : nthreads;
@@ -64,6 +97,7 @@ static void nt_run(nt_range_fn fn, const nt_job *job, int64_t n, int64_t grain, 
 #endif
     if (nt <= 1) {
         fn(job, 0, n);
+        nt_fence(job);
         return;
     }
 #ifdef NT_FORK_GUARD
@@ -73,15 +107,57 @@ static void nt_run(nt_range_fn fn, const nt_job *job, int64_t n, int64_t grain, 
     /* blocks handed out on demand: if another process holds one of our cores, the threads
        that do run take over its share instead of the whole call waiting for it */
     const int64_t nblocks = (n + grain - 1) / grain;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-    for (int64_t b = 0; b < nblocks; ++b) {
-        int64_t lo = b * grain, hi = lo + grain;
-        fn(job, lo, hi < n ? hi : n);
+#pragma omp parallel num_threads(nt)
+    {
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t b = 0; b < nblocks; ++b) {
+            int64_t lo = b * grain, hi = lo + grain;
+            fn(job, lo, hi < n ? hi : n);
+        }
+        nt_fence(job);
     }
 #else
     fn(job, 0, n);
+    nt_fence(job);
 #endif
 }
+
+#ifdef NT_STREAM
+/* Elements from d to the next cache-line boundary, or -1 if d is not aligned to its
+   element size (then no element starts on a line boundary and nothing can stream). */
+static inline int64_t nt_stream_head(const void *d, int64_t itemsize) {
+    int64_t mis = (int64_t)((uintptr_t)d & (NT_LINE_BYTES - 1));
+    if (mis % itemsize != 0) return -1;
+    return ((NT_LINE_BYTES - mis) & (NT_LINE_BYTES - 1)) / itemsize;
+}
+
+/* dst[0, nbytes) = src[0, nbytes) with streaming stores; dst line-aligned, nbytes a multiple
+   of the line size.  src_aligned: src is 16-byte aligned too (an L1 tile). */
+static inline __attribute__((always_inline)) void nt_stream_lines(void *dst, const void *src,
+                                                                   int64_t nbytes,
+                                                                   const int src_aligned) {
+    __m128i *d = (__m128i *)dst;
+    const __m128i *s = (const __m128i *)src;
+    for (int64_t i = 0; i < nbytes / 16; i += 4) {
+        __m128i x0, x1, x2, x3;
+        if (src_aligned) {
+            x0 = _mm_load_si128(s + i);
+            x1 = _mm_load_si128(s + i + 1);
+            x2 = _mm_load_si128(s + i + 2);
+            x3 = _mm_load_si128(s + i + 3);
+        } else {
+            x0 = _mm_loadu_si128(s + i);
+            x1 = _mm_loadu_si128(s + i + 1);
+            x2 = _mm_loadu_si128(s + i + 2);
+            x3 = _mm_loadu_si128(s + i + 3);
+        }
+        _mm_stream_si128(d + i, x0);
+        _mm_stream_si128(d + i + 1, x1);
+        _mm_stream_si128(d + i + 2, x2);
+        _mm_stream_si128(d + i + 3, x3);
+    }
+}
+#endif
 
 /* ---- IEEE half <-> float, branch-free so that loops over halves still vectorise ---- */
 
@@ -149,20 +225,27 @@ static inline uint16_t nt_float_to_half(float f) {
 #define C_ADD64(a, b) ((int64_t)((uint64_t)(a) + (uint64_t)(b)))
 #define C_MUL64(a, b) ((int64_t)((uint64_t)(a) * (uint64_t)(b)))
 
-/* One range function per k.  K is a literal in each wrapper, so after inlining the
-   source loop is unrolled and the element loop is straight-line and vectorised. */
-#define NT_DEFINE_REDUCE(NAME, T, A, LD, ST, COMB)                                        \
-    static inline __attribute__((always_inline)) void NAME##_body(                        \
-        const nt_job *job, int64_t lo, int64_t hi, const int K) {                         \
-        T *d = (T *)job->dst;                                                             \
-        const T *s[NT_MAX_SOURCES];                                                       \
-        for (int j = 0; j < K; ++j) s[j] = (const T *)job->srcs[j];                       \
-        NT_SIMD for (int64_t i = lo; i < hi; ++i) {                           \
-            A acc = LD(s[0], i);                                                          \
-            for (int j = 1; j < K; ++j) acc = COMB(acc, LD(s[j], i));                     \
-            ST(d, i, acc);                                                                \
+/* The streaming variant of a reduction range: ordinary stores up to the first cache-line
+   boundary of d, then whole lines computed by the same element loop into an L1 tile and
+   streamed out, then ordinary stores for the last partial line.  The arithmetic is the
+   element loop's, element for element, so results are bitwise those of the plain path. */
+#ifdef NT_STREAM
+#define NT_DEFINE_STREAM(NAME, T)                                                         \
+    static inline __attribute__((always_inline)) void NAME##_stream(                      \
+        T *d, const T **s, int64_t m, const int K) {                                      \
+        enum { TILE = NT_TILE_BYTES / sizeof(T), LINE = NT_LINE_BYTES / sizeof(T) };      \
+        _Alignas(NT_LINE_BYTES) T tile[TILE];                                             \
+        int64_t c = nt_stream_head(d, sizeof(T));                                         \
+        if (c < 0 || c > m) c = m;                                                        \
+        for (;;) {                                                                        \
+            if (c > 0) {                                                                  \
+                if (d == tile) {                                                          \
+                } else {                                                                  \
+                }                                                                         \
+            }                                                                             \
         }                                                                                 \
-    }                                                                                     \
+    }
+#endif
     static void NAME##_1(const nt_job *j, int64_t lo, int64_t hi) { NAME##_body(j, lo, hi, 1); } \
     static void NAME##_2(const nt_job *j, int64_t lo, int64_t hi) { NAME##_body(j, lo, hi, 2); } \
     static void NAME##_3(const nt_job *j, int64_t lo, int64_t hi) { NAME##_body(j, lo, hi, 3); } \

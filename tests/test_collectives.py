@@ -254,3 +254,24 @@ def test_auto_choice_and_plan_inspection():
         want = numpy_reduce("sum", xs)
         w.all_reduce(xs)
         np.testing.assert_allclose(xs[2], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("alg", ALGS)
+def test_under_jitter(monkeypatch, n, alg):
+    # Seeded random delays before every stream op: a missing wait anywhere in a plan
+    # turns into a wrong answer here.
+    monkeypatch.setenv("NCCLTREE_HOST_JITTER", f"{n * 7 + len(alg)}:300")
+    with nt.World(nt.devices(f"cpu:{n}"), algorithm=alg, timeout=30, chunk_bytes=64,
+                  inline_bytes=0) as w:
+        check_grid(w, sizes=(1, 37), dtypes=("float32", "int64"), ops=("sum", "max"))
+    test_per_rank_calls(alg)
+
+
+@pytest.mark.parametrize("alg", ALGS)
+def test_staged_topology_under_jitter(monkeypatch, alg):
+    monkeypatch.setenv("NCCLTREE_HOST_JITTER", "11:200")
+    topo = nt.Topology.preset("pcie2s8")
+    with nt.World(nt.devices("cpu:8"), algorithm=alg, topology=topo, timeout=30,
+                  chunk_bytes=256, inline_bytes=0) as w:
+        check_grid(w, sizes=(301,), dtypes=("float64",), ops=("sum",))

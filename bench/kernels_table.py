@@ -1,11 +1,13 @@
-"""Host kernels side by side: copy baselines, fused 4-way sum, fused SGD vs numpy.
+"""Host kernels side by side: copy baselines, 2-way sum out of place and in place, fused
+4-way sum, fused SGD vs numpy.
 
 Usage: python bench/kernels_table.py [--mib 64] [--threads 2] [--repeat 15]
 
 Prints a Markdown table of medians.  Throughput counts the bytes the operation must read
-and write (a 4-way sum reads 4 arrays and writes 1; SGD reads and writes w, g and v), the
-same figure for the fused kernel and for numpy, so GB/s compares time for the same job.
-GB = 1e9 bytes.  The case definitions are shared with bench_kernels.py (pytest-benchmark).
+and write (a 2-way sum reads 2 arrays and writes 1, whether or not dst is one of them; a
+4-way sum reads 4 and writes 1; SGD reads and writes w, g and v), the same figure for the
+fused kernel and for numpy, so GB/s compares time for the same job.  GB = 1e9 bytes.  The
+case definitions are shared with bench_kernels.py (pytest-benchmark).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ LR, MOMENTUM, WEIGHT_DECAY = 0.01, 0.9, 5e-4
 
 @dataclass
 class Case:
-    group: str  # "copy", "sum4" or "sgd"
+    group: str  # "copy", "sum2", "sum4" or "sgd"
     name: str
     fn: Callable[[], object]
     nbytes: int  # bytes read + written by one call
@@ -39,6 +41,7 @@ def make_cases(mib: int = 64, threads: int = 2) -> list[Case]:
     dst = np.empty(n, np.float32)
     w, g, v = a.copy(), b.copy(), np.zeros(n, np.float32)
     tmp = np.empty(n, np.float32)
+    acc = a.copy()  # in-place 2-way sum: acc += b (values drift; the time does not)
     size = a.nbytes
 
     def numpy_sum4() -> None:
@@ -58,6 +61,13 @@ def make_cases(mib: int = 64, threads: int = 2) -> list[Case]:
     return [
         Case("copy", "np.copyto", lambda: np.copyto(dst, a), 2 * size),
         Case("copy", f"nt_copy, {t}", lambda: nat.copy(dst, a, nthreads=threads), 2 * size),
+        Case("copy", "nt_copy, 1 thread", lambda: nat.copy(dst, a), 2 * size),
+        # out of place (dst = a + b) streams its stores; in place (acc += b) needs not
+        Case("sum2", f"nt_reduce_n out of place, {t}", lambda: nat.reduce_n(dst, [a, b], nthreads=threads), 3 * size),
+        Case("sum2", "nt_reduce_n out of place, 1 thread", lambda: nat.reduce_n(dst, [a, b]), 3 * size),
+        Case("sum2", f"nt_reduce_n in place, {t}", lambda: nat.reduce_n(acc, [acc, b], nthreads=threads), 3 * size),
+        Case("sum2", "nt_reduce_n in place, 1 thread", lambda: nat.reduce_n(acc, [acc, b]), 3 * size),
+        Case("sum2", "numpy np.add(a, b, out=dst)", lambda: np.add(a, b, out=dst), 3 * size),
         Case("sum4", f"nt_reduce_n, {t}", lambda: nat.reduce_n(dst, [a, b, c, d], nthreads=threads), 5 * size),
         Case("sum4", "nt_reduce_n, 1 thread", lambda: nat.reduce_n(dst, [a, b, c, d]), 5 * size),
         Case("sum4", "numpy pairwise np.add", numpy_sum4, 5 * size),

@@ -7,10 +7,10 @@
  * dtype or the number of sources and the compiler vectorises it with the portable baseline
  * instruction set (-O3, no -march=native).
  *
- * Large reductions into a destination that is not one of their sources write it with
- * non-temporal (streaming) stores where SSE2 exists (all of x86-64): an ordinary store to
- * a line that is not in cache first reads that line from memory (write-allocate), which
- * for a 2-source sum is half again as much traffic as the job needs.
+ * Large copies, and large reductions into a destination that is not one of their sources,
+ * write it with non-temporal (streaming) stores where SSE2 exists (all of x86-64): an
+ * ordinary store to a line that is not in cache first reads that line from memory
+ * (write-allocate), which for a 2-source sum is a third more traffic than the job needs.
  */
 #include "nccltree.h"
 
@@ -42,13 +42,19 @@
    block size of the parallel loop (64 KiB of float32, 256 KiB of a copy). */
 #define NT_GRAIN_ELEMS ((int64_t)16384)
 #define NT_GRAIN_BYTES ((int64_t)1 << 18)
-/* Destination size from which a reduction streams its stores.  Below it the result is
-   likely still in cache when the next step reads it, and the write-allocate read is
-   cheap; above it streaming is faster even counting the later read from memory. */
-#define NT_STREAM_MIN_BYTES ((int64_t)1 << 20)
-/* streaming stores go out whole cache lines at a time, computed into an L1-resident tile */
+/* Destination sizes from which reductions and copies stream their stores (measured: see
+   "Native kernels" in docs/performance.md).  A streaming store loses only when the
+   destination is already in cache, where an ordinary store costs no memory read and the
+   result stays cached for whoever reads it next; destinations this large rarely are. A
+   copy moves fewer bytes per destination byte, so its working set still fits a core's
+   L2 cache at sizes where a reduction's no longer does. */
+#define NT_STREAM_MIN_REDUCE_BYTES ((int64_t)1 << 20)
+#define NT_STREAM_MIN_COPY_BYTES ((int64_t)2 << 20)
+/* Streaming stores go out a whole cache line at a time, computed into an L1-resident
+   tile.  A small tile keeps the source loads and the stores interleaved; 256 bytes ran a
+   2-source sum about 10% faster than 1 KiB and no slower with 8 sources. */
 #define NT_LINE_BYTES 64
-#define NT_TILE_BYTES 1024
+#define NT_TILE_BYTES 256
 
 typedef struct {
     void *dst;
@@ -226,26 +232,67 @@ static inline uint16_t nt_float_to_half(float f) {
 #define C_MUL64(a, b) ((int64_t)((uint64_t)(a) * (uint64_t)(b)))
 
 /* The streaming variant of a reduction range: ordinary stores up to the first cache-line
-   boundary of d, then whole lines computed by the same element loop into an L1 tile and
-   streamed out, then ordinary stores for the last partial line.  The arithmetic is the
-   element loop's, element for element, so results are bitwise those of the plain path. */
+   boundary of d, then whole lines computed by the same element loop into an L1-resident
+   tile and streamed out, then ordinary stores for the last partial line.  The arithmetic
+   is the element loop's, element for element, so results are bitwise those of the plain
+   path; only the store instruction differs. */
 #ifdef NT_STREAM
+#define NT_IF_STREAM(...) __VA_ARGS__
 #define NT_DEFINE_STREAM(NAME, T)                                                         \
     static inline __attribute__((always_inline)) void NAME##_stream(                      \
         T *d, const T **s, int64_t m, const int K) {                                      \
         enum { TILE = NT_TILE_BYTES / sizeof(T), LINE = NT_LINE_BYTES / sizeof(T) };      \
         _Alignas(NT_LINE_BYTES) T tile[TILE];                                             \
-        int64_t c = nt_stream_head(d, sizeof(T));                                         \
-        if (c < 0 || c > m) c = m;                                                        \
-        for (;;) {                                                                        \
-            if (c > 0) {                                                                  \
-                if (d == tile) {                                                          \
-                } else {                                                                  \
-                }                                                                         \
+        int64_t head = nt_stream_head(d, sizeof(T));                                      \
+        if (head < 0 || head > m) head = m;                                               \
+        /* one call site of the element loop for every piece keeps the library small     \
+           (a constant-length call for whole tiles measured no faster) */                 \
+        while (m > 0) {                                                                   \
+            int64_t c;                                                                    \
+            T *out;                                                                       \
+            if (head > 0) { /* up to the first line boundary: ordinary stores */          \
+                c = head;                                                                 \
+                out = d;                                                                  \
+                head = 0;                                                                 \
+            } else if (m >= LINE) { /* whole lines, through the tile */                   \
+                c = (m >= TILE) ? TILE : m - m % LINE;                                    \
+                out = tile;                                                               \
+            } else { /* the last partial line: ordinary stores */                         \
+                c = m;                                                                    \
+                out = d;                                                                  \
             }                                                                             \
+            NAME##_span(out, s, c, K);                                                    \
+            if (out == tile) nt_stream_lines(d, tile, c * (int64_t)sizeof(T), 1);         \
+            d += c;                                                                       \
+            for (int j = 0; j < K; ++j) s[j] += c;                                        \
+            m -= c;                                                                       \
         }                                                                                 \
     }
+#else
+#define NT_IF_STREAM(...)
+#define NT_DEFINE_STREAM(NAME, T)
 #endif
+
+/* One range function per k.  K is a literal in each wrapper, so after inlining the
+   source loop is unrolled and the element loop is straight-line and vectorised. */
+#define NT_DEFINE_REDUCE(NAME, T, A, LD, ST, COMB)                                        \
+    static inline __attribute__((always_inline)) void NAME##_span(                        \
+        T *d, const T *const *s, int64_t m, const int K) {                                \
+        NT_SIMD for (int64_t i = 0; i < m; ++i) {                                         \
+            A acc = LD(s[0], i);                                                          \
+            for (int j = 1; j < K; ++j) acc = COMB(acc, LD(s[j], i));                     \
+            ST(d, i, acc);                                                                \
+        }                                                                                 \
+    }                                                                                     \
+    NT_DEFINE_STREAM(NAME, T)                                                             \
+    static inline __attribute__((always_inline)) void NAME##_body(                        \
+        const nt_job *job, int64_t lo, int64_t hi, const int K) {                         \
+        T *d = (T *)job->dst + lo;                                                        \
+        const T *s[NT_MAX_SOURCES];                                                       \
+        for (int j = 0; j < K; ++j) s[j] = (const T *)job->srcs[j] + lo;                  \
+        NT_IF_STREAM(if (job->stream) { NAME##_stream(d, s, hi - lo, K); return; })       \
+        NAME##_span(d, s, hi - lo, K);                                                    \
+    }                                                                                     \
     static void NAME##_1(const nt_job *j, int64_t lo, int64_t hi) { NAME##_body(j, lo, hi, 1); } \
     static void NAME##_2(const nt_job *j, int64_t lo, int64_t hi) { NAME##_body(j, lo, hi, 2); } \
     static void NAME##_3(const nt_job *j, int64_t lo, int64_t hi) { NAME##_body(j, lo, hi, 3); } \
@@ -319,8 +366,29 @@ NT_DEFINE_SGD(sgd_f64, double, double, LD_PLAIN, ST_PLAIN)
 static const nt_range_fn nt_scale_table[NT_NDTYPES] = {scale_f16, scale_f32, scale_f64, NULL, NULL};
 static const nt_range_fn nt_sgd_table[NT_NDTYPES] = {sgd_f16, sgd_f32, sgd_f64, NULL, NULL};
 
+/* Streaming: memcpy up to the first line boundary of dst, whole lines streamed (src at
+   any alignment), memcpy for the last partial line. */
 static void nt_copy_range(const nt_job *job, int64_t lo, int64_t hi) {
-    memcpy((char *)job->dst + lo, (const char *)job->srcs[0] + lo, (size_t)(hi - lo));
+    char *d = (char *)job->dst + lo;
+    const char *s = (const char *)job->srcs[0] + lo;
+    int64_t m = hi - lo;
+#ifdef NT_STREAM
+    if (job->stream) {
+        int64_t head = (int64_t)((NT_LINE_BYTES - ((uintptr_t)d & (NT_LINE_BYTES - 1))) &
+                                 (NT_LINE_BYTES - 1));
+        if (head > m) head = m;
+        memcpy(d, s, (size_t)head);
+        d += head;
+        s += head;
+        m -= head;
+        int64_t lines = m - m % NT_LINE_BYTES;
+        nt_stream_lines(d, s, lines, 0);
+        d += lines;
+        s += lines;
+        m -= lines;
+    }
+#endif
+    memcpy(d, s, (size_t)m);
 }
 
 /* ---- argument checks ---- */
@@ -353,15 +421,24 @@ NT_API int nt_reduce_n(int op, int dtype, void *dst, const void *const *srcs, in
     nt_job job = {0};
     job.dst = dst;
     int64_t nbytes = n * nt_itemsize[dtype];
+    int dst_is_source = 0;
     for (int j = 0; j < k; ++j) {
         if (srcs[j] == NULL) return NT_ERR_NULL;
         /* the element loop reads every source at i before writing dst at i, so only an
            identical pointer is safe; a shifted one would read already-written values */
         if (srcs[j] != dst && nt_overlaps(srcs[j], dst, nbytes)) return NT_ERR_OVERLAP;
+        dst_is_source |= (srcs[j] == dst);
         job.srcs[j] = srcs[j];
     }
     nt_range_fn fn = nt_reduce_table[op][dtype][k - 1];
     if (fn == NULL) return NT_ERR_INTERNAL;
+#ifdef NT_STREAM
+    /* in place, each dst line has just been read as a source, so a store costs no extra
+       read and streaming would only push the line out of cache */
+    job.stream = !dst_is_source && nbytes >= NT_STREAM_MIN_REDUCE_BYTES;
+#else
+    (void)dst_is_source;
+#endif
     nt_run(fn, &job, n, NT_GRAIN_ELEMS, nthreads);
     return NT_OK;
 }
@@ -420,6 +497,9 @@ NT_API int nt_copy(void *dst, const void *src, int64_t nbytes, int nthreads) {
     nt_job job = {0};
     job.dst = dst;
     job.srcs[0] = src;
+#ifdef NT_STREAM
+    job.stream = nbytes >= NT_STREAM_MIN_COPY_BYTES;
+#endif
     nt_run(nt_copy_range, &job, nbytes, NT_GRAIN_BYTES, nthreads);
     return NT_OK;
 }

@@ -34,7 +34,10 @@ def _train(X, y, Xt, yt, hidden: int | None, steps: int = 300, bs: int = 32) -> 
     """Plain SGD (lr 0.05, momentum 0.9) on an MLP (or a linear model); test accuracy."""
     rng = np.random.default_rng(0)
     dims = [X.shape[1], *([hidden] if hidden else []), 10]
-    W = [rng.standard_normal((a, b)) * np.sqrt(2 / a) for a, b in zip(dims[:-1], dims[1:], strict=True)]
+    W = [
+        rng.standard_normal((a, b)) * np.sqrt(2 / a)
+        for a, b in zip(dims[:-1], dims[1:], strict=True)
+    ]
     B = [np.zeros(b) for b in dims[1:]]
     VW = [np.zeros_like(w) for w in W]
     VB = [np.zeros_like(b) for b in B]
@@ -93,11 +96,26 @@ def test_digits_with_scikit_learn():
 
 
 def test_help_documents_every_subcommand(capsys):
-    for argv in (["--help"], ["convert", "--help"], ["info", "--help"], ["make", "synthetic", "--help"],
-                 ["make", "digits", "--help"]):
+    for argv in (
+        ["--help"],
+        ["convert", "--help"],
+        ["info", "--help"],
+        ["make", "synthetic", "--help"],
+        ["make", "digits", "--help"],
+    ):
         assert main(argv) == 0
     out = capsys.readouterr().out
-    for flag in ("--overwrite", "--format", "--json", "--n", "--shape", "--classes", "--seed", "--split", "--x"):
+    for flag in (
+        "--overwrite",
+        "--format",
+        "--json",
+        "--n",
+        "--shape",
+        "--classes",
+        "--seed",
+        "--split",
+        "--x",
+    ):
         assert flag in out
     assert main([]) == 2
 
@@ -121,8 +139,34 @@ def test_convert_errors(tmp_path, capsys):
     np.savez(tmp_path / "in.npz", data=np.zeros((2, 2)), labels=np.zeros(2, int))
     assert main(["convert", str(tmp_path / "in.npz"), str(tmp_path / "db")]) == 1
     assert "no array named X, y" in capsys.readouterr().err
-    assert main(["convert", str(tmp_path / "in.npz"), str(tmp_path / "db"), "--x", "data", "--y", "labels"]) == 0
-    assert main(["convert", str(tmp_path / "in.npz"), str(tmp_path / "db"), "--x", "data", "--y", "labels"]) == 1
+    assert (
+        main(
+            [
+                "convert",
+                str(tmp_path / "in.npz"),
+                str(tmp_path / "db"),
+                "--x",
+                "data",
+                "--y",
+                "labels",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "convert",
+                str(tmp_path / "in.npz"),
+                str(tmp_path / "db"),
+                "--x",
+                "data",
+                "--y",
+                "labels",
+            ]
+        )
+        == 1
+    )
     assert "overwrite" in capsys.readouterr().err
     assert main(["info", str(tmp_path / "missing")]) == 1
     assert "no LMDB database" in capsys.readouterr().err
@@ -130,7 +174,24 @@ def test_convert_errors(tmp_path, capsys):
 
 def test_make_synthetic(tmp_path, capsys):
     db = tmp_path / "syn"
-    assert main(["make", "synthetic", str(db), "--n", "50", "--shape", "1,4,4", "--classes", "4", "--seed", "2"]) == 0
+    assert (
+        main(
+            [
+                "make",
+                "synthetic",
+                str(db),
+                "--n",
+                "50",
+                "--shape",
+                "1,4,4",
+                "--classes",
+                "4",
+                "--seed",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert "wrote 50 synthetic records" in capsys.readouterr().out
     info = db_info(db)
     assert info["records"] == 50 and info["shape"] == [1, 4, 4] and info["dtype"] == "float32"

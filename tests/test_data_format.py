@@ -223,8 +223,10 @@ def test_datum_lmdb_with_caffe_keys(tmp_path):
     names = ["cat.jpg", "dog.jpg", "a/b.jpg", "e.jpg", "f.jpg"]
     put_raw(
         tmp_path / "db",
-        [(f"{i:08d}_{names[i]}", datum_bytes(1, 4, 4, data=imgs[i].tobytes(), label=labels[i]))
-         for i in range(5)],
+        [
+            (f"{i:08d}_{names[i]}", datum_bytes(1, 4, 4, data=imgs[i].tobytes(), label=labels[i]))
+            for i in range(5)
+        ],
     )
     info = db_info(tmp_path / "db")
     assert info["format"] == "datum" and info["records"] == 5
@@ -240,15 +242,25 @@ def test_datum_lmdb_with_caffe_keys(tmp_path):
 
 def test_datum_lmdb_plain_keys_float_and_encoded(tmp_path):
     vals = np.arange(8, dtype=np.float32).reshape(2, 1, 2, 2)
-    put_raw(tmp_path / "f", [(f"{i:08d}", datum_bytes(1, 2, 2, floats=vals[i].ravel().tolist(), label=i))
-                             for i in range(2)])
+    put_raw(
+        tmp_path / "f",
+        [
+            (f"{i:08d}", datum_bytes(1, 2, 2, floats=vals[i].ravel().tolist(), label=i))
+            for i in range(2)
+        ],
+    )
     with DataReader(tmp_path / "f", 2, epochs=1, format="datum") as r, r.next_batch() as b:
         assert b.x.dtype == np.float32
         np.testing.assert_array_equal(b.x, vals)
     pytest.importorskip("PIL")
     imgs = np.random.default_rng(3).integers(0, 256, (3, 4, 5, 3), dtype=np.uint8)
-    put_raw(tmp_path / "e", [(f"{i:08d}_x{i}.png", datum_bytes(data=_png(imgs[i]), label=i, encoded=True))
-                             for i in range(3)])
+    put_raw(
+        tmp_path / "e",
+        [
+            (f"{i:08d}_x{i}.png", datum_bytes(data=_png(imgs[i]), label=i, encoded=True))
+            for i in range(3)
+        ],
+    )
     with DataReader(tmp_path / "e", 3, epochs=1) as r, r.next_batch() as b:
         assert b.x.shape == (3, 3, 4, 5)
         np.testing.assert_array_equal(b.x, imgs[:, :, :, ::-1].transpose(0, 3, 1, 2))

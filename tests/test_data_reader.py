@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -90,13 +92,14 @@ def test_records_and_labels_have_record_shape(tmp_path):
         assert len(b) == 4 and b.index == 0 and b.position == 0
 
 
+@pytest.mark.parametrize("shuffle", [None, 4])
 @pytest.mark.parametrize("procs,ranks", [(2, 1), (3, 1), (2, 2)])
-def test_multi_process_filter_matches_single_process(db10, procs, ranks):
+def test_multi_process_filter_matches_single_process(db10, procs, ranks, shuffle):
     rounds, bs = 4, 3
-    with DataReader(db10, bs, ranks * procs) as single:
+    with DataReader(db10, bs, ranks * procs, shuffle=shuffle) as single:
         ref = take(single, rounds)
     for p in range(procs):
-        with DataReader(db10, bs, ranks, process_rank=p, process_count=procs) as r:
+        with DataReader(db10, bs, ranks, process_rank=p, process_count=procs, shuffle=shuffle) as r:
             got = take(r, rounds)
         for i in range(rounds):
             for local in range(ranks):
@@ -278,6 +281,7 @@ def test_waiting_is_counted_and_logged(db10, caplog):
 
 
 def test_close_wakes_a_waiting_rank(db10):
+    before = len(reader_threads())
     r = DataReader(db10, 2, 2, prefetch=1)
     held = r.next_batch(0)
     r.next_batch(1).release()
@@ -301,25 +305,27 @@ def test_close_wakes_a_waiting_rank(db10):
     with pytest.raises(ReaderClosed):
         r.next_batch(0)
     r.close()
-    assert not reader_threads()
+    assert len(reader_threads()) == before
 
 
 def test_garbage_collection_stops_the_thread(db10):
     before = len(reader_threads())
     r = DataReader(db10, 2, 2)
     r.next_batch(0).release()
-    wait_for(lambda: r.stats()["phase"] == "waiting", "the reader to block")
     ref = weakref.ref(r)
+    wait_for(lambda: ref().stats()["phase"] == "waiting", "the reader to block")
+    assert len(reader_threads()) == before + 1
     del r
     gc.collect()
     assert ref() is None
-    assert len(reader_threads()) == before == 0
+    assert len(reader_threads()) == before
 
 
 def test_context_manager_and_ended_reader_clean_up(db10):
+    before = len(reader_threads())
     with DataReader(db10, 4, epochs=1) as r:
         assert [len(b) for b in r.batches()] == [4, 4, 2]
-    assert r.closed and not reader_threads()
+    assert r.closed and len(reader_threads()) == before
 
 
 def test_released_batch_cannot_be_used(db10):
@@ -376,7 +382,6 @@ def test_bad_paths(tmp_path):
     env.close()
     with pytest.raises(DataError, match="empty"):
         DataReader(tmp_path / "empty", 2)
-    assert not reader_threads()
 
 
 def _raw_db(path, values) -> None:
@@ -425,3 +430,18 @@ def test_garbage_record_in_shuffled_datum_db(tmp_path):
     with DataReader(tmp_path / "db", 4, shuffle=1) as r:
         with pytest.raises(DataError, match="'00000002'.*Datum"):
             r.next_batch()
+
+
+def test_process_exits_with_an_open_reader_and_a_waiting_thread(db10):
+    code = f"""
+import threading
+from nccltree.data import DataReader
+r = DataReader({str(db10)!r}, 2, 2, prefetch=1)
+held = r.next_batch(0)                       # rank 0 keeps its only buffer: the reader stalls
+r.next_batch(1).release()
+threading.Thread(target=r.next_batch, args=(1,), daemon=True).start()   # ...and rank 1 waits
+print("ok", flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"

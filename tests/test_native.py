@@ -199,6 +199,148 @@ def test_float16_rounding_matches_numpy() -> None:
     assert np.isinf(out[1]) and out[0] == 65504 and np.signbit(out[4])
 
 
+# ---- large calls: the streaming-store path ----
+
+# Mirrors of csrc/nccltree_host.c: from these destination sizes a reduction whose dst is not
+# one of its sources, and a copy, write dst with non-temporal stores (where SSE2 exists):
+# ordinary stores up to dst's first 64-byte line boundary, whole lines streamed from a
+# small tile, ordinary stores for the last partial line.  Only the store instruction may
+# differ from the plain path, so everything is checked bit for bit, with guard elements on
+# both sides of dst to catch a head or tail written past its end.
+STREAM_REDUCE_BYTES = 1 << 20
+STREAM_COPY_BYTES = 2 << 20
+LINE = 64
+GUARD = 2 * LINE  # guard bytes on each side of a destination
+
+
+def stream_n(dtype: type) -> int:
+    """Elements of the smallest destination that streams."""
+    return STREAM_REDUCE_BYTES // np.dtype(dtype).itemsize
+
+
+@functools.cache
+def big_pool(dtype: type) -> tuple[np.ndarray, ...]:
+    """Eight read-only arrays a little over the streaming size, values fit for every op:
+    floats of either sign with magnitude in [0.5, 2) (8-way float16 products stay finite)
+    and a few NaNs, integers over the full range (sums and products wrap)."""
+    n = stream_n(dtype) + 4 * LINE
+    rng = np.random.default_rng([7, DTYPES.index(dtype)])
+    out = []
+    for j in range(nat.MAX_SOURCES):
+        if np.dtype(dtype).kind == "i":
+            info = np.iinfo(dtype)
+            a = rng.integers(info.min, info.max, n, dtype=dtype, endpoint=True)
+        else:
+            sign = rng.choice(np.array([-1.0, 1.0]), n)
+            a = (sign * rng.uniform(0.5, 2.0, n)).astype(dtype)
+            a[[3 + j, n // 2 + j, n - 5 - j]] = np.nan  # head, body and tail of a line run
+        a.flags.writeable = False
+        out.append(a)
+    return tuple(out)
+
+
+def guarded(n: int, dtype: type, offset: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(buffer, dst): dst = n elements at element ``offset`` inside a buffer whose other
+    elements hold a sentinel bit pattern."""
+    pad = GUARD // np.dtype(dtype).itemsize
+    buf = np.full((n + 2 * pad) * np.dtype(dtype).itemsize, 0xA5, np.uint8).view(dtype)
+    return buf, buf[pad + offset : pad + offset + n]
+
+
+def assert_guards_intact(buf: np.ndarray, dst: np.ndarray) -> None:
+    raw = buf.view(np.uint8)
+    start = dst.__array_interface__["data"][0] - buf.__array_interface__["data"][0]
+    outside = np.concatenate([raw[:start], raw[start + dst.nbytes :]])
+    assert outside.size > 0 and (outside == 0xA5).all(), "a store landed outside dst"
+
+
+@pytest.mark.parametrize("k", range(1, nat.MAX_SOURCES + 1))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", list(NP_OPS))
+def test_large_reduce_matches_numpy(op: str, dtype: type, k: int) -> None:
+    src = big_pool(dtype)
+    base = stream_n(dtype)
+    # (elements, dst offset, first source offset): line-aligned dst of exactly the
+    # threshold; an odd size with dst one element past a line boundary (a[1:]) and the
+    # sources at other offsets, so a head, whole lines, a partial last tile and a tail run
+    for n, d_off, s_off in ((base, 0, 0), (base + 2 * LINE + 1, 1, 3)):
+        srcs = [s[s_off + j % 3 : s_off + j % 3 + n] for j, s in enumerate(src[:k])]
+        buf, dst = guarded(n, dtype, d_off)
+        assert nat.reduce_n(dst, srcs, op) is dst
+        assert_bitwise(dst, reference(op, srcs))
+        assert_guards_intact(buf, dst)
+
+
+@pytest.mark.parametrize("nthreads", [2, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_large_reduce_threads(dtype: type, nthreads: int) -> None:
+    # an unaligned dst gives every parallel block its own head and tail, written by
+    # whichever thread takes the neighbouring block
+    src = big_pool(dtype)
+    n = stream_n(dtype) + 3 * LINE - 1
+    for k, d_off in ((2, 0), (2, 1), (5, 3)):
+        srcs = [s[j % 2 : j % 2 + n] for j, s in enumerate(src[:k])]
+        buf, dst = guarded(n, dtype, d_off)
+        nat.reduce_n(dst, srcs, "sum", nthreads=nthreads)
+        assert_bitwise(dst, reference("sum", srcs))
+        assert_guards_intact(buf, dst)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", list(NP_OPS))
+def test_large_reduce_in_place(op: str, dtype: type) -> None:
+    # dst among the sources (first, middle, last) takes the plain path; same results
+    src = big_pool(dtype)
+    n = stream_n(dtype) + 5
+    for where in (0, 2, 3):
+        buf, dst = guarded(n, dtype, 1)
+        srcs = [s[:n] for s in src[:4]]
+        dst[...] = srcs[where]
+        want = reference(op, srcs)
+        srcs[where] = dst
+        nat.reduce_n(dst, srcs, op, nthreads=2)
+        assert_bitwise(dst, want)
+        assert_guards_intact(buf, dst)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64])
+def test_large_reduce_dst_not_element_aligned(dtype: type) -> None:
+    # a dst one byte off its element size never reaches a line boundary on an element,
+    # so it cannot stream and must fall back to ordinary stores
+    src = big_pool(dtype)
+    n = stream_n(dtype) + 3
+    itemsize = np.dtype(dtype).itemsize
+    raw = bytearray(n * itemsize + 1)
+    dst = np.frombuffer(raw, dtype, count=n, offset=1)
+    assert dst.flags.writeable and dst.__array_interface__["data"][0] % itemsize
+    srcs = [s[:n] for s in src[:3]]
+    nat.reduce_n(dst, srcs, "sum", nthreads=2)
+    assert_bitwise(dst, reference("sum", srcs))
+
+
+@pytest.mark.parametrize("nthreads", [1, 2, 3])
+def test_large_copy(nthreads: int) -> None:
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 256, STREAM_COPY_BYTES + 3 * LINE, dtype=np.uint8)
+    # exactly the threshold, line-aligned; odd sizes with dst and src at unrelated offsets
+    for nbytes, d_off, s_off in (
+        (STREAM_COPY_BYTES, 0, 0),
+        (STREAM_COPY_BYTES + LINE + 1, 1, 0),
+        (STREAM_COPY_BYTES + 7, 17, 5),
+        (STREAM_COPY_BYTES + 2 * LINE - 1, LINE - 1, 2),
+    ):
+        src = data[s_off : s_off + nbytes]
+        buf, dst = guarded(nbytes, np.uint8, d_off)
+        assert nat.copy(dst, src, nthreads=nthreads) is dst
+        np.testing.assert_array_equal(dst, src)
+        assert_guards_intact(buf, dst)
+    # typed and unaligned: float16 a[1:]
+    h = data[: STREAM_COPY_BYTES + 2].view(np.float16)
+    out = np.empty(h.size - 1, np.float16)
+    nat.copy(out, h[1:], nthreads=nthreads)
+    assert_bitwise(out, h[1:])
+
+
 # ---- scale and SGD ----
 
 

@@ -1,9 +1,9 @@
 """``nccltree-data``: build and inspect record databases.
 
-    nccltree-data convert IN.npz OUT_DB        arrays X and y of an .npz file -> LMDB
-    nccltree-data info DB                      records, format, shape, dtype, labels, size
-    nccltree-data make synthetic OUT_DB ...    a seeded learnable task of any size
-    nccltree-data make digits OUT_DB           scikit-learn's 8x8 digits (needs scikit-learn)
+nccltree-data convert IN.npz OUT_DB        arrays X and y of an .npz file -> LMDB
+nccltree-data info DB                      records, format, shape, dtype, labels, size
+nccltree-data make synthetic OUT_DB ...    a seeded learnable task of any size
+nccltree-data make digits OUT_DB           scikit-learn's 8x8 digits (needs scikit-learn)
 """
 
 from __future__ import annotations
@@ -22,9 +22,13 @@ def _shape(text: str) -> tuple[int, ...]:
     try:
         dims = tuple(int(t) for t in text.replace("x", ",").split(",") if t.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"shape must be sizes like 64 or 1,8,8; got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"shape must be sizes like 64 or 1,8,8; got {text!r}"
+        ) from None
     if not dims or any(d < 1 for d in dims):
-        raise argparse.ArgumentTypeError(f"shape must be positive sizes like 64 or 1,8,8; got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"shape must be positive sizes like 64 or 1,8,8; got {text!r}"
+        )
     return dims
 
 
@@ -78,10 +82,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write X[i] with label y[i] of an .npz file as record i of a new LMDB "
         "database (keys 00000000, 00000001, ...).",
     )
-    p.add_argument("in_npz", metavar="IN.npz", help="numpy .npz file holding the records and labels")
+    p.add_argument(
+        "in_npz", metavar="IN.npz", help="numpy .npz file holding the records and labels"
+    )
     _writer_flags(p)
-    p.add_argument("--x", dest="x_name", default="X", help="name of the records array in the .npz (default: X)")
-    p.add_argument("--y", dest="y_name", default="y", help="name of the integer labels array (default: y)")
+    p.add_argument(
+        "--x", dest="x_name", default="X", help="name of the records array in the .npz (default: X)"
+    )
+    p.add_argument(
+        "--y", dest="y_name", default="y", help="name of the integer labels array (default: y)"
+    )
 
     p = sub.add_parser(
         "info",
@@ -112,7 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _writer_flags(p, datum_ok=False)
     p.add_argument("--n", type=_positive, default=4096, help="number of records (default: 4096)")
-    p.add_argument("--shape", type=_shape, default=(64,), help="record shape, e.g. 64 or 1,8,8 (default: 64)")
+    p.add_argument(
+        "--shape", type=_shape, default=(64,), help="record shape, e.g. 64 or 1,8,8 (default: 64)"
+    )
     p.add_argument("--classes", type=_positive, default=10, help="number of classes (default: 10)")
     p.add_argument("--seed", type=_nonnegative, default=0, help="task seed (default: 0)")
     p.add_argument(
@@ -149,7 +161,9 @@ def _convert(args: argparse.Namespace) -> int:
             )
         x, y = f[args.x_name], f[args.y_name]
     n = write_lmdb(args.out_db, x, y, format=args.format, overwrite=args.overwrite)
-    print(f"wrote {n} {args.format} records of shape {tuple(x.shape[1:])} {x.dtype} to {args.out_db}")
+    print(
+        f"wrote {n} {args.format} records of shape {tuple(x.shape[1:])} {x.dtype} to {args.out_db}"
+    )
     return 0
 
 

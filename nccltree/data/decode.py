@@ -54,7 +54,9 @@ class Transform:
             dt = None
         if scale is not None and (isinstance(scale, bool) or not np.isscalar(scale)):
             raise TypeError(f"scale must be a number or None; got {scale!r}")
-        self.out_dtype = dt or (np.dtype(np.float32) if scale is not None or mean is not None else in_dtype)
+        self.out_dtype = dt or (
+            np.dtype(np.float32) if scale is not None or mean is not None else in_dtype
+        )
         self.scale = None if scale is None else self.out_dtype.type(scale)
         self.mean = None if mean is None else _mean_array(mean, shape, self.out_dtype)
         self.identity = self.out_dtype == in_dtype and self.scale is None and self.mean is None
@@ -109,8 +111,7 @@ class RecordDecoder:
         self._nbytes = layout.nbytes
         # Header as little-endian words: word 1 is the label, every other word is fixed
         # for the database, so one compare per batch checks all headers.
-        words = np.frombuffer(layout.header(), "<u8")
-        self._word0, self._rest = words[0], words[2:]
+        self._words = np.frombuffer(layout.header(), "<i8")
         inner, step = [], self.dtype.itemsize
         for d in reversed(self.shape):
             inner.append(step)
@@ -145,15 +146,13 @@ class RecordDecoder:
 
     def _check_headers(self, values, buf: bytes, stride: int, y: np.ndarray) -> None:
         """Check the headers in ``buf`` (one every ``stride`` bytes) and copy the labels."""
-        n = len(values)
-        hw = np.ndarray((n, self._hsize // 8), "<u8", buf, 0, (stride, 8))
-        bad = hw[:, 0] != self._word0
-        if len(self._rest):
-            bad |= (hw[:, 2:] != self._rest).any(1)
-        if bad.any():
-            i = int(np.argmax(bad))
+        hw = np.ndarray((len(values), len(self._words)), "<i8", buf, 0, (stride, 8))
+        same = hw == self._words
+        same[:, 1] = True  # word 1 is the label
+        if not same.all():
+            i = int(np.argmin(same.all(1)))
             raise BadRecord(i, self._reason(values[i]))
-        np.copyto(y, hw[:, 1], casting="unsafe")
+        np.copyto(y, hw[:, 1])
 
     def _fill_small(self, values, x, y, transform) -> None:
         n, size, h = len(values), self._size, self._hsize

@@ -3,344 +3,21 @@
 from __future__ import annotations
 
 import os
-import threading
-import time
-import traceback
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from ..queue import BlockingQueue, QueueClosed
-from .decode import BadRecord, DatumDecoder, RecordDecoder, Transform
-from .errors import DataError, EndOfData, ReaderClosed
+from .batch import Batch, Slot
+from .decode import DatumDecoder, RecordDecoder, Transform
+from .errors import DataError, EndOfData
 from .format import keyname, record_layout
 from .lmdb_io import check_format, close_env, detect_format, open_env
 from .order import Dealing
-from .sources import SequentialSource, ShuffledSource
+from .pipeline import Pipeline
 
-_JOIN_TIMEOUT = 30.0
-
-
-class _Slot:
-    """One reusable batch buffer of one rank (pinned host memory, maybe a device copy)."""
-
-    __slots__ = ("x", "y", "count", "index", "position", "x_mem", "y_mem", "pushed", "released")
-
-    def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
-        self.x, self.y = x, y
-        self.count = self.index = self.position = 0
-        self.x_mem = self.y_mem = None  # SyncedMemory when batches go to a device
-        self.pushed = None  # event: the device copy of this slot is done
-        self.released = None  # event: the consumer's work on the device copy is done
-
-
-class Batch:
-    """A batch of one rank: ``x`` (records), ``y`` (int64 labels); unpacks as ``x, y``.
-
-    ``index`` is the rank's batch number counted from the reader's ``start``;
-    ``position`` the sequence position where its round begins (the rank's ``j``-th
-    record is at sequence position ``position + first + j * T``, ``T`` the total number
-    of ranks, ``first = (global_rank - position) mod T``). With a device hand-off ``x``
-    and ``y`` are device arrays and ``x_host``/``y_host`` the pinned host copies.
-
-    The arrays live in a buffer the reader reuses: hand the batch back with
-    ``release()`` (or use it as a context manager) when done with them, and do not use
-    the arrays afterwards.
-    """
-
-    __slots__ = ("rank", "index", "position", "_slot", "_state")
-
-    def __init__(self, state: _State, rank: int, slot: _Slot) -> None:
-        self._state, self.rank, self._slot = state, rank, slot
-        self.index, self.position = slot.index, slot.position
-
-    def _live(self) -> _Slot:
-        if self._slot is None:
-            raise RuntimeError("this batch was released; its buffer is being refilled")
-        return self._slot
-
-    def __len__(self) -> int:
-        return self._live().count
-
-    @property
-    def x_host(self) -> np.ndarray:
-        s = self._live()
-        return s.x if s.count == len(s.x) else s.x[: s.count]
-
-    @property
-    def y_host(self) -> np.ndarray:
-        s = self._live()
-        return s.y if s.count == len(s.y) else s.y[: s.count]
-
-    @property
-    def x(self) -> Any:
-        s = self._live()
-        if s.x_mem is None:
-            return self.x_host
-        return s.x_mem.device_array()[: s.count]
-
-    @property
-    def y(self) -> Any:
-        s = self._live()
-        if s.y_mem is None:
-            return self.y_host
-        return s.y_mem.device_array()[: s.count]
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter((self.x, self.y))
-
-    @property
-    def released(self) -> bool:
-        return self._slot is None
-
-    def release(self) -> None:
-        """Give the buffer back to the reader (a second call does nothing)."""
-        slot, self._slot = self._slot, None
-        if slot is not None:
-            self._state.give_back(self.rank, slot)
-
-    def __enter__(self) -> Batch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        if self._slot is None:
-            return f"<Batch rank {self.rank} #{self.index} released>"
-        return f"<Batch rank {self.rank} #{self.index} of {self._slot.count} at {self.position}>"
-
-
-class _State:
-    """Everything the reader thread uses. It never refers to the DataReader, so dropping
-    the reader lets the garbage collector run its finalizer, which stops the thread."""
-
-    def __init__(self, env: Any, n: int, deal: Dealing, decoder: Any, transform: Transform,
-                 shuffle: int | None, slots: list[list[_Slot]], devices: list | None,
-                 log_msgs: list[str | None], epochs: int | None) -> None:
-        self.env, self.n, self.deal = env, n, deal
-        self.decoder, self.transform, self.shuffle = decoder, transform, shuffle
-        self.devices, self.log_msgs, self.epochs = devices, log_msgs, epochs
-        ranks = deal.ranks
-        self.free: list[BlockingQueue[_Slot]] = [BlockingQueue() for _ in range(ranks)]
-        self.full: list[BlockingQueue[_Slot]] = [BlockingQueue() for _ in range(ranks)]
-        for r in range(ranks):
-            for slot in slots[r]:
-                self.free[r].push(slot)
-        self.slots_per_rank = len(slots[0])
-        self.lock = threading.Lock()
-        self.records_read = 0
-        self.rounds_built = 0
-        self.phase = "starting"
-        self.served = [0] * ranks
-        self.held = [0] * ranks
-        self.wait_s = [0.0] * ranks
-        self.waiting = [False] * ranks
-        self.error: BaseException | None = None
-        self.ended = False
-        self.closed = False
-        self.env_closed = False
-        self.streams = [dev.new_stream() for dev in devices] if devices else None
-        self.thread = threading.Thread(target=self.run, name="nccltree-DataReader", daemon=True)
-
-    # -- reader thread --
-
-    def run(self) -> None:
-        txn = None
-        try:
-            txn = self.env.begin(buffers=True)
-            self._loop(txn)
-        except QueueClosed:
-            if not self.closed:  # a queue closed by anyone but close() is a bug
-                self._fail(RuntimeError("a DataReader queue was closed unexpectedly"))
-        except BaseException as e:  # noqa: BLE001 -- every failure must reach the consumers
-            if e.__traceback__ is not None:
-                # Frames hold memoryviews into the map, which dies with the environment.
-                traceback.clear_frames(e.__traceback__)
-            self._fail(e)
-        finally:
-            if txn is not None:
-                txn.abort()
-            with self.lock:
-                mine = self.closed and not self.env_closed
-                self.env_closed |= mine
-            if mine:  # close() could not wait for this thread, so closing was left to it
-                close_env(self.env)
-
-    def _fail(self, e: BaseException) -> None:
-        self.error = e
-        self.phase = "failed"
-        for q in self.full:
-            q.close(e)
-
-    def _free_slot(self, rank: int) -> _Slot:
-        slot = self.free[rank].try_pop()
-        if slot is None:
-            self.phase = "waiting"  # back-pressure: every buffer of this rank is in use
-            slot = self.free[rank].pop()
-            self.phase = "reading"
-        return slot
-
-    def _loop(self, txn: Any) -> None:
-        d = self.deal
-        if self.shuffle is None:
-            source: Any = SequentialSource(txn, self.n, d.start)
-        else:
-            source = ShuffledSource(txn, self.n, self.shuffle)
-        self.source = source
-        self.phase = "reading"
-        t = d.total_ranks
-        i = 0
-        while not self.closed:
-            m = d.round_length(i)
-            if m == 0:
-                break
-            # Buffers first, then records: the reader never holds more than the buffers.
-            slots = [self._free_slot(r) for r in range(d.ranks)]
-            s = d.round_start(i)
-            if self.shuffle is None:
-                values = source.take(m)
-                read = m
-                for r, slot in enumerate(slots):
-                    first = d.first_offset(s, r)
-                    self._fill(slot, r, values[first:m:t], s, first, i)
-                del values
-            else:
-                read = 0
-                for r, slot in enumerate(slots):
-                    vals = source.fetch(d.positions(i, r))
-                    read += len(vals)
-                    self._fill(slot, r, vals, s, d.first_offset(s, r), i)
-                    del vals
-            # A round is published whole, so a bad record fails every rank at the same batch.
-            for r, slot in enumerate(slots):
-                self.full[r].push(slot)
-            with self.lock:
-                self.records_read += read
-                self.rounds_built += 1
-            i += 1
-        if not self.closed:
-            self.ended = True
-            self.phase = "ended"
-            for q in self.full:
-                q.close("end of data")
-
-    def _fill(self, slot: _Slot, rank: int, vals: list, s: int, first: int, i: int) -> None:
-        if slot.pushed is not None:
-            slot.pushed.synchronize()  # the last copy out of this host buffer is done
-        try:
-            self.decoder.fill(vals, slot.x, slot.y, self.transform)
-        except BadRecord as e:
-            pos = s + first + e.index * self.deal.total_ranks
-            key = self.source.key_of(pos)
-            raise DataError(
-                f"record {keyname(key)} (number {self._record_number(pos)} in key order): "
-                f"{e.reason}"
-            ) from None
-        slot.count, slot.index, slot.position = len(vals), i, s
-        if slot.x_mem is not None:
-            self._push(slot, rank)
-
-    def _record_number(self, pos: int) -> int:
-        if self.shuffle is None:
-            return pos % self.n
-        return int(self.source.index(np.array([pos]))[0])
-
-    def _push(self, slot: _Slot, rank: int) -> None:
-        """Start the copy of a filled slot to the rank's device on a side stream."""
-        stream = self.streams[rank]
-        if slot.released is not None:
-            stream.wait_event(slot.released)  # the consumer's kernels have read the old data
-        slot.x_mem.set_host(slot.x)
-        slot.y_mem.set_host(slot.y)
-        slot.x_mem.async_device_push(stream)
-        slot.y_mem.async_device_push(stream)
-        slot.pushed = stream.record()
-
-    # -- consumer side --
-
-    def take(self, rank: int, timeout: float | None) -> _Slot:
-        if self.closed:
-            raise ReaderClosed("the DataReader is closed")
-        if self.held[rank] >= self.slots_per_rank:
-            raise RuntimeError(
-                f"rank {rank} holds all {self.slots_per_rank} of its batch buffers; release() "
-                "batches (or use them as context managers) before asking for more"
-            )
-        q = self.full[rank]
-        try:
-            slot = q.try_pop()
-            if slot is None:
-                t0 = time.perf_counter()
-                self.waiting[rank] = True
-                try:
-                    slot = q.pop(timeout, log_on_wait=self.log_msgs[rank])
-                finally:
-                    self.waiting[rank] = False
-                    self.wait_s[rank] += time.perf_counter() - t0
-        except QueueClosed:
-            raise self._terminal(rank) from None
-        except TimeoutError:
-            raise TimeoutError(
-                f"DataReader rank {rank}: no batch within {timeout} s (reader {self.phase})"
-            ) from None
-        with self.lock:
-            self.served[rank] += 1
-            self.held[rank] += 1
-        if slot.pushed is not None:
-            dev = self.devices[rank]
-            if dev.backend == "host":
-                slot.pushed.synchronize()  # numpy code runs now, not in stream order
-            else:
-                dev.current_stream().wait_event(slot.pushed)
-        return slot
-
-    def _terminal(self, rank: int) -> BaseException:
-        if self.closed:
-            return ReaderClosed(f"the DataReader was closed while rank {rank} waited for a batch")
-        if self.error is not None:
-            e = self.error
-            if isinstance(e, DataError):
-                err = DataError(*e.args)
-            else:
-                err = DataError(f"the reader thread failed: {type(e).__name__}: {e}")
-            err.__cause__ = e
-            return err
-        return EndOfData(
-            f"rank {rank}: no more batches after {self.served[rank]} "
-            f"({self.epochs} epoch(s) of {self.n} records)"
-        )
-
-    def give_back(self, rank: int, slot: _Slot) -> None:
-        with self.lock:
-            self.held[rank] -= 1
-        if slot.x_mem is not None:
-            slot.released = self.devices[rank].current_stream().record()
-        try:
-            self.free[rank].push(slot)
-        except QueueClosed:
-            pass  # the reader is gone; nothing will refill this buffer
-
-    def shutdown(self) -> None:
-        """Stop the thread, wake every waiter, close the environment (idempotent)."""
-        with self.lock:
-            if self.closed:
-                return
-            self.closed = True
-            if self.phase not in ("ended", "failed"):
-                self.phase = "closed"
-        for q in self.free + self.full:
-            q.close("the DataReader was closed")
-        t = self.thread
-        if t.ident is not None and t is not threading.current_thread():
-            t.join(_JOIN_TIMEOUT)
-        with self.lock:
-            mine = not self.env_closed and (t.ident is None or not t.is_alive())
-            self.env_closed |= mine
-        if mine:
-            close_env(self.env)
+__all__ = ["Batch", "DataReader"]
 
 
 def _check_int(name: str, value: object, lo: int) -> int:
@@ -424,7 +101,9 @@ class DataReader:
         process_count = _check_int("process_count", process_count, 1)
         process_rank = _check_int("process_rank", process_rank, 0)
         if process_rank >= process_count:
-            raise ValueError(f"process_rank must be < process_count={process_count}; got {process_rank}")
+            raise ValueError(
+                f"process_rank must be < process_count={process_count}; got {process_rank}"
+            )
         check_format(format)
         devices = _check_devices(device, ranks)
 
@@ -435,7 +114,9 @@ class DataReader:
             end = None if epochs is None else epochs * n
             deal = Dealing(n, batch_size, ranks, process_rank, process_count, start, end, drop_last)
             if end is not None and start > end:
-                raise ValueError(f"start={start} is past the end of the data ({epochs} x {n} records)")
+                raise ValueError(
+                    f"start={start} is past the end of the data ({epochs} x {n} records)"
+                )
             if end is not None and drop_last and deal.rounds() == 0:
                 raise ValueError(
                     f"no batch at all: a round of batch_size={batch_size} x {deal.total_ranks} "
@@ -443,10 +124,13 @@ class DataReader:
                     f"{end - start} ({epochs} epoch(s) of {n}) and drop_last=True"
                 )
             transform = Transform(decoder.shape, decoder.dtype, dtype, scale, mean)
-            slots = _make_slots(ranks, max(1, prefetch), batch_size, decoder.shape,
-                                transform.out_dtype, devices)
+            slots = _make_slots(
+                ranks, max(1, prefetch), batch_size, decoder.shape, transform.out_dtype, devices
+            )
             msgs = [_wait_message(log_on_wait, self.path, r) for r in range(ranks)]
-            state = _State(env, n, deal, decoder, transform, shuffle, slots, devices, msgs, epochs)
+            state = Pipeline(
+                env, n, deal, decoder, transform, shuffle, slots, devices, msgs, epochs
+            )
         except BaseException:
             close_env(env)
             raise
@@ -493,7 +177,11 @@ class DataReader:
         reader hit a bad record, ``ReaderClosed`` once the reader is closed, and
         ``TimeoutError`` when ``timeout`` runs out.
         """
-        if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or not 0 <= rank < self.ranks:
+        if (
+            not isinstance(rank, (int, np.integer))
+            or isinstance(rank, bool)
+            or not 0 <= rank < self.ranks
+        ):
             raise ValueError(f"rank must be an int in [0, {self.ranks}); got {rank!r}")
         return Batch(self._state, int(rank), self._state.take(int(rank), timeout))
 
@@ -567,7 +255,9 @@ def _inspect(env: Any, path: str, format: str) -> tuple[int, str, Any]:
         key, value = cur.key(), cur.value()
         fmt = detect_format(value, key) if format == "auto" else format
         try:
-            decoder = RecordDecoder(record_layout(value)) if fmt == "nccltree" else DatumDecoder(value)
+            decoder = (
+                RecordDecoder(record_layout(value)) if fmt == "nccltree" else DatumDecoder(value)
+            )
         except ValueError as e:
             raise DataError(f"record {keyname(key)}: {e}") from None
     return n, fmt, decoder
@@ -580,19 +270,29 @@ def _check_devices(device: Any, ranks: int) -> list | None:
 
     devs = [device] if isinstance(device, Device) else list(device)
     if len(devs) != ranks or not all(isinstance(d, Device) for d in devs):
-        raise ValueError(f"device must be None or {ranks} nccltree Device(s), one per rank; got {device!r}")
+        raise ValueError(
+            f"device must be None or {ranks} nccltree Device(s), one per rank; got {device!r}"
+        )
     return devs
 
 
-def _make_slots(ranks: int, count: int, batch_size: int, shape: tuple[int, ...],
-                dtype: np.dtype, devices: Sequence | None) -> list[list[_Slot]]:
+def _make_slots(
+    ranks: int,
+    count: int,
+    batch_size: int,
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    devices: Sequence | None,
+) -> list[list[Slot]]:
     from ..memory import SyncedMemory, pinned_empty
 
     slots = []
     for r in range(ranks):
         row = []
         for _ in range(count):
-            slot = _Slot(pinned_empty((batch_size, *shape), dtype), pinned_empty((batch_size,), np.int64))
+            slot = Slot(
+                pinned_empty((batch_size, *shape), dtype), pinned_empty((batch_size,), np.int64)
+            )
             if devices is not None:
                 slot.x_mem = SyncedMemory(slot.x.shape, dtype, devices[r])
                 slot.y_mem = SyncedMemory(slot.y.shape, np.int64, devices[r])
@@ -608,4 +308,6 @@ def _wait_message(log_on_wait: bool | str | None, path: str, rank: int) -> str |
         return f"DataReader {path!r}: rank {rank} is waiting for data (the reader is behind)"
     if isinstance(log_on_wait, str):
         return log_on_wait.replace("{rank}", str(rank))
-    raise TypeError(f"log_on_wait must be True, False, None or a message string; got {log_on_wait!r}")
+    raise TypeError(
+        f"log_on_wait must be True, False, None or a message string; got {log_on_wait!r}"
+    )

@@ -1,0 +1,101 @@
+"""Batches: reused batch buffers (slots) and the handle a rank gets for one of them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .pipeline import Pipeline
+
+
+class Slot:
+    """One reusable batch buffer of one rank (pinned host memory, maybe a device copy)."""
+
+    __slots__ = ("x", "y", "count", "index", "position", "x_mem", "y_mem", "pushed", "released")
+
+    def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
+        self.x, self.y = x, y
+        self.count = self.index = self.position = 0
+        self.x_mem = self.y_mem = None  # SyncedMemory when batches go to a device
+        self.pushed = None  # event: the device copy of this slot is done
+        self.released = None  # event: the consumer's work on the device copy is done
+
+
+class Batch:
+    """A batch of one rank: ``x`` (records), ``y`` (int64 labels); unpacks as ``x, y``.
+
+    ``index`` is the rank's batch number counted from the reader's ``start``;
+    ``position`` the sequence position where its round begins (the rank's ``j``-th
+    record is at sequence position ``position + first + j * T``, ``T`` the total number
+    of ranks, ``first = (global_rank - position) mod T``). With a device hand-off ``x``
+    and ``y`` are device arrays and ``x_host``/``y_host`` the pinned host copies.
+
+    The arrays live in a buffer the reader reuses: hand the batch back with
+    ``release()`` (or use it as a context manager) when done with them, and do not use
+    the arrays afterwards.
+    """
+
+    __slots__ = ("rank", "index", "position", "_slot", "_state")
+
+    def __init__(self, state: Pipeline, rank: int, slot: Slot) -> None:
+        self._state, self.rank, self._slot = state, rank, slot
+        self.index, self.position = slot.index, slot.position
+
+    def _live(self) -> Slot:
+        if self._slot is None:
+            raise RuntimeError("this batch was released; its buffer is being refilled")
+        return self._slot
+
+    def __len__(self) -> int:
+        return self._live().count
+
+    @property
+    def x_host(self) -> np.ndarray:
+        s = self._live()
+        return s.x if s.count == len(s.x) else s.x[: s.count]
+
+    @property
+    def y_host(self) -> np.ndarray:
+        s = self._live()
+        return s.y if s.count == len(s.y) else s.y[: s.count]
+
+    @property
+    def x(self) -> Any:
+        s = self._live()
+        if s.x_mem is None:
+            return self.x_host
+        return s.x_mem.device_array()[: s.count]
+
+    @property
+    def y(self) -> Any:
+        s = self._live()
+        if s.y_mem is None:
+            return self.y_host
+        return s.y_mem.device_array()[: s.count]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.x, self.y))
+
+    @property
+    def released(self) -> bool:
+        return self._slot is None
+
+    def release(self) -> None:
+        """Give the buffer back to the reader (a second call does nothing)."""
+        slot, self._slot = self._slot, None
+        if slot is not None:
+            self._state.give_back(self.rank, slot)
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        if self._slot is None:
+            return f"<Batch rank {self.rank} #{self.index} released>"
+        return f"<Batch rank {self.rank} #{self.index} of {self._slot.count} at {self.position}>"

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from nccltree import _native
-from nccltree.backends.host import _small_reduce, _UFUNCS
+from nccltree.backends.host import _UFUNCS, _small_reduce
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64"])

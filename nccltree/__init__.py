@@ -42,6 +42,9 @@ _LAZY = {
     "SGD": "nccltree.solver",
     "DataReader": "nccltree.data",
     "Batch": "nccltree.data",
+    "DataParallel": "nccltree.parallel",
+    "RankFailure": "nccltree.parallel",
+    "build_model": "nccltree.models",
 }
 
 __all__ = [

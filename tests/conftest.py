@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 
 import nccltree as nt
@@ -89,3 +90,25 @@ def host_devs():
     yield make
     for rt in runtimes:
         rt.shutdown()
+
+
+def _one_device(request):
+    """None (plain numpy), a virtual host device, or a GPU; shut down afterwards."""
+    if request.param == "numpy":
+        yield None
+        return
+    devs = nt.devices("cpu:1" if request.param == "host" else "gpu:0")
+    yield devs[0]
+    devs[0].runtime.shutdown()
+
+
+#: parameters on no device (numpy), on a host device, and on a GPU where one is usable
+host_device = pytest.fixture(params=["numpy", "host"])(_one_device)
+any_device = pytest.fixture(
+    params=["numpy", "host", pytest.param("cuda", marks=pytest.mark.gpu)]
+)(_one_device)
+
+
+def to_np(a):
+    """A numpy view or copy of a numpy or CuPy array."""
+    return a if isinstance(a, np.ndarray) else a.get()

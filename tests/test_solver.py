@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+from conftest import to_np
 
 import nccltree as nt
 from nccltree.solver import Callback, SolverCallback
@@ -15,25 +16,6 @@ SHAPES = {"w": (4, 3), "b": (3,)}
 STEPS = 20
 
 
-def _device_fixture(request):
-    """None (plain numpy), a virtual host device, or a GPU; shut down afterwards."""
-    if request.param == "numpy":
-        yield None
-        return
-    devs = nt.devices("cpu:1" if request.param == "host" else "gpu:0")
-    yield devs[0]
-    devs[0].runtime.shutdown()
-
-
-host_device = pytest.fixture(params=["numpy", "host"])(_device_fixture)
-any_device = pytest.fixture(params=["numpy", "host", pytest.param("cuda", marks=pytest.mark.gpu)])(
-    _device_fixture
-)
-
-
-def to_np(a):
-    """A numpy view or copy of a numpy or CuPy array."""
-    return a if isinstance(a, np.ndarray) else a.get()
 
 
 # -- an independent reference: plain Python floats, one element at a time ----------------

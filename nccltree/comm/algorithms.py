@@ -564,39 +564,53 @@ def build_plan(
     """The plan of ``collective`` by ``algorithm``. ``tree_for(root)`` gives the tree (only
     the tree algorithm needs it); ``chunk`` is in elements."""
     chunk = max(1, int(chunk))
+    build = _BUILDERS.get((algorithm, collective))
+    if build is None:
+        raise ValueError(f"no plan for {algorithm!r} {collective!r}")
     if algorithm == "tree":
         if tree_for is None:
             raise ValueError("the tree algorithm needs a tree")
-        if collective == "all_reduce":
-            return tree_all_reduce(tree_for(0), count, op, in_place, chunk)
-        if collective == "reduce":
-            return tree_reduce(tree_for(root), count, op, in_place, chunk)
-        if collective == "broadcast":
-            return tree_broadcast(tree_for(root), count, in_place, chunk)
-        if collective == "all_gather":
-            return tree_all_gather(tree_for(0), count, in_place, chunk)
-        if collective == "reduce_scatter":
-            return tree_reduce_scatter(tree_for(0), count, op, in_place, chunk)
-    elif algorithm == "ring":
-        if collective == "all_reduce":
-            return ring_all_reduce(size, count, op, in_place, chunk)
-        if collective == "reduce":
-            return ring_reduce(size, root, count, op, in_place, chunk)
-        if collective == "broadcast":
-            return ring_broadcast(size, root, count, in_place, chunk)
-        if collective == "all_gather":
-            return ring_all_gather(size, count, in_place, chunk)
-        if collective == "reduce_scatter":
-            return ring_reduce_scatter(size, count, op, in_place, chunk)
-    elif algorithm == "direct":
-        if collective == "all_reduce":
-            return direct_all_reduce(size, count, op, in_place, chunk)
-        if collective == "reduce":
-            return direct_reduce(size, root, count, op, in_place, chunk)
-        if collective == "broadcast":
-            return direct_broadcast(size, root, count, in_place, chunk)
-        if collective == "all_gather":
-            return direct_all_gather(size, count, in_place, chunk)
-        if collective == "reduce_scatter":
-            return direct_reduce_scatter(size, count, op, in_place, chunk)
-    raise ValueError(f"no plan for {algorithm!r} {collective!r}")
+        # rooted collectives need the tree rooted there; the others use rank 0's
+        topo: object = tree_for(root if collective in ("reduce", "broadcast") else 0)
+    else:
+        topo = size
+    return build(topo, root=root, count=count, op=op, in_place=in_place, chunk=chunk)
+
+
+def _table() -> dict[tuple[str, str], Callable[..., Plan]]:
+    """(algorithm, collective) -> builder(tree or size, *, root, count, op, in_place, chunk)."""
+
+    def rooted(fn):  # builders that take (size, root, ...)
+        return lambda t, *, root, count, op, in_place, chunk: fn(t, root, count, op, in_place,
+                                                                  chunk)
+
+    def rooted_nop(fn):  # ... without an op
+        return lambda t, *, root, count, op, in_place, chunk: fn(t, root, count, in_place,
+                                                                  chunk)
+
+    def plain(fn):
+        return lambda t, *, root, count, op, in_place, chunk: fn(t, count, op, in_place, chunk)
+
+    def plain_nop(fn):
+        return lambda t, *, root, count, op, in_place, chunk: fn(t, count, in_place, chunk)
+
+    return {
+        ("tree", "all_reduce"): plain(tree_all_reduce),
+        ("tree", "reduce"): plain(tree_reduce),  # the tree is rooted at root already
+        ("tree", "broadcast"): plain_nop(tree_broadcast),
+        ("tree", "all_gather"): plain_nop(tree_all_gather),
+        ("tree", "reduce_scatter"): plain(tree_reduce_scatter),
+        ("ring", "all_reduce"): plain(ring_all_reduce),
+        ("ring", "reduce"): rooted(ring_reduce),
+        ("ring", "broadcast"): rooted_nop(ring_broadcast),
+        ("ring", "all_gather"): plain_nop(ring_all_gather),
+        ("ring", "reduce_scatter"): plain(ring_reduce_scatter),
+        ("direct", "all_reduce"): plain(direct_all_reduce),
+        ("direct", "reduce"): rooted(direct_reduce),
+        ("direct", "broadcast"): rooted_nop(direct_broadcast),
+        ("direct", "all_gather"): plain_nop(direct_all_gather),
+        ("direct", "reduce_scatter"): plain(direct_reduce_scatter),
+    }
+
+
+_BUILDERS = _table()

@@ -92,24 +92,43 @@ def test_rank_calling_a_different_collective():
     assert all(e is not None and "disagree" in e for e in errors)
 
 
+def _call(comm, collective: str) -> None:
+    """One call of ``collective`` on small buffers."""
+    n = comm.size
+    x = np.ones(2 * n)
+    if collective == "all_reduce":
+        comm.all_reduce(x)
+    elif collective == "reduce":
+        comm.reduce(x, root=n - 1)
+    elif collective == "broadcast":
+        comm.broadcast(x, root=1)
+    elif collective == "all_gather":
+        comm.all_gather(x, np.empty(2 * n * n))
+    elif collective == "reduce_scatter":
+        comm.reduce_scatter(x, np.empty(2))
+    else:
+        comm.barrier()
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce", "broadcast", "all_gather",
+                                        "reduce_scatter", "barrier"])
 @pytest.mark.parametrize("stage", ["before", "between", "after"])
-def test_rank_that_raises_makes_others_fail_quickly(stage):
+def test_rank_that_raises_makes_others_fail_quickly(stage, collective):
     with world(n=4, timeout=30) as w:
         outcome = {}
 
         def body(comm):
-            x = np.ones(8)
             if stage == "between":
-                comm.all_reduce(x)
+                _call(comm, collective)
             if comm.rank == 1 and stage in ("before", "between"):
                 raise RuntimeError("boom on rank 1")
             t0 = time.monotonic()
             try:
-                comm.all_reduce(x)
-                comm.all_reduce(x)
+                _call(comm, collective)
+                _call(comm, collective)
                 if comm.rank == 1:
                     raise RuntimeError("boom on rank 1")
-                comm.all_reduce(x)
+                _call(comm, collective)
             except nt.PeerFailure:
                 outcome[comm.rank] = time.monotonic() - t0
                 raise

@@ -412,7 +412,8 @@ class DataParallel:
         run.stop.set()
         world, self._world = self._world, None  # the next fit makes a fresh one
         if world is not None:
-            world.close()  # wakes every rank waiting in a collective
+            world.abort("the run was stopped")  # wakes every rank waiting in a collective
+            world.close()
 
     def close(self) -> None:
         """Release the World (streams, communicators), and the devices if they were

@@ -198,3 +198,21 @@ def test_input_not_modified_when_a_peer_fails_argument_checks_in_reduce():
             w.reduce([xs[0], xs[1], xs[2].astype(np.float32)], root=0)
         for x, b in zip(xs, before):
             np.testing.assert_array_equal(x, b)
+
+
+def test_abort_from_another_thread_releases_waiting_ranks():
+    with world(n=3, timeout=30) as w:
+        seen = {}
+
+        def body(comm):
+            if comm.rank == 0:
+                time.sleep(0.2)
+                w.abort("stopped by the test")
+                return None
+            try:
+                comm.all_reduce(np.ones(4))  # rank 0 never joins: waits until the abort
+            except nt.PeerFailure as exc:
+                seen[comm.rank] = str(exc)
+
+        w.run(body)
+    assert set(seen) == {1, 2} and all("stopped by the test" in m for m in seen.values())

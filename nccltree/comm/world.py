@@ -177,6 +177,11 @@ class World:
         self._streams = []
         self._scratch.clear()
 
+    def abort(self, reason: str | BaseException = "aborted by the caller") -> None:
+        """Fail the World for good, from any thread: every rank waiting in a collective
+        wakes at once, and every later call raises ``PeerFailure`` naming ``reason``."""
+        self._abort(reason if isinstance(reason, BaseException) else PeerFailure(reason))
+
     def _abort(self, exc: BaseException) -> None:
         with self._fail_lock:
             if self._failure is None:

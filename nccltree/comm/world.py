@@ -377,7 +377,7 @@ class World:
             return self.algorithm
         if self.backend == "cuda" and prep.nbytes >= AUTO_NCCL_BYTES and self._nccl_usable():
             return "nccl"
-        if prep.nbytes <= AUTO_SMALL_BYTES or self.size <= 2:
+        if prep.nbytes <= AUTO_SMALL_BYTES:
             return "tree"
         return "direct" if self._uniform_peer_topology() else "tree"
 

@@ -57,6 +57,10 @@ NT_API int nt_scale(int dtype, void *x, double alpha, int64_t n, int nthreads);
 NT_API int nt_sgd_update(int dtype, void *w, void *g, void *v, double lr, double momentum,
                          double weight_decay, int64_t n, int nthreads);
 NT_API int nt_copy(void *dst, const void *src, int64_t nbytes, int nthreads);
+/* dst = srcs[0][0, nbytes[0]) ++ ... ++ srcs[k-1][0, nbytes[k-1]), back to back; k >= 0,
+   no source may overlap the destination */
+NT_API int nt_gather(void *dst, const void *const *srcs, const int64_t *nbytes, int k,
+                     int nthreads);
 NT_API const char *nt_strerror(int status);
 
 #ifdef __cplusplus

@@ -15,6 +15,7 @@
 #include "nccltree.h"
 
 #include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
 
 #ifdef _OPENMP
@@ -62,6 +63,10 @@ typedef struct {
     void *aux1, *aux2; /* sgd: gradient and history */
     double a, b, c;    /* scalars (alpha; lr, momentum, weight decay) */
     int stream;        /* write dst with non-temporal stores (only where NT_STREAM) */
+    /* gather: k ranges, range j from gsrcs[j] to dst + goff[j] (goff[k] is the total) */
+    const void *const *gsrcs;
+    const int64_t *goff;
+    int gk;
 } nt_job;
 
 typedef void (*nt_range_fn)(const nt_job *job, int64_t lo, int64_t hi);
@@ -391,6 +396,28 @@ static void nt_copy_range(const nt_job *job, int64_t lo, int64_t hi) {
     memcpy(d, s, (size_t)m);
 }
 
+/* One gather range [lo, hi) of the destination: find the source range holding lo by
+   bisection, then copy piece by piece (each piece as nt_copy_range copies its range, so
+   streaming stores go to whole lines and the partial lines at the piece ends are stored
+   normally). */
+static void nt_gather_range(const nt_job *job, int64_t lo, int64_t hi) {
+    const int64_t *off = job->goff;
+    int a = 0, b = job->gk; /* off[a] <= lo < off[b] */
+    while (b - a > 1) {
+        int mid = a + (b - a) / 2;
+        if (off[mid] <= lo) a = mid; else b = mid;
+    }
+    for (int j = a; j < job->gk && off[j] < hi; ++j) {
+        int64_t s = off[j] > lo ? off[j] : lo;
+        int64_t e = off[j + 1] < hi ? off[j + 1] : hi;
+        if (e <= s) continue;
+        nt_job piece = *job;
+        piece.dst = (char *)job->dst + s;
+        piece.srcs[0] = (const char *)job->gsrcs[j] + (s - off[j]);
+        nt_copy_range(&piece, 0, e - s);
+    }
+}
+
 /* ---- argument checks ---- */
 
 static const int64_t nt_itemsize[NT_NDTYPES] = {2, 4, 8, 4, 8};
@@ -501,6 +528,45 @@ NT_API int nt_copy(void *dst, const void *src, int64_t nbytes, int nthreads) {
     job.stream = nbytes >= NT_STREAM_MIN_COPY_BYTES;
 #endif
     nt_run(nt_copy_range, &job, nbytes, NT_GRAIN_BYTES, nthreads);
+    return NT_OK;
+}
+
+NT_API int nt_gather(void *dst, const void *const *srcs, const int64_t *nbytes, int k,
+                     int nthreads) {
+    if (k < 0) return NT_ERR_SIZE;
+    if (nthreads < 1) return NT_ERR_THREADS;
+    if (k == 0) return NT_OK;
+    if (srcs == NULL || nbytes == NULL) return NT_ERR_NULL;
+    int64_t total = 0;
+    for (int j = 0; j < k; ++j) {
+        if (nbytes[j] < 0) return NT_ERR_SIZE;
+        if (nbytes[j] > 0 && srcs[j] == NULL) return NT_ERR_NULL;
+        total += nbytes[j];
+    }
+    if (total == 0) return NT_OK;
+    if (dst == NULL) return NT_ERR_NULL;
+    /* a source inside the destination could be overwritten before it is read */
+    uintptr_t d0 = (uintptr_t)dst, d1 = d0 + (uintptr_t)total;
+    for (int j = 0; j < k; ++j) {
+        uintptr_t s0 = (uintptr_t)srcs[j];
+        if (nbytes[j] > 0 && s0 < d1 && d0 < s0 + (uintptr_t)nbytes[j]) return NT_ERR_OVERLAP;
+    }
+    /* offsets on the stack for the usual batch sizes, so a call costs no allocation */
+    int64_t stack_off[257];
+    int64_t *off = k < 257 ? stack_off : (int64_t *)malloc(((size_t)k + 1) * sizeof(int64_t));
+    if (off == NULL) return NT_ERR_INTERNAL;
+    off[0] = 0;
+    for (int j = 0; j < k; ++j) off[j + 1] = off[j] + nbytes[j];
+    nt_job job = {0};
+    job.dst = dst;
+    job.gsrcs = srcs;
+    job.goff = off;
+    job.gk = k;
+#ifdef NT_STREAM
+    job.stream = total >= NT_STREAM_MIN_COPY_BYTES;
+#endif
+    nt_run(nt_gather_range, &job, total, NT_GRAIN_BYTES, nthreads);
+    if (off != stack_off) free(off);
     return NT_OK;
 }
 

@@ -27,6 +27,7 @@ __all__ = [
     "OPS",
     "check",
     "copy",
+    "gather",
     "library",
     "library_path",
     "reduce_n",
@@ -122,6 +123,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "nt_scale": [i32, vp, f64, i64, i32],
         "nt_sgd_update": [i32, vp, vp, vp, f64, f64, f64, i64, i32],
         "nt_copy": [vp, vp, i64, i32],
+        "nt_gather": [vp, vp, vp, i32, i32],
     }
     for name, argtypes in sigs.items():
         fn = getattr(lib, name)
@@ -319,4 +321,84 @@ def copy(dst: np.ndarray, src: np.ndarray, nthreads: int = 1) -> np.ndarray:
         raise ValueError("src partially overlaps dst")
     nthreads = _threads(nthreads)
     check(library().nt_copy(pd, ps, nbytes, nthreads), "copy")
+    return dst
+
+
+class _PyBuffer(ctypes.Structure):
+    """CPython's ``Py_buffer`` (part of the stable ABI since 3.11)."""
+
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+def _buffer_api() -> tuple[object, object]:
+    # The buffer protocol straight from the interpreter: the address of a read-only buffer
+    # (an LMDB value) costs about 0.7 us this way against about 1.5 us through a numpy view,
+    # and ctypes' own from_buffer refuses read-only memory.
+    api = ctypes.pythonapi
+    get, rel = api.PyObject_GetBuffer, api.PyBuffer_Release
+    get.argtypes = [ctypes.py_object, ctypes.c_void_p, ctypes.c_int]
+    get.restype = ctypes.c_int
+    rel.argtypes = [ctypes.c_void_p]
+    rel.restype = None
+    return get, rel
+
+
+_get_buffer, _release_buffer = _buffer_api()
+_BUF_LEN = _PyBuffer.len.offset
+
+
+def gather(dst: np.ndarray, views: Sequence[object], nthreads: int = 1) -> np.ndarray:
+    """Copy the bytes of ``views`` back to back into ``dst``; returns ``dst``.
+
+    ``views`` is a list or tuple of C-contiguous buffer objects (memoryviews, bytes, numpy
+    arrays; read-only is fine) whose sizes add up to ``dst.nbytes``; none may overlap
+    ``dst``.  The copy is split over ``nthreads`` threads, and large totals are written
+    with streaming stores.
+    """
+    dst = _array(dst, "dst", writable=True)
+    if not isinstance(views, (list, tuple)):
+        raise TypeError(
+            f"views must be a list or tuple of buffer objects, got {type(views).__name__}"
+        )
+    nthreads = _threads(nthreads)
+    k = len(views)
+    bufs = (_PyBuffer * k)()
+    base = ctypes.addressof(bufs)
+    step = ctypes.sizeof(_PyBuffer)
+    held = 0
+    try:
+        for j, v in enumerate(views):
+            at = base + j * step
+            try:
+                _get_buffer(v, at, 0)  # flags 0: a simple, C-contiguous buffer
+            except (TypeError, BufferError, ValueError) as exc:
+                raise TypeError(
+                    f"views[{j}] must be a C-contiguous buffer object (bytes, memoryview, "
+                    f"numpy array); got {type(v).__name__}: {exc}"
+                ) from None
+            held += 1
+        # every address and size in two vectorised reads instead of 2k ctypes look-ups
+        fields = np.frombuffer(bufs, np.uint8).reshape(k, step)
+        ptrs = np.ascontiguousarray(fields[:, :8]).view(np.uint64).reshape(k)
+        sizes = np.ascontiguousarray(fields[:, _BUF_LEN : _BUF_LEN + 8]).view(np.int64).reshape(k)
+        total = int(sizes.sum())
+        if total != dst.nbytes:
+            raise ValueError(f"views hold {total} bytes but dst has {dst.nbytes}; they must match")
+        status = library().nt_gather(_addr(dst), _addr(ptrs), _addr(sizes), k, nthreads)
+        check(status, "gather")
+    finally:
+        for j in range(held):
+            _release_buffer(base + j * step)
     return dst

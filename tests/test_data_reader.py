@@ -217,6 +217,36 @@ def test_large_records_with_transform(tmp_path):
         np.testing.assert_array_equal(b.x, X.astype(np.float32) * 2)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["gather", "per-record"])
+def test_large_records_are_served_unchanged(tmp_path, monkeypatch, native):
+    # the large-record copy (native gather over all cores, or one by one without the
+    # native library) serves exactly the records, in the rule's order, to every rank
+    from nccltree import _native
+    from nccltree.data import decode
+
+    calls = []
+
+    def counting_gather(*args):
+        calls.append(len(args[1]))
+        return _native.gather(*args)
+
+    monkeypatch.setattr(decode, "_native_gather", lambda: counting_gather if native else None)
+    X = np.random.default_rng(2).integers(0, 256, (11, 3, 12001), dtype=np.uint8)
+    write_lmdb(tmp_path / "db", X, np.arange(11) * 3)
+    with DataReader(tmp_path / "db", 2, 2, shuffle=4, epochs=1) as r:
+        got = {0: [], 1: []}
+        for _ in range(2):
+            for rank in (0, 1):
+                with r.next_batch(rank) as b:
+                    got[rank].append((b.x.copy(), b.y.tolist()))
+    assert (sum(calls) >= 8) if native else not calls
+    order = epoch_permutation(4, 0, 11)[:8]
+    for rank in (0, 1):
+        idx = [int(i) for i in order[rank::2]]
+        np.testing.assert_array_equal(np.concatenate([g[0] for g in got[rank]]), X[idx])
+        assert [y for g in got[rank] for y in g[1]] == [3 * i for i in idx]
+
+
 def test_device_hand_off(db10, make_devices):
     devs = make_devices(2)
     with DataReader(db10, 3, 2, device=devs) as r:
@@ -392,7 +422,7 @@ def _raw_db(path, values) -> None:
     env.close()
 
 
-@pytest.mark.parametrize("size", [4, 20000])  # the small- and the large-record path
+@pytest.mark.parametrize("size", [4, 40000])  # the small- and the large-record path
 def test_undecodable_record_is_raised_with_its_key(tmp_path, size):
     good = [encode_record(np.full(size, i, np.uint8), i) for i in range(6)]
     good[4] = good[4][:-1]  # truncated

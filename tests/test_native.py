@@ -402,9 +402,17 @@ def ro(a: np.ndarray) -> np.ndarray:
     [
         (lambda: nat.reduce_n([0.0] * 8, [F32]), TypeError, "numpy.ndarray"),
         (lambda: nat.reduce_n(np.zeros(16, np.float32)[::2], [F32]), ValueError, "C-contiguous"),
-        (lambda: nat.reduce_n(np.zeros((4, 2), np.float32, order="F"), [F32]), ValueError, "C-contiguous"),
+        (
+            lambda: nat.reduce_n(np.zeros((4, 2), np.float32, order="F"), [F32]),
+            ValueError,
+            "C-contiguous",
+        ),
         (lambda: nat.reduce_n(ro(F32), [F32]), ValueError, "writeable"),
-        (lambda: nat.reduce_n(np.zeros(8, np.uint8), [np.zeros(8, np.uint8)]), TypeError, "accepted: float16"),
+        (
+            lambda: nat.reduce_n(np.zeros(8, np.uint8), [np.zeros(8, np.uint8)]),
+            TypeError,
+            "accepted: float16",
+        ),
         (lambda: nat.reduce_n(F32.copy(), [np.zeros(8, np.float64)]), TypeError, "dtype"),
         (lambda: nat.reduce_n(F32.copy(), [np.zeros(9, np.float32)]), ValueError, "elements"),
         (lambda: nat.reduce_n(F32.copy(), []), ValueError, "1 to 8 sources"),
@@ -417,12 +425,30 @@ def ro(a: np.ndarray) -> np.ndarray:
         (lambda: nat.reduce_n(F32.copy(), [F32], nthreads=1.5), TypeError, "nthreads"),
         (lambda: nat.reduce_n(F32.copy(), [F32], nthreads=True), TypeError, "nthreads"),
         (lambda: nat.sum_into(F32.copy(), np.zeros(8, np.int32)), TypeError, "dtype"),
-        (lambda: nat.scale(np.zeros(4, np.int32), 2.0), TypeError, "accepted: float16, float32, float64"),
+        (
+            lambda: nat.scale(np.zeros(4, np.int32), 2.0),
+            TypeError,
+            "accepted: float16, float32, float64",
+        ),
         (lambda: nat.scale(F32.copy(), "2"), TypeError, "alpha"),
         (lambda: nat.scale(ro(F32), 2.0), ValueError, "writeable"),
-        (lambda: nat.sgd_update(F32.copy(), F32.copy(), np.zeros(7, np.float32), 0.1, 0.9, 0.0), ValueError, "elements"),
-        (lambda: nat.sgd_update(F32.copy(), F32.copy(), F32.copy(), None, 0.9, 0.0), TypeError, "lr"),
-        (lambda: nat.sgd_update(np.zeros(8, np.int64), np.zeros(8, np.int64), np.zeros(8, np.int64), 0.1, 0.9, 0.0), TypeError, "accepted"),
+        (
+            lambda: nat.sgd_update(F32.copy(), F32.copy(), np.zeros(7, np.float32), 0.1, 0.9, 0.0),
+            ValueError,
+            "elements",
+        ),
+        (
+            lambda: nat.sgd_update(F32.copy(), F32.copy(), F32.copy(), None, 0.9, 0.0),
+            TypeError,
+            "lr",
+        ),
+        (
+            lambda: nat.sgd_update(
+                np.zeros(8, np.int64), np.zeros(8, np.int64), np.zeros(8, np.int64), 0.1, 0.9, 0.0
+            ),
+            TypeError,
+            "accepted",
+        ),
         (lambda: nat.copy(F32.copy(), np.zeros(8, np.int32)), TypeError, "dtype"),
         (lambda: nat.copy(F32.copy(), np.zeros(4, np.float32)), ValueError, "elements"),
     ],
@@ -465,7 +491,11 @@ def test_c_statuses_map_to_exceptions() -> None:
         (lib.nt_reduce_n(0, 1, pa, _ptrs(b), 1, -1, 1), nat.ERR_SIZE, ValueError),
         (lib.nt_reduce_n(0, 1, None, _ptrs(b), 1, 8, 1), nat.ERR_NULL, ValueError),
         (lib.nt_reduce_n(0, 1, pa, None, 1, 8, 1), nat.ERR_NULL, ValueError),
-        (lib.nt_reduce_n(0, 1, pa, (ctypes.c_void_p * 2)(pb, None), 2, 8, 1), nat.ERR_NULL, ValueError),
+        (
+            lib.nt_reduce_n(0, 1, pa, (ctypes.c_void_p * 2)(pb, None), 2, 8, 1),
+            nat.ERR_NULL,
+            ValueError,
+        ),
         (lib.nt_reduce_n(0, 1, pa, _ptrs(b), 1, 8, 0), nat.ERR_THREADS, ValueError),
         (lib.nt_reduce_n(0, 1, pa + 4, _ptrs(a), 1, 4, 1), nat.ERR_OVERLAP, ValueError),
         (lib.nt_sum_into(5, pa, pb, 8, 1), nat.ERR_DTYPE, TypeError),
@@ -550,3 +580,133 @@ def test_broken_library_raises_backend_unavailable(monkeypatch, tmp_path) -> Non
     monkeypatch.setattr(nat, "_lib", None)
     with pytest.raises(BackendUnavailable, match="cannot load"):
         nat.library()
+
+
+# ---- gather ----
+
+
+def _gather_sources(sizes: list[int], seed: int = 5) -> list[memoryview]:
+    rng = np.random.default_rng(seed)
+    return [memoryview(rng.integers(0, 256, n, dtype=np.uint8).tobytes()) for n in sizes]
+
+
+@pytest.mark.parametrize("nthreads", [1, 2, 3])
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [5],  # k = 1
+        [1, 63, 64, 65, 0, 127, 3],  # odd sizes, an empty range among them
+        [40000] * 7 + [1],  # above a thread block, below streaming
+        [65536 - 64] * 40 + [17],  # streaming total, pieces not line-aligned in dst
+        [STREAM_COPY_BYTES + 3 * LINE + 5],  # one range over many thread blocks
+    ],
+)
+def test_gather_is_bitwise(sizes: list[int], nthreads: int) -> None:
+    views = _gather_sources(sizes)
+    want = np.frombuffer(b"".join(views), np.uint8)
+    for offset in (0, 3):
+        buf, dst = guarded(want.size, np.uint8, offset)
+        assert nat.gather(dst, views, nthreads=nthreads) is dst
+        np.testing.assert_array_equal(dst, want)
+        assert_guards_intact(buf, dst)
+
+
+def test_gather_takes_any_buffer_object() -> None:
+    f = np.arange(6, dtype=np.float32)
+    views = [b"ab", bytearray(b"cd"), memoryview(b"xyz")[1:], f, f[2:].view(np.uint8)]
+    dst = np.empty(2 + 2 + 2 + 24 + 16, np.uint8)
+    nat.gather(dst, views, nthreads=2)
+    assert bytes(dst) == b"abcdyz" + f.tobytes() + f[2:].tobytes()
+    typed = np.empty(6, np.float32)  # dst of any dtype: sizes count bytes
+    nat.gather(typed, (f[:2], f[2:]))
+    assert_bitwise(typed, f)
+
+
+def test_gather_empty() -> None:
+    dst = np.empty(0, np.uint8)
+    assert nat.gather(dst, []) is dst
+    assert nat.gather(dst, [b"", memoryview(b"")], nthreads=2) is dst
+    lib = nat.library()
+    assert lib.nt_gather(None, None, None, 0, 1) == nat.OK
+    zero = (ctypes.c_int64 * 2)(0, 0)
+    assert lib.nt_gather(None, (ctypes.c_void_p * 2)(None, None), zero, 2, 1) == nat.OK
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "match"),
+    [
+        (lambda: nat.gather(b"1234", [b"1234"]), TypeError, "numpy.ndarray"),
+        (lambda: nat.gather(ro(F32), [bytes(32)]), ValueError, "writeable"),
+        (lambda: nat.gather(np.zeros(16, np.uint8)[::2], [bytes(8)]), ValueError, "C-contiguous"),
+        (lambda: nat.gather(np.zeros(4, np.uint8), b"1234"), TypeError, "list or tuple"),
+        (
+            lambda: nat.gather(np.zeros(4, np.uint8), np.zeros(4, np.uint8)),
+            TypeError,
+            "list or tuple",
+        ),
+        (lambda: nat.gather(np.zeros(4, np.uint8), [b"12", 34]), TypeError, r"views\[1\].*int"),
+        (
+            lambda: nat.gather(np.zeros(4, np.uint8), [memoryview(bytes(8))[::2]]),
+            TypeError,
+            r"views\[0\].*C-contiguous",
+        ),
+        (lambda: nat.gather(np.zeros(4, np.uint8), [b"123"]), ValueError, "3 bytes but dst has 4"),
+        (
+            lambda: nat.gather(np.zeros(4, np.uint8), [b"12345"]),
+            ValueError,
+            "5 bytes but dst has 4",
+        ),
+        (lambda: nat.gather(np.zeros(4, np.uint8), [b"1234"], nthreads=0), ValueError, "nthreads"),
+        (lambda: nat.gather(np.zeros(4, np.uint8), [b"1234"], nthreads=2.0), TypeError, "nthreads"),
+    ],
+)
+def test_gather_bad_arguments(call, exc: type[Exception], match: str) -> None:
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_gather_rejects_overlap_and_releases_buffers() -> None:
+    buf = np.arange(16, dtype=np.uint8)
+    with pytest.raises(ValueError, match="overlap"):
+        nat.gather(buf[:8], [b"abcd", buf[6:10]])
+    np.testing.assert_array_equal(buf, np.arange(16))  # nothing written
+    # every buffer taken was released, also after a failure: a bytearray whose buffer is
+    # still exported cannot be resized
+    ba = bytearray(b"abcd")
+    nat.gather(np.empty(4, np.uint8), [ba])
+    with pytest.raises(TypeError):
+        nat.gather(np.empty(8, np.uint8), [ba, 5])
+    with pytest.raises(ValueError):
+        nat.gather(np.empty(9, np.uint8), [ba, b"xyzw"])
+    ba.extend(b"ef")
+    assert ba == b"abcdef"
+
+
+def test_gather_c_statuses() -> None:
+    lib = nat.library()
+    a, b = np.zeros(16, np.uint8), np.arange(8, dtype=np.uint8)
+    pa, pb = a.ctypes.data, b.ctypes.data
+    sizes = (ctypes.c_int64 * 2)(4, 4)  # dst: the first 8 bytes from its pointer on
+    srcs = _ptrs(b, b)
+    cases = [
+        (lib.nt_gather(pa, srcs, sizes, -1, 1), nat.ERR_SIZE),
+        (lib.nt_gather(pa, srcs, (ctypes.c_int64 * 2)(4, -1), 2, 1), nat.ERR_SIZE),
+        (lib.nt_gather(pa, srcs, sizes, 2, 0), nat.ERR_THREADS),
+        (lib.nt_gather(None, srcs, sizes, 2, 1), nat.ERR_NULL),
+        (lib.nt_gather(pa, None, sizes, 2, 1), nat.ERR_NULL),
+        (lib.nt_gather(pa, srcs, None, 2, 1), nat.ERR_NULL),
+        (lib.nt_gather(pa, (ctypes.c_void_p * 2)(pb, None), sizes, 2, 1), nat.ERR_NULL),
+        (lib.nt_gather(pa, (ctypes.c_void_p * 2)(pb, pa + 7), sizes, 2, 1), nat.ERR_OVERLAP),
+        (lib.nt_gather(pa + 2, (ctypes.c_void_p * 2)(pb, pa), sizes, 2, 1), nat.ERR_OVERLAP),
+        (lib.nt_gather(pa, (ctypes.c_void_p * 2)(pa + 8, pa + 4), sizes, 2, 1), nat.ERR_OVERLAP),
+    ]
+    for i, (status, want) in enumerate(cases):
+        assert status == want, f"case {i}: status {status}, expected {want}"
+    np.testing.assert_array_equal(a, 0)
+    # a source just before or after dst is fine; so is a NULL source of zero bytes
+    lib.nt_gather(pa, (ctypes.c_void_p * 2)(pa + 12, pa + 8), sizes, 2, 1)
+    np.testing.assert_array_equal(a, 0)
+    lib.nt_gather(pa, (ctypes.c_void_p * 2)(pb, pb + 4), sizes, 2, 1)
+    np.testing.assert_array_equal(a[:8], b)
+    ok = lib.nt_gather(pa, (ctypes.c_void_p * 2)(None, pb), (ctypes.c_int64 * 2)(0, 8), 2, 1)
+    assert ok == nat.OK

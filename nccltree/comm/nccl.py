@@ -62,7 +62,7 @@ class NcclEngine:
 
     def launch(self, prep: Any, streams: list[Any], async_op: bool, timeout: float,
                on_error: Callable[[BaseException], BaseException]) -> Any:
-        from .world import _Launched
+        from ._args import Launched
 
         nccl = self.nccl
         if not self.comms:
@@ -106,4 +106,4 @@ class NcclEngine:
             except CommTimeout as exc:
                 self.close(abort=True)
                 raise on_error(exc) from exc
-        return _Launched(prep.results, events, streams, (prep,))
+        return Launched(prep.results, events, streams, (prep,))

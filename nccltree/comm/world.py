@@ -11,16 +11,16 @@ driver-side path for all of them.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .._errors import CommError, CommTimeout, NcclTreeError, PeerFailure
 from . import _ops
+from ._args import Launched, Prepared, prepare
 from .algorithms import ALGORITHMS, build_plan
+from .comm import Comm, _Rendezvous
 from .executor import Buffers, enqueue, run_inline
 from .plan import Plan
 from .work import Work
@@ -35,43 +35,6 @@ ALGORITHM_CHOICES = (*ALGORITHMS, "nccl", "auto")
 # GPUs. To be tuned with nccltree-bench measurements.
 AUTO_SMALL_BYTES = 64 << 10
 AUTO_NCCL_BYTES = 256 << 10
-
-
-@dataclass
-class _Prepared:
-    collective: str
-    ins: list[Any]  # flat views
-    outs: list[Any]  # flat views (== ins where in place)
-    results: list[Any]  # what each rank gets back, in the caller's shapes
-    dtype: np.dtype
-    count: int
-    in_place: bool
-    op: str
-    root: int
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the collective's message per rank (nccl-tests' S for all_reduce)."""
-        return self.count * self.dtype.itemsize
-
-
-@dataclass
-class _Launched:
-    results: list[Any]
-    events: list[Any] | None
-    caller_streams: list[Any]
-    keepalive: Any
-
-
-@dataclass
-class _Call:
-    collective: str
-    x: Any
-    out: Any
-    op: str
-    root: int
-    stream: Any
-    async_op: bool
 
 
 class World:
@@ -308,10 +271,10 @@ class World:
 
     # -- the engine -----------------------------------------------------------------------
     def _launch(self, collective: str, xs, outs, op: str, root: int, streams: list,
-                async_op: bool) -> _Launched:
+                async_op: bool) -> Launched:
         with self._lock:
             self._check_usable()
-            prep = self._prepare(collective, xs, outs, op, root)
+            prep = prepare(self.devices, collective, xs, outs, op, root)
             algorithm = self._choose(prep)
             if algorithm == "nccl":
                 return self._nccl_engine().launch(prep, streams, async_op, self.timeout,
@@ -329,7 +292,7 @@ class World:
                     raise
                 except BaseException as exc:
                     raise self._on_stream_error(exc) from exc
-                return _Launched(prep.results, None, list(streams), None)
+                return Launched(prep.results, None, list(streams), None)
             events = [self.devices[r].new_event() for r in plan.event_owners()]
             for r, cs in enumerate(streams):
                 if cs is not None:
@@ -350,7 +313,7 @@ class World:
                             cs.wait_event(ev)
                         else:
                             ev.synchronize(self.timeout)
-            return _Launched(prep.results, ends, list(streams), keep)
+            return Launched(prep.results, ends, list(streams), keep)
 
     def _on_stream_error(self, exc: BaseException) -> BaseException:
         """A failure inside the devices' work: the World cannot be trusted any more."""
@@ -363,7 +326,7 @@ class World:
         self._abort(err)
         return err
 
-    def _can_inline(self, prep: _Prepared, streams: list, async_op: bool) -> bool:
+    def _can_inline(self, prep: Prepared, streams: list, async_op: bool) -> bool:
         return (
             self.backend == "host"
             and not async_op
@@ -372,7 +335,7 @@ class World:
             and all(st.query() for st in self._streams)
         )
 
-    def _choose(self, prep: _Prepared) -> str:
+    def _choose(self, prep: Prepared) -> str:
         if self.algorithm != "auto":
             return self.algorithm
         if self.backend == "cuda" and prep.nbytes >= AUTO_NCCL_BYTES and self._nccl_usable():
@@ -420,14 +383,14 @@ class World:
              algorithm: str | None = None) -> Plan:
         """The plan a call with these parameters runs (for inspection and tests)."""
         dtype = np.dtype(dtype)
-        prep = _Prepared(_ops.collective_name(collective), [], [], [], dtype, int(count),
+        prep = Prepared(_ops.collective_name(collective), [], [], [], dtype, int(count),
                          bool(in_place), op, int(root))
         alg = algorithm or self._choose(prep)
         if alg not in ALGORITHMS:
             raise ValueError(f"no inspectable plan for algorithm {alg!r}")
         return self._plan(alg, prep)
 
-    def _plan(self, algorithm: str, prep: _Prepared) -> Plan:
+    def _plan(self, algorithm: str, prep: Prepared) -> Plan:
         chunk = max(1, self.chunk_bytes // prep.dtype.itemsize)
         key = (algorithm, prep.collective, prep.count, prep.op, prep.root, prep.in_place,
                chunk)
@@ -456,307 +419,3 @@ class World:
         return buf[:count]
 
     # -- argument checks (every rank's, together, before anything is written) -------------
-    def _prepare(self, collective: str, xs, outs, op: str, root: int) -> _Prepared:
-        n = self.size
-        xs = _as_list(xs, "inputs", n)
-        outs = [None] * n if outs is None else _as_list(outs, "outputs", n)
-        if collective in ("reduce", "broadcast"):
-            if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not (
-                0 <= root < n
-            ):
-                raise ValueError(f"root must be a rank in [0, {n}), got {root!r}")
-        root = int(root)
-        ins, outs_arr = [], []
-        for r in range(n):
-            dev = self.devices[r]
-            ins.append(_device_array(dev, xs[r], f"rank {r}: input"))
-            outs_arr.append(
-                None if outs[r] is None else _device_array(dev, outs[r], f"rank {r}: output")
-            )
-        dtype = ins[0].dtype
-        for r, x in enumerate(ins):
-            if x.dtype != dtype:
-                raise TypeError(f"dtype mismatch: rank 0 has {dtype}, rank {r} has {x.dtype}")
-            o = outs_arr[r]
-            if o is not None and o.dtype != dtype:
-                raise TypeError(f"rank {r}: output dtype {o.dtype} differs from input {dtype}")
-        dtype = _ops.check_dtype(dtype)
-        if collective in ("all_reduce", "reduce", "reduce_scatter"):
-            _ops.check_op(op, dtype)
-        count = ins[0].size
-        for r, x in enumerate(ins):
-            if x.size != count:
-                raise ValueError(
-                    f"size mismatch: rank 0 passes {count} elements, rank {r} passes {x.size}"
-                )
-        if collective == "all_gather" and any(o is None for o in outs_arr):
-            raise ValueError("all_gather needs an output array on every rank")
-        if collective == "reduce_scatter":
-            if any(o is None for o in outs_arr):
-                raise ValueError("reduce_scatter needs an output array on every rank")
-            if count % n:
-                raise ValueError(
-                    f"reduce_scatter input of {count} elements does not split into {n} blocks"
-                )
-        want = {"all_gather": count * n, "reduce_scatter": count // n}.get(collective, count)
-        flat_in, flat_out, results, in_place = [], [], [], []
-        for r in range(n):
-            x, o = ins[r], outs_arr[r]
-            fx = x.reshape(-1)
-            if o is None:
-                flat_in.append(fx)
-                flat_out.append(fx)
-                results.append(xs[r])
-                in_place.append(True)
-                continue
-            if o.size != want:
-                raise ValueError(
-                    f"rank {r}: {collective} output needs {want} elements, got {o.size}"
-                )
-            fo = o.reshape(-1)
-            same = _in_place(collective, fx, fo, r, count, want)
-            flat_in.append(fx)
-            # one object for one memory, so the executor can tell copies onto themselves
-            flat_out.append(fx if same and fo.size == fx.size else fo)
-            results.append(outs[r])
-            in_place.append(same)
-        all_in_place = all(in_place)
-        if collective in ("all_gather", "reduce_scatter") and any(in_place) != all_in_place:
-            raise ValueError(
-                f"{collective}: either every rank or no rank may call in place "
-                f"(in place: ranks {[r for r in range(n) if in_place[r]]})"
-            )
-        if collective == "reduce_scatter":
-            count = want
-        if collective in ("reduce", "broadcast"):
-            # only the root's output matters for reduce; broadcast writes every rank's
-            all_in_place = in_place[root] if collective == "reduce" else all_in_place
-        return _Prepared(collective, flat_in, flat_out, results, dtype, count,
-                         all_in_place, op, root)
-
-
-def _as_list(xs: Any, what: str, n: int) -> list[Any]:
-    if not isinstance(xs, (list, tuple)):
-        raise TypeError(f"{what} must be a list with one array per rank, got {type(xs).__name__}")
-    if len(xs) != n:
-        raise ValueError(f"{what}: {len(xs)} arrays for {n} ranks")
-    return list(xs)
-
-
-def _device_array(dev: Any, obj: Any, what: str) -> Any:
-    try:
-        arr = dev.asarray(obj)
-        dev.check_array(arr)
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{what}: {exc}") from None
-    if not arr.flags.c_contiguous:
-        raise ValueError(f"{what}: the array must be C-contiguous")
-    return arr
-
-
-def _ptr(a: Any) -> int:
-    iface = getattr(a, "__array_interface__", None)
-    return iface["data"][0] if iface is not None else a.data.ptr
-
-
-def _in_place(collective: str, x: Any, out: Any, rank: int, count: int, want: int) -> bool:
-    """Whether ``out`` is the in-place buffer for ``x`` (NCCL's rules); ValueError when
-    the two overlap in any other way."""
-    px, po = _ptr(x), _ptr(out)
-    item = x.dtype.itemsize
-    if collective == "all_gather":
-        exact = px == po + rank * count * item and x.size == count
-    elif collective == "reduce_scatter":
-        exact = po == px + rank * want * item
-    else:
-        exact = px == po
-    if exact:
-        return True
-    if px < po + out.nbytes and po < px + x.nbytes and x.nbytes and out.nbytes:
-        raise ValueError(
-            f"rank {rank}: input and output overlap but are not the in-place layout of "
-            f"{collective}"
-        )
-    return False
-
-
-class Comm:
-    """Rank ``rank``'s face of a World, for a thread per rank (NCCL/MPI style).
-
-    Every rank calls the same collectives in the same order; the last to arrive runs the
-    collective for all. Arguments are checked for all ranks together, so a bad argument
-    raises on every rank before any buffer is written.
-    """
-
-    def __init__(self, world: World, rank: int) -> None:
-        self.world = world
-        self.rank = rank
-
-    @property
-    def size(self) -> int:
-        return self.world.size
-
-    @property
-    def device(self) -> Any:
-        return self.world.devices[self.rank]
-
-    def _call(self, collective, x, out, op, root, stream, async_op):
-        stream = self.world._caller_stream(self.rank, stream)
-        call = _Call(collective, x, out, op, root, stream, async_op)
-        return self.world._rendezvous.arrive(self.rank, call)
-
-    def all_reduce(self, x: Any, *, out: Any = None, op: str = "sum", stream: Any = None,
-                   async_op: bool = False) -> Any:
-        """``op`` over every rank's ``x``; returns ``out`` (or ``x`` in place), or a Work."""
-        return self._call("all_reduce", x, out, op, 0, stream, async_op)
-
-    def reduce(self, x: Any, root: int = 0, *, out: Any = None, op: str = "sum",
-               stream: Any = None, async_op: bool = False) -> Any:
-        """``op`` over every rank's ``x`` at ``root``; other ranks' ``x`` stay unchanged."""
-        return self._call("reduce", x, out, op, root, stream, async_op)
-
-    def broadcast(self, x: Any, root: int = 0, *, out: Any = None, stream: Any = None,
-                  async_op: bool = False) -> Any:
-        """Every rank gets the root's ``x``."""
-        return self._call("broadcast", x, out, "sum", root, stream, async_op)
-
-    def all_gather(self, x: Any, out: Any, *, stream: Any = None, async_op: bool = False) -> Any:
-        """``out`` gets every rank's ``x``, rank i's at ``[i*x.size, (i+1)*x.size)``."""
-        return self._call("all_gather", x, out, "sum", 0, stream, async_op)
-
-    def reduce_scatter(self, x: Any, out: Any, *, op: str = "sum", stream: Any = None,
-                       async_op: bool = False) -> Any:
-        """``out`` gets block ``rank`` of ``op`` over every rank's ``x``."""
-        return self._call("reduce_scatter", x, out, op, 0, stream, async_op)
-
-    def barrier(self) -> None:
-        """Return once every rank has called ``barrier`` and its queued work has run."""
-        stream = self.world._caller_stream(self.rank, None)
-        if stream is not None:
-            stream.synchronize(self.world.timeout)
-        self.world._rendezvous.arrive(self.rank, _Call("barrier", None, None, "sum", 0,
-                                                       None, False))
-
-
-@dataclass
-class _Pending:
-    calls: list[_Call | None]
-    arrived: int = 0
-    all_arrived_at: float | None = None
-    done: bool = False
-    launched: _Launched | None = None
-    error: BaseException | None = None
-    runner: int = -1
-
-
-class _Rendezvous:
-    """Where per-rank calls meet. Call k of every rank forms one collective."""
-
-    def __init__(self, world: World) -> None:
-        self.world = world
-        self.cond = threading.Condition()
-        self.next_index = [0] * world.size
-        self.pending: dict[int, _Pending] = {}
-
-    def wake_all(self) -> None:
-        with self.cond:
-            self.cond.notify_all()
-
-    def arrive(self, rank: int, call: _Call) -> Any:
-        w = self.world
-        n = w.size
-        arrived_at = time.monotonic()
-        with self.cond:
-            w._check_usable()
-            idx = self.next_index[rank]
-            self.next_index[rank] += 1
-            p = self.pending.get(idx)
-            if p is None:
-                p = self.pending[idx] = _Pending([None] * n)
-            p.calls[rank] = call
-            p.arrived += 1
-            if p.arrived < n:
-                self._wait(p, rank, idx, call, arrived_at)
-                return self._result(p, rank)
-            p.all_arrived_at = time.monotonic()
-            p.runner = rank
-        try:
-            p.launched = self._run(p)
-        except BaseException as exc:  # noqa: BLE001 - handed to every rank
-            p.error = exc
-            if not isinstance(exc, (ValueError, TypeError)):
-                w._abort(exc if isinstance(exc, NcclTreeError) else CommError(repr(exc)))
-        with self.cond:
-            p.done = True
-            self.pending.pop(idx, None)
-            self.cond.notify_all()
-        return self._result(p, rank)
-
-    def _wait(self, p: _Pending, rank: int, idx: int, call: _Call, arrived_at: float) -> None:
-        w = self.world
-        while not p.done:
-            if w._failure is not None:
-                # a timeout seen by another rank of this collective is this rank's timeout too
-                kind = CommTimeout if isinstance(w._failure, CommTimeout) else PeerFailure
-                raise kind(
-                    f"rank {rank}: {call.collective} #{idx} cannot complete: {w._failure}"
-                ) from w._failure
-            if w._closed:
-                raise CommError(f"rank {rank}: the World was closed during {call.collective}")
-            start = p.all_arrived_at if p.all_arrived_at is not None else arrived_at
-            # waiting for late ranks is bounded by the timeout; once all arrived, the runner
-            # has its own timeout on the devices' work, and we allow for it
-            limit = w.timeout if p.all_arrived_at is None else 2 * w.timeout
-            remaining = start + limit - time.monotonic()
-            if remaining <= 0:
-                missing = [r for r, c in enumerate(p.calls) if c is None]
-                exc = CommTimeout(
-                    f"rank {rank}: {call.collective} #{idx} timed out after {w.timeout:g} s "
-                    + (f"waiting for rank(s) {missing}" if missing else "waiting for it to run")
-                )
-                w._abort(exc)
-                raise exc
-            self.cond.wait(min(remaining, 0.5))
-
-    def _result(self, p: _Pending, rank: int) -> Any:
-        if p.error is not None:
-            err = p.error
-            if isinstance(err, (ValueError, TypeError)):
-                raise type(err)(*err.args)
-            if rank == p.runner:
-                raise err
-            raise PeerFailure(f"rank {rank}: the collective failed: {err}") from err
-        launched = p.launched
-        if launched is None:  # barrier
-            return None
-        call = p.calls[rank]
-        if call.async_op:
-            events = [launched.events[rank]] if launched.events else []
-            return Work(events, [launched.caller_streams[rank]], launched.results[rank],
-                        launched.keepalive, self.world.timeout, self.world._on_stream_error)
-        return launched.results[rank]
-
-    def _run(self, p: _Pending) -> _Launched | None:
-        calls: list[_Call] = p.calls  # type: ignore[assignment]
-        first = calls[0]
-        for r, c in enumerate(calls):
-            for field in ("collective", "op", "root", "async_op"):
-                if getattr(c, field) != getattr(first, field):
-                    raise ValueError(
-                        f"ranks disagree on the collective: rank 0 called "
-                        f"{_describe(first)}, rank {r} called {_describe(c)}"
-                    )
-        if first.collective == "barrier":
-            return None
-        return self.world._launch(
-            first.collective, [c.x for c in calls], [c.out for c in calls], first.op,
-            first.root, [c.stream for c in calls], first.async_op,
-        )
-
-
-def _describe(c: _Call) -> str:
-    if c.collective in ("barrier", "all_gather", "broadcast"):
-        extra = f"root={c.root}" if c.collective == "broadcast" else ""
-    else:
-        extra = f"op={c.op}" + (f", root={c.root}" if c.collective == "reduce" else "")
-    return f"{c.collective}({extra}{', async' if c.async_op else ''})"

@@ -1,0 +1,208 @@
+"""``Comm``: a rank's face of a World, and the rendezvous where per-rank calls meet."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .._errors import CommError, CommTimeout, NcclTreeError, PeerFailure
+from ._args import Launched
+from .work import Work
+
+if TYPE_CHECKING:
+    from .world import World
+
+
+@dataclass
+class _Call:
+    collective: str
+    x: Any
+    out: Any
+    op: str
+    root: int
+    stream: Any
+    async_op: bool
+
+
+class Comm:
+    """Rank ``rank``'s face of a World, for a thread per rank (NCCL/MPI style).
+
+    Every rank calls the same collectives in the same order; the last to arrive runs the
+    collective for all. Arguments are checked for all ranks together, so a bad argument
+    raises on every rank before any buffer is written.
+    """
+
+    def __init__(self, world: World, rank: int) -> None:
+        self.world = world
+        self.rank = rank
+
+    @property
+    def size(self) -> int:
+        return self.world.size
+
+    @property
+    def device(self) -> Any:
+        return self.world.devices[self.rank]
+
+    def _call(self, collective, x, out, op, root, stream, async_op):
+        stream = self.world._caller_stream(self.rank, stream)
+        call = _Call(collective, x, out, op, root, stream, async_op)
+        return self.world._rendezvous.arrive(self.rank, call)
+
+    def all_reduce(self, x: Any, *, out: Any = None, op: str = "sum", stream: Any = None,
+                   async_op: bool = False) -> Any:
+        """``op`` over every rank's ``x``; returns ``out`` (or ``x`` in place), or a Work."""
+        return self._call("all_reduce", x, out, op, 0, stream, async_op)
+
+    def reduce(self, x: Any, root: int = 0, *, out: Any = None, op: str = "sum",
+               stream: Any = None, async_op: bool = False) -> Any:
+        """``op`` over every rank's ``x`` at ``root``; other ranks' ``x`` stay unchanged."""
+        return self._call("reduce", x, out, op, root, stream, async_op)
+
+    def broadcast(self, x: Any, root: int = 0, *, out: Any = None, stream: Any = None,
+                  async_op: bool = False) -> Any:
+        """Every rank gets the root's ``x``."""
+        return self._call("broadcast", x, out, "sum", root, stream, async_op)
+
+    def all_gather(self, x: Any, out: Any, *, stream: Any = None, async_op: bool = False) -> Any:
+        """``out`` gets every rank's ``x``, rank i's at ``[i*x.size, (i+1)*x.size)``."""
+        return self._call("all_gather", x, out, "sum", 0, stream, async_op)
+
+    def reduce_scatter(self, x: Any, out: Any, *, op: str = "sum", stream: Any = None,
+                       async_op: bool = False) -> Any:
+        """``out`` gets block ``rank`` of ``op`` over every rank's ``x``."""
+        return self._call("reduce_scatter", x, out, op, 0, stream, async_op)
+
+    def barrier(self) -> None:
+        """Return once every rank has called ``barrier`` and its queued work has run."""
+        stream = self.world._caller_stream(self.rank, None)
+        if stream is not None:
+            stream.synchronize(self.world.timeout)
+        self.world._rendezvous.arrive(self.rank, _Call("barrier", None, None, "sum", 0,
+                                                       None, False))
+
+
+@dataclass
+class _Pending:
+    calls: list[_Call | None]
+    arrived: int = 0
+    all_arrived_at: float | None = None
+    done: bool = False
+    launched: Launched | None = None
+    error: BaseException | None = None
+    runner: int = -1
+
+
+class _Rendezvous:
+    """Where per-rank calls meet. Call k of every rank forms one collective."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.cond = threading.Condition()
+        self.next_index = [0] * world.size
+        self.pending: dict[int, _Pending] = {}
+
+    def wake_all(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    def arrive(self, rank: int, call: _Call) -> Any:
+        w = self.world
+        n = w.size
+        arrived_at = time.monotonic()
+        with self.cond:
+            w._check_usable()
+            idx = self.next_index[rank]
+            self.next_index[rank] += 1
+            p = self.pending.get(idx)
+            if p is None:
+                p = self.pending[idx] = _Pending([None] * n)
+            p.calls[rank] = call
+            p.arrived += 1
+            if p.arrived < n:
+                self._wait(p, rank, idx, call, arrived_at)
+                return self._result(p, rank)
+            p.all_arrived_at = time.monotonic()
+            p.runner = rank
+        try:
+            p.launched = self._run(p)
+        except BaseException as exc:  # noqa: BLE001 - handed to every rank
+            p.error = exc
+            if not isinstance(exc, (ValueError, TypeError)):
+                w._abort(exc if isinstance(exc, NcclTreeError) else CommError(repr(exc)))
+        with self.cond:
+            p.done = True
+            self.pending.pop(idx, None)
+            self.cond.notify_all()
+        return self._result(p, rank)
+
+    def _wait(self, p: _Pending, rank: int, idx: int, call: _Call, arrived_at: float) -> None:
+        w = self.world
+        while not p.done:
+            if w._failure is not None:
+                # a timeout seen by another rank of this collective is this rank's timeout too
+                kind = CommTimeout if isinstance(w._failure, CommTimeout) else PeerFailure
+                raise kind(
+                    f"rank {rank}: {call.collective} #{idx} cannot complete: {w._failure}"
+                ) from w._failure
+            if w._closed:
+                raise CommError(f"rank {rank}: the World was closed during {call.collective}")
+            start = p.all_arrived_at if p.all_arrived_at is not None else arrived_at
+            # waiting for late ranks is bounded by the timeout; once all arrived, the runner
+            # has its own timeout on the devices' work, and we allow for it
+            limit = w.timeout if p.all_arrived_at is None else 2 * w.timeout
+            remaining = start + limit - time.monotonic()
+            if remaining <= 0:
+                missing = [r for r, c in enumerate(p.calls) if c is None]
+                exc = CommTimeout(
+                    f"rank {rank}: {call.collective} #{idx} timed out after {w.timeout:g} s "
+                    + (f"waiting for rank(s) {missing}" if missing else "waiting for it to run")
+                )
+                w._abort(exc)
+                raise exc
+            self.cond.wait(min(remaining, 0.5))
+
+    def _result(self, p: _Pending, rank: int) -> Any:
+        if p.error is not None:
+            err = p.error
+            if isinstance(err, (ValueError, TypeError)):
+                raise type(err)(*err.args)
+            if rank == p.runner:
+                raise err
+            raise PeerFailure(f"rank {rank}: the collective failed: {err}") from err
+        launched = p.launched
+        if launched is None:  # barrier
+            return None
+        call = p.calls[rank]
+        if call.async_op:
+            events = [launched.events[rank]] if launched.events else []
+            return Work(events, [launched.caller_streams[rank]], launched.results[rank],
+                        launched.keepalive, self.world.timeout, self.world._on_stream_error)
+        return launched.results[rank]
+
+    def _run(self, p: _Pending) -> Launched | None:
+        calls: list[_Call] = p.calls  # type: ignore[assignment]
+        first = calls[0]
+        for r, c in enumerate(calls):
+            for field in ("collective", "op", "root", "async_op"):
+                if getattr(c, field) != getattr(first, field):
+                    raise ValueError(
+                        f"ranks disagree on the collective: rank 0 called "
+                        f"{_describe(first)}, rank {r} called {_describe(c)}"
+                    )
+        if first.collective == "barrier":
+            return None
+        return self.world._launch(
+            first.collective, [c.x for c in calls], [c.out for c in calls], first.op,
+            first.root, [c.stream for c in calls], first.async_op,
+        )
+
+
+def _describe(c: _Call) -> str:
+    if c.collective in ("barrier", "all_gather", "broadcast"):
+        extra = f"root={c.root}" if c.collective == "broadcast" else ""
+    else:
+        extra = f"op={c.op}" + (f", root={c.root}" if c.collective == "reduce" else "")
+    return f"{c.collective}({extra}{', async' if c.async_op else ''})"

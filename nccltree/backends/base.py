@@ -169,6 +169,8 @@ class Device(abc.ABC):
 
     def __init__(self) -> None:
         self._tls = threading.local()
+        self._default: Stream | None = None
+        self._stream_lock = threading.Lock()  # guards stream creation and the device's set
 
     @property
     @abc.abstractmethod
@@ -176,9 +178,13 @@ class Device(abc.ABC):
         """The array module of this device (numpy or cupy)."""
 
     @property
-    @abc.abstractmethod
     def default_stream(self) -> Stream:
         """The device's default stream (created on first use)."""
+        if self._default is None:
+            with self._stream_lock:
+                if self._default is None:
+                    self._default = self._make_stream()
+        return self._default
 
     @abc.abstractmethod
     def empty(self, shape: Any, dtype: Any = "float32") -> Any:
@@ -212,9 +218,14 @@ class Device(abc.ABC):
         ``stream=None``: complete on return; else enqueued on ``stream``.
         """
 
-    @abc.abstractmethod
     def new_stream(self) -> Stream:
         """A new stream on this device."""
+        with self._stream_lock:
+            return self._make_stream()
+
+    @abc.abstractmethod
+    def _make_stream(self) -> Stream:
+        """Create a stream of this device (called with the device's stream lock held)."""
 
     @abc.abstractmethod
     def new_event(self) -> Event:

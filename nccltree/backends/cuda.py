@@ -321,9 +321,8 @@ class CudaDevice(Device):
         self.index = index
         self.physical_id = physical_id
         self.name = f"gpu:{physical_id}"
-        self._default: CudaStream | None = None
         self._streams: weakref.WeakSet[CudaStream] = weakref.WeakSet()
-        self._lock = threading.Lock()
+        self._lock = self._stream_lock  # the set of streams changes with stream creation
 
     @property
     def xp(self) -> Any:
@@ -334,26 +333,14 @@ class CudaDevice(Device):
         with _cupy().cuda.Device(self.physical_id):
             yield self
 
-    @property
-    def default_stream(self) -> CudaStream:
-        # a stream of its own (not CUDA's null stream), so logical devices sharing one GPU
-        # run independently, as on the host backend
-        if self._default is None:
-            with self._lock:
-                if self._default is None:
-                    self._default = self._make_stream()
-        return self._default
-
     def _make_stream(self) -> CudaStream:
+        # non-blocking streams of their own (the default one too, not CUDA's null stream),
+        # so logical devices sharing one GPU run independently, as on the host backend
         cp = _cupy()
         with cp.cuda.Device(self.physical_id):
             s = CudaStream(self, cp.cuda.Stream(non_blocking=True))
         self._streams.add(s)
         return s
-
-    def new_stream(self) -> CudaStream:
-        with self._lock:
-            return self._make_stream()
 
     def current_stream(self) -> Stream:
         """The stream of ``with stream:``, else CuPy's current stream on this GPU (the

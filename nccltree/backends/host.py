@@ -527,8 +527,7 @@ class HostDevice(Device):
         self.threads = threads
         self._serial = itertools.count()
         self._cores: weakref.WeakSet[_Core] = weakref.WeakSet()
-        self._cores_lock = threading.Lock()
-        self._default: HostStream | None = None
+        self._cores_lock = self._stream_lock  # the set of cores changes with the streams
 
     @property
     def threads(self) -> int:
@@ -544,23 +543,11 @@ class HostDevice(Device):
     def xp(self) -> Any:
         return np
 
-    @property
-    def default_stream(self) -> HostStream:
-        if self._default is None:
-            with self._cores_lock:
-                if self._default is None:
-                    self._default = self._make_stream()
-        return self._default
-
     def _make_stream(self) -> HostStream:
+        self.runtime._check_open()
         s = HostStream(self, next(self._serial))
         self._cores.add(s._core)
         return s
-
-    def new_stream(self) -> HostStream:
-        self.runtime._check_open()
-        with self._cores_lock:
-            return self._make_stream()
 
     def new_event(self) -> HostEvent:
         return HostEvent()

@@ -34,12 +34,13 @@ enum { NT_SUM = 0, NT_PROD = 1, NT_MAX = 2, NT_MIN = 3, NT_NOPS = 4 };
 enum {
     NT_OK = 0,
     NT_ERR_DTYPE = 1,       /* unknown dtype code */
-    NT_ERR_OP = 2,          /* unknown op code */
+    NT_ERR_OP = 2,          /* unknown op code (or not sum, for nt_reduce_n_scaled) */
     NT_ERR_NSOURCES = 3,    /* k outside 1..NT_MAX_SOURCES */
     NT_ERR_SIZE = 4,        /* negative element or byte count */
     NT_ERR_NULL = 5,        /* NULL pointer with a non-zero count */
     NT_ERR_THREADS = 6,     /* nthreads < 1 */
-    NT_ERR_UNSUPPORTED = 7, /* dtype not supported by this kernel (integer scale/SGD) */
+    NT_ERR_UNSUPPORTED = 7, /* dtype not supported by this kernel (integer scale/SGD/
+                               scaled sum) */
     NT_ERR_OVERLAP = 8,     /* dst partially overlaps a source (identical is allowed) */
     NT_ERR_INTERNAL = 9     /* a kernel is missing from the dispatch table */
 };
@@ -49,6 +50,13 @@ NT_API int nt_sum_into(int dtype, void *dst, const void *src, int64_t n, int nth
 /* dst = op(srcs[0], ..., srcs[k-1]) in one pass, left to right; dst may be one of srcs */
 NT_API int nt_reduce_n(int op, int dtype, void *dst, const void *const *srcs, int k,
                        int64_t n, int nthreads);
+/* dst = alpha * (srcs[0] + ... + srcs[k-1]) in one pass (a mean without a second pass
+   over dst); op must be NT_SUM, floating dtypes only.  alpha is rounded to the compute
+   type and the sum is multiplied by it before the store, so float32/float64 results are
+   bitwise those of nt_reduce_n followed by nt_scale; float16 rounds once instead of twice
+   (the sum stays in float32 until after the scale), so it is slightly more accurate. */
+NT_API int nt_reduce_n_scaled(int op, int dtype, void *dst, const void *const *srcs, int k,
+                              int64_t n, double alpha, int nthreads);
 NT_API int nt_sum_n(int dtype, void *dst, const void *const *srcs, int k, int64_t n,
                     int nthreads);
 /* x *= alpha (floating dtypes) */

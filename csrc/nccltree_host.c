@@ -243,9 +243,9 @@ static inline uint16_t nt_float_to_half(float f) {
    path; only the store instruction differs. */
 #ifdef NT_STREAM
 #define NT_IF_STREAM(...) __VA_ARGS__
-#define NT_DEFINE_STREAM(NAME, T)                                                         \
+#define NT_DEFINE_STREAM(NAME, T, A)                                                      \
     static inline __attribute__((always_inline)) void NAME##_stream(                      \
-        T *d, const T **s, int64_t m, const int K) {                                      \
+        T *d, const T **s, int64_t m, const int K, const A alpha) {                       \
         enum { TILE = NT_TILE_BYTES / sizeof(T), LINE = NT_LINE_BYTES / sizeof(T) };      \
         _Alignas(NT_LINE_BYTES) T tile[TILE];                                             \
         int64_t head = nt_stream_head(d, sizeof(T));                                      \
@@ -266,7 +266,7 @@ static inline uint16_t nt_float_to_half(float f) {
                 c = m;                                                                    \
                 out = d;                                                                  \
             }                                                                             \
-            NAME##_span(out, s, c, K);                                                    \
+            NAME##_span(out, s, c, K, alpha);                                             \
             if (out == tile) nt_stream_lines(d, tile, c * (int64_t)sizeof(T), 1);         \
             d += c;                                                                       \
             for (int j = 0; j < K; ++j) s[j] += c;                                        \
@@ -275,28 +275,37 @@ static inline uint16_t nt_float_to_half(float f) {
     }
 #else
 #define NT_IF_STREAM(...)
-#define NT_DEFINE_STREAM(NAME, T)
+#define NT_DEFINE_STREAM(NAME, T, A)
 #endif
+
+/* The final step of a reduction before the store: none, or a multiplication by alpha
+   (rounded to the compute type A, as nt_scale rounds it), so that a scaled sum performs
+   exactly the operations of a sum followed by nt_scale, minus the rounding to T between
+   them (which is none for float32/float64). */
+#define FIN_NONE(acc, alpha) (acc)
+#define FIN_SCALE(acc, alpha) ((acc) * (alpha))
 
 /* One range function per k.  K is a literal in each wrapper, so after inlining the
    source loop is unrolled and the element loop is straight-line and vectorised. */
-#define NT_DEFINE_REDUCE(NAME, T, A, LD, ST, COMB)                                        \
+#define NT_DEFINE_REDUCE_FIN(NAME, T, A, LD, ST, COMB, FIN)                               \
     static inline __attribute__((always_inline)) void NAME##_span(                        \
-        T *d, const T *const *s, int64_t m, const int K) {                                \
+        T *d, const T *const *s, int64_t m, const int K, const A alpha) {                 \
+        (void)alpha;                                                                      \
         NT_SIMD for (int64_t i = 0; i < m; ++i) {                                         \
             A acc = LD(s[0], i);                                                          \
             for (int j = 1; j < K; ++j) acc = COMB(acc, LD(s[j], i));                     \
-            ST(d, i, acc);                                                                \
+            ST(d, i, FIN(acc, alpha));                                                    \
         }                                                                                 \
     }                                                                                     \
-    NT_DEFINE_STREAM(NAME, T)                                                             \
+    NT_DEFINE_STREAM(NAME, T, A)                                                          \
     static inline __attribute__((always_inline)) void NAME##_body(                        \
         const nt_job *job, int64_t lo, int64_t hi, const int K) {                         \
         T *d = (T *)job->dst + lo;                                                        \
         const T *s[NT_MAX_SOURCES];                                                       \
+        const A alpha = (A)job->a;                                                        \
         for (int j = 0; j < K; ++j) s[j] = (const T *)job->srcs[j] + lo;                  \
-        NT_IF_STREAM(if (job->stream) { NAME##_stream(d, s, hi - lo, K); return; })       \
-        NAME##_span(d, s, hi - lo, K);                                                    \
+        NT_IF_STREAM(if (job->stream) { NAME##_stream(d, s, hi - lo, K, alpha); return; }) \
+        NAME##_span(d, s, hi - lo, K, alpha);                                             \
     }                                                                                     \
     static void NAME##_1(const nt_job *j, int64_t lo, int64_t hi) { NAME##_body(j, lo, hi, 1); } \
     static void NAME##_2(const nt_job *j, int64_t lo, int64_t hi) { NAME##_body(j, lo, hi, 2); } \
@@ -306,6 +315,9 @@ static inline uint16_t nt_float_to_half(float f) {
     static void NAME##_6(const nt_job *j, int64_t lo, int64_t hi) { NAME##_body(j, lo, hi, 6); } \
     static void NAME##_7(const nt_job *j, int64_t lo, int64_t hi) { NAME##_body(j, lo, hi, 7); } \
     static void NAME##_8(const nt_job *j, int64_t lo, int64_t hi) { NAME##_body(j, lo, hi, 8); }
+
+#define NT_DEFINE_REDUCE(NAME, T, A, LD, ST, COMB)                                        \
+    NT_DEFINE_REDUCE_FIN(NAME, T, A, LD, ST, COMB, FIN_NONE)
 
 #define NT_ROW(NAME) {NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, NAME##_7, NAME##_8}
 
@@ -335,6 +347,15 @@ static const nt_range_fn nt_reduce_table[NT_NOPS][NT_NDTYPES][NT_MAX_SOURCES] = 
     {NT_ROW(prod_f16), NT_ROW(prod_f32), NT_ROW(prod_f64), NT_ROW(prod_i32), NT_ROW(prod_i64)},
     {NT_ROW(max_f16), NT_ROW(max_f32), NT_ROW(max_f64), NT_ROW(max_i32), NT_ROW(max_i64)},
     {NT_ROW(min_f16), NT_ROW(min_f32), NT_ROW(min_f64), NT_ROW(min_i32), NT_ROW(min_i64)},
+};
+
+/* alpha * sum(srcs): floating dtypes only (integer mean is refused, as by nt_scale) */
+NT_DEFINE_REDUCE_FIN(ssum_f16, uint16_t, float, LD_HALF, ST_HALF, C_ADD, FIN_SCALE)
+NT_DEFINE_REDUCE_FIN(ssum_f32, float, float, LD_PLAIN, ST_PLAIN, C_ADD, FIN_SCALE)
+NT_DEFINE_REDUCE_FIN(ssum_f64, double, double, LD_PLAIN, ST_PLAIN, C_ADD, FIN_SCALE)
+
+static const nt_range_fn nt_scaled_sum_table[NT_NDTYPES][NT_MAX_SOURCES] = {
+    NT_ROW(ssum_f16), NT_ROW(ssum_f32), NT_ROW(ssum_f64), {NULL}, {NULL},
 };
 
 /* ---- scale and SGD (floating dtypes; scalars are rounded to the array's compute type,
@@ -437,12 +458,10 @@ static int nt_check_common(int dtype, int64_t n, int nthreads) {
 
 /* ---- public entry points ---- */
 
-NT_API int nt_reduce_n(int op, int dtype, void *dst, const void *const *srcs, int k,
-                       int64_t n, int nthreads) {
-    if (op < 0 || op >= NT_NOPS) return NT_ERR_OP;
-    int st = nt_check_common(dtype, n, nthreads);
-    if (st != NT_OK) return st;
-    if (k < 1 || k > NT_MAX_SOURCES) return NT_ERR_NSOURCES;
+/* the shared body of nt_reduce_n and nt_reduce_n_scaled: fn is the range function for
+   this (op, dtype, k), already known to exist; alpha goes to the scaled variants */
+static int nt_reduce_run(nt_range_fn fn, int dtype, void *dst, const void *const *srcs, int k,
+                         int64_t n, double alpha, int nthreads) {
     if (n == 0) return NT_OK;
     if (dst == NULL || srcs == NULL) return NT_ERR_NULL;
     nt_job job = {0};
@@ -457,8 +476,7 @@ NT_API int nt_reduce_n(int op, int dtype, void *dst, const void *const *srcs, in
         dst_is_source |= (srcs[j] == dst);
         job.srcs[j] = srcs[j];
     }
-    nt_range_fn fn = nt_reduce_table[op][dtype][k - 1];
-    if (fn == NULL) return NT_ERR_INTERNAL;
+    job.a = alpha;
 #ifdef NT_STREAM
     /* in place, each dst line has just been read as a source, so a store costs no extra
        read and streaming would only push the line out of cache */
@@ -468,6 +486,31 @@ NT_API int nt_reduce_n(int op, int dtype, void *dst, const void *const *srcs, in
 #endif
     nt_run(fn, &job, n, NT_GRAIN_ELEMS, nthreads);
     return NT_OK;
+}
+
+NT_API int nt_reduce_n(int op, int dtype, void *dst, const void *const *srcs, int k,
+                       int64_t n, int nthreads) {
+    if (op < 0 || op >= NT_NOPS) return NT_ERR_OP;
+    int st = nt_check_common(dtype, n, nthreads);
+    if (st != NT_OK) return st;
+    if (k < 1 || k > NT_MAX_SOURCES) return NT_ERR_NSOURCES;
+    nt_range_fn fn = nt_reduce_table[op][dtype][k - 1];
+    if (fn == NULL) return NT_ERR_INTERNAL;
+    return nt_reduce_run(fn, dtype, dst, srcs, k, n, 0.0, nthreads);
+}
+
+NT_API int nt_reduce_n_scaled(int op, int dtype, void *dst, const void *const *srcs, int k,
+                              int64_t n, double alpha, int nthreads) {
+    if (op < 0 || op >= NT_NOPS) return NT_ERR_OP;
+    int st = nt_check_common(dtype, n, nthreads);
+    if (st != NT_OK) return st;
+    /* a mean is the one use: scaling a product, max or min has none, so they are refused */
+    if (op != NT_SUM) return NT_ERR_OP;
+    if (nt_scaled_sum_table[dtype][0] == NULL) return NT_ERR_UNSUPPORTED;
+    if (k < 1 || k > NT_MAX_SOURCES) return NT_ERR_NSOURCES;
+    nt_range_fn fn = nt_scaled_sum_table[dtype][k - 1];
+    if (fn == NULL) return NT_ERR_INTERNAL;
+    return nt_reduce_run(fn, dtype, dst, srcs, k, n, alpha, nthreads);
 }
 
 NT_API int nt_sum_n(int dtype, void *dst, const void *const *srcs, int k, int64_t n,
@@ -574,7 +617,7 @@ NT_API const char *nt_strerror(int status) {
     switch (status) {
     case NT_OK: return "success";
     case NT_ERR_DTYPE: return "unknown dtype code";
-    case NT_ERR_OP: return "unknown reduction op code";
+    case NT_ERR_OP: return "unknown reduction op code, or one this kernel does not take";
     case NT_ERR_NSOURCES: return "number of sources outside 1..8";
     case NT_ERR_SIZE: return "negative element count";
     case NT_ERR_NULL: return "NULL pointer with a non-zero element count";

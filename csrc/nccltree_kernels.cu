@@ -10,6 +10,8 @@
 // Signatures (n counts elements, T is the storage type, S the scalar type:
 // float for f16/f32, double for f64):
 //   nt_reduce_n_{sum,prod,max,min}_{f16,f32,f64,i32,i64}(T *dst, nt_srcs srcs, int k, long long n)
+//   nt_reduce_n_scaled_sum_{f16,f32,f64}(T *dst, nt_srcs srcs, int k, long long n, S alpha)
+//                                    dst = alpha * sum(srcs) (a mean in one pass)
 //   nt_sum_into_{dtype}(T *dst, const T *src, long long n)              dst += src
 //   nt_scale_{f16,f32,f64}(T *x, S alpha, long long n)                 x *= alpha
 //   nt_sgd_update_{f16,f32,f64}(T *w, T *g, T *v, S lr, S momentum, S weight_decay, long long n)
@@ -94,10 +96,21 @@ __device__ __forceinline__ long long nt_stride() {
     return (long long)blockDim.x * gridDim.x;
 }
 
-// dst = op(srcs[0..k-1]); every thread reads all sources at i before writing dst at i,
-// so dst may be one of the sources.
-template <typename T, typename Op>
-__device__ __forceinline__ void nt_reduce(T *dst, const nt_srcs &s, int k, long long n) {
+// The last step before the store: none, or a multiplication by alpha in the compute type,
+// so a scaled sum does the operations of a sum followed by nt_scale (bitwise the same for
+// f32/f64; f16 rounds once instead of twice).
+struct nt_fin_none {
+    template <typename A> static __device__ __forceinline__ A f(A x, A) { return x; }
+};
+struct nt_fin_scale {
+    template <typename A> static __device__ __forceinline__ A f(A x, A alpha) { return x * alpha; }
+};
+
+// dst = fin(op(srcs[0..k-1])); every thread reads all sources at i before writing dst at
+// i, so dst may be one of the sources.
+template <typename T, typename Op, typename Fin = nt_fin_none>
+__device__ __forceinline__ void nt_reduce(T *dst, const nt_srcs &s, int k, long long n,
+                                          typename nt_io<T>::acc alpha = 0) {
     typedef nt_io<T> io;
     typedef typename io::acc A;
     const int V = 16 / sizeof(T);
@@ -119,7 +132,7 @@ __device__ __forceinline__ void nt_reduce(T *dst, const nt_srcs &s, int k, long 
             }
         }
 #pragma unroll
-        for (int l = 0; l < V; ++l) x.v[l] = io::store(acc[l]);
+        for (int l = 0; l < V; ++l) x.v[l] = io::store(Fin::f(acc[l], alpha));
         ((nt_vec<T> *)dst)[i] = x;
     }
     for (long long i = nvec * V + nt_tid(); i < n; i += nt_stride()) {
@@ -127,7 +140,7 @@ __device__ __forceinline__ void nt_reduce(T *dst, const nt_srcs &s, int k, long 
 #pragma unroll
         for (int j = 1; j < NT_MAX_SOURCES; ++j)
             if (j < k) acc = Op::f(acc, io::load(((const T *)s.p[j])[i]));
-        dst[i] = io::store(acc);
+        dst[i] = io::store(Fin::f(acc, alpha));
     }
 }
 
@@ -203,6 +216,10 @@ __device__ __forceinline__ void nt_sgd(T *w, T *g, T *v, S lr, S mom, S wd, long
     }
 
 #define NT_FLOAT_ONLY(NAME, T, S)                                                       \
+    extern "C" __global__ void nt_reduce_n_scaled_sum_##NAME(T *dst, nt_srcs srcs, int k, \
+                                                             long long n, S alpha) {      \
+        nt_reduce<T, nt_op_sum, nt_fin_scale>(dst, srcs, k, n, alpha);                    \
+    }                                                                                     \
     extern "C" __global__ void nt_scale_##NAME(T *x, S alpha, long long n) {            \
         nt_scale<T, S>(x, alpha, n);                                                    \
     }                                                                                   \

@@ -172,15 +172,25 @@ def _launch(dst: Any, name: str, n: int, args: tuple, stream: Any) -> None:
 # ---- wrappers ----
 
 
-def reduce_n(dst: Any, srcs: Sequence[Any], op: str = "sum", stream: Any = None) -> Any:
+def reduce_n(
+    dst: Any, srcs: Sequence[Any], op: str = "sum", stream: Any = None, alpha: float = 1.0
+) -> Any:
     """``dst = op(srcs[0], ..., srcs[k-1])``, 1 <= k <= 8, one kernel; returns ``dst``.
 
     Sources may live on peer GPUs (read over peer access); ``dst`` may be one of them.
+    ``alpha != 1.0`` writes ``alpha * sum(srcs)`` in the same kernel (``op="sum"``,
+    floating dtypes; the host library's rule: bitwise a sum then :func:`scale` for
+    float32/float64, float16 rounded once).
     """
     if op not in OPS:
         raise ValueError(f"op must be one of {', '.join(OPS)}; got {op!r}")
     dst = _array(dst, "dst")
-    suffix = _suffix(dst, "dst", _SUFFIX)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.integer, np.floating)):
+        raise TypeError(f"alpha must be a real number, got {type(alpha).__name__}")
+    scaled = float(alpha) != 1.0
+    if scaled and op != "sum":
+        raise ValueError(f"alpha != 1.0 needs op='sum'; got op={op!r}")
+    suffix = _suffix(dst, "dst", _SCALAR if scaled else _SUFFIX)
     if not isinstance(srcs, (list, tuple)):
         raise TypeError("srcs must be a list or tuple of cupy arrays")
     if not 1 <= len(srcs) <= MAX_SOURCES:
@@ -192,7 +202,11 @@ def reduce_n(dst: Any, srcs: Sequence[Any], op: str = "sum", stream: Any = None)
     n = dst.size
     if n:
         args = (dst, ptrs, np.int32(len(srcs)), np.int64(n))
-        _launch(dst, f"nt_reduce_n_{op}_{suffix}", n, args, stream)
+        if scaled:
+            args += (_SCALAR[dst.dtype](alpha),)
+            _launch(dst, f"nt_reduce_n_scaled_sum_{suffix}", n, args, stream)
+        else:
+            _launch(dst, f"nt_reduce_n_{op}_{suffix}", n, args, stream)
     return dst
 
 

@@ -119,6 +119,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     sigs = {
         "nt_sum_into": [i32, vp, vp, i64, i32],
         "nt_reduce_n": [i32, i32, vp, vpp, i32, i64, i32],
+        "nt_reduce_n_scaled": [i32, i32, vp, vpp, i32, i64, f64, i32],
         "nt_sum_n": [i32, vp, vpp, i32, i64, i32],
         "nt_scale": [i32, vp, f64, i64, i32],
         "nt_sgd_update": [i32, vp, vp, vp, f64, f64, f64, i64, i32],
@@ -227,18 +228,32 @@ def _overlap_at(pa: int, na: int, pb: int, nb: int) -> bool:
 
 
 def reduce_n(
-    dst: np.ndarray, srcs: Sequence[np.ndarray], op: str = "sum", nthreads: int = 1
+    dst: np.ndarray,
+    srcs: Sequence[np.ndarray],
+    op: str = "sum",
+    nthreads: int = 1,
+    alpha: float = 1.0,
 ) -> np.ndarray:
     """``dst = op(srcs[0], ..., srcs[k-1])`` in one pass, 1 <= k <= 8; returns ``dst``.
 
     Sources are combined left to right (float16 in float32).  ``dst`` may be one of the
     sources (the same array memory), but must not partially overlap any of them.
+
+    ``alpha != 1.0`` writes ``alpha * sum(srcs)`` in the same pass (a mean needs no second
+    pass over ``dst``): only for ``op="sum"`` and floating dtypes, with alpha rounded to
+    the compute type as :func:`scale` rounds it, so float32/float64 results are bitwise
+    those of the sum followed by :func:`scale`.  float16 is scaled in float32 and rounded
+    once, so it is slightly more accurate than the two-pass form.
     """
     code = OPS.get(op) if isinstance(op, str) else None
     if code is None:
         raise ValueError(f"op must be one of {', '.join(OPS)}; got {op!r}")
     dst = _array(dst, "dst", writable=True)
-    dtype = _dtype_code(dst, "dst", tuple(DTYPES))
+    alpha = _scalar(alpha, "alpha")
+    scaled = alpha != 1.0
+    if scaled and op != "sum":
+        raise ValueError(f"alpha != 1.0 needs op='sum'; got op={op!r}")
+    dtype = _dtype_code(dst, "dst", FLOAT_DTYPES if scaled else tuple(DTYPES))
     if isinstance(srcs, np.ndarray) or not isinstance(srcs, Sequence):
         raise TypeError("srcs must be a list or tuple of numpy arrays")
     k = len(srcs)
@@ -254,7 +269,12 @@ def reduce_n(
         if addr != dst_addr and _overlap_at(addr, nbytes, dst_addr, nbytes):
             raise ValueError(f"srcs[{j}] partially overlaps dst (only the same memory is allowed)")
     nthreads = _threads(nthreads)
-    check(library().nt_reduce_n(code, dtype, dst_addr, ptrs, k, dst.size, nthreads), "reduce_n")
+    lib = library()
+    if scaled:
+        status = lib.nt_reduce_n_scaled(code, dtype, dst_addr, ptrs, k, dst.size, alpha, nthreads)
+    else:
+        status = lib.nt_reduce_n(code, dtype, dst_addr, ptrs, k, dst.size, nthreads)
+    check(status, "reduce_n")
     return dst
 
 

@@ -211,6 +211,52 @@ def test_reduce_in_place_into_a_source(dev):
     np.testing.assert_array_equal(dev.to_host(a), np.full(8, 5, np.float32))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("k", [1, 2, 8, 11])
+@pytest.mark.parametrize("n", [33, 10_000])  # host: below and above the numpy path's limit
+def test_scaled_reduce_is_bitwise_reduce_then_scale(dev, dtype, k, n):
+    rng = np.random.default_rng(k)
+    srcs = [dev.from_host(rng.standard_normal(n).astype(dtype)) for _ in range(k)]
+    got, want = dev.empty(n, dtype), dev.empty(n, dtype)
+    s = dev.new_stream()
+    s.reduce(got, srcs, alpha=1 / 3)
+    s.reduce(want, srcs)
+    s.scale(want, 1 / 3)
+    s.synchronize()
+    assert dev.to_host(got).tobytes() == dev.to_host(want).tobytes()
+
+
+def test_scaled_reduce_argument_errors_at_enqueue(dev):
+    s = dev.new_stream()
+    a = dev.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="op='sum'"):
+        s.reduce(a, [a, a], "max", alpha=0.5)
+    with pytest.raises(TypeError, match="alpha"):
+        s.reduce(a, [a, a], alpha="0.5")
+    i = dev.zeros(4, np.int32)
+    with pytest.raises(TypeError):
+        s.reduce(i, [i, i], alpha=0.5)
+    s.reduce(i, [i, i], alpha=1.0)  # alpha 1 is the plain reduce, integers included
+    s.synchronize()
+    np.testing.assert_array_equal(dev.to_host(a), 0)
+
+
+def test_scaled_reduce_now_with_peers_and_float16(host_devs):
+    d0, d1 = host_devs(2)
+    rng = np.random.default_rng(3)
+    x0, x1 = (rng.standard_normal(20_000).astype(np.float32) for _ in range(2))
+    y0 = np.empty_like(x0)
+    with record_transfers() as log:
+        d0.reduce_now(y0, [x0, x1], src_devices=[None, d1], alpha=0.5)
+    assert log == [Transfer(1, 0, x1.nbytes, "peer_read")]
+    assert y0.tobytes() == ((x0 + x1) * np.float32(0.5)).tobytes()
+    h0, h1 = x0.astype(np.float16), x1.astype(np.float16)
+    z = np.empty_like(h0)
+    d0.reduce_now(z, [h0, h1], alpha=1 / 3)
+    want = ((h0.astype(np.float32) + h1.astype(np.float32)) * np.float32(1 / 3)).astype(np.float16)
+    assert z.tobytes() == want.tobytes()  # summed and scaled in float32, rounded once
+
+
 def test_peer_copy_and_peer_reduce(devs):
     d0, d1 = devs
     x1 = d1.from_host(np.arange(64, dtype=np.float32))

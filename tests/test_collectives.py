@@ -156,6 +156,23 @@ def test_mib_sizes(n, alg):
                    colls=("all_reduce", "reduce", "broadcast", "reduce_scatter", "all_gather"))
 
 
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("alg", ALGS)
+def test_mean_is_bitwise_the_sum_times_the_reciprocal(n, alg):
+    # the 1/n is folded into the sum that finishes each piece: the same operations as a
+    # sum followed by a scale, on the numpy path (small pieces) and in the kernels
+    for inline in (0, 1 << 20):
+        with nt.World(nt.devices(f"cpu:{n}"), algorithm=alg, inline_bytes=inline) as w:
+            for dtype, count in itertools.product(("float32", "float64"), (37, 100_003)):
+                xs = make_inputs(n, count, dtype, "sum", count)
+                sums, means = [x.copy() for x in xs], [x.copy() for x in xs]
+                w.all_reduce(sums, op="sum")
+                w.all_reduce(means, op="mean")
+                scale = np.dtype(dtype).type(1 / n)
+                for s, m in zip(sums, means, strict=True):
+                    assert m.tobytes() == (s * scale).tobytes(), (dtype, count, inline)
+
+
 @pytest.mark.parametrize("alg", ALGS)
 def test_repeated_runs_are_bitwise_equal(alg):
     n = 5

@@ -24,7 +24,7 @@ def kernel_names() -> list[str]:
     names = [f"nt_reduce_n_{op}_{s}" for op in ck.OPS for s in ck._SUFFIX.values()]
     names += [f"nt_sum_into_{s}" for s in ck._SUFFIX.values()]
     for s in (ck._SUFFIX[dt] for dt in ck._SCALAR):
-        names += [f"nt_scale_{s}", f"nt_sgd_update_{s}"]
+        names += [f"nt_scale_{s}", f"nt_sgd_update_{s}", f"nt_reduce_n_scaled_sum_{s}"]
     return names
 
 
@@ -139,8 +139,12 @@ def test_wrapper_arguments_match_the_kernel_signatures(fake_cupy, ptx_params, dt
     if np.dtype(dtype).kind == "f":
         ck.scale(dst, 0.5)
         ck.sgd_update(*arrays[:3], 0.1, 0.9, 1e-4)
+        ck.reduce_n(dst, arrays[1:], alpha=0.25)
+    else:
+        with pytest.raises(TypeError, match="accepted"):
+            ck.reduce_n(dst, arrays[1:], alpha=0.25)
     ck.reduce_n(FakeArray(np.zeros(0, dtype)), [FakeArray(np.zeros(0, dtype))])  # no launch
-    assert len(fake_cupy) == (4 if np.dtype(dtype).kind == "f" else 2)
+    assert len(fake_cupy) == (5 if np.dtype(dtype).kind == "f" else 2)
     for name, grid, block, args in fake_cupy:
         assert [_arg_size(a) for a in args] == ptx_params[name], name
         # the grid-stride loop covers n with 16-byte vectors
@@ -149,6 +153,10 @@ def test_wrapper_arguments_match_the_kernel_signatures(fake_cupy, ptx_params, dt
     assert name == f"nt_reduce_n_max_{ck._SUFFIX[np.dtype(dtype)]}"
     assert list(args[1]["p"][0]) == [a.data.ptr for a in arrays[1:]] + [0] * 5
     assert args[2] == 3 and args[3] == n
+    if np.dtype(dtype).kind == "f":
+        name, _, _, args = fake_cupy[-1]
+        assert name == f"nt_reduce_n_scaled_sum_{ck._SUFFIX[np.dtype(dtype)]}"
+        assert args[4] == 0.25 and args[4].dtype == ck._SCALAR[np.dtype(dtype)]
 
 
 # ---- on a GPU ----
@@ -237,6 +245,22 @@ def test_scale_and_sgd(cp, dtype: type) -> None:
         wf = wf - vf
         for got, want in ((dw, wf), (dg, gf), (dv, vf)):
             assert_bitwise(cp.asnumpy(got), want.astype(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+def test_scaled_sum(cp, dtype: type) -> None:
+    wide = np.float32 if dtype == np.float16 else dtype
+    for k in (1, 2, 5, 8):
+        for n in (1, 1023, 300_001):
+            host = sources(dtype, "sum", k, n, seed=k)
+            dst = cp.empty(n, dtype)
+            ck.reduce_n(dst, [cp.asarray(h) for h in host], alpha=1 / 3)
+            # the sum in the compute type, times alpha rounded to it, one final rounding
+            acc = host[0].astype(wide)
+            for h in host[1:]:
+                acc = acc + h.astype(wide)
+            assert_bitwise(cp.asnumpy(dst), (acc * wide(1 / 3)).astype(dtype))
 
 
 @pytest.mark.gpu

@@ -386,6 +386,128 @@ def test_copy_any_dtype(dtype: type) -> None:
     np.testing.assert_array_equal(same, np.arange(10.0))
 
 
+# ---- scaled sum (a mean in one pass) ----
+
+ALPHAS = (1 / 3, 0.25, -7.5)
+
+
+def two_pass(srcs: list[np.ndarray], alpha: float, nthreads: int = 1) -> np.ndarray:
+    """The form the scaled sum replaces: the sum, then a scale pass over it."""
+    out = np.empty_like(srcs[0])
+    nat.reduce_n(out, srcs, nthreads=nthreads)
+    return nat.scale(out, alpha, nthreads=nthreads)
+
+
+def one_rounding(srcs: list[np.ndarray], alpha: float) -> np.ndarray:
+    """float16: the float32 sum times float32(alpha), rounded to float16 once."""
+    acc = srcs[0].astype(np.float32)
+    for s in srcs[1:]:
+        acc = acc + s.astype(np.float32)
+    return (acc * np.float32(alpha)).astype(np.float16)
+
+
+@pytest.mark.parametrize("k", range(1, nat.MAX_SOURCES + 1))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+def test_scaled_sum_is_bitwise_sum_then_scale(dtype: type, k: int) -> None:
+    srcs = list(pool(dtype)[:k])
+    for n in SIZES:
+        part = [s[:n] for s in srcs]
+        for alpha in ALPHAS:
+            dst = np.empty(n, dtype)
+            assert nat.reduce_n(dst, part, alpha=alpha) is dst
+            assert_bitwise(dst, two_pass(part, alpha))
+    # in place, dst one of the sources, several threads
+    n = 4099
+    own = [s[:n].copy() for s in srcs]
+    want = two_pass(own, 1 / 3)
+    nat.reduce_n(own[-1], own, alpha=1 / 3, nthreads=3)
+    assert_bitwise(own[-1], want)
+
+
+@pytest.mark.parametrize("nthreads", [1, 2])
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+def test_large_scaled_sum_streams_with_the_same_result(dtype: type, nthreads: int) -> None:
+    # out of place from 1 MiB: the streaming-store path; an element offset puts the line
+    # boundary inside the range, and guards catch stores outside dst
+    n = stream_n(dtype) + 2 * LINE + 3
+    for k in range(1, nat.MAX_SOURCES + 1):
+        srcs = [s[:n] for s in big_pool(dtype)[:k]]
+        buf, dst = guarded(n, dtype, offset=k % 3)
+        alpha = 0.125 if k % 2 else 1 / 3
+        nat.reduce_n(dst, srcs, nthreads=nthreads, alpha=alpha)
+        want = one_rounding(srcs, alpha) if dtype == np.float16 else two_pass(srcs, alpha)
+        assert_bitwise(dst, want)
+        assert_guards_intact(buf, dst)
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 8])
+def test_scaled_sum_float16_rounds_once(k: int) -> None:
+    srcs = [s[:300_001] for s in pool(np.float16)[:k]]
+    for alpha in ALPHAS:
+        dst = np.empty(300_001, np.float16)
+        nat.reduce_n(dst, srcs, alpha=alpha, nthreads=2)
+        assert_bitwise(dst, one_rounding(srcs, alpha))
+        # the two-pass form rounds the sum to float16 first: at most one unit apart
+        two = two_pass(srcs, alpha).astype(np.float32)
+        exact = sum(s.astype(np.float64) for s in srcs) * alpha
+        np.testing.assert_allclose(dst.astype(np.float32), two, rtol=2e-3, atol=2e-3)
+        # and never further from the exact value
+        err_one = np.abs(dst.astype(np.float64) - exact)
+        err_two = np.abs(two.astype(np.float64) - exact)
+        assert err_one.max() <= err_two.max()
+
+
+def test_scaled_sum_refuses_integers_and_other_ops() -> None:
+    i32 = np.zeros(8, np.int32)
+    with pytest.raises(TypeError, match="accepted: float16, float32, float64"):
+        nat.reduce_n(i32, [i32], alpha=0.5)
+    with pytest.raises(ValueError, match="op='sum'"):
+        nat.reduce_n(F32.copy(), [F32], op="max", alpha=0.5)
+    with pytest.raises(TypeError, match="alpha"):
+        nat.reduce_n(F32.copy(), [F32], alpha="0.5")
+    with pytest.raises(TypeError, match="alpha"):
+        nat.reduce_n(F32.copy(), [F32], alpha=True)
+    lib = nat.library()
+    a, b = np.zeros(8, np.float32), np.ones(8, np.float32)
+    pa = a.ctypes.data
+    cases = [
+        (lib.nt_reduce_n_scaled(0, 3, pa, _ptrs(b), 1, 8, 0.5, 1), nat.ERR_UNSUPPORTED),
+        (lib.nt_reduce_n_scaled(0, 4, pa, _ptrs(b), 1, 8, 0.5, 1), nat.ERR_UNSUPPORTED),
+        (lib.nt_reduce_n_scaled(0, 9, pa, _ptrs(b), 1, 8, 0.5, 1), nat.ERR_DTYPE),
+        (lib.nt_reduce_n_scaled(1, 1, pa, _ptrs(b), 1, 8, 0.5, 1), nat.ERR_OP),
+        (lib.nt_reduce_n_scaled(2, 1, pa, _ptrs(b), 1, 8, 0.5, 1), nat.ERR_OP),
+        (lib.nt_reduce_n_scaled(4, 1, pa, _ptrs(b), 1, 8, 0.5, 1), nat.ERR_OP),
+        (lib.nt_reduce_n_scaled(0, 1, pa, _ptrs(b), 0, 8, 0.5, 1), nat.ERR_NSOURCES),
+        (lib.nt_reduce_n_scaled(0, 1, pa, _ptrs(b), 1, -1, 0.5, 1), nat.ERR_SIZE),
+        (lib.nt_reduce_n_scaled(0, 1, None, _ptrs(b), 1, 8, 0.5, 1), nat.ERR_NULL),
+        (lib.nt_reduce_n_scaled(0, 1, pa, _ptrs(b), 1, 8, 0.5, 0), nat.ERR_THREADS),
+        (lib.nt_reduce_n_scaled(0, 1, pa + 4, _ptrs(a), 1, 4, 0.5, 1), nat.ERR_OVERLAP),
+    ]
+    for i, (status, want) in enumerate(cases):
+        assert status == want, f"case {i}: status {status}, expected {want}"
+    np.testing.assert_array_equal(a, 0)
+    assert lib.nt_reduce_n_scaled(0, 1, None, None, 1, 0, 0.5, 1) == nat.OK
+    assert lib.nt_reduce_n_scaled(0, 1, pa, _ptrs(b), 1, 8, 0.5, 1) == nat.OK
+    np.testing.assert_array_equal(a, 0.5)
+
+
+def test_alpha_one_is_the_plain_reduce(monkeypatch) -> None:
+    lib = nat.library()
+
+    def refuse(*args):
+        raise AssertionError("alpha=1 must not call the scaled kernel")
+
+    monkeypatch.setattr(lib, "nt_reduce_n_scaled", refuse)
+    for dtype in DTYPES:
+        srcs = [s[:1023] for s in pool(dtype)[:3]]
+        for op in NP_OPS:
+            dst = np.empty(1023, dtype)
+            nat.reduce_n(dst, srcs, op=op, alpha=1.0)
+            assert_bitwise(dst, reference(op, srcs))
+    ints = [s[:7] for s in pool(np.int32)[:2]]
+    nat.reduce_n(np.empty(7, np.int32), ints, alpha=1)  # an int 1 is alpha 1 too
+
+
 # ---- bad arguments: Python checks ----
 
 F32 = np.zeros(8, np.float32)

@@ -154,6 +154,49 @@ def test_direct_copy_pattern():
     assert got == want
 
 
+@pytest.mark.parametrize("alg", ["tree", "ring", "direct"])
+@pytest.mark.parametrize("coll", ["all_reduce", "reduce", "reduce_scatter"])
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_mean_is_folded_into_the_final_sums(alg, coll, n):
+    tree_for = _trees(nt.Topology.preset(f"flat:{n}"))
+    kw = dict(size=n, count=100 * n, chunk=16, tree_for=tree_for)
+    mean = build_plan(alg, coll, op="mean", **kw)
+    total = build_plan(alg, coll, op="sum", **kw)
+    # no separate pass: the same steps as the sum, some of them scaled by 1/n
+    assert [s.kind for s in mean.steps] == [s.kind for s in total.steps]
+    assert not any(s.kind == "scale" for s in mean.steps)
+    scaled = [s for s in mean.steps if s.alpha != 1.0]
+    assert scaled and all(s.kind == "reduce" and s.alpha == 1.0 / n for s in scaled)
+    assert all(s.alpha == 1.0 for s in total.steps)
+    assert " * 0." in str(mean)
+
+
+def test_finish_mean_keeps_the_scale_where_it_cannot_fold():
+    from nccltree.comm.algorithms import _finish_mean
+
+    a, b, c = Buf(0, "in", 0, 4), Buf(1, "in", 0, 4), Buf(0, "out", 0, 4)
+    cases = {
+        "after a copy": lambda pb: pb.copy(0, c, a),
+        "after a reduce into another buffer": lambda pb: pb.reduce(0, a, [a, b], "sum"),
+        "after a reduce on another rank": lambda pb: pb.reduce(1, c, [a, b], "sum"),
+        "after an event": lambda pb: (pb.reduce(0, c, [a, b], "sum"), pb.signal(0)),
+    }
+    for what, steps in cases.items():
+        pb = PlanBuilder(2)
+        steps(pb)
+        _finish_mean(pb, 0, c, "mean", 2)
+        kinds = [s.kind for s in pb._steps]
+        assert kinds[-1] == "scale" and all(s.alpha == 1.0 for s in pb._steps[:-1]), what
+    pb = PlanBuilder(2)
+    pb.reduce(0, c, [a, b], "sum")
+    _finish_mean(pb, 0, c, "mean", 2)
+    assert [(s.kind, s.alpha) for s in pb._steps] == [("reduce", 0.5)]
+    # a scaled single-source reduce stays a reduce (a copy could not carry alpha)
+    pb = PlanBuilder(2)
+    pb.reduce(0, c, [a], "sum", alpha=0.5)
+    assert [(s.kind, s.alpha) for s in pb._steps] == [("reduce", 0.5)]
+
+
 def test_plan_str_and_transfers_are_readable():
     plan = build_plan("tree", "all_reduce", size=2, count=4, chunk=4,
                       tree_for=_trees(nt.Topology.preset("flat:2")))

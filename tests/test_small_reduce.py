@@ -31,3 +31,23 @@ def test_small_path_is_bitwise_native(dtype, op, k):
         a = [s.copy() for s in srcs]
         _small_reduce(a[pos], a, _UFUNCS[op])
         assert a[pos].tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+def test_small_scaled_sum_is_bitwise_native(dtype, k):
+    # a mean folded into its sum: the numpy path scales the same way as the kernel
+    rng = np.random.default_rng(k)
+    n = 1001
+    srcs = [rng.standard_normal(n).astype(dtype) for _ in range(k)]
+    srcs[0][5] = np.nan
+    for alpha in (1 / 3, 0.125, -7.5):
+        want = np.empty(n, dtype)
+        _native.reduce_n(want, srcs, alpha=alpha)
+        got = np.empty(n, dtype)
+        _small_reduce(got, srcs, _UFUNCS["sum"], alpha)
+        assert got.tobytes() == want.tobytes()
+        for pos in {0, k - 1}:
+            a = [s.copy() for s in srcs]
+            _small_reduce(a[pos], a, _UFUNCS["sum"], alpha)
+            assert a[pos].tobytes() == want.tobytes()

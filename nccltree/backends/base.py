@@ -95,6 +95,7 @@ class Stream(abc.ABC):
         *,
         src_devices: Sequence[Device | None] | None = None,
         dst_device: Device | None = None,
+        alpha: float = 1.0,
     ) -> None:
         """``dst = op(*srcs)`` elementwise in one fused pass, in this stream's order.
 
@@ -103,6 +104,12 @@ class Stream(abc.ABC):
         device); sources on other devices are read directly where the backend can (the
         host backend records a ``"peer_read"`` transfer from each to the dst's device).
         ``op`` is one of ``REDUCE_OPS``.
+
+        ``alpha != 1.0`` (``op="sum"``, floating dtypes) writes ``alpha * sum(srcs)`` in the
+        same pass: alpha is rounded to the compute type and multiplies the finished sum, so
+        float32/float64 results are bitwise those of the reduce followed by
+        ``scale(dst, alpha)``; float16 is scaled before its one rounding (slightly more
+        accurate than the two steps).
         """
 
     @abc.abstractmethod

@@ -203,13 +203,23 @@ class CudaStream(Stream):
         *,
         src_devices: Sequence[Device | None] | None = None,
         dst_device: Device | None = None,
+        alpha: float = 1.0,
     ) -> None:
         if op not in REDUCE_OPS:
             raise ValueError(f"op must be one of {', '.join(REDUCE_OPS)}; got {op!r}")
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.integer, np.floating)):
+            raise TypeError(f"alpha must be a real number, got {type(alpha).__name__}")
+        alpha = float(alpha)
         pid = self.device.physical_id
         dst_dev = dst_device or self.device
         dpid = self._pid(dst_dev, pid)
         dst_dev.check_array(dst)
+        if alpha != 1.0:
+            # checked before anything is enqueued (the kernel wrapper would refuse it later)
+            if op != "sum":
+                raise ValueError(f"alpha != 1.0 needs op='sum'; got op={op!r}")
+            if dst.dtype.kind != "f":
+                raise TypeError(f"alpha != 1.0 needs a floating dtype; dst has {dst.dtype}")
         srcs = list(srcs)
         if not srcs:
             raise ValueError("reduce needs at least one source")
@@ -242,9 +252,13 @@ class CudaStream(Stream):
                     inputs.append(tmp)
             # the kernel runs on this stream's GPU, so its output must live there too
             out = dst if dpid == pid else cp.empty(dst.shape, dst.dtype)
-            k.reduce_n(out, inputs[:_MAX_FUSED], op, self._cs)
-            for i in range(_MAX_FUSED, len(inputs), _MAX_FUSED - 1):
-                k.reduce_n(out, [out, *inputs[i : i + _MAX_FUSED - 1]], op, self._cs)
+            # longer lists fold in chunks into the running result; only the last chunk
+            # applies alpha, so the scale follows the whole sum
+            starts = [0, *range(_MAX_FUSED, len(inputs), _MAX_FUSED - 1)]
+            for i in starts:
+                chunk = inputs[:_MAX_FUSED] if i == 0 else [out, *inputs[i : i + _MAX_FUSED - 1]]
+                a = alpha if i == starts[-1] else 1.0
+                k.reduce_n(out, chunk, op, self._cs, alpha=a)
             if out is not dst and dst.nbytes:
                 cp.cuda.runtime.memcpyPeerAsync(
                     dst.data.ptr, dpid, out.data.ptr, pid, dst.nbytes, stream_ptr

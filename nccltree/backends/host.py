@@ -294,22 +294,39 @@ def _op_copy(dev: HostDevice, dst: np.ndarray, src: np.ndarray, rec: tuple | Non
         _record(rec[0], rec[1], dst.nbytes, "copy")
 
 
-def _op_reduce(dev: HostDevice, dst: np.ndarray, srcs: list, op: str, reads: list) -> None:
+def _op_reduce(
+    dev: HostDevice, dst: np.ndarray, srcs: list, op: str, reads: list, alpha: float = 1.0
+) -> None:
     if dst.nbytes <= SMALL_BYTES and dst.dtype != np.float16:
-        _small_reduce(dst, srcs, _UFUNCS[op])
+        _small_reduce(dst, srcs, _UFUNCS[op], alpha)
     else:
         nat = _nat()
         # the native kernel takes up to 8 sources; longer lists are folded in chunks of 7
-        # more into the running result, which keeps the order of the sum fixed
-        nat.reduce_n(dst, srcs[:8], op=op, nthreads=dev.threads)
-        for i in range(8, len(srcs), 7):
-            nat.reduce_n(dst, [dst, *srcs[i : i + 7]], op=op, nthreads=dev.threads)
+        # more into the running result, which keeps the order of the sum fixed; only the
+        # last chunk applies alpha, so the scale still follows the whole sum
+        starts = [0, *range(8, len(srcs), 7)]
+        for i in starts:
+            chunk = srcs[:8] if i == 0 else [dst, *srcs[i : i + 7]]
+            a = alpha if i == starts[-1] else 1.0
+            nat.reduce_n(dst, chunk, op=op, nthreads=dev.threads, alpha=a)
     for src_index, dst_index, nbytes in reads:
         _record(src_index, dst_index, nbytes, "peer_read")
 
 
-def _small_reduce(dst: np.ndarray, srcs: list, ufunc: Any) -> None:
-    """``dst = ufunc(...ufunc(srcs[0], srcs[1])..., srcs[-1])`` with numpy, left to right."""
+def _small_reduce(dst: np.ndarray, srcs: list, ufunc: Any, alpha: float = 1.0) -> None:
+    """``dst = ufunc(...ufunc(srcs[0], srcs[1])..., srcs[-1])`` with numpy, left to right.
+
+    ``alpha != 1.0`` (a sum of floats) then multiplies by alpha rounded to the dtype, as
+    the native scaled sum does, so the result stays bitwise the kernel's.
+    """
+    if alpha != 1.0:
+        factor = dst.dtype.type(alpha)
+        if len(srcs) == 1:
+            np.multiply(srcs[0], factor, out=dst)
+            return
+        _small_reduce(dst, srcs, ufunc)
+        np.multiply(dst, factor, out=dst)
+        return
     if len(srcs) == 1:
         if srcs[0] is not dst:
             np.copyto(dst, srcs[0])
@@ -369,11 +386,17 @@ def _reduce_args(
     op: str,
     src_devices: Sequence[Device | None] | None,
     dst_device: Device | None,
+    alpha: float = 1.0,
 ) -> tuple:
     if op not in REDUCE_OPS:
         raise ValueError(f"op must be one of {', '.join(REDUCE_OPS)}; got {op!r}")
     _arr(dst, "dst", writable=True)
-    _check_dtype(dst, "dst", _nat().DTYPES)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.integer, np.floating)):
+        raise TypeError(f"alpha must be a real number, got {type(alpha).__name__}")
+    alpha = float(alpha)
+    if alpha != 1.0 and op != "sum":
+        raise ValueError(f"alpha != 1.0 needs op='sum'; got op={op!r}")
+    _check_dtype(dst, "dst", _nat().DTYPES if alpha == 1.0 else _nat().FLOAT_DTYPES)
     srcs = list(srcs)
     if not srcs:
         raise ValueError("reduce needs at least one source")
@@ -391,7 +414,7 @@ def _reduce_args(
             s_idx = _index(d, d_idx, "src_devices entry")
             if s_idx != d_idx:
                 reads.append((s_idx, d_idx, s.nbytes))
-    return here, dst, srcs, op, reads
+    return here, dst, srcs, op, reads, alpha
 
 
 def _op_scale(dev: HostDevice, x: np.ndarray, alpha: float) -> None:
@@ -463,8 +486,9 @@ class HostStream(Stream):
         *,
         src_devices: Sequence[Device | None] | None = None,
         dst_device: Device | None = None,
+        alpha: float = 1.0,
     ) -> None:
-        args = _reduce_args(self.device, dst, srcs, op, src_devices, dst_device)
+        args = _reduce_args(self.device, dst, srcs, op, src_devices, dst_device, alpha)
         self._core.enqueue(_op_reduce, args)
 
     def scale(self, x: Any, alpha: float) -> None:
@@ -642,9 +666,10 @@ class HostDevice(Device):
         *,
         src_devices: Sequence[Device | None] | None = None,
         dst_device: Device | None = None,
+        alpha: float = 1.0,
     ) -> None:
         """``Stream.reduce`` performed now, in the calling thread (recorded the same way)."""
-        _op_reduce(*_reduce_args(self, dst, srcs, op, src_devices, dst_device))
+        _op_reduce(*_reduce_args(self, dst, srcs, op, src_devices, dst_device, alpha))
 
     def sum_into(self, dst: Any, src: Any) -> None:
         _nat().sum_into(dst, src, nthreads=self.threads)

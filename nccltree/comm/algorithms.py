@@ -46,7 +46,9 @@ def _reduce_many(b: PlanBuilder, rank: int, dst: Buf, srcs: list[Buf], op: str) 
 
 
 def _finish_mean(b: PlanBuilder, rank: int, buf: Buf, op: str, size: int) -> None:
-    if op == "mean" and size > 1:
+    # the 1/size goes into the sum that has just produced buf when it can, which saves a
+    # pass over buf (and rounds float16 once); otherwise, e.g. after a copy, a scale step
+    if op == "mean" and size > 1 and not b.fold_scale(rank, buf, 1.0 / size):
         b.scale(rank, buf, 1.0 / size)
 
 

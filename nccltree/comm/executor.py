@@ -60,7 +60,7 @@ def enqueue(plan: Plan, bufs: Buffers, streams: Sequence[Any], devices: Sequence
         elif kind == "reduce":
             st.reduce(view(s.dst), [view(b) for b in s.srcs], s.op,
                       src_devices=[_device_of(b, devices) for b in s.srcs],
-                      dst_device=devices[s.dst.rank])
+                      dst_device=devices[s.dst.rank], alpha=s.alpha)
         elif kind == "scale":
             st.scale(view(s.dst), s.alpha)
         else:  # pragma: no cover - plans are built by this package

@@ -23,7 +23,7 @@ edge: the static twin of the host backend's jitter mode.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # Buffer roles: the caller's input, the caller's output (same memory as "in" when the call
 # is in place), scratch memory the engine owns on the rank's device, and pinned host
@@ -49,7 +49,8 @@ class Buf:
 class Step:
     """One operation on ``rank``'s stream.
 
-    kinds: ``copy`` (dst <- srcs[0]), ``reduce`` (dst <- op(*srcs)), ``scale``
+    kinds: ``copy`` (dst <- srcs[0]), ``reduce`` (dst <- op(*srcs), times ``alpha`` when
+    that is not 1: a mean folded into its sum), ``scale``
     (dst <- dst * alpha), ``record`` (event ``event`` marks this point), ``wait`` (later
     work waits for event ``event``).
     """
@@ -124,7 +125,8 @@ class Plan:
                 lines.append(f"  r{s.rank}: {s.kind} e{s.event}")
             else:
                 srcs = ", ".join(_fmt(b) for b in s.srcs)
-                lines.append(f"  r{s.rank}: {s.kind}({s.op}) {_fmt(s.dst)} <- {srcs}")
+                times = f" * {s.alpha:g}" if s.alpha != 1.0 else ""
+                lines.append(f"  r{s.rank}: {s.kind}({s.op}) {_fmt(s.dst)} <- {srcs}{times}")
         return "\n".join(lines)
 
 
@@ -151,15 +153,31 @@ class PlanBuilder:
         if dst.count:
             self._steps.append(Step(rank, "copy", dst, (src,)))
 
-    def reduce(self, rank: int, dst: Buf, srcs: Sequence[Buf], op: str) -> None:
+    def reduce(
+        self, rank: int, dst: Buf, srcs: Sequence[Buf], op: str, alpha: float = 1.0
+    ) -> None:
+        """dst <- op(*srcs), times ``alpha`` when it is not 1 (a sum only)."""
         if any(s.count != dst.count for s in srcs):
             raise AssertionError("reduce sources and destination differ in size")
+        if alpha != 1.0 and op != "sum":
+            raise AssertionError(f"a scaled reduce must be a sum, not {op!r}")
         if dst.count:
-            if len(srcs) == 1:
+            if len(srcs) == 1 and alpha == 1.0:
                 if srcs[0] != dst:
                     self._steps.append(Step(rank, "copy", dst, (srcs[0],)))
             else:
-                self._steps.append(Step(rank, "reduce", dst, tuple(srcs), op=op))
+                self._steps.append(Step(rank, "reduce", dst, tuple(srcs), op=op, alpha=alpha))
+
+    def fold_scale(self, rank: int, buf: Buf, alpha: float) -> bool:
+        """Fold ``scale(rank, buf, alpha)`` into the step just added, if that step is an
+        unscaled sum on ``rank`` writing exactly ``buf`` (then nothing can have seen the
+        unscaled value); returns whether it did. Saves a pass over ``buf``."""
+        last = self._steps[-1] if self._steps else None
+        if (last is None or last.kind != "reduce" or last.rank != rank or last.dst != buf
+                or last.op != "sum" or last.alpha != 1.0):
+            return False
+        self._steps[-1] = replace(last, alpha=alpha)
+        return True
 
     def scale(self, rank: int, buf: Buf, alpha: float) -> None:
         if buf.count:

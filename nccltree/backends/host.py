@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import CommTimeout, NcclTreeError
+from .._native import _array as _native_array
 from .base import REDUCE_OPS, Device, Event, Stream, Transfer, timeout_or_default
 
 JITTER_ENV = "NCCLTREE_HOST_JITTER"
@@ -345,13 +346,8 @@ def _small_reduce(dst: np.ndarray, srcs: list, ufunc: Any, alpha: float = 1.0) -
 
 
 def _arr(a: Any, what: str, writable: bool = False) -> np.ndarray:
-    if not isinstance(a, np.ndarray):
-        raise TypeError(f"{what} must be a numpy.ndarray on a host device, got {type(a)}")
-    if not a.flags.c_contiguous:
-        raise ValueError(f"{what} must be C-contiguous")
-    if writable and not a.flags.writeable:
-        raise ValueError(f"{what} must be writable")
-    return a
+    # the same check the kernel wrappers make (importing them does not load the library)
+    return _native_array(a, f"{what} (a host device's buffer)", writable=writable)
 
 
 def _index(dev: Device | None, default: int | None, what: str) -> int | None:

@@ -61,9 +61,23 @@ def db10(tmp_path):
     return index_db(tmp_path / "db10", 10)
 
 
+@pytest.fixture(params=["extension", "numpy"])
+def small_path(request, monkeypatch):
+    """Run a test on both ways of assembling small records: the ``_records`` extension
+    and the numpy fallback used when the package was built without Python headers."""
+    from nccltree.data import decode
+
+    if request.param == "numpy":
+        monkeypatch.setattr(decode, "_records_gather", lambda: None)
+    elif decode._records_gather() is None:
+        pytest.skip("built without the nccltree._records extension")
+    return request.param
+
+
 # -- the round-robin rule ----------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("small_path")
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("batch_size", [1, 3, 4])
 def test_round_robin_rule(db10, ranks, batch_size):
@@ -185,6 +199,7 @@ def test_start_mid_sequence_follows_the_rule(db10):
 # -- transforms and device hand-off ------------------------------------------------------
 
 
+@pytest.mark.usefixtures("small_path")
 def test_transforms_mean_and_scale(tmp_path):
     X = np.random.default_rng(0).integers(0, 256, (8, 3, 2, 2), dtype=np.uint8)
     write_lmdb(tmp_path / "db", X, np.zeros(8, int))
@@ -422,6 +437,7 @@ def _raw_db(path, values) -> None:
     env.close()
 
 
+@pytest.mark.usefixtures("small_path")
 @pytest.mark.parametrize("size", [4, 40000])  # the small- and the large-record path
 def test_undecodable_record_is_raised_with_its_key(tmp_path, size):
     good = [encode_record(np.full(size, i, np.uint8), i) for i in range(6)]
@@ -442,6 +458,7 @@ def test_undecodable_record_is_raised_with_its_key(tmp_path, size):
     [np.zeros(3, np.float32), np.zeros((2, 2), np.float32), np.zeros(4, np.int32)],
     ids=["shape", "same-size-shape", "dtype"],
 )
+@pytest.mark.usefixtures("small_path")
 def test_mixed_records_are_rejected(tmp_path, other):
     values = [encode_record(np.zeros(4, np.float32), i) for i in range(5)]
     values[3] = encode_record(other, 3)

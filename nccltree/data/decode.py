@@ -16,7 +16,7 @@ import numpy as np
 
 from .._errors import BackendUnavailable
 from . import datum
-from .format import RecordLayout, record_layout
+from .format import LABEL_OFFSET, RecordLayout, record_layout
 
 # Large records are copied into the batch by the native gather kernel, split over the
 # machine's cores: one reader thread alone copies into cold batch buffers at about half
@@ -37,9 +37,18 @@ def _native_gather() -> Callable[[np.ndarray, list, int], np.ndarray] | None:
     return gather
 
 
-# Records up to this size are gathered with one C-level join and checked/split with
-# vectorised numpy; larger ones are copied straight into the batch (a second copy would
-# cost more than the per-record Python work it saves).
+@cache
+def _records_gather() -> Callable[..., int] | None:
+    try:
+        from .. import _records
+    except ImportError:  # built without Python headers: the numpy path below
+        return None
+    return _records.gather
+
+
+# Records up to this size are checked and copied by one call of the ``_records``
+# extension (or, without it, gathered with one C-level join and checked/split with
+# vectorised numpy); larger ones are copied straight into the batch by the gather kernel.
 SMALL_RECORD = 32 << 10
 
 
@@ -141,6 +150,8 @@ class RecordDecoder:
         self._strides = (self._size, *reversed(inner))  # of the payloads in a joined batch
         self._staging = _Staging(self.shape, self.dtype)
         self._gather = _native_gather() if self._size > SMALL_RECORD else None
+        self._records = _records_gather() if self._size <= SMALL_RECORD else None
+        self._header = layout.header()
 
     def _reason(self, value: memoryview) -> str:
         try:
@@ -157,6 +168,14 @@ class RecordDecoder:
     ) -> None:
         n = len(values)
         if n == 0:
+            return
+        if self._records is not None:  # checks the sizes and headers itself
+            dst = x[:n] if transform.identity else self._staging(n)
+            bad = self._records(values, self._header, LABEL_OFFSET, dst, y[:n])
+            if bad >= 0:
+                raise BadRecord(bad, self._reason(values[bad]))
+            if not transform.identity:
+                transform(dst, x[:n])
             return
         if sum(map(len, values)) != n * self._size:
             for i, v in enumerate(values):

@@ -105,6 +105,33 @@ class Pipeline:
             self.phase = "reading"
         return slot
 
+    def _group_slots(self, i: int) -> list[list[Slot]]:
+        """Buffers (one per rank) for round ``i``, waiting for them if need be, and for
+        as many of the following rounds as have a free buffer for every rank right now.
+
+        The reader reads such a group in one pass and publishes it at once. A rank that
+        drains its queue faster than the reader fills it is then woken once per group
+        instead of once per batch; every wake-up moves the interpreter lock between the
+        two threads and back, which costs as much as reading a batch of small records.
+        A rank that consumes more slowly than the reader reads frees one buffer at a
+        time and so gets groups of one: each batch is published as soon as it is read.
+        """
+        d, ranks = self.deal, range(self.deal.ranks)
+        if d.round_length(i) == 0:
+            return []
+        group = [[self._free_slot(r) for r in ranks]]
+        while d.round_length(i + len(group)):
+            spare = []
+            for r in ranks:
+                slot = self.free[r].try_pop()
+                if slot is None:  # put back what this round took; the group ends here
+                    for r2, s2 in enumerate(spare):
+                        self.free[r2].push(s2)
+                    return group
+                spare.append(slot)
+            group.append(spare)
+        return group
+
     def _loop(self, txn: Any) -> None:
         d = self.deal
         if self.shuffle is None:
@@ -120,29 +147,41 @@ class Pipeline:
         full, sequential = self.full, self.shuffle is None
         i, s = 0, d.start
         while not self.closed:
-            m = d.round_length(i)
-            if m == 0:
-                break
             # Buffers first, then records: the reader never holds more than the buffers.
-            slots = [self._free_slot(r) for r in ranks]
-            if sequential:
-                values = source.take(m)
-                for r in ranks:
-                    self._fill(slots[r], r, values[first[r] : m : t], s, first[r], i)
-                del values
-                self.records_read += m
-            else:
-                for r in ranks:
-                    vals = source.fetch(d.positions(i, r))
-                    self._fill(slots[r], r, vals, s, first[r], i)
-                    self.records_read += len(vals)
-                    del vals
-            # A round is published whole, so a bad record fails every rank at the same batch.
-            for r in ranks:
-                full[r].push(slots[r])
-            self.rounds_built += 1
-            i += 1
-            s += size
+            group = self._group_slots(i)
+            if not group:
+                break
+            filled = 0
+            try:
+                if sequential:
+                    lengths = [d.round_length(i + j) for j in range(len(group))]
+                    values = source.take(sum(lengths))
+                    o = 0
+                    for j, m in enumerate(lengths):
+                        for r in ranks:
+                            vals = values[o + first[r] : o + m : t]
+                            self._fill(group[j][r], r, vals, s + o, first[r], i + j)
+                        o += m
+                        self.records_read += m
+                        filled += 1
+                    del values, vals
+                else:
+                    for j, slots in enumerate(group):
+                        for r in ranks:
+                            vals = source.fetch(d.positions(i + j, r))
+                            self._fill(slots[r], r, vals, s + j * size, first[r], i + j)
+                            self.records_read += len(vals)
+                            del vals
+                        filled += 1
+            finally:
+                # Rounds are published whole, so a bad record fails every rank at the
+                # same batch; the rounds before it are served first.
+                for slots in group[:filled]:
+                    for r in ranks:
+                        full[r].push(slots[r])
+                self.rounds_built += filled
+            i += filled
+            s += filled * size
         if not self.closed:
             self.ended = True
             self.phase = "ended"

@@ -70,6 +70,9 @@ NT_API int nt_copy(void *dst, const void *src, int64_t nbytes, int nthreads);
 NT_API int nt_gather(void *dst, const void *const *srcs, const int64_t *nbytes, int k,
                      int nthreads);
 NT_API const char *nt_strerror(int status);
+/* float16 kernels: enable = 1 uses F16C when the CPU has it (the default), 0 the portable
+   conversions, -1 changes nothing; returns 1 when the F16C code is in use. */
+NT_API int nt_use_f16c(int enable);
 
 #ifdef __cplusplus
 }

@@ -125,6 +125,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "nt_sgd_update": [i32, vp, vp, vp, f64, f64, f64, i64, i32],
         "nt_copy": [vp, vp, i64, i32],
         "nt_gather": [vp, vp, vp, i32, i32],
+        "nt_use_f16c": [i32],
     }
     for name, argtypes in sigs.items():
         fn = getattr(lib, name)
@@ -151,6 +152,15 @@ def library() -> ctypes.CDLL:
                     ) from exc
                 _lib = lib
     return _lib
+
+
+def use_f16c(enable: bool | None = None) -> bool:
+    """Whether the float16 kernels convert with F16C instructions (x86-64 CPUs that have
+    them; the default there) rather than with the portable code: both give the same
+    results, F16C several times faster. ``enable=False`` switches to the portable code,
+    ``True`` back to F16C where the CPU has it; ``None`` only asks."""
+    flag = -1 if enable is None else int(bool(enable))
+    return bool(library().nt_use_f16c(flag))
 
 
 def strerror(status: int) -> str:

@@ -107,17 +107,33 @@ def test_tree_copy_pattern_follows_tree_edges(preset):
     assert xs[0][0] == sum(range(n))
 
 
-def test_broadcast_sends_most_distant_subtree_first():
+@pytest.mark.parametrize("coll", ["broadcast", "all_reduce", "all_gather"])
+def test_children_copy_from_their_parent_on_their_own_streams(coll):
+    # Down the tree over peer access a child copies on its own stream once its parent
+    # has the data, so the parent's stream only reduces (and records) and goes on to its
+    # next chunk while its children copy: no subtree waits for a sibling.
     topo = nt.Topology.preset("dgx1")
-    with nt.World(nt.devices("cpu:8"), algorithm="tree", topology=topo,
-                  inline_bytes=0) as w:
-        xs = [np.full(16, float(r)) for r in range(8)]
-        with record_transfers() as log:
-            w.broadcast(xs, root=0)
+    with nt.World(nt.devices("cpu:8"), algorithm="tree", topology=topo, chunk_bytes=256) as w:
+        plan = w.plan(coll, 200)
         tree = w.tree(0)
-    sent_by_root = [t.dst for t in log if t.src == 0]
-    assert sent_by_root == list(tree.children(0))
-    assert all(np.all(x == 0.0) for x in xs)
+        owners = plan.event_owners()
+        waited: dict[int, set[int]] = collections.defaultdict(set)  # rank -> ranks it waited on
+        down = 0
+        for st in plan.steps:
+            if st.kind == "wait":
+                waited[st.rank].add(owners[st.event])
+            if st.kind != "copy" or st.srcs[0].rank == st.dst.rank:
+                continue
+            src, dst = st.srcs[0].rank, st.dst.rank
+            if tree.parent(dst) == src:  # down the tree
+                down += 1
+                assert st.rank == dst, st
+                assert src in waited[dst], st
+        assert down > 0
+        if coll == "broadcast":
+            xs = [np.full(200, float(r)) for r in range(8)]
+            w.broadcast(xs, root=0)
+            assert all(np.all(x == 0.0) for x in xs)
 
 
 def test_ring_copy_pattern():

@@ -11,8 +11,11 @@ Conventions shared by every builder:
   arrival, so every run gives bitwise the same result.
 
 tree   — reduce up a topology-aware tree (a parent sums itself and all its children in one
-         fused pass, reading the children's buffers directly), broadcast down it, the most
-         distant subtree first; cut into chunks so that levels work concurrently.
+         fused pass, reading the children's buffers directly), then down it: each child
+         with peer access copies the result from its parent on its own stream, so no
+         subtree waits for a sibling (without peer access the parent sends through pinned
+         staging, the most distant subtree first); cut into chunks so that levels and the
+         two directions work concurrently.
 ring   — reduce-scatter then all-gather around the ring, chunked; bandwidth-optimal on
          links that can't all be used at once.
 direct — every rank reduces its 1/N slice reading all peers, then writes it to every peer:
@@ -174,17 +177,22 @@ def _tree_reduce_phase(
             ready[(r, key)] = b.signal(r)
 
 
-def _tree_push_phase(
+def _tree_down_phase(
     b: PlanBuilder, tree, pre: list[int], src: Callable[[int], Buf], dst: Callable[[int], Buf],
     ranges: Callable[[int], list[tuple[int, int]]], stager: _Stager,
 ) -> None:
-    """Push down the tree, most distant child first; each child waits for its data."""
+    """Down the tree, parents before children: a child with peer access to its parent
+    copies the data on its own stream once the parent has it, so the parent's stream goes
+    on to its next chunk while its children copy this one; a child without peer access
+    gets it through the parent's staging slots, most distant child first."""
     for r in pre:
-        for k in tree.children(r):
+        kids = tree.children(r)
+        has = b.signal(r) if any(stager.direct(r, k) for k in kids) else None
+        for k in kids:
             if stager.direct(r, k):
+                b.wait(k, has)
                 for off, c in ranges(k):
-                    b.copy(r, dst(k).sub(off, c), src(r).sub(off, c))
-                b.wait(k, b.signal(r))
+                    b.copy(k, dst(k).sub(off, c), src(r).sub(off, c))
             else:
                 for off, c in ranges(k):
                     stager.send(r, k, dst(k).sub(off, c), src(r).sub(off, c))
@@ -228,7 +236,7 @@ def tree_all_reduce(tree, count, op, in_place, chunk) -> Plan:
 
     def down(i: int) -> None:
         off, c = pieces[i]
-        _tree_push_phase(b, tree, pre, res, res, lambda k: [(off, c)], stager)
+        _tree_down_phase(b, tree, pre, res, res, lambda k: [(off, c)], stager)
 
     _interleave(len(pieces), max(1, tree.depth), up, down)
     return b.build()
@@ -274,13 +282,13 @@ def tree_broadcast(tree, count, in_place, chunk) -> Plan:
     for off, c in chunked(count, chunk):
         if not in_place:
             b.copy(root, Buf(root, OUT, off, c), Buf(root, IN, off, c))
-        _tree_push_phase(b, tree, pre, src, lambda k: Buf(k, role, 0, count),
+        _tree_down_phase(b, tree, pre, src, lambda k: Buf(k, role, 0, count),
                          lambda k, off=off, c=c: [(off, c)], stager)
     return b.build()
 
 
 def tree_all_gather(tree, count, in_place, chunk) -> Plan:
-    """Gather every rank's block up the tree into the root's output, then push the blocks
+    """Gather every rank's block up the tree into the root's output, then send the blocks
     each subtree lacks down the tree."""
     n = tree.n
     b = PlanBuilder(n, f"tree all_gather count={count}")
@@ -310,7 +318,7 @@ def tree_all_gather(tree, count, in_place, chunk) -> Plan:
             pieces.extend((off + o, cc) for o, cc in chunked(c, chunk))
         return pieces
 
-    _tree_push_phase(b, tree, pre, out, out, missing, stager)
+    _tree_down_phase(b, tree, pre, out, out, missing, stager)
     return b.build()
 
 

@@ -107,11 +107,28 @@ def test_tree_copy_pattern_follows_tree_edges(preset):
     assert xs[0][0] == sum(range(n))
 
 
+def test_broadcast_sends_most_distant_subtree_first():
+    # one chunk: the parent writes into its children's buffers on its own stream, in the
+    # tree's order
+    topo = nt.Topology.preset("dgx1")
+    with nt.World(nt.devices("cpu:8"), algorithm="tree", topology=topo,
+                  inline_bytes=0) as w:
+        xs = [np.full(16, float(r)) for r in range(8)]
+        with record_transfers() as log:
+            w.broadcast(xs, root=0)
+        tree = w.tree(0)
+        steps = w.plan("broadcast", 16, dtype=np.float64).steps
+    sent_by_root = [t.dst for t in log if t.src == 0]
+    assert sent_by_root == list(tree.children(0))
+    assert all(s.rank == s.srcs[0].rank for s in steps if s.kind == "copy")
+    assert all(np.all(x == 0.0) for x in xs)
+
+
 @pytest.mark.parametrize("coll", ["broadcast", "all_reduce", "all_gather"])
 def test_children_copy_from_their_parent_on_their_own_streams(coll):
-    # Down the tree over peer access a child copies on its own stream once its parent
-    # has the data, so the parent's stream only reduces (and records) and goes on to its
-    # next chunk while its children copy: no subtree waits for a sibling.
+    # Several chunks: over peer access a child copies on its own stream once its parent
+    # has the chunk, so the parent's stream only reduces (and records) and goes on to its
+    # next chunk while its children copy this one.
     topo = nt.Topology.preset("dgx1")
     with nt.World(nt.devices("cpu:8"), algorithm="tree", topology=topo, chunk_bytes=256) as w:
         plan = w.plan(coll, 200)

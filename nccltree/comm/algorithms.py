@@ -11,11 +11,11 @@ Conventions shared by every builder:
   arrival, so every run gives bitwise the same result.
 
 tree   — reduce up a topology-aware tree (a parent sums itself and all its children in one
-         fused pass, reading the children's buffers directly), then down it: each child
-         with peer access copies the result from its parent on its own stream, so no
-         subtree waits for a sibling (without peer access the parent sends through pinned
-         staging, the most distant subtree first); cut into chunks so that levels and the
-         two directions work concurrently.
+         fused pass, reading the children's buffers directly), then send the result down
+         it, the most distant subtree first; cut into chunks so that levels and the two
+         directions work concurrently (with several chunks, each child with peer access
+         copies from its parent on its own stream, so the parent's stream goes on to its
+         next chunk; links without peer access go through pinned staging).
 ring   — reduce-scatter then all-gather around the ring, chunked; bandwidth-optimal on
          links that can't all be used at once.
 direct — every rank reduces its 1/N slice reading all peers, then writes it to every peer:
@@ -179,23 +179,31 @@ def _tree_reduce_phase(
 
 def _tree_down_phase(
     b: PlanBuilder, tree, pre: list[int], src: Callable[[int], Buf], dst: Callable[[int], Buf],
-    ranges: Callable[[int], list[tuple[int, int]]], stager: _Stager,
+    ranges: Callable[[int], list[tuple[int, int]]], stager: _Stager, pull: bool,
 ) -> None:
-    """Down the tree, parents before children: a child with peer access to its parent
-    copies the data on its own stream once the parent has it, so the parent's stream goes
-    on to its next chunk while its children copy this one; a child without peer access
-    gets it through the parent's staging slots, most distant child first."""
+    """Down the tree, parents before children, the most distant child first.
+
+    ``pull``: a child with peer access copies the data on its own stream once its parent
+    has it, so the parent's stream goes on to its next chunk while its children copy
+    this one; the builders ask for it when a message has more than one chunk. Otherwise
+    the parent writes the data into its children's buffers on its own stream, from its
+    cache, and each child waits for that. A child without peer access always gets the
+    data through the parent's staging slots."""
     for r in pre:
         kids = tree.children(r)
-        has = b.signal(r) if any(stager.direct(r, k) for k in kids) else None
+        has = b.signal(r) if pull and any(stager.direct(r, k) for k in kids) else None
         for k in kids:
-            if stager.direct(r, k):
+            if not stager.direct(r, k):
+                for off, c in ranges(k):
+                    stager.send(r, k, dst(k).sub(off, c), src(r).sub(off, c))
+            elif pull:
                 b.wait(k, has)
                 for off, c in ranges(k):
                     b.copy(k, dst(k).sub(off, c), src(r).sub(off, c))
             else:
                 for off, c in ranges(k):
-                    stager.send(r, k, dst(k).sub(off, c), src(r).sub(off, c))
+                    b.copy(r, dst(k).sub(off, c), src(r).sub(off, c))
+                b.wait(k, b.signal(r))
 
 
 def _interleave(n_chunks: int, lag: int, up: Callable[[int], None], down: Callable[[int], None]):
@@ -236,7 +244,7 @@ def tree_all_reduce(tree, count, op, in_place, chunk) -> Plan:
 
     def down(i: int) -> None:
         off, c = pieces[i]
-        _tree_down_phase(b, tree, pre, res, res, lambda k: [(off, c)], stager)
+        _tree_down_phase(b, tree, pre, res, res, lambda k: [(off, c)], stager, len(pieces) > 1)
 
     _interleave(len(pieces), max(1, tree.depth), up, down)
     return b.build()
@@ -278,12 +286,12 @@ def tree_broadcast(tree, count, in_place, chunk) -> Plan:
         return Buf(r, IN if r == root else role, 0, count)
 
     stager = _Stager(b, tree, chunk)
-
-    for off, c in chunked(count, chunk):
+    pieces = list(chunked(count, chunk))
+    for off, c in pieces:
         if not in_place:
             b.copy(root, Buf(root, OUT, off, c), Buf(root, IN, off, c))
         _tree_down_phase(b, tree, pre, src, lambda k: Buf(k, role, 0, count),
-                         lambda k, off=off, c=c: [(off, c)], stager)
+                         lambda k, off=off, c=c: [(off, c)], stager, len(pieces) > 1)
     return b.build()
 
 
@@ -318,7 +326,8 @@ def tree_all_gather(tree, count, in_place, chunk) -> Plan:
             pieces.extend((off + o, cc) for o, cc in chunked(c, chunk))
         return pieces
 
-    _tree_down_phase(b, tree, pre, out, out, missing, stager)
+    _tree_down_phase(b, tree, pre, out, out, missing, stager,
+                     any(len(missing(k)) > 1 for k in range(n) if k != tree.root))
     return b.build()
 
 

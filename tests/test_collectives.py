@@ -266,6 +266,9 @@ def test_async_work_and_explicit_streams():
 def test_auto_choice_and_plan_inspection():
     with nt.World(nt.devices("cpu:4"), algorithm="auto") as w:
         assert "tree" in w.plan("all_reduce", 16).description
+        # on the host the tree takes up to 1 MiB per rank (float32: 2**18 elements)
+        assert "tree" in w.plan("all_reduce", 1 << 18).description
+        assert "direct" in w.plan("all_reduce", (1 << 18) + 1).description
         assert "direct" in w.plan("all_reduce", 1 << 20).description
         xs = make_inputs(4, 1 << 18, "float32", "sum", 1)
         want = numpy_reduce("sum", xs)

@@ -32,8 +32,9 @@ ALGORITHM_CHOICES = (*ALGORITHMS, "nccl", "auto")
 # bandwidth-bound: on fully connected devices with uniform links (one host, NVSwitch) the
 # direct algorithm moves the fewest bytes; otherwise the topology-aware tree keeps the
 # slow links for the few top-level transfers. NCCL, where usable, takes large messages on
-# GPUs. To be tuned with nccltree-bench measurements.
-AUTO_SMALL_BYTES = 64 << 10
+# GPUs. Host: the tree led direct up to 1 MiB per rank on 2 and 4 ranks, direct led from
+# 4 MiB (docs/benchmarks.md). GPUs: not measured yet.
+AUTO_TREE_BYTES = {"host": 1 << 20, "cuda": 64 << 10}
 AUTO_NCCL_BYTES = 256 << 10
 
 
@@ -340,7 +341,7 @@ class World:
             return self.algorithm
         if self.backend == "cuda" and prep.nbytes >= AUTO_NCCL_BYTES and self._nccl_usable():
             return "nccl"
-        if prep.nbytes <= AUTO_SMALL_BYTES:
+        if prep.nbytes <= AUTO_TREE_BYTES.get(self.backend, 64 << 10):
             return "tree"
         return "direct" if self._uniform_peer_topology() else "tree"
 

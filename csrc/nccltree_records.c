@@ -32,7 +32,7 @@ static int64_t load_le64(const unsigned char *p)
 /* Check and copy records [0, n); returns the index of the first bad record, or -1. */
 static Py_ssize_t copy_records(const Py_buffer *views, Py_ssize_t n, const Py_buffer *header,
                                Py_ssize_t label_offset, Py_ssize_t record_size,
-                               unsigned char *payload, int64_t *labels)
+                               unsigned char *payload, unsigned char *labels)
 {
     const unsigned char *hdr = header->buf;
     Py_ssize_t hsize = header->len;
@@ -43,7 +43,8 @@ static Py_ssize_t copy_records(const Py_buffer *views, Py_ssize_t n, const Py_bu
         if (views[i].len != record_size || memcmp(v, hdr, (size_t)label_offset) != 0 ||
             memcmp(v + after, hdr + after, (size_t)(hsize - after)) != 0)
             return i;
-        labels[i] = load_le64(v + label_offset);
+        int64_t label = load_le64(v + label_offset);
+        memcpy(labels + i * LABEL_BYTES, &label, LABEL_BYTES); /* any alignment */
         memcpy(payload + i * psize, v + hsize, (size_t)psize);
     }
     return -1;

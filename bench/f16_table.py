@@ -17,10 +17,9 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from kernels_table import LR, MOMENTUM, WEIGHT_DECAY, numpy_sgd, numpy_sum4
 
 from nccltree import _native as nat
-
-LR, MOMENTUM, WEIGHT_DECAY = 0.01, 0.9, 5e-4
 
 
 def jobs(mib: int) -> dict[str, tuple[int, Callable[[int], None], Callable[[], None]]]:
@@ -34,29 +33,17 @@ def jobs(mib: int) -> dict[str, tuple[int, Callable[[int], None], Callable[[], N
     tmp = np.empty(n, np.float16)
     size = a.nbytes
 
-    def numpy_sum4() -> None:
-        np.add(a, b, out=dst)
-        np.add(dst, c, out=dst)
-        np.add(dst, d, out=dst)
-
-    def numpy_sgd() -> None:
-        np.multiply(w, WEIGHT_DECAY, out=tmp)
-        np.add(g, tmp, out=g)
-        np.multiply(v, MOMENTUM, out=v)
-        np.multiply(g, LR, out=tmp)
-        np.add(v, tmp, out=v)
-        np.subtract(w, v, out=w)
-
     def numpy_scale() -> None:
         np.multiply(x, np.float16(0.999), out=x)
 
     return {
         "sum2": (3 * size, lambda t: nat.reduce_n(dst, [a, b], "sum", t),
                  lambda: np.add(a, b, out=dst)),
-        "sum4": (5 * size, lambda t: nat.reduce_n(dst, [a, b, c, d], "sum", t), numpy_sum4),
+        "sum4": (5 * size, lambda t: nat.reduce_n(dst, [a, b, c, d], "sum", t),
+                 lambda: numpy_sum4(dst, a, b, c, d)),
         "scale": (2 * size, lambda t: nat.scale(x, 0.999, t), numpy_scale),
         "sgd": (6 * size, lambda t: nat.sgd_update(w, g, v, LR, MOMENTUM, WEIGHT_DECAY, t),
-                numpy_sgd),
+                lambda: numpy_sgd(w, g, v, tmp)),
     }
 
 

@@ -33,6 +33,24 @@ class Case:
     nbytes: int  # bytes read + written by one call
 
 
+def numpy_sum4(dst: np.ndarray, a: np.ndarray, b: np.ndarray, c: np.ndarray,
+               d: np.ndarray) -> None:
+    """numpy's 4-way sum: three pairwise passes."""
+    np.add(a, b, out=dst)
+    np.add(dst, c, out=dst)
+    np.add(dst, d, out=dst)
+
+
+def numpy_sgd(w: np.ndarray, g: np.ndarray, v: np.ndarray, tmp: np.ndarray) -> None:
+    """Caffe's SGD step in numpy (six ufunc calls, no allocation)."""
+    np.multiply(w, WEIGHT_DECAY, out=tmp)
+    np.add(g, tmp, out=g)
+    np.multiply(v, MOMENTUM, out=v)
+    np.multiply(g, LR, out=tmp)
+    np.add(v, tmp, out=v)
+    np.subtract(w, v, out=w)
+
+
 def make_cases(mib: int = 64, threads: int = 2) -> list[Case]:
     """The benchmark cases on float32 arrays of ``mib`` MiB each."""
     n = mib * 2**20 // 4
@@ -43,19 +61,6 @@ def make_cases(mib: int = 64, threads: int = 2) -> list[Case]:
     tmp = np.empty(n, np.float32)
     acc = a.copy()  # in-place 2-way sum: acc += b (values drift; the time does not)
     size = a.nbytes
-
-    def numpy_sum4() -> None:
-        np.add(a, b, out=dst)
-        np.add(dst, c, out=dst)
-        np.add(dst, d, out=dst)
-
-    def numpy_sgd() -> None:
-        np.multiply(w, WEIGHT_DECAY, out=tmp)
-        np.add(g, tmp, out=g)
-        np.multiply(v, MOMENTUM, out=v)
-        np.multiply(g, LR, out=tmp)
-        np.add(v, tmp, out=v)
-        np.subtract(w, v, out=w)
 
     t = f"{threads} threads"
     return [
@@ -70,10 +75,10 @@ def make_cases(mib: int = 64, threads: int = 2) -> list[Case]:
         Case("sum2", "numpy np.add(a, b, out=dst)", lambda: np.add(a, b, out=dst), 3 * size),
         Case("sum4", f"nt_reduce_n, {t}", lambda: nat.reduce_n(dst, [a, b, c, d], nthreads=threads), 5 * size),
         Case("sum4", "nt_reduce_n, 1 thread", lambda: nat.reduce_n(dst, [a, b, c, d]), 5 * size),
-        Case("sum4", "numpy pairwise np.add", numpy_sum4, 5 * size),
+        Case("sum4", "numpy pairwise np.add", lambda: numpy_sum4(dst, a, b, c, d), 5 * size),
         Case("sgd", f"nt_sgd_update, {t}", lambda: nat.sgd_update(w, g, v, LR, MOMENTUM, WEIGHT_DECAY, nthreads=threads), 6 * size),
         Case("sgd", "nt_sgd_update, 1 thread", lambda: nat.sgd_update(w, g, v, LR, MOMENTUM, WEIGHT_DECAY), 6 * size),
-        Case("sgd", "numpy (6 ufunc calls)", numpy_sgd, 6 * size),
+        Case("sgd", "numpy (6 ufunc calls)", lambda: numpy_sgd(w, g, v, tmp), 6 * size),
     ]
 
 

@@ -406,7 +406,7 @@ static const nt_range_fn nt_sgd_table[NT_NDTYPES] = {sgd_f16, sgd_f32, sgd_f64, 
    set. CPUs with F16C (Intel since 2012, AMD since 2011) convert 8 halves per instruction;
    these variants use it, 8 elements at a time, with the same arithmetic in float32 and the
    same round-to-nearest-even: results are bitwise those of the portable path (NaNs stay
-   NaN; their payload bits may differ). Tails shorter than 8 use the portable code. */
+   NaN; their payload bits may differ). Tails shorter than 8 run the portable functions. */
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define NT_F16C 1
 #include <immintrin.h>
@@ -434,7 +434,8 @@ static int nt_cpu_has_f16c(void) {
 #define VFIN_NONE(acc, va) (acc)
 #define VFIN_SCALE(acc, va) _mm256_mul_ps((acc), (va))
 
-#define NT_DEFINE_SPAN_F16C(NAME, VCOMB, VFIN, COMB, FIN)                                 \
+/* PORTABLE: the portable variant of the same reduction, which does the tail */
+#define NT_DEFINE_SPAN_F16C(NAME, VCOMB, VFIN, PORTABLE)                                  \
     static inline __attribute__((always_inline)) NT_F16C_TARGET void NAME##_span(         \
         uint16_t *d, const uint16_t *const *s, int64_t m, const int K, const float alpha) { \
         const __m256 va = _mm256_set1_ps(alpha);                                          \
@@ -445,19 +446,19 @@ static int nt_cpu_has_f16c(void) {
             for (int j = 1; j < K; ++j) acc = VCOMB(acc, V_LD(s[j], i));                  \
             V_ST(d, i, VFIN(acc, va));                                                    \
         }                                                                                 \
-        for (; i < m; ++i) {                                                              \
-            float acc = LD_HALF(s[0], i);                                                 \
-            for (int j = 1; j < K; ++j) acc = COMB(acc, LD_HALF(s[j], i));                \
-            ST_HALF(d, i, FIN(acc, alpha));                                               \
+        if (i < m) {                                                                      \
+            const uint16_t *rest[NT_MAX_SOURCES];                                         \
+            for (int j = 0; j < K; ++j) rest[j] = s[j] + i;                               \
+            PORTABLE##_span(d + i, rest, m - i, K, alpha);                                \
         }                                                                                 \
     }                                                                                     \
     NT_DEFINE_RANGES(NAME, uint16_t, float, NT_F16C_TARGET)
 
-NT_DEFINE_SPAN_F16C(sum_f16c, V_ADD, VFIN_NONE, C_ADD, FIN_NONE)
-NT_DEFINE_SPAN_F16C(prod_f16c, V_MUL, VFIN_NONE, C_MUL, FIN_NONE)
-NT_DEFINE_SPAN_F16C(max_f16c, V_FMAX, VFIN_NONE, C_FMAX, FIN_NONE)
-NT_DEFINE_SPAN_F16C(min_f16c, V_FMIN, VFIN_NONE, C_FMIN, FIN_NONE)
-NT_DEFINE_SPAN_F16C(ssum_f16c, V_ADD, VFIN_SCALE, C_ADD, FIN_SCALE)
+NT_DEFINE_SPAN_F16C(sum_f16c, V_ADD, VFIN_NONE, sum_f16)
+NT_DEFINE_SPAN_F16C(prod_f16c, V_MUL, VFIN_NONE, prod_f16)
+NT_DEFINE_SPAN_F16C(max_f16c, V_FMAX, VFIN_NONE, max_f16)
+NT_DEFINE_SPAN_F16C(min_f16c, V_FMIN, VFIN_NONE, min_f16)
+NT_DEFINE_SPAN_F16C(ssum_f16c, V_ADD, VFIN_SCALE, ssum_f16)
 
 static const nt_range_fn nt_reduce_f16c[NT_NOPS][NT_MAX_SOURCES] = {
     NT_ROW(sum_f16c), NT_ROW(prod_f16c), NT_ROW(max_f16c), NT_ROW(min_f16c),
@@ -470,7 +471,7 @@ static NT_F16C_TARGET void scale_f16c(const nt_job *job, int64_t lo, int64_t hi)
     const __m256 va = _mm256_set1_ps(alpha);
     int64_t i = lo;
     for (; i + 8 <= hi; i += 8) V_ST(x, i, _mm256_mul_ps(V_LD(x, i), va));
-    for (; i < hi; ++i) ST_HALF(x, i, LD_HALF(x, i) * alpha);
+    if (i < hi) scale_f16(job, i, hi);
 }
 
 static NT_F16C_TARGET void sgd_f16c(const nt_job *job, int64_t lo, int64_t hi) {
@@ -486,14 +487,7 @@ static NT_F16C_TARGET void sgd_f16c(const nt_job *job, int64_t lo, int64_t hi) {
         V_ST(v, i, vi);
         V_ST(w, i, _mm256_sub_ps(wi, vi));
     }
-    for (; i < hi; ++i) {
-        float wi = LD_HALF(w, i);
-        float gi = LD_HALF(g, i) + wd * wi;
-        float vi = mom * LD_HALF(v, i) + lr * gi;
-        ST_HALF(g, i, gi);
-        ST_HALF(v, i, vi);
-        ST_HALF(w, i, wi - vi);
-    }
+    if (i < hi) sgd_f16(job, i, hi);
 }
 #endif
 

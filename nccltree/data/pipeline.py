@@ -119,17 +119,12 @@ class Pipeline:
         d, ranks = self.deal, range(self.deal.ranks)
         if d.round_length(i) == 0:
             return []
+        free = self.free
         group = [[self._free_slot(r) for r in ranks]]
-        while d.round_length(i + len(group)):
-            spare = []
-            for r in ranks:
-                slot = self.free[r].try_pop()
-                if slot is None:  # put back what this round took; the group ends here
-                    for r2, s2 in enumerate(spare):
-                        self.free[r2].push(s2)
-                    return group
-                spare.append(slot)
-            group.append(spare)
+        # Only this thread takes free buffers, so a non-empty free queue stays non-empty
+        # until it does.
+        while d.round_length(i + len(group)) and all(len(free[r]) for r in ranks):
+            group.append([free[r].try_pop() for r in ranks])
         return group
 
     def _loop(self, txn: Any) -> None:

@@ -52,6 +52,13 @@ def _records_gather() -> Callable[..., int] | None:
 SMALL_RECORD = 32 << 10
 
 
+def _unlike(shape: tuple, dtype: np.dtype, want_shape: tuple, want_dtype: np.dtype) -> str:
+    return (
+        f"shape {shape} / dtype {dtype.name} differs from the database's "
+        f"shape {want_shape} / dtype {want_dtype.name} (records must all be alike)"
+    )
+
+
 class BadRecord(Exception):
     """Record ``index`` (position in the values passed to ``fill``) cannot be used."""
 
@@ -142,7 +149,8 @@ class RecordDecoder:
         self._nbytes = layout.nbytes
         # Header as little-endian words: word 1 is the label, every other word is fixed
         # for the database, so one compare per batch checks all headers.
-        self._words = np.frombuffer(layout.header(), "<i8")
+        self._header = layout.header()
+        self._words = np.frombuffer(self._header, "<i8")
         inner, step = [], self.dtype.itemsize
         for d in reversed(self.shape):
             inner.append(step)
@@ -151,17 +159,13 @@ class RecordDecoder:
         self._staging = _Staging(self.shape, self.dtype)
         self._gather = _native_gather() if self._size > SMALL_RECORD else None
         self._records = _records_gather() if self._size <= SMALL_RECORD else None
-        self._header = layout.header()
 
     def _reason(self, value: memoryview) -> str:
         try:
             other = record_layout(value)
         except ValueError as e:
             return str(e)
-        return (
-            f"shape {other.shape} / dtype {other.dtype.name} differs from the database's "
-            f"shape {self.shape} / dtype {self.dtype.name} (records must all be alike)"
-        )
+        return _unlike(other.shape, other.dtype, self.shape, self.dtype)
 
     def fill(
         self, values: Sequence[memoryview], x: np.ndarray, y: np.ndarray, transform: Transform
@@ -244,11 +248,7 @@ class DatumDecoder:
         except ValueError as e:
             raise BadRecord(i, str(e)) from None
         if arr.shape != self.shape or arr.dtype != self.dtype:
-            raise BadRecord(
-                i,
-                f"shape {arr.shape} / dtype {arr.dtype.name} differs from the database's "
-                f"shape {self.shape} / dtype {self.dtype.name} (records must all be alike)",
-            )
+            raise BadRecord(i, _unlike(arr.shape, arr.dtype, self.shape, self.dtype))
         return arr, label
 
     def fill(

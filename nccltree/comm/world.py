@@ -341,7 +341,7 @@ class World:
             return self.algorithm
         if self.backend == "cuda" and prep.nbytes >= AUTO_NCCL_BYTES and self._nccl_usable():
             return "nccl"
-        if prep.nbytes <= AUTO_TREE_BYTES.get(self.backend, 64 << 10):
+        if prep.nbytes <= AUTO_TREE_BYTES[self.backend]:
             return "tree"
         return "direct" if self._uniform_peer_topology() else "tree"
 

@@ -10,13 +10,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from test_native import reference  # the host kernels' reference, same rules
 
 from nccltree import BackendUnavailable
 from nccltree import _cuda_kernels as ck
 
 DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
 FLOATS = [np.float16, np.float32, np.float64]
-NP_OPS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
 
 
 def kernel_names() -> list[str]:
@@ -160,15 +160,6 @@ def test_wrapper_arguments_match_the_kernel_signatures(fake_cupy, ptx_params, dt
 
 
 # ---- on a GPU ----
-
-
-def reference(op: str, srcs: list[np.ndarray]) -> np.ndarray:
-    wide = np.float32 if srcs[0].dtype == np.float16 else srcs[0].dtype
-    acc = srcs[0].astype(wide)
-    with np.errstate(over="ignore", invalid="ignore"):
-        for s in srcs[1:]:
-            acc = NP_OPS[op](acc, s.astype(wide))
-        return acc.astype(srcs[0].dtype)
 
 
 def sources(dtype: type, op: str, k: int, n: int, seed: int = 0) -> list[np.ndarray]:

@@ -7,6 +7,7 @@ and the collective algorithms never query hardware. Hardware is read in one plac
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import warnings
@@ -386,7 +387,17 @@ class Topology:
             topo = cls.uniform(len(devices), Link(LinkKind.SAME_DEVICE))
             return cls([list(row) for row in topo._links], names)
         if backend == "cuda":
-            return cls(_detect_cuda([int(d.physical_id) for d in devices]), names)
+            links = _detect_cuda([int(d.physical_id) for d in devices])
+            # what the hardware reports is not always what the process got: enabling peer
+            # access can fail (too many peers on a large PCIe box); such a pair stages
+            # through host memory, so the plans must not read across it (either way: the
+            # matrix is symmetric)
+            for i, di in enumerate(devices):
+                for j in range(i + 1, len(devices)):
+                    dj = devices[j]
+                    if links[i][j].p2p and not (di.can_access_peer(dj) and dj.can_access_peer(di)):
+                        links[i][j] = links[j][i] = dataclasses.replace(links[i][j], p2p=False)
+            return cls(links, names)
         raise ValueError(f"unknown backend {backend!r} (accepted: 'host', 'cuda')")
 
 
@@ -440,8 +451,15 @@ def _detect_cuda(phys: list[int]) -> list[list[Link]]:
         return _detect_by_peer_access(phys, f"nvmlInit failed: {exc}")
     try:
         return _detect_by_nvml(pynvml, phys)
+    except (pynvml.NVMLError, ValueError) as exc:
+        # NVML initialised but cannot answer for these GPUs (in some containers it sees
+        # none of the GPUs CUDA sees, or cannot read their bus ids): guess from CUDA
+        return _detect_by_peer_access(phys, f"NVML failed after nvmlInit: {exc}")
     finally:
-        pynvml.nvmlShutdown()
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass
 
 
 def _detect_by_nvml(nvml: Any, phys: list[int]) -> list[list[Link]]:

@@ -452,11 +452,18 @@ def test_from_json_type_error():
 # -- detection -------------------------------------------------------------------------------
 
 
-def fake_devices(backend: str, physical: list[int]) -> list[SimpleNamespace]:
-    return [
+def fake_devices(
+    backend: str, physical: list[int], no_peer: frozenset = frozenset()
+) -> list[SimpleNamespace]:
+    """Devices as detection sees them; ``no_peer`` holds (a, b) GPU pairs whose peer
+    access the backend could not enable."""
+    devs = [
         SimpleNamespace(backend=backend, physical_id=p, index=i, name=f"{backend}{i}")
         for i, p in enumerate(physical)
     ]
+    for d in devs:
+        d.can_access_peer = lambda o, d=d: (d.physical_id, o.physical_id) not in no_peer
+    return devs
 
 
 def test_detect_host_is_uniform():
@@ -608,6 +615,30 @@ def test_detect_cuda_nvml_init_failure_falls_back(monkeypatch):
     with pytest.warns(RuntimeWarning, match="driver not loaded"):
         topo = Topology.detect(fake_devices("cuda", [0, 1]))
     assert topo.link(0, 1) == Link(K.SYS, p2p=False)
+
+
+def test_detect_cuda_nvml_error_after_init_falls_back(monkeypatch):
+    # NVML initialises but cannot see the GPUs CUDA sees (seen in some containers)
+    calls = fake_machine(monkeypatch)
+
+    def unknown(bus_id):
+        raise FakeNVMLError("not found")
+
+    monkeypatch.setattr(sys.modules["pynvml"], "nvmlDeviceGetHandleByPciBusId", unknown)
+    with pytest.warns(RuntimeWarning, match="NVML failed after nvmlInit: not found"):
+        topo = Topology.detect(fake_devices("cuda", [0, 2]))
+    assert topo.link(0, 1) == Link(K.PHB)
+    assert calls == ["init", "shutdown"]
+
+
+def test_detect_cuda_pairs_without_enabled_peer_access_stage(monkeypatch):
+    # NVML says peer access works, but enabling it failed in this process (too many peers):
+    # the plans must stage through host memory on that pair
+    fake_machine(monkeypatch)
+    topo = Topology.detect(fake_devices("cuda", [0, 1, 2], no_peer=frozenset({(0, 2)})))
+    assert not topo.link(0, 2).p2p and not topo.link(2, 0).p2p
+    assert topo.link(0, 2).kind == K.NODE
+    assert topo.link(0, 1).p2p
 
 
 def test_detect_cuda_without_cupy(monkeypatch):

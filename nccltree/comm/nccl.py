@@ -1,23 +1,50 @@
 """NCCL as a second engine, through ``cupy.cuda.nccl``.
 
 One communicator per device from ``NcclCommunicator.initAll``; a driver-side call issues
-every rank's NCCL call inside ``groupStart``/``groupEnd`` on that rank's caller stream.
-A blocked NCCL call cannot be timed out, so work is launched only after every rank has
-arrived (the driver-side path guarantees it: the per-rank adapter launches from the last
-rank to arrive), and a wait that outlives the World's timeout aborts the communicators.
+every rank's NCCL call inside one ``groupStart``/``groupEnd`` on that rank's caller stream
+and returns at once, as the tree, ring and direct engines do once the caller's stream is
+ordered after their work.
+
+Failures, made to look like every other engine's:
+
+- Everything a call needs (pointers, counts, stream handles, the bound methods) is
+  computed before ``groupStart``, so no Python error can leave a group half-issued.
+  An NCCL error inside the group makes ``groupEnd`` launch nothing of it (NCCL's group
+  error rule); either way the error becomes ``CommError`` and the owner (the World) aborts.
+- A blocked NCCL call cannot be timed out, so work is launched only after every rank has
+  arrived (the driver-side path guarantees it; the per-rank adapter launches from the last
+  rank to arrive), and the owner's :class:`~nccltree.comm.watchdog.Watchdog` polls the
+  completion events of the work against its deadline, aborting the communicators when one
+  passes or a stream fails.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .._errors import BackendUnavailable, CommTimeout
+from .._errors import BackendUnavailable, CommError
+from ..backends.base import Device, Event, Stream
+from ._args import Launched, Prepared
 
-_DTYPES = {"float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
-           "int32": "NCCL_INT32", "int64": "NCCL_INT64"}
-_OPS = {"sum": "NCCL_SUM", "prod": "NCCL_PROD", "max": "NCCL_MAX", "min": "NCCL_MIN",
-        "mean": "NCCL_AVG"}
+if TYPE_CHECKING:
+    from ..backends.cuda import CudaDevice
+
+_DTYPES = {
+    "float16": "NCCL_FLOAT16",
+    "float32": "NCCL_FLOAT32",
+    "float64": "NCCL_FLOAT64",
+    "int32": "NCCL_INT32",
+    "int64": "NCCL_INT64",
+}
+_OPS = {
+    "sum": "NCCL_SUM",
+    "prod": "NCCL_PROD",
+    "max": "NCCL_MAX",
+    "min": "NCCL_MIN",
+    "mean": "NCCL_AVG",
+}
 
 
 def _nccl_module() -> Any:
@@ -36,10 +63,23 @@ def _nccl_module() -> Any:
     return nccl
 
 
+def stream_handle(stream: Stream) -> int:
+    """The ``cudaStream_t`` of a CUDA stream, as the integer CuPy's NCCL calls take."""
+    from ..backends.cuda import CudaStream
+
+    if not isinstance(stream, CudaStream):
+        raise TypeError(f"NCCL runs on CUDA streams, got {stream!r}")
+    return int(stream.cupy_stream.ptr)
+
+
+def _data_ptr(a: Any) -> int:
+    return int(a.data.ptr)
+
+
 class NcclEngine:
     """NCCL communicators for a list of distinct CUDA devices."""
 
-    def __init__(self, devices: Sequence[Any]) -> None:
+    def __init__(self, devices: Sequence[Device]) -> None:
         if any(d.backend != "cuda" for d in devices):
             raise ValueError("the nccl algorithm needs CUDA devices (e.g. devices('gpu:all'))")
         ids = [d.physical_id for d in devices]
@@ -49,61 +89,94 @@ class NcclEngine:
                 "or direct algorithm for logical ranks that share a GPU"
             )
         self.nccl = _nccl_module()
-        self.devices = list(devices)
-        self.comms = self.nccl.NcclCommunicator.initAll(ids)
+        self.devices: list[CudaDevice] = list(devices)  # type: ignore[arg-type]
+        self._lock = threading.Lock()  # launch and close never overlap
+        try:
+            self.comms: list[Any] = list(self.nccl.NcclCommunicator.initAll(ids))
+        except Exception as exc:  # NcclError, CUDARuntimeError: no usable NCCL here
+            raise BackendUnavailable(
+                f"NCCL could not create communicators for GPUs {ids}: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def close(self, abort: bool = False) -> None:
-        comms, self.comms = self.comms, []
+        """Destroy the communicators; ``abort=True`` aborts them (pending work is
+        abandoned, nothing waits for it). Idempotent."""
+        with self._lock:
+            comms, self.comms = self.comms, []
         for c in comms:
             try:
                 c.abort() if abort else c.destroy()
             except Exception:  # noqa: BLE001 - best effort while tearing down
                 pass
 
-    def launch(self, prep: Any, streams: list[Any], async_op: bool, timeout: float,
-               on_error: Callable[[BaseException], BaseException]) -> Any:
-        from ._args import Launched
-
+    def _calls(
+        self, prep: Prepared, handles: Sequence[int]
+    ) -> list[tuple[Callable[..., None], tuple[Any, ...]]]:
+        """Each rank's NCCL call as (bound method, arguments), all computed up front."""
         nccl = self.nccl
-        if not self.comms:
-            raise BackendUnavailable("the NCCL communicators were destroyed")
-        dtype = getattr(nccl, _DTYPES[prep.dtype.name])
-        op_name = prep.op
-        scale_after = op_name == "mean" and not hasattr(nccl, "NCCL_AVG")
-        op = getattr(nccl, _OPS["sum" if scale_after else op_name])
-        streams = [s if s is not None else d.current_stream() for s, d in zip(streams,
-                                                                            self.devices)]
-        count = prep.count
-        nccl.groupStart()
         try:
-            for r, comm in enumerate(self.comms):
-                x, o = prep.ins[r], prep.outs[r]
-                sp = streams[r].ptr
-                coll = prep.collective
-                if coll == "all_reduce":
-                    comm.allReduce(x.data.ptr, o.data.ptr, count, dtype, op, sp)
-                elif coll == "reduce":
-                    comm.reduce(x.data.ptr, o.data.ptr, count, dtype, op, prep.root, sp)
-                elif coll == "broadcast":
-                    comm.broadcast(x.data.ptr, o.data.ptr, count, dtype, prep.root, sp)
-                elif coll == "all_gather":
-                    comm.allGather(x.data.ptr, o.data.ptr, count, dtype, sp)
-                elif coll == "reduce_scatter":
-                    comm.reduceScatter(x.data.ptr, o.data.ptr, count, dtype, op, sp)
-        finally:
-            nccl.groupEnd()
-        if scale_after:
-            for r, d in enumerate(self.devices):
-                target = prep.outs[r] if prep.collective != "reduce" or r == prep.root else None
-                if target is not None:
-                    with streams[r]:
-                        d.scale(target, 1.0 / len(self.devices))
-        events = [s.record() for s in streams]
-        if not async_op:
+            dtype = getattr(nccl, _DTYPES[prep.dtype.name])
+            op = getattr(nccl, _OPS[prep.op]) if prep.op in _OPS else None
+        except (KeyError, AttributeError) as exc:
+            raise BackendUnavailable(
+                f"this NCCL build has no {exc} ({prep.dtype}, op {prep.op!r})"
+            ) from exc
+        count, root, coll = prep.count, prep.root, prep.collective
+        calls: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+        for r, comm in enumerate(self.comms):
+            x, o, sp = _data_ptr(prep.ins[r]), _data_ptr(prep.outs[r]), handles[r]
+            if coll == "all_reduce":
+                calls.append((comm.allReduce, (x, o, count, dtype, op, sp)))
+            elif coll == "reduce":
+                calls.append((comm.reduce, (x, o, count, dtype, op, root, sp)))
+            elif coll == "broadcast":
+                calls.append((comm.broadcast, (x, o, count, dtype, root, sp)))
+            elif coll == "all_gather":
+                calls.append((comm.allGather, (x, o, count, dtype, sp)))
+            elif coll == "reduce_scatter":
+                calls.append((comm.reduceScatter, (x, o, count, dtype, op, sp)))
+            else:
+                raise ValueError(f"the nccl engine has no {coll!r}")
+        return calls
+
+    def launch(self, prep: Prepared, streams: Sequence[Stream | None]) -> Launched:
+        """Issue the collective on every rank's stream (None: the device's current
+        stream) in one NCCL group, record an event after it on each, and return without
+        waiting. The caller watches the events. NCCL or CUDA errors raise ``CommError``
+        (after which the communicators must be aborted)."""
+        if len(streams) != len(self.devices):
+            raise ValueError(f"{len(streams)} streams for {len(self.devices)} NCCL ranks")
+        with self._lock:
+            if not self.comms:
+                raise CommError("the NCCL communicators were destroyed")
+            order: list[Stream] = [
+                s if s is not None else d.current_stream()
+                for s, d in zip(streams, self.devices, strict=True)
+            ]
+            handles = [stream_handle(s) for s in order]
+            calls = self._calls(prep, handles)
+            nccl = self.nccl
+            error: BaseException | None = None
             try:
-                for ev in events:
-                    ev.synchronize(timeout)
-            except CommTimeout as exc:
-                self.close(abort=True)
-                raise on_error(exc) from exc
-        return Launched(prep.results, events, streams, (prep,))
+                nccl.groupStart()
+            except Exception as exc:  # noqa: BLE001 - reported below as a CommError
+                raise CommError(f"NCCL groupStart failed: {exc!r}") from exc
+            try:
+                for fn, args in calls:
+                    fn(*args)
+            except Exception as exc:  # noqa: BLE001 - groupEnd still balances the group
+                error = exc
+            try:
+                nccl.groupEnd()  # after an error inside the group, NCCL launches none of it
+            except Exception as exc:  # noqa: BLE001
+                error = error or exc
+            if error is not None:
+                raise CommError(
+                    f"NCCL {prep.collective} failed on GPUs "
+                    f"{[d.physical_id for d in self.devices]}: {type(error).__name__}: {error}"
+                ) from error
+            try:
+                events: list[Event] = [s.record() for s in order]
+            except Exception as exc:  # noqa: BLE001 - a CUDA error recording the events
+                raise CommError(f"recording the end of NCCL {prep.collective}: {exc!r}") from exc
+        return Launched(prep.results, events, order, (prep,))

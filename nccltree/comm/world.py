@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,6 +24,10 @@ from .comm import Comm, _Rendezvous
 from .executor import Buffers, enqueue, run_inline
 from .plan import Plan
 from .work import Work
+
+if TYPE_CHECKING:
+    from .nccl import NcclEngine
+    from .watchdog import Watchdog
 
 ALGORITHM_CHOICES = (*ALGORITHMS, "nccl", "auto")
 
@@ -108,8 +112,9 @@ class World:
         self._failure: BaseException | None = None
         self._fail_lock = threading.Lock()
         self._closed = False
-        self._nccl = None
+        self._nccl: NcclEngine | None = None
         self._nccl_unusable: str | None = None
+        self._watchdog: Watchdog | None = None  # started by the first watched launch
         if algorithm == "nccl":
             self._nccl_engine()  # fail now, with the reason, rather than at the first call
         self._rendezvous = _Rendezvous(self)
@@ -134,8 +139,14 @@ class World:
                     st.synchronize(self.timeout)
                 except NcclTreeError:
                     pass
+        drained = True
+        if self._watchdog is not None:
+            # outstanding NCCL work must finish before its communicators are destroyed
+            # (ncclCommDestroy would wait for it without a bound); past the timeout, abort
+            drained = self._failure is None and self._watchdog.drain(self.timeout)
+            self._watchdog.close()
         if self._nccl is not None:
-            self._nccl.close(abort=self._failure is not None)
+            self._nccl.close(abort=self._failure is not None or not drained)
             self._nccl = None
         self._rendezvous.wake_all()
         self._streams = []
@@ -278,8 +289,7 @@ class World:
             prep = prepare(self.devices, collective, xs, outs, op, root)
             algorithm = self._choose(prep)
             if algorithm == "nccl":
-                return self._nccl_engine().launch(prep, streams, async_op, self.timeout,
-                                                  self._on_stream_error)
+                return self._launch_nccl(prep, streams)
             plan = self._plan(algorithm, prep)
             tmps = [self._scratch_for(r, prep.dtype, plan.scratch.get(r, 0))
                     for r in range(self.size)]
@@ -315,6 +325,29 @@ class World:
                         else:
                             ev.synchronize(self.timeout)
             return Launched(prep.results, ends, list(streams), keep)
+
+    def _launch_nccl(self, prep: Prepared, streams: list) -> Launched:
+        """NCCL on the caller streams; returns at once (stream-ordered, as every engine),
+        with the watchdog holding the buffers and the deadline until the work completes."""
+        try:
+            launched = self._nccl_engine().launch(prep, streams)
+        except CommError as exc:
+            raise self._on_stream_error(exc) from exc
+        self._watch(f"NCCL {prep.collective} of {prep.nbytes} B per rank",
+                    launched.events or [], launched.keepalive)
+        return launched
+
+    def _watch(self, what: str, events: list, keepalive: Any) -> None:
+        if self._watchdog is None:
+            from .watchdog import Watchdog
+
+            self._watchdog = Watchdog(self._on_watchdog_failure, name="nccltree-watchdog")
+        self._watchdog.watch(what, events, self.timeout, keepalive)
+
+    def _on_watchdog_failure(self, exc: BaseException) -> None:
+        # on the watchdog thread: abort the communicators and fail the World for good, which
+        # wakes every rank waiting in a collective
+        self._on_stream_error(exc)
 
     def _on_stream_error(self, exc: BaseException) -> BaseException:
         """A failure inside the devices' work: the World cannot be trusted any more."""
@@ -364,7 +397,7 @@ class World:
                 self._nccl_unusable = str(exc)  # asked once: "auto" falls back for good
         return not self._nccl_unusable
 
-    def _nccl_engine(self):
+    def _nccl_engine(self) -> NcclEngine:
         if self._nccl is None:
             from .nccl import NcclEngine
 

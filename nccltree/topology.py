@@ -268,7 +268,7 @@ class Topology:
                     f"the p2p matrix names {' '.join(p2p_names)}, the topology {' '.join(names)}"
                 )
             peer = [[tok.upper() in ("OK", "X") for tok in row] for row in p2p_grid]
-        links = []
+        links: list[list[Link]] = []
         for i in range(n):
             row = []
             for j in range(n):

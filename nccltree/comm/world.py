@@ -106,7 +106,7 @@ class World:
         self.topology = topology
         self._trees: dict[int, Any] = {}
         self._plans: dict[tuple, Plan] = {}
-        self._scratch: dict[tuple[int, str], Any] = {}
+        self._scratch: dict[tuple[int, str, bool], Any] = {}
         self._streams = [d.new_stream() for d in devices]
         self._lock = threading.RLock()  # one collective is launched at a time
         self._failure: BaseException | None = None

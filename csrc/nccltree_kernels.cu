@@ -5,7 +5,17 @@
 // fatbin) and with NVRTC at run time (cupy.RawModule(code=...)) when the fatbin is missing.
 // float16 is stored as IEEE half bits and accumulated in float32 (PTX cvt instructions,
 // which need no cuda_fp16.h).  Every kernel is a grid-stride loop; reduce/sum_into/scale/
-// sgd use 16-byte vector loads when every pointer involved is 16-byte aligned.
+// sgd use 16-byte vector loads and stores when every pointer involved has the same offset
+// within 16 bytes: a scalar head of up to 16/sizeof(T) - 1 elements brings them all to a
+// 16-byte boundary, the body runs on vectors, a scalar tail ends it.  Pointers with
+// different offsets take the scalar path for the whole range.  Each element is computed
+// by the same operations in the same order on every path, so the split never changes a
+// result.
+//
+// Floating-point semantics are those of the host library and numpy: no fused multiply-add,
+// no flush of subnormals to zero, IEEE division and square root.  Both builds pass them
+// explicitly (nvcc: --fmad=false -ftz=false --prec-div=true --prec-sqrt=true; NVRTC the
+// same options), so the fatbin and the run-time compiled module are bitwise the same.
 //
 // Signatures (n counts elements, T is the storage type, S the scalar type:
 // float for f16/f32, double for f64):
@@ -84,8 +94,19 @@ struct alignas(16) nt_vec {
     T v[16 / sizeof(T)];
 };
 
-__device__ __forceinline__ bool nt_aligned16(const void *p) {
-    return ((unsigned long long)p & 15ull) == 0;
+// whether a and b have the same offset within 16 bytes
+__device__ __forceinline__ bool nt_same16(const void *a, const void *b) {
+    return (((unsigned long long)a ^ (unsigned long long)b) & 15ull) == 0;
+}
+
+// Elements before p reaches a 16-byte boundary (at most n), when every other pointer of the
+// operation shares p's offset within 16 bytes (same); n, i.e. all scalar, otherwise.
+template <typename T>
+__device__ __forceinline__ long long nt_head(const void *p, bool same, long long n) {
+    const unsigned mis = (unsigned)((unsigned long long)p & 15ull);
+    if (!same || mis % sizeof(T) != 0) return n;
+    const long long h = ((16u - mis) & 15u) / sizeof(T);
+    return h < n ? h : n;
 }
 
 __device__ __forceinline__ long long nt_tid() {
@@ -106,6 +127,18 @@ struct nt_fin_scale {
     template <typename A> static __device__ __forceinline__ A f(A x, A alpha) { return x * alpha; }
 };
 
+// One element of dst = fin(op(srcs[0..k-1])), in source order.
+template <typename T, typename Op, typename Fin>
+__device__ __forceinline__ void nt_reduce_one(T *dst, const nt_srcs &s, int k, long long i,
+                                              typename nt_io<T>::acc alpha) {
+    typedef nt_io<T> io;
+    typename io::acc acc = io::load(((const T *)s.p[0])[i]);
+#pragma unroll
+    for (int j = 1; j < NT_MAX_SOURCES; ++j)
+        if (j < k) acc = Op::f(acc, io::load(((const T *)s.p[j])[i]));
+    dst[i] = io::store(Fin::f(acc, alpha));
+}
+
 // dst = fin(op(srcs[0..k-1])); every thread reads all sources at i before writing dst at
 // i, so dst may be one of the sources.
 template <typename T, typename Op, typename Fin = nt_fin_none>
@@ -114,48 +147,51 @@ __device__ __forceinline__ void nt_reduce(T *dst, const nt_srcs &s, int k, long 
     typedef nt_io<T> io;
     typedef typename io::acc A;
     const int V = 16 / sizeof(T);
-    bool aligned = nt_aligned16(dst);
+    bool same = true;
     for (int j = 0; j < NT_MAX_SOURCES; ++j)
-        if (j < k) aligned = aligned && nt_aligned16(s.p[j]);
-    long long nvec = aligned ? n / V : 0;
+        if (j < k) same = same && nt_same16(dst, s.p[j]);
+    const long long head = nt_head<T>(dst, same, n);
+    const long long nvec = (n - head) / V;
+    for (long long i = nt_tid(); i < head; i += nt_stride())
+        nt_reduce_one<T, Op, Fin>(dst, s, k, i, alpha);
+    nt_vec<T> *vdst = (nt_vec<T> *)(dst + head);
     for (long long i = nt_tid(); i < nvec; i += nt_stride()) {
-        nt_vec<T> x = ((const nt_vec<T> *)s.p[0])[i];
+        nt_vec<T> x = ((const nt_vec<T> *)((const T *)s.p[0] + head))[i];
         A acc[V];
 #pragma unroll
         for (int l = 0; l < V; ++l) acc[l] = io::load(x.v[l]);
 #pragma unroll
         for (int j = 1; j < NT_MAX_SOURCES; ++j) {
             if (j < k) {
-                nt_vec<T> y = ((const nt_vec<T> *)s.p[j])[i];
+                nt_vec<T> y = ((const nt_vec<T> *)((const T *)s.p[j] + head))[i];
 #pragma unroll
                 for (int l = 0; l < V; ++l) acc[l] = Op::f(acc[l], io::load(y.v[l]));
             }
         }
 #pragma unroll
         for (int l = 0; l < V; ++l) x.v[l] = io::store(Fin::f(acc[l], alpha));
-        ((nt_vec<T> *)dst)[i] = x;
+        vdst[i] = x;
     }
-    for (long long i = nvec * V + nt_tid(); i < n; i += nt_stride()) {
-        A acc = io::load(((const T *)s.p[0])[i]);
-#pragma unroll
-        for (int j = 1; j < NT_MAX_SOURCES; ++j)
-            if (j < k) acc = Op::f(acc, io::load(((const T *)s.p[j])[i]));
-        dst[i] = io::store(Fin::f(acc, alpha));
-    }
+    for (long long i = head + nvec * V + nt_tid(); i < n; i += nt_stride())
+        nt_reduce_one<T, Op, Fin>(dst, s, k, i, alpha);
 }
 
 template <typename T, typename S>
 __device__ __forceinline__ void nt_scale(T *x, S alpha, long long n) {
     typedef nt_io<T> io;
     const int V = 16 / sizeof(T);
-    long long nvec = nt_aligned16(x) ? n / V : 0;
+    const long long head = nt_head<T>(x, true, n);
+    const long long nvec = (n - head) / V;
+    for (long long i = nt_tid(); i < head; i += nt_stride())
+        x[i] = io::store(io::load(x[i]) * alpha);
+    nt_vec<T> *vx = (nt_vec<T> *)(x + head);
     for (long long i = nt_tid(); i < nvec; i += nt_stride()) {
-        nt_vec<T> a = ((nt_vec<T> *)x)[i];
+        nt_vec<T> a = vx[i];
 #pragma unroll
         for (int l = 0; l < V; ++l) a.v[l] = io::store(io::load(a.v[l]) * alpha);
-        ((nt_vec<T> *)x)[i] = a;
+        vx[i] = a;
     }
-    for (long long i = nvec * V + nt_tid(); i < n; i += nt_stride())
+    for (long long i = head + nvec * V + nt_tid(); i < n; i += nt_stride())
         x[i] = io::store(io::load(x[i]) * alpha);
 }
 
@@ -168,13 +204,27 @@ __device__ __forceinline__ void nt_sgd_one(A &w, A &g, A &v, A lr, A mom, A wd) 
 }
 
 template <typename T, typename S>
+__device__ __forceinline__ void nt_sgd_at(T *w, T *g, T *v, S lr, S mom, S wd, long long i) {
+    typedef nt_io<T> io;
+    S wi = io::load(w[i]), gi = io::load(g[i]), vi = io::load(v[i]);
+    nt_sgd_one(wi, gi, vi, lr, mom, wd);
+    w[i] = io::store(wi);
+    g[i] = io::store(gi);
+    v[i] = io::store(vi);
+}
+
+template <typename T, typename S>
 __device__ __forceinline__ void nt_sgd(T *w, T *g, T *v, S lr, S mom, S wd, long long n) {
     typedef nt_io<T> io;
     const int V = 16 / sizeof(T);
-    bool aligned = nt_aligned16(w) && nt_aligned16(g) && nt_aligned16(v);
-    long long nvec = aligned ? n / V : 0;
+    const long long head = nt_head<T>(w, nt_same16(w, g) && nt_same16(w, v), n);
+    const long long nvec = (n - head) / V;
+    for (long long i = nt_tid(); i < head; i += nt_stride())
+        nt_sgd_at(w, g, v, lr, mom, wd, i);
+    nt_vec<T> *vw = (nt_vec<T> *)(w + head), *vg = (nt_vec<T> *)(g + head);
+    nt_vec<T> *vv = (nt_vec<T> *)(v + head);
     for (long long i = nt_tid(); i < nvec; i += nt_stride()) {
-        nt_vec<T> a = ((nt_vec<T> *)w)[i], b = ((nt_vec<T> *)g)[i], c = ((nt_vec<T> *)v)[i];
+        nt_vec<T> a = vw[i], b = vg[i], c = vv[i];
 #pragma unroll
         for (int l = 0; l < V; ++l) {
             S wi = io::load(a.v[l]), gi = io::load(b.v[l]), vi = io::load(c.v[l]);
@@ -183,17 +233,12 @@ __device__ __forceinline__ void nt_sgd(T *w, T *g, T *v, S lr, S mom, S wd, long
             b.v[l] = io::store(gi);
             c.v[l] = io::store(vi);
         }
-        ((nt_vec<T> *)w)[i] = a;
-        ((nt_vec<T> *)g)[i] = b;
-        ((nt_vec<T> *)v)[i] = c;
+        vw[i] = a;
+        vg[i] = b;
+        vv[i] = c;
     }
-    for (long long i = nvec * V + nt_tid(); i < n; i += nt_stride()) {
-        S wi = io::load(w[i]), gi = io::load(g[i]), vi = io::load(v[i]);
-        nt_sgd_one(wi, gi, vi, lr, mom, wd);
-        w[i] = io::store(wi);
-        g[i] = io::store(gi);
-        v[i] = io::store(vi);
-    }
+    for (long long i = head + nvec * V + nt_tid(); i < n; i += nt_stride())
+        nt_sgd_at(w, g, v, lr, mom, wd, i);
 }
 
 // ---- extern "C" entry points ----

@@ -5,12 +5,22 @@ present, else (missing, or no image for this GPU and driver) the shipped ``.cu``
 compiled at run time by NVRTC.  Wrappers take CuPy arrays and a ``cupy.cuda.Stream`` (or
 None for the current stream) and enqueue one kernel; nothing here synchronises.  CuPy is
 imported only when a kernel is first needed.
+
+The run-time compilation calls NVRTC itself rather than ``cupy.RawModule(code=...)``:
+CuPy appends ``-ftz=true`` after the caller's options and the last one wins, so a module
+compiled that way flushes float32 subnormals to zero and differs bitwise from the fatbin,
+the host kernels and numpy.  The cubin (or PTX) goes to a per-user cache file, keyed by
+everything that determines its contents, and is loaded by path.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import tempfile
 import threading
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +31,21 @@ from ._errors import BackendUnavailable
 FATBIN = "nccltree_kernels.fatbin"
 SOURCE = "nccltree_kernels.cu"
 MAX_SOURCES = 8
-#: NVRTC options; no fused multiply-add, as in the fatbin and the host library
-NVRTC_OPTIONS = ("--std=c++14", "--fmad=false")
+#: NVRTC options: the floating-point semantics of the nvcc build (see CMakeLists.txt) and of
+#: the host library, spelled out: no fused multiply-add, subnormals kept, IEEE division
+#: and square root.  The target architecture is added per GPU.
+NVRTC_OPTIONS = (
+    "--std=c++14",
+    "--fmad=false",
+    "--ftz=false",
+    "--prec-div=true",
+    "--prec-sqrt=true",
+)
+#: where compiled modules are cached (default: ``$XDG_CACHE_HOME/nccltree`` or
+#: ``~/.cache/nccltree``)
+CACHE_ENV = "NCCLTREE_CACHE_DIR"
 
-_SUFFIX = {
+_SUFFIX: dict[np.dtype[Any], str] = {
     np.dtype(np.float16): "f16",
     np.dtype(np.float32): "f32",
     np.dtype(np.float64): "f64",
@@ -32,7 +53,7 @@ _SUFFIX = {
     np.dtype(np.int64): "i64",
 }
 # scalar argument type of scale / sgd_update (float16 computes in float32)
-_SCALAR = {
+_SCALAR: dict[np.dtype[Any], type[np.floating[Any]]] = {
     np.dtype(np.float16): np.float32,
     np.dtype(np.float32): np.float32,
     np.dtype(np.float64): np.float64,
@@ -42,11 +63,16 @@ OPS = ("sum", "prod", "max", "min")
 _SRCS = np.dtype([("p", "<u8", (MAX_SOURCES,))])
 _BLOCK = 256
 _MAX_GRID = 8192  # grid-stride loops cover the rest
+_PROBE = "nt_sum_into_f32"
 
 _lock = threading.Lock()
 _modules: dict[int, Any] = {}  # GPU ordinal -> loaded cupy.RawModule
 _origin: dict[int, str] = {}  # GPU ordinal -> "fatbin" | "source"
+_target: dict[int, str] = {}  # GPU ordinal -> "sm_XY" | "compute_XY" (source modules)
 _functions: dict[tuple[int, str], Any] = {}  # (GPU ordinal, kernel name) -> kernel
+#: False makes :func:`module` compile the source even where the fatbin loads (tests of
+#: the run-time path patch it, together with the caches above)
+_use_fatbin = True
 
 
 def _cupy() -> Any:
@@ -87,22 +113,127 @@ def source_text() -> str:
     return path.read_text()
 
 
+# ---- run-time compilation ----
+
+
+def nvrtc_target(capability: int, supported: Sequence[int]) -> tuple[str, str]:
+    """(``--gpu-architecture`` value, "cubin" | "ptx") for a GPU of compute capability
+    ``capability`` (e.g. 90) and the architectures NVRTC supports.
+
+    A cubin for the GPU itself when NVRTC knows it; for a GPU newer than NVRTC, PTX for
+    the newest architecture it knows below the GPU's, which the driver compiles on load
+    (honouring the ``.ftz`` choice written into each PTX instruction, so subnormals are
+    still kept)."""
+    if capability in supported:
+        return f"sm_{capability}", "cubin"
+    older = [a for a in supported if a < capability]
+    if not older:
+        have = ", ".join(str(a) for a in sorted(supported)) or "none"
+        raise BackendUnavailable(
+            f"NVRTC cannot compile for compute capability {capability} "
+            f"(it supports {have}) and the fatbin has no image for it"
+        )
+    return f"compute_{max(older)}", "ptx"
+
+
+def cache_dir() -> Path:
+    """The per-user directory of compiled modules (created on demand)."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "nccltree"
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that no reader, in this or another process, can see
+    a partial file: a temporary file in the same directory renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _nvrtc_compile(nvrtc: Any, source: str, options: Sequence[str], kind: str) -> bytes:
+    prog = nvrtc.createProgram(source, SOURCE, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, list(options))
+        except Exception as exc:
+            try:
+                log = nvrtc.getProgramLog(prog)
+            except Exception:
+                log = ""
+            raise RuntimeError(f"{exc}\n{log}".rstrip()) from exc
+        return bytes(nvrtc.getCUBIN(prog) if kind == "cubin" else nvrtc.getPTX(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def compile_source(device_id: int) -> tuple[Path, str]:
+    """Compile the shipped source for a GPU with NVRTC (or find it compiled in the cache);
+    returns (the cubin or PTX file, the architecture it targets)."""
+    cp = _cupy()
+    nvrtc = cp.cuda.nvrtc
+    capability = int(cp.cuda.Device(device_id).compute_capability)
+    version = tuple(nvrtc.getVersion())
+    arch, kind = nvrtc_target(capability, tuple(nvrtc.getSupportedArchs()))
+    if kind == "ptx":
+        warnings.warn(
+            f"NVRTC {version[0]}.{version[1]} does not know compute capability "
+            f"{capability}: compiled PTX for {arch}, which the driver compiles on load",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    options = (*NVRTC_OPTIONS, f"--gpu-architecture={arch}")
+    source = source_text()
+    key = hashlib.sha256(repr((source, options, version, kind)).encode()).hexdigest()
+    path = cache_dir() / f"nccltree_kernels-{arch}-{key[:24]}.{kind}"
+    if not path.is_file():
+        _write_atomic(path, _nvrtc_compile(nvrtc, source, options, kind))
+    return path, arch
+
+
+def _load_path(cp: Any, path: Path) -> Any:
+    mod = cp.RawModule(path=str(path))
+    mod.compile()  # loads it now: fails if no image fits this GPU and driver
+    mod.get_function(_PROBE)
+    return mod
+
+
 def _load(device_id: int, use_fatbin: bool = True) -> tuple[Any, str]:
     cp = _cupy()
-    probe = "nt_sum_into_f32"
     with cp.cuda.Device(device_id):
         fatbin = lib_file(FATBIN) if use_fatbin else None
+        why = "not installed" if use_fatbin else "not requested"
         if fatbin is not None:
             try:
-                mod = cp.RawModule(path=str(fatbin))
-                mod.compile()  # loads it now: fails if no image fits this GPU and driver
-                mod.get_function(probe)
-                return mod, "fatbin"
-            except Exception:  # any load failure means: compile the source instead
-                pass
-        mod = cp.RawModule(code=source_text(), options=NVRTC_OPTIONS)
-        mod.compile()  # now, so that errors surface here and not in the middle of a stream
-        mod.get_function(probe)
+                return _load_path(cp, fatbin), "fatbin"
+            except Exception as exc:  # any load failure means: compile the source instead
+                why = f"{type(exc).__name__}: {exc}"
+        try:
+            path, arch = compile_source(device_id)
+            try:
+                mod = _load_path(cp, path)
+            except Exception:
+                # a damaged cache file: compile again, once
+                path.unlink(missing_ok=True)
+                path, arch = compile_source(device_id)
+                mod = _load_path(cp, path)
+        except BackendUnavailable:
+            raise
+        except Exception as exc:
+            raise BackendUnavailable(
+                f"no CUDA kernels for GPU {device_id}: the fatbin did not load ({why}) and "
+                f"NVRTC could not compile {SOURCE} ({type(exc).__name__}: {exc}); a GPU "
+                "machine needs NVRTC and the CUDA headers, e.g. nccltree[cuda13]"
+            ) from exc
+        _target[device_id] = arch
         return mod, "source"
 
 
@@ -116,7 +247,7 @@ def module(device_id: int | None = None) -> Any:
         with _lock:
             mod = _modules.get(device_id)
             if mod is None:
-                mod, origin = _load(device_id)
+                mod, origin = _load(device_id, use_fatbin=_use_fatbin)
                 _modules[device_id] = mod
                 _origin[device_id] = origin
     return mod
@@ -125,6 +256,12 @@ def module(device_id: int | None = None) -> Any:
 def origin(device_id: int) -> str | None:
     """Where a loaded module came from: "fatbin", "source", or None if not loaded yet."""
     return _origin.get(device_id)
+
+
+def target(device_id: int) -> str | None:
+    """The architecture a run-time compiled module targets ("sm_90" for a cubin,
+    "compute_90" for PTX the driver compiled); None for a fatbin or before loading."""
+    return _target.get(device_id) if _origin.get(device_id) == "source" else None
 
 
 # ---- argument checks ----
@@ -139,7 +276,7 @@ def _array(x: Any, name: str) -> Any:
     return x
 
 
-def _suffix(x: Any, name: str, accepted: dict) -> str:
+def _suffix(x: Any, name: str, accepted: Mapping[np.dtype[Any], object]) -> str:
     if x.dtype not in accepted:
         names = ", ".join(str(dt) for dt in accepted)
         raise TypeError(f"{name} has dtype {x.dtype}; accepted: {names}")
@@ -153,11 +290,21 @@ def _same(x: Any, ref: Any, name: str, ref_name: str) -> None:
         raise ValueError(f"{name} has {x.size} elements but {ref_name} has {ref.size}")
 
 
-def _launch(dst: Any, name: str, n: int, args: tuple, stream: Any) -> None:
+def _device_of(dst: Any, stream: Any) -> int:
+    """The GPU that runs an operation: the stream's (a kernel must be launched on its
+    stream's device; it may then store to a peer's ``dst`` over peer access), else
+    ``dst``'s, whose current stream is used."""
+    dev = getattr(stream, "device_id", -1) if stream is not None else -1
+    return int(dev) if dev is not None and dev >= 0 else int(dst.device.id)
+
+
+def _launch(dst: Any, name: str, n: int, args: tuple[Any, ...], stream: Any) -> None:
     cp = _cupy()
     vec = max(1, 16 // dst.itemsize)
+    # The vector body covers at most n / vec vectors (less a head of fewer than vec
+    # elements peeled off to reach 16-byte alignment): one thread per vector up to a cap.
     grid = min(_MAX_GRID, max(1, -(-n // (_BLOCK * vec))))
-    dev = dst.device.id
+    dev = _device_of(dst, stream)
     with cp.cuda.Device(dev):
         fn = _functions.get((dev, name))
         if fn is None:
@@ -201,7 +348,7 @@ def reduce_n(
         ptrs["p"][0, j] = s.data.ptr
     n = dst.size
     if n:
-        args = (dst, ptrs, np.int32(len(srcs)), np.int64(n))
+        args: tuple[Any, ...] = (dst, ptrs, np.int32(len(srcs)), np.int64(n))
         if scaled:
             args += (_SCALAR[dst.dtype](alpha),)
             _launch(dst, f"nt_reduce_n_scaled_sum_{suffix}", n, args, stream)
@@ -257,7 +404,7 @@ def copy(dst: Any, src: Any, stream: Any = None) -> Any:
     _same(_array(src, "src"), dst, "src", "dst")
     if dst.nbytes:
         cp = _cupy()
-        s = stream if stream is not None else cp.cuda.get_current_stream()
-        with cp.cuda.Device(dst.device.id):
+        with cp.cuda.Device(_device_of(dst, stream)):
+            s = stream if stream is not None else cp.cuda.get_current_stream()
             dst.data.copy_from_device_async(src.data, dst.nbytes, s)
     return dst

@@ -1,10 +1,12 @@
 """Host buffers for transfers, and memory that lives on both sides of a device.
 
-- ``pinned_empty``: page-locked host memory from CuPy when a GPU is usable (DMA transfers
-  need it, and many GPUs copying at once stay stable with it), else 64-byte-aligned plain
-  numpy memory -- never ``mlock``ed, so tests and CPU-only runs cannot exhaust locked RAM.
+- ``pinned_empty``: page-locked host memory from the CUDA runtime when a GPU is usable (DMA
+  transfers need it, and many GPUs copying at once stay stable with it), of exactly the
+  size asked and unpinned when the array is gone (not CuPy's pinned pool, which rounds to
+  powers of two and never unpins), else 64-byte-aligned plain numpy memory -- never
+  ``mlock``ed, so tests and CPU-only runs cannot exhaust locked RAM.
 - ``PinnedPool``: reuses freed pinned blocks, because page-locking is slow (a system call
-  and page-table work per allocation), with a hard byte cap.
+  and page-table work per allocation), with a hard cap on the bytes it keeps locked.
 - ``SyncedMemory``: Caffe's syncedmem: one logical array with a host copy and a device copy,
   and a ``head`` saying which copy is fresh, so data moves only when the other side asks.
 """
@@ -47,8 +49,8 @@ def _use_cuda_pinned() -> bool:
 def pinned_empty(shape: Any, dtype: Any = "float32", *, pinned: bool | None = None) -> np.ndarray:
     """An uninitialised C-contiguous host array for fast device transfers.
 
-    ``pinned=None``: page-locked through CuPy when a GPU is usable, else 64-byte-aligned
-    pageable memory. ``pinned=True`` insists on page-locked memory (``BackendUnavailable``
+    ``pinned=None``: page-locked (``cudaHostAlloc``, freed with the last view of the array)
+    when a GPU is usable, else 64-byte-aligned pageable memory. ``pinned=True`` insists on page-locked memory (``BackendUnavailable``
     without CuPy and a GPU); ``False`` always gives aligned pageable memory.
     """
     if pinned is None:
@@ -93,9 +95,9 @@ class PinnedPool:
 
     ``alloc(shape, dtype)`` returns an array backed by a block of ``size_class(nbytes)``
     bytes, taken from the cache if one is free; ``free(arr)`` returns it to the cache. Past
-    ``max_bytes`` (blocks in use plus cached), cached blocks are released first, then a
-    ``MemoryError`` says how much is in use. Thread-safe. An array must not be used after
-    ``free``: its block is handed out again.
+    ``max_bytes`` (blocks in use plus cached: the bytes the pool keeps page-locked), cached
+    blocks are released (unpinned) first, then a ``MemoryError`` says how much is in use.
+    Thread-safe. An array must not be used after ``free``: its block is handed out again.
     """
 
     def __init__(self, max_bytes: int = 1 << 30, *, pinned: bool | None = None) -> None:
@@ -174,7 +176,8 @@ class PinnedPool:
             self.free(arr)
 
     def trim(self) -> int:
-        """Release every cached block; returns the number of bytes released."""
+        """Release every cached block (page-locked blocks are unpinned and freed once
+        nothing views them); returns the number of bytes released."""
         with self._lock:
             released = self._cached
             self._free.clear()
@@ -231,18 +234,22 @@ class SyncedMemory:
             self._host = self.device.pinned_empty(self.shape, self.dtype)
         return self._host
 
-    def _alloc_dev(self) -> Any:
+    def _alloc_dev(self, stream: Stream) -> Any:
+        # allocated in the order of the stream that writes it first: a GPU pool may hand
+        # out a block still used by work pending on the stream it was allocated for
         if self._dev is None:
-            self._dev = self.device.empty(self.shape, self.dtype)
+            self._dev = self.device.empty(self.shape, self.dtype, stream=stream)
         return self._dev
 
-    def _to_host(self) -> None:
+    def _to_host(self) -> np.ndarray:
+        """Make the host copy fresh; returns it."""
         if self.head == UNINITIALIZED:
             self._alloc_host().fill(0)
             self.head = HOST
         elif self.head == DEVICE:
             self.device.to_host(self._dev, out=self._alloc_host())
             self.head = SYNCED
+        return self._alloc_host()
 
     def _to_device(self) -> None:
         if self.head == UNINITIALIZED:
@@ -252,8 +259,8 @@ class SyncedMemory:
                 self._dev.fill(0)
             self.head = DEVICE
         elif self.head == HOST:
-            dev = self._alloc_dev()
             stream = self.device.current_stream()
+            dev = self._alloc_dev(stream)
             stream.copy(dev, self._host)
             stream.synchronize()
             self.head = SYNCED
@@ -262,16 +269,15 @@ class SyncedMemory:
 
     def host(self) -> np.ndarray:
         """The host copy, fresh, read-only."""
-        self._to_host()
-        view = self._host.view()
+        view = self._to_host().view()
         view.flags.writeable = False
         return view
 
     def mutable_host(self) -> np.ndarray:
         """The host copy, fresh and writable; the device copy becomes stale."""
-        self._to_host()
+        host = self._to_host()
         self.head = HOST
-        return self._host
+        return host
 
     def device_array(self) -> Any:
         """The device copy, fresh (read-only where the array type supports it)."""
@@ -308,5 +314,5 @@ class SyncedMemory:
             raise ValueError(f"async_device_push needs head 'host', head is {self.head!r}")
         if stream.device is not self.device:
             raise ValueError(f"the stream is on {stream.device.name}, not on {self.device.name}")
-        stream.copy(self._alloc_dev(), self._host)
+        stream.copy(self._alloc_dev(stream), self._host)
         self.head = SYNCED

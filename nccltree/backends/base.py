@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 #: Reduction operators every backend's ``Stream.reduce`` accepts.
 REDUCE_OPS = ("sum", "prod", "max", "min")
+
+#: Sources one reduce kernel takes (host and CUDA); longer lists are folded in passes.
+MAX_FUSED = 8
 
 #: Default timeout (seconds) of a wait when the caller passes ``timeout=None``: no wait is
 #: unbounded, so a lost event turns into an error instead of a hang.
@@ -194,12 +197,22 @@ class Device(abc.ABC):
         return self._default
 
     @abc.abstractmethod
-    def empty(self, shape: Any, dtype: Any = "float32") -> Any:
-        """An uninitialised C-contiguous array on this device."""
+    def empty(self, shape: Any, dtype: Any = "float32", *, stream: Stream | None = None) -> Any:
+        """An uninitialised C-contiguous array on this device.
+
+        ``stream``: the stream of this device that uses the memory first. A GPU memory pool
+        hands a freed block out again in the order of the stream it was allocated for, so
+        memory allocated for one stream and written by another can race with work still
+        pending on the first; with ``stream=`` the array is ready in that stream's order.
+        ``None``: the stream of an enclosing ``with stream:`` if there is one; otherwise
+        the array may be used on any stream once this returns (CUDA waits for the work
+        pending on the current stream). Host memory is ready at once, whatever the stream.
+        """
 
     @abc.abstractmethod
-    def zeros(self, shape: Any, dtype: Any = "float32") -> Any:
-        """A zero-filled C-contiguous array on this device."""
+    def zeros(self, shape: Any, dtype: Any = "float32", *, stream: Stream | None = None) -> Any:
+        """A zero-filled C-contiguous array on this device; ``stream`` as in ``empty``
+        (on CUDA the zero fill runs on that stream, so it too is ready in its order)."""
 
     @abc.abstractmethod
     def asarray(self, obj: Any) -> Any:
@@ -299,6 +312,73 @@ class Device(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} index={self.index}>"
+
+
+class FoldPass(NamedTuple):
+    """One kernel launch of a reduce over more sources than one kernel takes.
+
+    The pass reads the running result first when ``accumulate`` (the output of the
+    previous pass), then ``srcs[i]`` for ``i`` in ``sources``, in that order. It writes the
+    scratch accumulator when ``into_scratch``, else ``dst``. ``last``: the pass that applies
+    ``alpha``, so a scale follows the whole sum.
+    """
+
+    sources: tuple[int, ...]
+    accumulate: bool
+    into_scratch: bool
+    last: bool
+
+
+def fold_schedule(
+    n_srcs: int, dst_aliases: Collection[int] = (), max_fused: int = MAX_FUSED
+) -> list[FoldPass]:
+    """The passes of ``dst = op(srcs[0], ..., srcs[n_srcs - 1])`` with kernels of at most
+    ``max_fused`` sources, folding left to right, so the order of the reduction (and hence
+    every rounding) is that of the sources whatever the number of passes.
+
+    ``dst_aliases``: indices of the sources that are ``dst`` itself. A pass reads each
+    element of its inputs before writing it, so a source read in the pass that writes
+    ``dst`` may be ``dst``; one read in a later pass would see the partial result. Then
+    every pass but the last accumulates into a scratch buffer and only the last writes
+    ``dst``.
+    """
+    if n_srcs < 1:
+        raise ValueError(f"a reduce needs at least one source, got {n_srcs}")
+    if max_fused < 2:
+        raise ValueError(f"max_fused must be >= 2 to make progress, got {max_fused}")
+    # the first pass takes max_fused sources; each later one the accumulator and
+    # max_fused - 1 more
+    starts = [0, *range(max_fused, n_srcs, max_fused - 1)]
+    scratch = len(starts) > 1 and any(k >= max_fused for k in dst_aliases)
+    passes = []
+    for p, start in enumerate(starts):
+        end = min(n_srcs, start + (max_fused if p == 0 else max_fused - 1))
+        last = p == len(starts) - 1
+        passes.append(FoldPass(tuple(range(start, end)), p > 0, scratch and not last, last))
+    return passes
+
+
+A = TypeVar("A")
+
+
+def run_fold(
+    dst: A,
+    srcs: Sequence[A],
+    alpha: float,
+    dst_aliases: Collection[int],
+    launch: Callable[[A, list[A], float], object],
+    new_scratch: Callable[[], A],
+    max_fused: int = MAX_FUSED,
+) -> None:
+    """Run ``fold_schedule``: ``launch(out, inputs, alpha)`` once per pass, alpha 1.0 in
+    every pass but the last; ``new_scratch()`` makes the accumulator when one is needed."""
+    passes = fold_schedule(len(srcs), dst_aliases, max_fused)
+    acc = new_scratch() if passes[0].into_scratch else dst
+    for p in passes:
+        inputs = [srcs[i] for i in p.sources]
+        if p.accumulate:
+            inputs.insert(0, acc)
+        launch(acc if p.into_scratch else dst, inputs, alpha if p.last else 1.0)
 
 
 def timeout_or_default(timeout: float | None) -> float:

@@ -10,19 +10,35 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
-from .._errors import BackendUnavailable, CommTimeout
-from .base import REDUCE_OPS, Device, Event, Stream, timeout_or_default
+from .._errors import BackendUnavailable, CommError, CommTimeout
+from .base import REDUCE_OPS, Device, Event, Stream, run_fold, timeout_or_default
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred through unified addressing
 _PEER_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
-_MAX_FUSED = 8  # sources one reduce kernel takes
+_NOT_READY = 600  # cudaErrorNotReady: what a stream or event query says of pending work
+_HOST_ALLOC_PORTABLE = 1  # cudaHostAllocPortable: page-locked for every GPU of the process
+
+
+class CudaError(CommError):
+    """A CUDA error reported by a stream or event query: an op before that point failed
+    (an illegal address, a trap, a failed copy), or the GPU's context is broken.
+
+    ``status`` is the ``cudaError_t`` code and ``device`` the GPU ordinal; the CuPy
+    ``CUDARuntimeError`` is the ``__cause__``.
+    """
+
+    def __init__(self, message: str, status: int, device: int) -> None:
+        super().__init__(message)
+        self.status = status
+        self.device = device
 
 
 def _cupy() -> Any:
@@ -51,6 +67,30 @@ def gpu_count() -> int:
         raise BackendUnavailable(f"no usable CUDA driver or GPU: {exc}") from exc
 
 
+def _query_status(query: Callable[[int], int], ptr: int, pid: int, what: str) -> bool:
+    """Ask CUDA whether the work behind a stream or event handle is done, with GPU ``pid``
+    current: True if done, False if pending, ``CudaError`` for any other status.
+
+    CuPy's ``done`` properties compare the status with success only, so a failed op would
+    look pending forever and a wait would end in a timeout instead of the error.
+    """
+    cp = _cupy()
+    rt = cp.cuda.runtime
+    try:
+        with cp.cuda.Device(pid):
+            status = int(query(ptr))
+    except rt.CUDARuntimeError as exc:  # making the GPU current failed: a broken context
+        status = int(exc.status)
+        cause: BaseException = exc
+    else:
+        if status == 0:
+            return True
+        if status == _NOT_READY:
+            return False
+        cause = rt.CUDARuntimeError(status)
+    raise CudaError(f"{what} on GPU {pid} failed: {cause}", status, pid) from cause
+
+
 def _poll(done: Any, timeout: float | None, what: str) -> None:
     """Wait for ``done()`` by polling: CUDA's blocking waits cannot be timed out."""
     if done():
@@ -68,10 +108,17 @@ def _poll(done: Any, timeout: float | None, what: str) -> None:
 # peer access is a property of a (physical) GPU pair in the process: enable it once
 _peer_lock = threading.Lock()
 _peer_state: dict[tuple[int, int], bool] = {}
+_peer_warned: set[int] = set()  # CUDA statuses already reported by a warning
 
 
 def _enable_peer(a: int, b: int) -> bool:
-    """Enable access from GPU ``a`` to GPU ``b`` memory where possible; True if enabled."""
+    """Enable access from GPU ``a`` to GPU ``b`` memory where possible; True if enabled.
+
+    A pair whose access cannot be enabled (e.g. cudaErrorTooManyPeers on a large PCIe
+    machine: a GPU has a limited number of peer mappings) counts as having none, so plans
+    stage through host memory instead of failing device creation; a warning says so once
+    per kind of error.
+    """
     if a == b:
         return True
     with _peer_lock:
@@ -80,24 +127,42 @@ def _enable_peer(a: int, b: int) -> bool:
             return state
         cp = _cupy()
         rt = cp.cuda.runtime
-        ok = bool(rt.deviceCanAccessPeer(a, b))
-        if ok:
-            with cp.cuda.Device(a):
-                try:
-                    rt.deviceEnablePeerAccess(b)
-                except rt.CUDARuntimeError as exc:
-                    if exc.status != _PEER_ALREADY_ENABLED:
-                        raise
+        try:
+            ok = bool(rt.deviceCanAccessPeer(a, b))
+            if ok:
+                with cp.cuda.Device(a):
+                    try:
+                        rt.deviceEnablePeerAccess(b)
+                    except rt.CUDARuntimeError as exc:
+                        if exc.status != _PEER_ALREADY_ENABLED:
+                            raise
+        except rt.CUDARuntimeError as exc:
+            ok = False
+            if exc.status not in _peer_warned:
+                _peer_warned.add(exc.status)
+                warnings.warn(
+                    f"peer access from GPU {a} to GPU {b} could not be enabled ({exc}); "
+                    "copies between such GPUs are staged through host memory (later pairs "
+                    "failing the same way are not reported again)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         _peer_state[(a, b)] = ok
         return ok
 
 
 class CudaEvent(Event):
-    """A ``cupy.cuda.Event(disable_timing=True)``, created on the device that records it."""
+    """A ``cupy.cuda.Event(disable_timing=True)``, created on the device that records it.
+
+    A failure seen by a query is sticky, as on the host backend: the event keeps raising
+    it until it is recorded again; recording on a stream that already failed carries that
+    stream's error over.
+    """
 
     def __init__(self) -> None:
         self._ev: Any = None
         self._pid = -1
+        self._error: CudaError | None = None
 
     def record(self, stream: Stream) -> None:
         if not isinstance(stream, CudaStream):
@@ -110,24 +175,32 @@ class CudaEvent(Event):
                 self._ev = cp.cuda.Event(disable_timing=True)
                 self._pid = pid
             self._ev.record(stream._cs)
+        self._error = stream._error
 
     def synchronize(self, timeout: float | None = None) -> None:
         if self._ev is not None:
             _poll(self.query, timeout, f"event on GPU {self._pid}")
 
     def query(self) -> bool:
+        if self._error is not None:
+            raise self._error
         if self._ev is None:
             return True
-        with _cupy().cuda.Device(self._pid):
-            return bool(self._ev.done)
+        rt = _cupy().cuda.runtime
+        try:
+            return _query_status(rt.eventQuery, self._ev.ptr, self._pid, "an event")
+        except CudaError as exc:
+            self._error = exc
+            raise
 
 
 class CudaStream(Stream):
     """A CuPy stream (non-blocking) of one logical device."""
 
     def __init__(self, device: CudaDevice, cupy_stream: Any) -> None:
-        self.device = device
+        self.device: CudaDevice = device
         self._cs = cupy_stream
+        self._error: CudaError | None = None  # sticky, as on the host backend
 
     @property
     def cupy_stream(self) -> Any:
@@ -250,16 +323,21 @@ class CudaStream(Stream):
                         tmp.data.ptr, pid, s.data.ptr, spid, s.nbytes, stream_ptr
                     )
                     inputs.append(tmp)
-            # the kernel runs on this stream's GPU, so its output must live there too
-            out = dst if dpid == pid else cp.empty(dst.shape, dst.dtype)
-            # longer lists fold in chunks into the running result; only the last chunk
-            # applies alpha, so the scale follows the whole sum
-            starts = [0, *range(_MAX_FUSED, len(inputs), _MAX_FUSED - 1)]
-            for i in starts:
-                chunk = inputs[:_MAX_FUSED] if i == 0 else [out, *inputs[i : i + _MAX_FUSED - 1]]
-                a = alpha if i == starts[-1] else 1.0
-                k.reduce_n(out, chunk, op, self._cs, alpha=a)
-            if out is not dst and dst.nbytes:
+            # the kernel runs on this stream's GPU: it stores to dst there or, with peer
+            # access, on the peer directly; else into a buffer here that is copied over
+            if dpid == pid:
+                out = dst
+            elif _enable_peer(pid, dpid):
+                out = _peer_view(cp, dst, pid)
+            else:
+                out = cp.empty(dst.shape, dst.dtype)
+            aliases = [i for i, s in enumerate(inputs) if _overlap(s, out)]
+
+            def launch(o: Any, ins: list[Any], a: float) -> None:
+                k.reduce_n(o, ins, op, self._cs, alpha=a)
+
+            run_fold(out, inputs, alpha, aliases, launch, lambda: cp.empty(dst.shape, dst.dtype))
+            if dpid != pid and out.data.ptr != dst.data.ptr and dst.nbytes:
                 cp.cuda.runtime.memcpyPeerAsync(
                     dst.data.ptr, dpid, out.data.ptr, pid, dst.nbytes, stream_ptr
                 )
@@ -305,8 +383,32 @@ class CudaStream(Stream):
         _poll(self.query, timeout, repr(self))
 
     def query(self) -> bool:
-        with _cupy().cuda.Device(self.device.physical_id):
-            return bool(self._cs.done)
+        if self._error is not None:
+            raise self._error
+        rt = _cupy().cuda.runtime
+        try:
+            return _query_status(
+                rt.streamQuery, self._cs.ptr, self.device.physical_id, f"stream {self._cs.ptr:#x}"
+            )
+        except CudaError as exc:
+            self._error = exc
+            raise
+
+
+def _overlap(a: Any, b: Any) -> bool:
+    """Whether two CuPy arrays share bytes (unified addressing: one address space)."""
+    if a.nbytes == 0 or b.nbytes == 0:
+        return False
+    pa, pb = a.data.ptr, b.data.ptr
+    return bool(pa < pb + b.nbytes and pb < pa + a.nbytes)
+
+
+def _peer_view(cp: Any, arr: Any, pid: int) -> Any:
+    """``arr`` (on a peer GPU whose memory GPU ``pid`` may access) as an array of GPU
+    ``pid``: the kernel wrappers launch on the device of their output, and a launch on
+    the peer could not use this GPU's stream. The view keeps ``arr`` alive."""
+    mem = cp.cuda.UnownedMemory(arr.data.ptr, arr.nbytes, arr, pid)
+    return cp.ndarray(arr.shape, arr.dtype, memptr=cp.cuda.MemoryPointer(mem, 0))
 
 
 def _ptr_nbytes(a: Any, what: str) -> tuple[int, int]:
@@ -369,15 +471,44 @@ class CudaDevice(Device):
     def new_event(self) -> CudaEvent:
         return CudaEvent()
 
-    def empty(self, shape: Any, dtype: Any = "float32") -> Any:
-        cp = _cupy()
-        with cp.cuda.Device(self.physical_id):
-            return cp.empty(shape, dtype)
+    def _stream_for(self, stream: Stream | None) -> CudaStream | None:
+        """The stream an allocation is ordered on (see ``Device.empty``): ``stream``, else
+        that of an enclosing ``with stream:``; None: CuPy's current stream, then waited
+        for, so the memory suits any stream."""
+        if stream is None:
+            stream = self.explicit_current_stream()
+            if stream is None:
+                return None
+        if not isinstance(stream, CudaStream) or stream.device.physical_id != self.physical_id:
+            raise ValueError(f"stream must be a stream of GPU {self.physical_id}, got {stream!r}")
+        return stream
 
-    def zeros(self, shape: Any, dtype: Any = "float32") -> Any:
+    @contextmanager
+    def _allocating(self, stream: Stream | None) -> Iterator[Any]:
+        """Allocate in the block (CuPy yielded) in ``stream``'s order: CuPy's pool keeps
+        one arena per stream and reuses a freed block in the order of the stream it was
+        allocated on, so another stream writing it could race with work still pending
+        there; CuPy's ``zeros`` also fills on the current stream."""
         cp = _cupy()
+        s = self._stream_for(stream)
         with cp.cuda.Device(self.physical_id):
-            return cp.zeros(shape, dtype)
+            if s is not None:
+                with s._cs:
+                    yield cp
+                return
+            yield cp
+            # no stream named: make the memory safe for every stream
+            CudaStream(self, cp.cuda.get_current_stream()).synchronize()
+
+    def empty(self, shape: Any, dtype: Any = "float32", *, stream: Stream | None = None) -> Any:
+        with self._allocating(stream) as cp:
+            arr = cp.empty(shape, dtype)
+        return arr
+
+    def zeros(self, shape: Any, dtype: Any = "float32", *, stream: Stream | None = None) -> Any:
+        with self._allocating(stream) as cp:
+            arr = cp.zeros(shape, dtype)
+        return arr
 
     def pinned_empty(self, shape: Any, dtype: Any = "float32") -> np.ndarray:
         return pinned_empty(shape, dtype)
@@ -413,29 +544,46 @@ class CudaDevice(Device):
             raise ValueError(f"{self.name}: the array must be C-contiguous")
 
     def from_host(self, host: Any, stream: Stream | None = None) -> Any:
-        cp = _cupy()
         src = np.ascontiguousarray(host)
-        with cp.cuda.Device(self.physical_id):
+        if stream is None:
+            cp = _cupy()
+            with cp.cuda.Device(self.physical_id):
+                cur = CudaStream(self, cp.cuda.get_current_stream())
+                out = cp.empty(src.shape, src.dtype)
+                cur.copy(out, src)
+                cur.synchronize()  # complete on return, a failure reported as CudaError
+            return out
+        # allocated in the order of the stream that writes it (see Device.empty)
+        s = self._stream_for(stream)
+        with self._allocating(s) as cp:
             out = cp.empty(src.shape, src.dtype)
-            if stream is None:
-                out.set(src)  # on the current stream, then wait: complete on return
-                cp.cuda.get_current_stream().synchronize()
-            else:
-                stream.copy(out, src)
+        stream.copy(out, src)
         return out
 
     def to_host(self, arr: Any, out: Any = None, stream: Stream | None = None) -> np.ndarray:
         self.check_array(arr)
-        cp = _cupy()
         if out is None:
             out = pinned_empty(arr.shape, arr.dtype) if stream is not None else None
-        elif not isinstance(out, np.ndarray) or out.nbytes != arr.nbytes:
-            raise ValueError(f"out must be a numpy array of {arr.nbytes} bytes")
-        with cp.cuda.Device(self.physical_id):
-            if stream is None:
-                res = arr.get(out=out)  # blocking
-                return res
-            stream.copy(out, arr)
+        elif (
+            not isinstance(out, np.ndarray)
+            or out.nbytes != arr.nbytes
+            or not out.flags.c_contiguous
+            or not out.flags.writeable
+        ):
+            # a copy moves bytes: any shape and dtype of the right size will do
+            raise ValueError(
+                f"out must be a writable C-contiguous numpy array of {arr.nbytes} bytes"
+            )
+        if stream is None:
+            cp = _cupy()
+            with cp.cuda.Device(self.physical_id):
+                if out is None:
+                    return arr.get()  # blocking, on the current stream
+                cur = CudaStream(self, cp.cuda.get_current_stream())
+                cur.copy(out, arr)
+                cur.synchronize()
+            return out
+        stream.copy(out, arr)
         return out
 
     def synchronize(self, timeout: float | None = None) -> None:
@@ -473,15 +621,43 @@ class CudaDevice(Device):
             )
 
 
+class _PinnedBlock:
+    """Page-locked host memory from ``cudaHostAlloc``, outside CuPy's pinned pool (which
+    rounds every request up to a power of two and keeps freed blocks locked for good).
+
+    Numpy arrays over the block have it as their base, so it lives as long as any view;
+    when the last one is gone the block is unpinned and freed.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        rt = _cupy().cuda.runtime
+        self.nbytes = nbytes
+        self.ptr = int(rt.hostAlloc(nbytes, _HOST_ALLOC_PORTABLE))
+        # not at exit: the CUDA runtime may be torn down first, and the OS frees it anyway
+        weakref.finalize(self, _free_host, rt, self.ptr).atexit = False
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]:
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3}
+
+
+def _free_host(rt: Any, ptr: int) -> None:
+    try:
+        rt.freeHost(ptr)
+    except Exception as exc:  # noqa: BLE001 - a finalizer has nobody to raise to
+        warnings.warn(f"freeing page-locked memory failed: {exc}", RuntimeWarning, stacklevel=1)
+
+
 def pinned_empty(shape: Any, dtype: Any = "float32") -> np.ndarray:
-    """A numpy array in page-locked memory from CuPy's pinned allocator."""
-    cp = _cupy()
+    """A numpy array in page-locked memory of exactly its size (rounded up to one byte),
+    unpinned and freed when the array and its views are gone."""
     dt = np.dtype(dtype)
     shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
-    count = int(np.prod(shape, dtype=np.int64))
-    mem = cp.cuda.alloc_pinned_memory(max(count * dt.itemsize, 1))
-    # the array's base keeps the pinned block alive
-    return np.frombuffer(mem, dt, count).reshape(shape)
+    if any(n < 0 for n in shape):
+        raise ValueError(f"shape must not have negative sizes, got {shape}")
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    raw: np.ndarray = np.asarray(_PinnedBlock(max(nbytes, 1)))  # base: the block
+    return raw[:nbytes].view(dt).reshape(shape)
 
 
 class CudaRuntime:

@@ -23,7 +23,15 @@ import numpy as np
 
 from .._errors import CommTimeout, NcclTreeError
 from .._native import _array as _native_array
-from .base import REDUCE_OPS, Device, Event, Stream, Transfer, timeout_or_default
+from .base import (
+    REDUCE_OPS,
+    Device,
+    Event,
+    Stream,
+    Transfer,
+    run_fold,
+    timeout_or_default,
+)
 
 JITTER_ENV = "NCCLTREE_HOST_JITTER"
 _JITTER_DEFAULT_MAX_US = 200.0
@@ -302,14 +310,13 @@ def _op_reduce(
         _small_reduce(dst, srcs, _UFUNCS[op], alpha)
     else:
         nat = _nat()
-        # the native kernel takes up to 8 sources; longer lists are folded in chunks of 7
-        # more into the running result, which keeps the order of the sum fixed; only the
-        # last chunk applies alpha, so the scale still follows the whole sum
-        starts = [0, *range(8, len(srcs), 7)]
-        for i in starts:
-            chunk = srcs[:8] if i == 0 else [dst, *srcs[i : i + 7]]
-            a = alpha if i == starts[-1] else 1.0
-            nat.reduce_n(dst, chunk, op=op, nthreads=dev.threads, alpha=a)
+
+        def launch(out: np.ndarray, inputs: list[np.ndarray], a: float) -> None:
+            nat.reduce_n(out, inputs, op=op, nthreads=dev.threads, alpha=a)
+
+        # longer lists than one kernel takes fold in passes, in the order of the sources
+        aliases = [i for i, s in enumerate(srcs) if np.may_share_memory(dst, s)]
+        run_fold(dst, srcs, alpha, aliases, launch, lambda: aligned_empty(dst.shape, dst.dtype))
     for src_index, dst_index, nbytes in reads:
         _record(src_index, dst_index, nbytes, "peer_read")
 
@@ -358,6 +365,12 @@ def _index(dev: Device | None, default: int | None, what: str) -> int | None:
     return dev.index
 
 
+def _dev_index(dev: Device | None, default: int, what: str) -> int:
+    """``_index`` with a device index as the default, so never None."""
+    index = _index(dev, default, what)
+    return default if index is None else index
+
+
 def _copy_args(
     here: HostDevice, dst: Any, src: Any, src_device: Device | None, dst_device: Device | None
 ) -> tuple:
@@ -400,17 +413,29 @@ def _reduce_args(
         _arr(s, f"srcs[{i}]")
         if s.dtype != dst.dtype or s.size != dst.size:
             raise ValueError(f"srcs[{i}] is {s.dtype}[{s.size}] but dst is {dst.dtype}[{dst.size}]")
-    d_idx = _index(dst_device, here.index, "dst_device")
+    d_idx = _dev_index(dst_device, here.index, "dst_device")
     reads: list[tuple[int, int, int]] = []
     if src_devices is not None:
         src_devices = list(src_devices)
         if len(src_devices) != len(srcs):
             raise ValueError(f"src_devices has {len(src_devices)} entries for {len(srcs)} sources")
         for s, d in zip(srcs, src_devices, strict=True):
-            s_idx = _index(d, d_idx, "src_devices entry")
+            s_idx = _dev_index(d, d_idx, "src_devices entry")
             if s_idx != d_idx:
                 reads.append((s_idx, d_idx, s.nbytes))
     return here, dst, srcs, op, reads, alpha
+
+
+def _check_out(out: Any, nbytes: int) -> None:
+    """``to_host``'s ``out``: any writable C-contiguous numpy array of ``nbytes`` bytes (a
+    copy moves bytes, whatever the shapes and dtypes)."""
+    if (
+        not isinstance(out, np.ndarray)
+        or out.nbytes != nbytes
+        or not out.flags.c_contiguous
+        or not out.flags.writeable
+    ):
+        raise ValueError(f"out must be a writable C-contiguous numpy array of {nbytes} bytes")
 
 
 def _op_scale(dev: HostDevice, x: np.ndarray, alpha: float) -> None:
@@ -455,7 +480,7 @@ class HostStream(Stream):
     """A FIFO of work run by this stream's own worker thread (started on first use)."""
 
     def __init__(self, device: HostDevice, serial: int) -> None:
-        self.device = device
+        self.device: HostDevice = device
         jitter = _jitter_config()
         self._core = _Core(f"cpu{device.index}-s{serial}", jitter, device.index * 1009 + serial)
         # when the stream object goes away its worker drains the queue and exits
@@ -572,15 +597,21 @@ class HostDevice(Device):
     def new_event(self) -> HostEvent:
         return HostEvent()
 
-    def empty(self, shape: Any, dtype: Any = "float32") -> np.ndarray:
+    def empty(
+        self, shape: Any, dtype: Any = "float32", *, stream: Stream | None = None
+    ) -> np.ndarray:
+        # host memory is not handed out in any stream's order: ready for every stream
         return aligned_empty(shape, dtype)
 
-    def zeros(self, shape: Any, dtype: Any = "float32") -> np.ndarray:
+    def zeros(
+        self, shape: Any, dtype: Any = "float32", *, stream: Stream | None = None
+    ) -> np.ndarray:
         a = aligned_empty(shape, dtype)
         a.fill(0)
         return a
 
-    pinned_empty = empty
+    def pinned_empty(self, shape: Any, dtype: Any = "float32") -> np.ndarray:
+        return aligned_empty(shape, dtype)
 
     def asarray(self, obj: Any) -> np.ndarray:
         if isinstance(obj, np.ndarray):
@@ -624,10 +655,10 @@ class HostDevice(Device):
         self.check_array(arr)
         if out is None:
             out = aligned_empty(arr.shape, arr.dtype)
-        elif not isinstance(out, np.ndarray) or out.nbytes != arr.nbytes:
-            raise ValueError(f"out must be a numpy array of {arr.nbytes} bytes")
+        else:
+            _check_out(out, arr.nbytes)
         if stream is None:
-            _nat().copy(out, arr, nthreads=self.threads)
+            self.copy_now(out, arr)  # moves bytes, as the stream path does
         else:
             stream.copy(out, arr)
         return out

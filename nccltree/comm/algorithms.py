@@ -26,8 +26,12 @@ direct — every rank reduces its 1/N slice reading all peers, then writes it to
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from .plan import IN, OUT, Buf, Plan, PlanBuilder, chunked, split
+from .plan import IN, OUT, Buf, Plan, PlanBuilder, align_elements, aligned_chunk, chunked, split
+
+if TYPE_CHECKING:
+    from ..tree import Tree
 
 MAX_FAN_IN = 8  # sources one native reduce pass takes
 
@@ -62,7 +66,7 @@ def _kernel_op(op: str) -> str:
 # -- tree ---------------------------------------------------------------------------------
 
 
-def _tree_orders(tree) -> tuple[list[int], list[int]]:
+def _tree_orders(tree: Tree) -> tuple[list[int], list[int]]:
     """(children-before-parents order, parents-before-children order) of the tree's ranks."""
     pre: list[int] = []
     frontier = [tree.root]
@@ -77,7 +81,7 @@ def _tree_orders(tree) -> tuple[list[int], list[int]]:
     return post, pre
 
 
-def _subtree(tree, r: int) -> list[int]:
+def _subtree(tree: Tree, r: int) -> list[int]:
     out, stack = [], [r]
     while stack:
         x = stack.pop()
@@ -106,7 +110,7 @@ class _Stager:
 
     SLOTS = 2
 
-    def __init__(self, b: PlanBuilder, tree, chunk: int) -> None:
+    def __init__(self, b: PlanBuilder, tree: Tree, chunk: int) -> None:
         self.b, self.chunk = b, chunk
         self.p2p = lambda i, j: tree.topology.link(i, j).p2p
         self.areas: dict[int, Buf] = {}
@@ -140,7 +144,7 @@ class _Stager:
 
 def _tree_reduce_phase(
     b: PlanBuilder,
-    tree,
+    tree: Tree,
     post: list[int],
     part: Callable[[int], Buf],
     own: Callable[[int], Buf],
@@ -178,8 +182,14 @@ def _tree_reduce_phase(
 
 
 def _tree_down_phase(
-    b: PlanBuilder, tree, pre: list[int], src: Callable[[int], Buf], dst: Callable[[int], Buf],
-    ranges: Callable[[int], list[tuple[int, int]]], stager: _Stager, pull: bool,
+    b: PlanBuilder,
+    tree: Tree,
+    pre: list[int],
+    src: Callable[[int], Buf],
+    dst: Callable[[int], Buf],
+    ranges: Callable[[int], list[tuple[int, int]]],
+    stager: _Stager,
+    pull: bool,
 ) -> None:
     """Down the tree, parents before children, the most distant child first.
 
@@ -197,6 +207,7 @@ def _tree_down_phase(
                 for off, c in ranges(k):
                     stager.send(r, k, dst(k).sub(off, c), src(r).sub(off, c))
             elif pull:
+                assert has is not None  # signalled above: k has peer access
                 b.wait(k, has)
                 for off, c in ranges(k):
                     b.copy(k, dst(k).sub(off, c), src(r).sub(off, c))
@@ -206,7 +217,14 @@ def _tree_down_phase(
                 b.wait(k, b.signal(r))
 
 
-def _interleave(n_chunks: int, lag: int, up: Callable[[int], None], down: Callable[[int], None]):
+def _same_for_all(pieces: list[tuple[int, int]]) -> Callable[[int], list[tuple[int, int]]]:
+    """``ranges`` for :func:`_tree_down_phase` that gives every child the same pieces."""
+    return lambda _k: pieces
+
+
+def _interleave(
+    n_chunks: int, lag: int, up: Callable[[int], None], down: Callable[[int], None]
+) -> None:
     """Issue chunk t's upward work, then chunk t-lag's downward work, so both phases
     progress together on every stream instead of one strictly after the other."""
     for t in range(n_chunks + lag):
@@ -216,9 +234,11 @@ def _interleave(n_chunks: int, lag: int, up: Callable[[int], None], down: Callab
             down(t - lag)
 
 
-def tree_all_reduce(tree, count, op, in_place, chunk) -> Plan:
+def tree_all_reduce(
+    tree: Tree, count: int, op: str, in_place: bool, chunk: int, align: int = 1
+) -> Plan:
     n = tree.n
-    b = PlanBuilder(n, f"tree all_reduce {op} count={count}", same_buffer=in_place)
+    b = PlanBuilder(n, f"tree all_reduce {op} count={count}", same_buffer=in_place, align=align)
     post, pre = _tree_orders(tree)
     role = _res_role(in_place)
 
@@ -233,7 +253,8 @@ def tree_all_reduce(tree, count, op, in_place, chunk) -> Plan:
     res = lambda r: Buf(r, role, 0, count)  # noqa: E731
     pieces = list(chunked(count, chunk))
     ready: dict[tuple[int, int], int] = {}
-    stager, landing = _Stager(b, tree, chunk), {}
+    stager = _Stager(b, tree, chunk)
+    landing: dict[tuple[int, int], Buf] = {}
 
     def up(i: int) -> None:
         off, c = pieces[i]
@@ -250,16 +271,19 @@ def tree_all_reduce(tree, count, op, in_place, chunk) -> Plan:
     return b.build()
 
 
-def tree_reduce(tree, count, op, in_place, chunk) -> Plan:
+def tree_reduce(
+    tree: Tree, count: int, op: str, in_place: bool, chunk: int, align: int = 1
+) -> Plan:
     """Reduce to ``tree.root``; inputs of other ranks stay unchanged (inner partial sums go
     to scratch memory)."""
     n, root = tree.n, tree.root
-    b = PlanBuilder(n, f"tree reduce {op} root={root} count={count}", same_buffer=in_place)
+    b = PlanBuilder(
+        n, f"tree reduce {op} root={root} count={count}", same_buffer=in_place, align=align
+    )
     post, _ = _tree_orders(tree)
     role = _res_role(in_place)
     own = lambda r: Buf(r, IN, 0, count)  # noqa: E731
-    partials = {r: b.alloc_scratch(r, count) for r in range(n)
-                if r != root and tree.children(r)}
+    partials = {r: b.alloc_scratch(r, count) for r in range(n) if r != root and tree.children(r)}
 
     def part(r: int) -> Buf:
         if r == root:
@@ -267,7 +291,8 @@ def tree_reduce(tree, count, op, in_place, chunk) -> Plan:
         return partials.get(r, own(r))
 
     ready: dict[tuple[int, int], int] = {}
-    stager, landing = _Stager(b, tree, chunk), {}
+    stager = _Stager(b, tree, chunk)
+    landing: dict[tuple[int, int], Buf] = {}
     for i, (off, c) in enumerate(chunked(count, chunk)):
         _tree_reduce_phase(b, tree, post, part, own, off, c, op, ready, i, stager, landing)
         if n == 1 and not in_place:
@@ -276,9 +301,11 @@ def tree_reduce(tree, count, op, in_place, chunk) -> Plan:
     return b.build()
 
 
-def tree_broadcast(tree, count, in_place, chunk) -> Plan:
+def tree_broadcast(tree: Tree, count: int, in_place: bool, chunk: int, align: int = 1) -> Plan:
     n, root = tree.n, tree.root
-    b = PlanBuilder(n, f"tree broadcast root={root} count={count}", same_buffer=in_place)
+    b = PlanBuilder(
+        n, f"tree broadcast root={root} count={count}", same_buffer=in_place, align=align
+    )
     _, pre = _tree_orders(tree)
     role = _res_role(in_place)
 
@@ -290,16 +317,24 @@ def tree_broadcast(tree, count, in_place, chunk) -> Plan:
     for off, c in pieces:
         if not in_place:
             b.copy(root, Buf(root, OUT, off, c), Buf(root, IN, off, c))
-        _tree_down_phase(b, tree, pre, src, lambda k: Buf(k, role, 0, count),
-                         lambda k, off=off, c=c: [(off, c)], stager, len(pieces) > 1)
+        _tree_down_phase(
+            b,
+            tree,
+            pre,
+            src,
+            lambda k: Buf(k, role, 0, count),
+            _same_for_all([(off, c)]),
+            stager,
+            len(pieces) > 1,
+        )
     return b.build()
 
 
-def tree_all_gather(tree, count, in_place, chunk) -> Plan:
+def tree_all_gather(tree: Tree, count: int, in_place: bool, chunk: int, align: int = 1) -> Plan:
     """Gather every rank's block up the tree into the root's output, then send the blocks
     each subtree lacks down the tree."""
     n = tree.n
-    b = PlanBuilder(n, f"tree all_gather count={count}")
+    b = PlanBuilder(n, f"tree all_gather count={count}", align=align)
     post, pre = _tree_orders(tree)
     out = lambda r: Buf(r, OUT, 0, n * count)  # noqa: E731
     mine = lambda r: Buf(r, OUT, r * count, count) if in_place else Buf(r, IN, 0, count)  # noqa: E731
@@ -321,32 +356,42 @@ def tree_all_gather(tree, count, in_place, chunk) -> Plan:
 
     def missing(k: int) -> list[tuple[int, int]]:
         have = set(_subtree(tree, k))
-        pieces = []
+        pieces: list[tuple[int, int]] = []
         for off, c in _ranges([x for x in range(n) if x not in have], count):
             pieces.extend((off + o, cc) for o, cc in chunked(c, chunk))
         return pieces
 
-    _tree_down_phase(b, tree, pre, out, out, missing, stager,
-                     any(len(missing(k)) > 1 for k in range(n) if k != tree.root))
+    _tree_down_phase(
+        b,
+        tree,
+        pre,
+        out,
+        out,
+        missing,
+        stager,
+        any(len(missing(k)) > 1 for k in range(n) if k != tree.root),
+    )
     return b.build()
 
 
-def tree_reduce_scatter(tree, count, op, in_place, chunk) -> Plan:
+def tree_reduce_scatter(
+    tree: Tree, count: int, op: str, in_place: bool, chunk: int, align: int = 1
+) -> Plan:
     """Reduce the whole input to the root's scratch memory, then every rank copies its
     block from there."""
     n, root = tree.n, tree.root
     total = n * count
-    b = PlanBuilder(n, f"tree reduce_scatter {op} count={count}")
+    b = PlanBuilder(n, f"tree reduce_scatter {op} count={count}", align=align)
     post, _ = _tree_orders(tree)
     own = lambda r: Buf(r, IN, 0, total)  # noqa: E731
-    partials = {r: b.alloc_scratch(r, total) for r in range(n)
-                if r == root or tree.children(r)}
+    partials = {r: b.alloc_scratch(r, total) for r in range(n) if r == root or tree.children(r)}
 
     def part(r: int) -> Buf:
         return partials.get(r, own(r))
 
     ready: dict[tuple[int, int], int] = {}
-    stager, landing = _Stager(b, tree, chunk), {}
+    stager = _Stager(b, tree, chunk)
+    landing: dict[tuple[int, int], Buf] = {}
     for i, (off, c) in enumerate(chunked(total, chunk)):
         _tree_reduce_phase(b, tree, post, part, own, off, c, op, ready, i, stager, landing)
         if n == 1:
@@ -369,8 +414,14 @@ def tree_reduce_scatter(tree, count, op, in_place, chunk) -> Plan:
 
 
 def _ring_reduce_scatter(
-    b: PlanBuilder, n: int, segs: list[tuple[int, int]], op: str, chunk: int,
-    src: Callable[[int], Buf], acc: Callable[[int], Buf], shift: int,
+    b: PlanBuilder,
+    n: int,
+    segs: list[tuple[int, int]],
+    op: str,
+    chunk: int,
+    src: Callable[[int], Buf],
+    acc: Callable[[int], Buf],
+    shift: int,
     final: Callable[[int], Buf],
 ) -> dict[tuple[int, int, int], int]:
     """Ring reduce-scatter. At step s rank r adds its own part of segment (r + shift - s)
@@ -389,16 +440,22 @@ def _ring_reduce_scatter(
                     b.wait(r, ev[(p, s - 1, i)])
                 prev = src(p) if s == 0 else acc(p)
                 dst = final(r) if last else acc(r)
-                b.reduce(r, dst.sub(off + o, c), [prev.sub(off + o, c), src(r).sub(off + o, c)],
-                         _kernel_op(op))
+                b.reduce(
+                    r,
+                    dst.sub(off + o, c),
+                    [prev.sub(off + o, c), src(r).sub(off + o, c)],
+                    _kernel_op(op),
+                )
                 if last:
                     _finish_mean(b, r, dst.sub(off + o, c), op, n)
                 ev[(r, s, i)] = b.signal(r)
     return ev
 
 
-def ring_all_reduce(n, count, op, in_place, chunk) -> Plan:
-    b = PlanBuilder(n, f"ring all_reduce {op} count={count}", same_buffer=in_place)
+def ring_all_reduce(
+    n: int, count: int, op: str, in_place: bool, chunk: int, align: int = 1
+) -> Plan:
+    b = PlanBuilder(n, f"ring all_reduce {op} count={count}", same_buffer=in_place, align=align)
     role = _res_role(in_place)
     own = lambda r: Buf(r, IN, 0, count)  # noqa: E731
     acc = lambda r: Buf(r, role, 0, count)  # noqa: E731
@@ -406,7 +463,7 @@ def ring_all_reduce(n, count, op, in_place, chunk) -> Plan:
         if not in_place:
             b.copy(0, acc(0), own(0))
         return b.build()
-    segs = split(count, n)
+    segs = split(count, n, align)
     ev = _ring_reduce_scatter(b, n, segs, op, chunk, own, acc, shift=-1, final=acc)
     # all-gather: at step t rank r pulls segment (r - t) from rank r-1, which completed it
     # in the reduce-scatter (t = 0) or received it at step t-1.
@@ -422,16 +479,20 @@ def ring_all_reduce(n, count, op, in_place, chunk) -> Plan:
     return b.build()
 
 
-def ring_reduce(n, root, count, op, in_place, chunk) -> Plan:
+def ring_reduce(
+    n: int, root: int, count: int, op: str, in_place: bool, chunk: int, align: int = 1
+) -> Plan:
     """Ring reduce-scatter into scratch, then every segment owner sends its piece to root."""
-    b = PlanBuilder(n, f"ring reduce {op} root={root} count={count}", same_buffer=in_place)
+    b = PlanBuilder(
+        n, f"ring reduce {op} root={root} count={count}", same_buffer=in_place, align=align
+    )
     role = _res_role(in_place)
     own = lambda r: Buf(r, IN, 0, count)  # noqa: E731
     if n == 1:
         if not in_place:
             b.copy(0, Buf(0, OUT, 0, count), own(0))
         return b.build()
-    segs = split(count, n)
+    segs = split(count, n, align)
     tmps = {r: b.alloc_scratch(r, count) for r in range(n)}
     tmp = tmps.__getitem__
     dst = Buf(root, role, 0, count)
@@ -442,9 +503,13 @@ def ring_reduce(n, root, count, op, in_place, chunk) -> Plan:
     return b.build()
 
 
-def ring_broadcast(n, root, count, in_place, chunk) -> Plan:
+def ring_broadcast(
+    n: int, root: int, count: int, in_place: bool, chunk: int, align: int = 1
+) -> Plan:
     """A chunked pipeline along the ring starting at root."""
-    b = PlanBuilder(n, f"ring broadcast root={root} count={count}", same_buffer=in_place)
+    b = PlanBuilder(
+        n, f"ring broadcast root={root} count={count}", same_buffer=in_place, align=align
+    )
     role = _res_role(in_place)
     res = lambda r: Buf(r, role, 0, count)  # noqa: E731
     order = [(root + i) % n for i in range(n)]
@@ -459,8 +524,8 @@ def ring_broadcast(n, root, count, in_place, chunk) -> Plan:
     return b.build()
 
 
-def ring_all_gather(n, count, in_place, chunk) -> Plan:
-    b = PlanBuilder(n, f"ring all_gather count={count}")
+def ring_all_gather(n: int, count: int, in_place: bool, chunk: int, align: int = 1) -> Plan:
+    b = PlanBuilder(n, f"ring all_gather count={count}", align=align)
     out = lambda r: Buf(r, OUT, 0, n * count)  # noqa: E731
     ev: dict[tuple[int, int], int] = {}
     for r in range(n):
@@ -478,8 +543,10 @@ def ring_all_gather(n, count, in_place, chunk) -> Plan:
     return b.build()
 
 
-def ring_reduce_scatter(n, count, op, in_place, chunk) -> Plan:
-    b = PlanBuilder(n, f"ring reduce_scatter {op} count={count}")
+def ring_reduce_scatter(
+    n: int, count: int, op: str, in_place: bool, chunk: int, align: int = 1
+) -> Plan:
+    b = PlanBuilder(n, f"ring reduce_scatter {op} count={count}", align=align)
     total = n * count
     own = lambda r: Buf(r, IN, 0, total)  # noqa: E731
 
@@ -501,10 +568,12 @@ def ring_reduce_scatter(n, count, op, in_place, chunk) -> Plan:
 # -- direct -------------------------------------------------------------------------------
 
 
-def direct_all_reduce(n, count, op, in_place, chunk) -> Plan:
-    b = PlanBuilder(n, f"direct all_reduce {op} count={count}", same_buffer=in_place)
+def direct_all_reduce(
+    n: int, count: int, op: str, in_place: bool, chunk: int, align: int = 1
+) -> Plan:
+    b = PlanBuilder(n, f"direct all_reduce {op} count={count}", same_buffer=in_place, align=align)
     role = _res_role(in_place)
-    for r, (off, cnt) in enumerate(split(count, n)):
+    for r, (off, cnt) in enumerate(split(count, n, align)):
         for o, c in chunked(cnt, chunk):
             mine = Buf(r, role, off + o, c)
             _reduce_many(b, r, mine, [Buf(q, IN, off + o, c) for q in range(n)], _kernel_op(op))
@@ -517,11 +586,15 @@ def direct_all_reduce(n, count, op, in_place, chunk) -> Plan:
     return b.build()
 
 
-def direct_reduce(n, root, count, op, in_place, chunk) -> Plan:
+def direct_reduce(
+    n: int, root: int, count: int, op: str, in_place: bool, chunk: int, align: int = 1
+) -> Plan:
     """Rank r reduces slice r of every input straight into the root's result."""
-    b = PlanBuilder(n, f"direct reduce {op} root={root} count={count}", same_buffer=in_place)
+    b = PlanBuilder(
+        n, f"direct reduce {op} root={root} count={count}", same_buffer=in_place, align=align
+    )
     role = _res_role(in_place)
-    for r, (off, cnt) in enumerate(split(count, n)):
+    for r, (off, cnt) in enumerate(split(count, n, align)):
         for o, c in chunked(cnt, chunk):
             dst = Buf(root, role, off + o, c)
             _reduce_many(b, r, dst, [Buf(q, IN, off + o, c) for q in range(n)], _kernel_op(op))
@@ -529,9 +602,13 @@ def direct_reduce(n, root, count, op, in_place, chunk) -> Plan:
     return b.build()
 
 
-def direct_broadcast(n, root, count, in_place, chunk) -> Plan:
+def direct_broadcast(
+    n: int, root: int, count: int, in_place: bool, chunk: int, align: int = 1
+) -> Plan:
     """Every rank reads the root's buffer itself."""
-    b = PlanBuilder(n, f"direct broadcast root={root} count={count}", same_buffer=in_place)
+    b = PlanBuilder(
+        n, f"direct broadcast root={root} count={count}", same_buffer=in_place, align=align
+    )
     role = _res_role(in_place)
     for r in range(n):
         if r == root and in_place:
@@ -540,8 +617,8 @@ def direct_broadcast(n, root, count, in_place, chunk) -> Plan:
     return b.build()
 
 
-def direct_all_gather(n, count, in_place, chunk) -> Plan:
-    b = PlanBuilder(n, f"direct all_gather count={count}")
+def direct_all_gather(n: int, count: int, in_place: bool, chunk: int, align: int = 1) -> Plan:
+    b = PlanBuilder(n, f"direct all_gather count={count}", align=align)
     for r in range(n):
         src = Buf(r, OUT, r * count, count) if in_place else Buf(r, IN, 0, count)
         for i in range(n):
@@ -552,8 +629,10 @@ def direct_all_gather(n, count, in_place, chunk) -> Plan:
     return b.build()
 
 
-def direct_reduce_scatter(n, count, op, in_place, chunk) -> Plan:
-    b = PlanBuilder(n, f"direct reduce_scatter {op} count={count}")
+def direct_reduce_scatter(
+    n: int, count: int, op: str, in_place: bool, chunk: int, align: int = 1
+) -> Plan:
+    b = PlanBuilder(n, f"direct reduce_scatter {op} count={count}", align=align)
     for r in range(n):
         dst = Buf(r, IN, r * count, count) if in_place else Buf(r, OUT, 0, count)
         for o, c in chunked(count, chunk):
@@ -578,11 +657,19 @@ def build_plan(
     root: int = 0,
     in_place: bool = False,
     chunk: int = 1 << 18,
-    tree_for: Callable[[int], object] | None = None,
+    tree_for: Callable[[int], Tree] | None = None,
+    itemsize: int | None = None,
 ) -> Plan:
     """The plan of ``collective`` by ``algorithm``. ``tree_for(root)`` gives the tree (only
-    the tree algorithm needs it); ``chunk`` is in elements."""
-    chunk = max(1, int(chunk))
+    the tree algorithm needs it); ``chunk`` is in elements.
+
+    ``itemsize`` (bytes per element) makes every offset the plan chooses itself a multiple
+    of :data:`~nccltree.comm.plan.ALIGN_BYTES`: the slices of ring and direct, the chunks
+    (``chunk`` is rounded down to a multiple, at least one), scratch and staging regions.
+    Offsets the call fixes (the blocks of all_gather and reduce_scatter) stay where they
+    are. Without it the plan works to the element (the data flow is the same)."""
+    align = align_elements(itemsize)
+    chunk = aligned_chunk(max(1, int(chunk)), align)
     build = _BUILDERS.get((algorithm, collective))
     if build is None:
         raise ValueError(f"no plan for {algorithm!r} {collective!r}")
@@ -590,28 +677,35 @@ def build_plan(
         if tree_for is None:
             raise ValueError("the tree algorithm needs a tree")
         # rooted collectives need the tree rooted there; the others use rank 0's
-        topo: object = tree_for(root if collective in ("reduce", "broadcast") else 0)
+        topo: Tree | int = tree_for(root if collective in ("reduce", "broadcast") else 0)
     else:
         topo = size
-    return build(topo, root=root, count=count, op=op, in_place=in_place, chunk=chunk)
+    return build(topo, root=root, count=count, op=op, in_place=in_place, chunk=chunk, align=align)
 
 
 def _table() -> dict[tuple[str, str], Callable[..., Plan]]:
-    """(algorithm, collective) -> builder(tree or size, *, root, count, op, in_place, chunk)."""
+    """(algorithm, collective) -> builder(tree or size, *, root, count, op, in_place, chunk,
+    align)."""
 
     def rooted(fn):  # builders that take (size, root, ...)
-        return lambda t, *, root, count, op, in_place, chunk: fn(t, root, count, op, in_place,
-                                                                  chunk)
+        return lambda t, *, root, count, op, in_place, chunk, align: fn(
+            t, root, count, op, in_place, chunk, align
+        )
 
     def rooted_nop(fn):  # ... without an op
-        return lambda t, *, root, count, op, in_place, chunk: fn(t, root, count, in_place,
-                                                                  chunk)
+        return lambda t, *, root, count, op, in_place, chunk, align: fn(
+            t, root, count, in_place, chunk, align
+        )
 
     def plain(fn):
-        return lambda t, *, root, count, op, in_place, chunk: fn(t, count, op, in_place, chunk)
+        return lambda t, *, root, count, op, in_place, chunk, align: fn(
+            t, count, op, in_place, chunk, align
+        )
 
     def plain_nop(fn):
-        return lambda t, *, root, count, op, in_place, chunk: fn(t, count, in_place, chunk)
+        return lambda t, *, root, count, op, in_place, chunk, align: fn(
+            t, count, in_place, chunk, align
+        )
 
     return {
         ("tree", "all_reduce"): plain(tree_all_reduce),

@@ -24,11 +24,28 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from math import lcm
 
 # Buffer roles: the caller's input, the caller's output (same memory as "in" when the call
 # is in place), scratch memory the engine owns on the rank's device, and pinned host
 # memory the engine owns for the rank (staging between devices without peer access).
 IN, OUT, TMP, STAGE = "in", "out", "tmp", "stage"
+
+#: The offsets a plan chooses itself (slices, chunks, scratch and staging regions) are
+#: multiples of this many bytes when the builder knows the itemsize: the CUDA kernels use
+#: 16-byte vectors only where every pointer shares its offset within 16 bytes, and 256
+#: bytes also starts every piece on a cache line and on the allocators' granularity.
+ALIGN_BYTES = 256
+
+
+def align_elements(itemsize: int | None) -> int:
+    """The plan's alignment in elements of ``itemsize`` bytes: the smallest element count
+    that is a multiple of :data:`ALIGN_BYTES` bytes (1, element granularity, for None)."""
+    if itemsize is None:
+        return 1
+    if itemsize < 1:
+        raise ValueError(f"itemsize must be positive, got {itemsize}")
+    return lcm(ALIGN_BYTES, itemsize) // itemsize
 
 
 @dataclass(frozen=True)
@@ -112,7 +129,7 @@ class Plan:
         plan implies: copies from another rank's buffer and peer reads by reductions."""
         out = []
         for s in self.steps:
-            if s.kind in ("copy", "reduce"):
+            if s.kind in ("copy", "reduce") and s.dst is not None:
                 for src in s.srcs:
                     if src.rank != s.dst.rank:
                         out.append((src.rank, s.dst.rank, src.count))
@@ -137,10 +154,13 @@ def _fmt(b: Buf | None) -> str:
 class PlanBuilder:
     """Collects an algorithm's steps, then adds start/end fences (see module docstring)."""
 
-    def __init__(self, size: int, description: str = "", same_buffer: bool = False) -> None:
+    def __init__(
+        self, size: int, description: str = "", same_buffer: bool = False, align: int = 1
+    ) -> None:
         self.size = size
         self.description = description
         self.same_buffer = same_buffer
+        self.align = align  # elements; scratch and staging regions start at multiples
         self._steps: list[Step] = []
         self._n_events = 0
         self.scratch: dict[int, int] = {}
@@ -153,9 +173,7 @@ class PlanBuilder:
         if dst.count:
             self._steps.append(Step(rank, "copy", dst, (src,)))
 
-    def reduce(
-        self, rank: int, dst: Buf, srcs: Sequence[Buf], op: str, alpha: float = 1.0
-    ) -> None:
+    def reduce(self, rank: int, dst: Buf, srcs: Sequence[Buf], op: str, alpha: float = 1.0) -> None:
         """dst <- op(*srcs), times ``alpha`` when it is not 1 (a sum only)."""
         if any(s.count != dst.count for s in srcs):
             raise AssertionError("reduce sources and destination differ in size")
@@ -173,8 +191,14 @@ class PlanBuilder:
         unscaled sum on ``rank`` writing exactly ``buf`` (then nothing can have seen the
         unscaled value); returns whether it did. Saves a pass over ``buf``."""
         last = self._steps[-1] if self._steps else None
-        if (last is None or last.kind != "reduce" or last.rank != rank or last.dst != buf
-                or last.op != "sum" or last.alpha != 1.0):
+        if (
+            last is None
+            or last.kind != "reduce"
+            or last.rank != rank
+            or last.dst != buf
+            or last.op != "sum"
+            or last.alpha != 1.0
+        ):
             return False
         self._steps[-1] = replace(last, alpha=alpha)
         return True
@@ -195,13 +219,13 @@ class PlanBuilder:
 
     def alloc_scratch(self, rank: int, count: int) -> Buf:
         """A fresh region of ``count`` elements of ``rank``'s scratch, after all others."""
-        off = self.scratch.get(rank, 0)
+        off = _round_up(self.scratch.get(rank, 0), self.align)
         self.scratch[rank] = off + count
         return Buf(rank, TMP, off, count)
 
     def alloc_stage(self, rank: int, count: int) -> Buf:
         """A fresh region of ``count`` elements of ``rank``'s pinned host staging memory."""
-        off = self.stage.get(rank, 0)
+        off = _round_up(self.stage.get(rank, 0), self.align)
         self.stage[rank] = off + count
         return Buf(rank, STAGE, off, count)
 
@@ -308,11 +332,12 @@ def check_races(plan: Plan) -> list[str]:
             clocks[q] = [max(a, b) for a, b in zip(clocks[q], ec)]
             continue
         stamp = list(clocks[q])
+        assert s.dst is not None, f"step {i}: a {s.kind} step without a destination"
         touched = [(s.dst, True)] + [(b, False) for b in s.srcs]
         for b, write in touched:
             key = _region(b, plan.same_buffer)
             lo, hi = b.offset, b.offset + b.count
-            for (plo, phi, pwrite, pq, pstamp, pdesc) in accesses.get(key, ()):
+            for plo, phi, pwrite, pq, pstamp, pdesc in accesses.get(key, ()):
                 if pq == q or not (write or pwrite) or phi <= lo or hi <= plo:
                     continue
                 # ordered iff the earlier access's own clock entry is covered by ours
@@ -327,15 +352,29 @@ def check_races(plan: Plan) -> list[str]:
     return problems
 
 
-def split(count: int, parts: int) -> list[tuple[int, int]]:
-    """``count`` elements in ``parts`` near-equal contiguous pieces, as (offset, count)."""
-    base, extra = divmod(count, parts)
+def _round_up(x: int, align: int) -> int:
+    return -(-x // align) * align
+
+
+def split(count: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
+    """``count`` elements in ``parts`` contiguous pieces, as (offset, count): every offset a
+    multiple of ``align``, the sizes within ``align`` of each other (whole ``align`` units
+    dealt out as evenly as possible, the last piece also taking the ``count % align``
+    elements left over). ``align=1`` is an even split to the element."""
+    units, rest = divmod(count, align)
+    base, extra = divmod(units, parts)
     out, off = [], 0
     for i in range(parts):
-        c = base + (1 if i < extra else 0)
+        c = (base + (1 if i < extra else 0)) * align + (rest if i == parts - 1 else 0)
         out.append((off, c))
         off += c
     return out
+
+
+def aligned_chunk(chunk: int, align: int) -> int:
+    """``chunk`` elements rounded down to a multiple of ``align`` (at least ``align``), so
+    that pieces cut from an aligned offset stay aligned."""
+    return max(align, chunk // align * align)
 
 
 def chunked(total: int, chunk: int) -> Iterable[tuple[int, int]]:

@@ -11,6 +11,7 @@ import pytest
 
 import nccltree as nt
 from nccltree.backends import host
+from nccltree.backends.base import MAX_FUSED, fold_schedule
 from nccltree.backends.host import Transfer, record_transfers
 
 # -- devices(spec) --------------------------------------------------------------------------
@@ -224,6 +225,88 @@ def test_scaled_reduce_is_bitwise_reduce_then_scale(dev, dtype, k, n):
     s.scale(want, 1 / 3)
     s.synchronize()
     assert dev.to_host(got).tobytes() == dev.to_host(want).tobytes()
+
+
+# the host backend's native path starts above SMALL_BYTES; float16 always takes it
+@pytest.mark.parametrize(
+    ("dtype", "n"), [(np.float32, 5000), (np.float32, 33), (np.float16, 300), (np.int32, 5000)]
+)
+def test_reduce_into_any_source_of_more_than_one_kernel_takes(dev, dtype, n):
+    # dst = srcs[k] with k past the first pass must not be read after that pass wrote it
+    rng = np.random.default_rng(n)
+    s = dev.new_stream()
+    for k in range(9, 21):
+        xs = [(rng.standard_normal(n) * 100).astype(dtype) for _ in range(k)]
+        fresh = dev.empty(n, dtype)
+        s.reduce(fresh, [dev.from_host(x) for x in xs])
+        s.synchronize()
+        want = dev.to_host(fresh)
+        if dtype != np.float16:  # float16 is summed in float32 within a kernel pass
+            ref = xs[0].copy()
+            for x in xs[1:]:
+                ref += x  # left to right, rounded to the dtype at each step
+            assert want.tobytes() == ref.tobytes()
+        for i in range(k):
+            srcs = [dev.from_host(x) for x in xs]
+            s.reduce(srcs[i], srcs)
+            s.synchronize()
+            assert dev.to_host(srcs[i]).tobytes() == want.tobytes(), (k, i)
+            if dtype == np.int32:
+                continue
+            srcs = [dev.from_host(x) for x in xs]
+            s.reduce(srcs[i], srcs, alpha=0.5)  # the scale still follows the whole sum
+            s.synchronize()
+            got, scaled = dev.to_host(srcs[i]), (want * dtype(0.5)).astype(dtype)
+            if dtype != np.float16:  # float16 scales before its one rounding
+                assert got.tobytes() == scaled.tobytes(), (k, i)
+            else:
+                np.testing.assert_allclose(got, scaled, rtol=2e-3, err_msg=f"{k=} {i=}")
+
+
+def test_fold_schedule_keeps_the_order_and_spares_an_aliased_dst():
+    for n in range(1, 30):
+        for aliases in ([], [0], [n - 1], list(range(n))):
+            passes = fold_schedule(n, aliases)
+            assert [i for p in passes for i in p.sources] == list(range(n))
+            assert all(len(p.sources) + p.accumulate <= MAX_FUSED for p in passes)
+            assert [p.accumulate for p in passes] == [False] + [True] * (len(passes) - 1)
+            assert [p.last for p in passes] == [False] * (len(passes) - 1) + [True]
+            assert not passes[-1].into_scratch
+            late = any(a >= MAX_FUSED for a in aliases) and len(passes) > 1
+            # a dst read after the first pass: every pass but the last writes scratch
+            assert [p.into_scratch for p in passes[:-1]] == [late] * (len(passes) - 1)
+    with pytest.raises(ValueError, match="at least one"):
+        fold_schedule(0)
+
+
+def test_to_host_out_takes_any_contiguous_buffer_of_the_size(dev):
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    d = dev.from_host(x)
+    for stream in (None, dev.new_stream()):
+        out = np.zeros((8, 3), np.int32)  # same 96 bytes, another shape and dtype
+        assert dev.to_host(d, out=out, stream=stream) is out
+        if stream is not None:
+            stream.synchronize()
+        assert out.tobytes() == x.tobytes()
+        for bad in (np.zeros(23, np.float32), np.zeros((4, 12), np.float32)[:, ::2]):
+            with pytest.raises(ValueError, match="C-contiguous numpy array of 96 bytes"):
+                dev.to_host(d, out=bad, stream=stream)
+
+
+def test_allocation_for_a_stream(dev):
+    s = dev.new_stream()
+    z = dev.zeros((3, 5), np.float64, stream=s)
+    e = dev.empty(7, np.int32, stream=s)
+    s.copy(e, np.arange(7, dtype=np.int32))
+    s.synchronize()
+    assert z.shape == (3, 5) and e.shape == (7,)
+    np.testing.assert_array_equal(dev.to_host(z), np.zeros((3, 5)))
+    np.testing.assert_array_equal(dev.to_host(e), np.arange(7))
+    with s:  # the stream of an enclosing `with stream:` by default
+        y = dev.zeros(4, np.float32)
+        s.reduce(y, [y, dev.from_host(np.ones(4, np.float32), stream=s)])
+    s.synchronize()
+    np.testing.assert_array_equal(dev.to_host(y), np.ones(4))
 
 
 def test_scaled_reduce_argument_errors_at_enqueue(dev):

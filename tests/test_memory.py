@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import numpy as np
@@ -33,6 +34,78 @@ def test_pinned_empty_is_page_locked_on_gpu_machines():
     pool = PinnedPool(max_bytes=1 << 20)
     b = pool.alloc(1000, np.float32)
     assert cupy.cuda.runtime.pointerGetAttributes(b.ctypes.data).type == 1
+
+
+class _FakeHostRuntime:
+    """``cudaHostAlloc``/``cudaFreeHost`` as CuPy 14's runtime module spells them, backed by
+    plain numpy buffers: checks what nccltree asks of the runtime, not page-locking (the
+    ``gpu`` tests check that)."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, np.ndarray] = {}
+        self.calls: list[tuple] = []
+
+    def hostAlloc(self, size: int, flags: int) -> int:  # noqa: N802 - CuPy's name
+        buf = np.empty(size, np.uint8)
+        self.live[buf.ctypes.data] = buf
+        self.calls.append(("hostAlloc", size, flags))
+        return buf.ctypes.data
+
+    def freeHost(self, ptr: int) -> None:  # noqa: N802 - CuPy's name
+        del self.live[ptr]
+        self.calls.append(("freeHost", ptr))
+
+
+@pytest.fixture
+def fake_host_runtime(monkeypatch):
+    from types import SimpleNamespace
+
+    from nccltree.backends import cuda
+
+    rt = _FakeHostRuntime()
+    monkeypatch.setattr(cuda, "_cupy", lambda: SimpleNamespace(cuda=SimpleNamespace(runtime=rt)))
+    return rt
+
+
+def test_cuda_pinned_memory_is_exact_and_freed_with_its_last_view(fake_host_runtime):
+    from nccltree.backends.cuda import pinned_empty as cuda_pinned_empty
+
+    rt = fake_host_runtime
+    a = cuda_pinned_empty((600, 1000), np.float32)  # CuPy's pool would lock 4 MiB
+    assert a.shape == (600, 1000) and a.dtype == np.float32 and a.flags.c_contiguous
+    assert rt.calls == [("hostAlloc", 2_400_000, 1)]  # exact size, portable
+    ptr = a.ctypes.data
+    a[...] = 7
+    view = a[10:20].reshape(-1)
+    del a
+    gc.collect()
+    assert ptr in rt.live  # a view keeps the block
+    assert (view == 7).all()
+    del view
+    assert rt.calls[-1] == ("freeHost", ptr) and not rt.live
+    assert cuda_pinned_empty(0, np.float64).size == 0  # an empty array still owns a byte
+
+
+def test_pool_trim_frees_pinned_blocks(fake_host_runtime, monkeypatch):
+    from nccltree import memory
+
+    monkeypatch.setattr(memory, "_use_cuda_pinned", lambda: True)
+    rt = fake_host_runtime
+    pool = PinnedPool(max_bytes=240_000)  # locked bytes: blocks in use plus cached
+    a, b = pool.alloc(1000, np.float32), pool.alloc(50_000, np.uint8)
+    assert sorted(c[1] for c in rt.calls) == sorted([size_class(4000), size_class(50_000)])
+    pool.free(a)
+    pool.free(b)
+    del a, b
+    assert len(rt.live) == 2  # cached blocks stay allocated for reuse
+    c = pool.alloc(200_000, np.uint8)  # room for it: the larger cached block is freed
+    assert len(rt.live) == 2 and pool.stats().cached_bytes == size_class(4000)
+    assert pool.trim() == size_class(4000)
+    assert len(rt.live) == 1  # the trimmed block was freed
+    pool.free(c)
+    del c
+    pool.trim()
+    assert not rt.live
 
 
 # -- PinnedPool -----------------------------------------------------------------------------
@@ -252,6 +325,32 @@ def test_async_device_push(dev):
     np.testing.assert_array_equal(_dev_values(dev, m.device_array()), np.full((3, 4), 13))
     with pytest.raises(ValueError, match="head 'host'"):
         m.async_device_push(s)  # head is synced
+
+
+def test_device_copy_is_allocated_for_the_stream_that_writes_it(host_devs, monkeypatch):
+    # a GPU pool hands out blocks in the order of the stream they were allocated for; the
+    # host backend cannot race, so check that SyncedMemory names the stream it writes on
+    (d,) = host_devs(1)
+    asked = []
+    real_empty = d.empty
+
+    def empty(shape, dtype="float32", *, stream=None):
+        asked.append(stream)
+        return real_empty(shape, dtype, stream=stream)
+
+    monkeypatch.setattr(d, "empty", empty)
+    s = d.new_stream()
+    pushed = _sm(d)
+    pushed.mutable_host()[...] = 1
+    pushed.async_device_push(s)
+    assert asked == [s]
+    pulled = _sm(d)
+    pulled.mutable_host()[...] = 2
+    with s:
+        dev_copy = pulled.device_array()
+    assert asked == [s, s]
+    s.synchronize()
+    np.testing.assert_array_equal(d.to_host(dev_copy), np.full((3, 4), 2))
 
 
 def test_async_device_push_needs_a_stream_of_its_device(devs):

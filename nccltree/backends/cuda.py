@@ -325,19 +325,15 @@ class CudaStream(Stream):
                     inputs.append(tmp)
             # the kernel runs on this stream's GPU: it stores to dst there or, with peer
             # access, on the peer directly; else into a buffer here that is copied over
-            if dpid == pid:
-                out = dst
-            elif _enable_peer(pid, dpid):
-                out = _peer_view(cp, dst, pid)
-            else:
-                out = cp.empty(dst.shape, dst.dtype)
+            direct = dpid == pid or _enable_peer(pid, dpid)
+            out = dst if direct else cp.empty(dst.shape, dst.dtype)
             aliases = [i for i, s in enumerate(inputs) if _overlap(s, out)]
 
             def launch(o: Any, ins: list[Any], a: float) -> None:
                 k.reduce_n(o, ins, op, self._cs, alpha=a)
 
             run_fold(out, inputs, alpha, aliases, launch, lambda: cp.empty(dst.shape, dst.dtype))
-            if dpid != pid and out.data.ptr != dst.data.ptr and dst.nbytes:
+            if not direct and dst.nbytes:
                 cp.cuda.runtime.memcpyPeerAsync(
                     dst.data.ptr, dpid, out.data.ptr, pid, dst.nbytes, stream_ptr
                 )
@@ -401,14 +397,6 @@ def _overlap(a: Any, b: Any) -> bool:
         return False
     pa, pb = a.data.ptr, b.data.ptr
     return bool(pa < pb + b.nbytes and pb < pa + a.nbytes)
-
-
-def _peer_view(cp: Any, arr: Any, pid: int) -> Any:
-    """``arr`` (on a peer GPU whose memory GPU ``pid`` may access) as an array of GPU
-    ``pid``: the kernel wrappers launch on the device of their output, and a launch on
-    the peer could not use this GPU's stream. The view keeps ``arr`` alive."""
-    mem = cp.cuda.UnownedMemory(arr.data.ptr, arr.nbytes, arr, pid)
-    return cp.ndarray(arr.shape, arr.dtype, memptr=cp.cuda.MemoryPointer(mem, 0))
 
 
 def _ptr_nbytes(a: Any, what: str) -> tuple[int, int]:

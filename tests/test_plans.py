@@ -10,7 +10,21 @@ import pytest
 import nccltree as nt
 from nccltree.backends.host import record_transfers
 from nccltree.comm.algorithms import build_plan
-from nccltree.comm.plan import Buf, Plan, PlanBuilder, Step, check_races
+from nccltree.comm.plan import (
+    ALIGN_BYTES,
+    IN,
+    OUT,
+    STAGE,
+    TMP,
+    Buf,
+    Plan,
+    PlanBuilder,
+    Step,
+    align_elements,
+    aligned_chunk,
+    check_races,
+    split,
+)
 
 COLLS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter")
 
@@ -26,8 +40,21 @@ def _trees(topo):
     return get
 
 
-@pytest.mark.parametrize("topo", ["flat:1", "flat:2", "flat:3", "flat:4", "flat:5", "flat:7",
-                                  "flat:12", "pcie2s8", "dgx1", "k80x4"])
+@pytest.mark.parametrize(
+    "topo",
+    [
+        "flat:1",
+        "flat:2",
+        "flat:3",
+        "flat:4",
+        "flat:5",
+        "flat:7",
+        "flat:12",
+        "pcie2s8",
+        "dgx1",
+        "k80x4",
+    ],
+)
 @pytest.mark.parametrize("alg", ["tree", "ring", "direct"])
 def test_every_plan_is_race_free(topo, alg):
     topology = nt.Topology.preset(topo)
@@ -37,8 +64,17 @@ def test_every_plan_is_race_free(topo, alg):
         for count in (0, 1, 5, 64):
             for in_place in (False, True):
                 for root in sorted({0, n - 1}) if coll in ("reduce", "broadcast") else [0]:
-                    plan = build_plan(alg, coll, size=n, count=count, op="mean", root=root,
-                                      in_place=in_place, chunk=7, tree_for=tree_for)
+                    plan = build_plan(
+                        alg,
+                        coll,
+                        size=n,
+                        count=count,
+                        op="mean",
+                        root=root,
+                        in_place=in_place,
+                        chunk=7,
+                        tree_for=tree_for,
+                    )
                     assert check_races(plan) == [], (alg, coll, count, in_place, root)
 
 
@@ -47,8 +83,16 @@ def test_mixed_in_place_all_reduce_is_race_free(alg):
     # An out-of-place plan stays correct when some ranks pass out == x: check it with
     # "in" and "out" treated as one buffer.
     n = 5
-    plan = build_plan(alg, "all_reduce", size=n, count=50, op="sum", in_place=False, chunk=6,
-                      tree_for=_trees(nt.Topology.preset(f"flat:{n}")))
+    plan = build_plan(
+        alg,
+        "all_reduce",
+        size=n,
+        count=50,
+        op="sum",
+        in_place=False,
+        chunk=6,
+        tree_for=_trees(nt.Topology.preset(f"flat:{n}")),
+    )
     plan.same_buffer = True
     assert check_races(plan) == []
 
@@ -62,12 +106,18 @@ def test_race_checker_catches_a_missing_wait():
     racy = Plan(size=2, steps=list(steps), n_events=1)
     assert check_races(racy)
     # ordering the write after the read (record on rank 1, wait on rank 0) fixes it
-    fixed = Plan(size=2, steps=[steps[0], Step(1, "record", event=0),
-                                Step(0, "wait", event=0), steps[1]], n_events=1)
+    fixed = Plan(
+        size=2,
+        steps=[steps[0], Step(1, "record", event=0), Step(0, "wait", event=0), steps[1]],
+        n_events=1,
+    )
     assert check_races(fixed) == []
     # a wait on an event that is recorded only later is a bug on CUDA: it must be flagged
-    early = Plan(size=2, steps=[Step(0, "wait", event=0), steps[1], steps[0],
-                                Step(1, "record", event=0)], n_events=1)
+    early = Plan(
+        size=2,
+        steps=[Step(0, "wait", event=0), steps[1], steps[0], Step(1, "record", event=0)],
+        n_events=1,
+    )
     assert check_races(early)
     # and the builder's fences make the unordered version safe
     b = PlanBuilder(2)
@@ -89,8 +139,9 @@ def test_tree_copy_pattern_follows_tree_edges(preset):
     n = topo.n
     count = 10_000
     nbytes = count * 4
-    with nt.World(nt.devices(f"cpu:{n}"), algorithm="tree", topology=topo,
-                  chunk_bytes=8192, inline_bytes=0) as w:
+    with nt.World(
+        nt.devices(f"cpu:{n}"), algorithm="tree", topology=topo, chunk_bytes=8192, inline_bytes=0
+    ) as w:
         xs = [np.full(count, float(r), np.float32) for r in range(n)]
         with record_transfers() as log:
             w.all_reduce(xs)
@@ -111,8 +162,7 @@ def test_broadcast_sends_most_distant_subtree_first():
     # one chunk: the parent writes into its children's buffers on its own stream, in the
     # tree's order
     topo = nt.Topology.preset("dgx1")
-    with nt.World(nt.devices("cpu:8"), algorithm="tree", topology=topo,
-                  inline_bytes=0) as w:
+    with nt.World(nt.devices("cpu:8"), algorithm="tree", topology=topo, inline_bytes=0) as w:
         xs = [np.full(16, float(r)) for r in range(8)]
         with record_transfers() as log:
             w.broadcast(xs, root=0)
@@ -154,9 +204,11 @@ def test_children_copy_from_their_parent_on_their_own_streams(coll):
 
 
 def test_ring_copy_pattern():
-    n, count = 4, 4000
-    with nt.World(nt.devices(f"cpu:{n}"), algorithm="ring", chunk_bytes=1 << 20,
-                  inline_bytes=0) as w:
+    # whole 256-byte units per rank: equal segments, with or without aligned slicing
+    n, count = 4, 4096
+    with nt.World(
+        nt.devices(f"cpu:{n}"), algorithm="ring", chunk_bytes=1 << 20, inline_bytes=0
+    ) as w:
         xs = [np.ones(count, np.float32) for _ in range(n)]
         with record_transfers() as log:
             w.all_reduce(xs)
@@ -171,7 +223,7 @@ def test_ring_copy_pattern():
 
 
 def test_direct_copy_pattern():
-    n, count = 3, 3000
+    n, count = 3, 3072
     with nt.World(nt.devices(f"cpu:{n}"), algorithm="direct", inline_bytes=0) as w:
         xs = [np.ones(count) for _ in range(n)]
         with record_transfers() as log:
@@ -231,8 +283,14 @@ def test_finish_mean_keeps_the_scale_where_it_cannot_fold():
 
 
 def test_plan_str_and_transfers_are_readable():
-    plan = build_plan("tree", "all_reduce", size=2, count=4, chunk=4,
-                      tree_for=_trees(nt.Topology.preset("flat:2")))
+    plan = build_plan(
+        "tree",
+        "all_reduce",
+        size=2,
+        count=4,
+        chunk=4,
+        tree_for=_trees(nt.Topology.preset("flat:2")),
+    )
     text = str(plan)
     assert "tree all_reduce" in text and "reduce(sum)" in text
     assert sorted(plan.transfers()) == [(0, 1, 4), (1, 0, 4)]
@@ -242,8 +300,9 @@ def test_links_without_peer_access_are_staged_through_bounded_host_memory():
     topo = nt.Topology.preset("pcie2s8")
     tree = nt.build_tree(topo)
     chunk = 100
-    plan = build_plan("tree", "all_reduce", size=8, count=10_000, chunk=chunk,
-                      tree_for=lambda root: tree)
+    plan = build_plan(
+        "tree", "all_reduce", size=8, count=10_000, chunk=chunk, tree_for=lambda root: tree
+    )
     crossing = [(p, c) for p, c, _ in tree.edges if not topo.link(p, c).p2p]
     assert crossing, "the two-socket preset has edges without peer access"
     # no step reads or writes across a link without peer access...
@@ -254,3 +313,180 @@ def test_links_without_peer_access_are_staged_through_bounded_host_memory():
     # ...the staging memory is two chunks per sending rank, whatever the message size
     assert plan.stage and all(v == 2 * chunk for v in plan.stage.values())
     assert check_races(plan) == []
+
+
+# -- alignment of the offsets a plan chooses ----------------------------------------------
+
+
+@pytest.mark.parametrize("align", [1, 16, 32, 64, 128, 256])
+def test_split_is_aligned_near_equal_and_exact(align):
+    for parts in (1, 2, 3, 5, 8, 12):
+        for count in (0, 1, align - 1, align, align + 1, 3 * align + 7, 1000, 4099, 100_003):
+            pieces = split(count, parts, align)
+            assert len(pieces) == parts
+            off = 0
+            for o, c in pieces:
+                assert o == off and c >= 0, (count, parts, pieces)  # contiguous, in order
+                assert o % align == 0, (count, parts, pieces)
+                off += c
+            assert off == count  # every element exactly once
+            sizes = [c for _, c in pieces]
+            assert max(sizes) - min(sizes) <= align, (count, parts, sizes)
+    # align=1 is the even split to the element
+    assert split(10, 4) == [(0, 3), (3, 3), (6, 2), (8, 2)]
+    assert split(10, 4, 4) == [(0, 4), (4, 4), (8, 0), (8, 2)]
+
+
+def test_align_elements_and_chunks():
+    assert [align_elements(s) for s in (1, 2, 4, 8)] == [256, 128, 64, 32]
+    assert align_elements(None) == 1
+    assert align_elements(12) * 12 % ALIGN_BYTES == 0  # not a power of two: lcm
+    assert aligned_chunk(1000, 64) == 960
+    assert aligned_chunk(10, 64) == 64  # never zero
+    with pytest.raises(ValueError, match="itemsize"):
+        align_elements(0)
+
+
+# (collective, itemsize) pairs and counts chosen so that count * itemsize is rarely a
+# multiple of 16 bytes: the old element-granular slices were misaligned for all of them
+AWKWARD_COUNTS = (1, 63, 1001, 4099, 10_007)
+
+
+def _block_aligned(off: int, block: int, align: int, n: int) -> bool:
+    """``off`` is a block start plus a multiple of ``align`` (for the collectives whose
+    block offsets the call fixes)."""
+    return any(off >= b * block and (off - b * block) % align == 0 for b in range(n))
+
+
+def _check_alignment(plan: Plan, coll: str, count: int, align: int, n: int) -> None:
+    fixed_blocks = coll in ("all_gather", "reduce_scatter")
+    for s in plan.data_steps():
+        for b in s.touches:
+            if b.role == STAGE or not fixed_blocks:
+                assert b.offset % align == 0, (coll, count, str(plan.description), s)
+            else:
+                assert _block_aligned(b.offset, count, align, n), (coll, count, s)
+
+
+@pytest.mark.parametrize("topo", ["flat:3", "flat:5", "pcie2s8"])
+@pytest.mark.parametrize("alg", ["tree", "ring", "direct"])
+def test_plan_chosen_offsets_are_256_byte_aligned(topo, alg):
+    topology = nt.Topology.preset(topo)
+    n = topology.n
+    tree_for = _trees(topology)
+    for itemsize in (1, 2, 4, 8):
+        align = align_elements(itemsize)
+        for coll in COLLS:
+            for count in AWKWARD_COUNTS:
+                for in_place in (False, True):
+                    plan = build_plan(
+                        alg,
+                        coll,
+                        size=n,
+                        count=count,
+                        op="sum",
+                        root=n - 1,
+                        in_place=in_place,
+                        chunk=1000,
+                        tree_for=tree_for,
+                        itemsize=itemsize,
+                    )
+                    _check_alignment(plan, coll, count, align, n)
+                    assert check_races(plan) == [], (alg, coll, count, itemsize)
+
+
+def _run_plan(plan: Plan, xs: list[np.ndarray], outs: list[np.ndarray]) -> None:
+    """Perform a plan's data steps in order on numpy arrays (a valid schedule): an
+    interpreter independent of the backends, so the test checks the plan alone."""
+    arrays = []
+    for r in range(plan.size):
+        tmp = np.full(plan.scratch.get(r, 0), -99, xs[0].dtype)
+        stage = np.full(plan.stage.get(r, 0), -77, xs[0].dtype)
+        arrays.append(
+            {IN: xs[r], OUT: xs[r] if plan.same_buffer else outs[r], TMP: tmp, STAGE: stage}
+        )
+
+    def view(b: Buf) -> np.ndarray:
+        a = arrays[b.rank][b.role]
+        assert 0 <= b.offset and b.offset + b.count <= a.size, b
+        return a[b.offset : b.offset + b.count]
+
+    for s in plan.data_steps():
+        vals = [view(b).copy() for b in s.srcs]
+        if s.kind == "copy":
+            view(s.dst)[...] = vals[0]
+        elif s.kind == "reduce":
+            assert s.op == "sum" and s.alpha == 1.0
+            view(s.dst)[...] = np.sum(vals, axis=0)
+        else:
+            raise AssertionError(s)
+
+
+@pytest.mark.parametrize("alg", ["tree", "ring", "direct"])
+@pytest.mark.parametrize("topo", ["flat:3", "pcie2s8"])
+def test_aligned_plans_cover_every_element_exactly_once(alg, topo):
+    # integer sums: an element reduced twice, or never, or left at its sentinel is wrong
+    topology = nt.Topology.preset(topo)
+    n = topology.n
+    tree_for = _trees(topology)
+    rng = np.random.default_rng(3)
+    for itemsize, dtype in ((4, np.int32), (8, np.int64)):
+        for coll in COLLS:
+            for count in (63, 1001, 4099):
+                for in_place in (False, True):
+                    if coll == "all_gather" and in_place:
+                        continue  # blocks of the output as inputs: covered by test_collectives
+                    root = n - 1
+                    total = n * count if coll == "reduce_scatter" else count
+                    xs = [rng.integers(-1000, 1000, total).astype(dtype) for _ in range(n)]
+                    orig = [x.copy() for x in xs]
+                    out_n = n * count if coll == "all_gather" else count
+                    outs = [np.full(out_n, -55, dtype) for _ in range(n)]
+                    plan = build_plan(
+                        alg,
+                        coll,
+                        size=n,
+                        count=count,
+                        op="sum",
+                        root=root,
+                        in_place=in_place and coll != "all_gather",
+                        chunk=300,
+                        tree_for=tree_for,
+                        itemsize=itemsize,
+                    )
+                    _run_plan(plan, xs, outs)
+                    res = xs if plan.same_buffer else outs
+                    what = (coll, count, in_place, itemsize)
+                    full = np.sum(orig, axis=0)
+                    for r in range(n):
+                        if coll == "all_reduce":
+                            np.testing.assert_array_equal(res[r], full, err_msg=str(what))
+                        elif coll == "reduce" and r == root:
+                            np.testing.assert_array_equal(res[r], full, err_msg=str(what))
+                        elif coll == "reduce":
+                            np.testing.assert_array_equal(xs[r], orig[r], err_msg=str(what))
+                        elif coll == "broadcast":
+                            np.testing.assert_array_equal(res[r], orig[root], err_msg=str(what))
+                        elif coll == "all_gather":
+                            np.testing.assert_array_equal(
+                                outs[r], np.concatenate(orig), err_msg=str(what)
+                            )
+                        else:
+                            block = slice(r * count, (r + 1) * count)
+                            got = xs[r][block] if in_place else outs[r]
+                            np.testing.assert_array_equal(got, full[block], err_msg=str(what))
+
+
+def test_aligned_ring_slices_are_near_equal():
+    # the plan keeps the ring's load balanced: segments within one 256-byte unit
+    n, count, itemsize = 4, 10_007, 4
+    plan = build_plan("ring", "all_reduce", size=n, count=count, chunk=1 << 20, itemsize=itemsize)
+    final = {}
+    for s in plan.data_steps():
+        if s.kind == "copy":
+            continue
+        final.setdefault(s.rank, 0)
+        final[s.rank] += s.dst.count
+    per_rank = list(final.values())
+    assert len(per_rank) == n
+    assert max(per_rank) - min(per_rank) <= (n - 1) * align_elements(itemsize)

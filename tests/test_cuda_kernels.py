@@ -59,7 +59,15 @@ def ptx_params(tmp_path_factory) -> dict[str, list[int]]:
     d = tmp_path_factory.mktemp("ptx")
     (d / "k.cu").write_text(ck.source_text())
     subprocess.run(
-        ["nvcc", "--ptx", "-arch=compute_75", "--fmad=false", "-o", str(d / "k.ptx"), str(d / "k.cu")],
+        [
+            "nvcc",
+            "--ptx",
+            "-arch=compute_75",
+            "--fmad=false",
+            "-o",
+            str(d / "k.ptx"),
+            str(d / "k.cu"),
+        ],
         check=True,
         timeout=120,
     )
@@ -68,7 +76,9 @@ def ptx_params(tmp_path_factory) -> dict[str, list[int]]:
         sizes = []
         for p in params.split(","):
             array = re.search(r"\.b8\s+\w+\[(\d+)\]", p)
-            sizes.append(int(array.group(1)) if array else int(re.search(r"\.[usbf](\d+)", p).group(1)) // 8)
+            sizes.append(
+                int(array.group(1)) if array else int(re.search(r"\.[usbf](\d+)", p).group(1)) // 8
+            )
         out[name] = sizes
     return out
 
@@ -89,8 +99,9 @@ class FakeArray:
 
 
 @pytest.fixture
-def fake_cupy(monkeypatch):
-    """A stand-in for CuPy that records kernel launches instead of running them."""
+def launch_recorder(monkeypatch):
+    """A minimal stand-in for CuPy that records kernel launches instead of running them
+    (only the argument marshalling of the wrappers is checked against the PTX)."""
     launches: list[tuple[str, tuple, tuple, tuple]] = []
 
     class Device:
@@ -117,7 +128,7 @@ def fake_cupy(monkeypatch):
         ndarray=FakeArray, RawModule=RawModule, cuda=SimpleNamespace(Device=Device)
     )
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    for cache in ("_modules", "_origin", "_functions"):
+    for cache in ("_modules", "_origin", "_target", "_functions"):
         monkeypatch.setattr(ck, cache, {})
     return launches
 
@@ -130,7 +141,7 @@ def _arg_size(arg) -> int:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-def test_wrapper_arguments_match_the_kernel_signatures(fake_cupy, ptx_params, dtype) -> None:
+def test_wrapper_arguments_match_the_kernel_signatures(launch_recorder, ptx_params, dtype) -> None:
     n = 1000
     arrays = [FakeArray(np.zeros(n, dtype)) for _ in range(4)]
     dst = arrays[0]
@@ -144,17 +155,17 @@ def test_wrapper_arguments_match_the_kernel_signatures(fake_cupy, ptx_params, dt
         with pytest.raises(TypeError, match="accepted"):
             ck.reduce_n(dst, arrays[1:], alpha=0.25)
     ck.reduce_n(FakeArray(np.zeros(0, dtype)), [FakeArray(np.zeros(0, dtype))])  # no launch
-    assert len(fake_cupy) == (5 if np.dtype(dtype).kind == "f" else 2)
-    for name, grid, block, args in fake_cupy:
+    assert len(launch_recorder) == (5 if np.dtype(dtype).kind == "f" else 2)
+    for name, grid, block, args in launch_recorder:
         assert [_arg_size(a) for a in args] == ptx_params[name], name
         # the grid-stride loop covers n with 16-byte vectors
         assert grid[0] * block[0] * (16 // dst.itemsize) >= n
-    name, _, _, args = fake_cupy[0]
+    name, _, _, args = launch_recorder[0]
     assert name == f"nt_reduce_n_max_{ck._SUFFIX[np.dtype(dtype)]}"
     assert list(args[1]["p"][0]) == [a.data.ptr for a in arrays[1:]] + [0] * 5
     assert args[2] == 3 and args[3] == n
     if np.dtype(dtype).kind == "f":
-        name, _, _, args = fake_cupy[-1]
+        name, _, _, args = launch_recorder[-1]
         assert name == f"nt_reduce_n_scaled_sum_{ck._SUFFIX[np.dtype(dtype)]}"
         assert args[4] == 0.25 and args[4].dtype == ck._SCALAR[np.dtype(dtype)]
 
@@ -172,12 +183,13 @@ def sources(dtype: type, op: str, k: int, n: int, seed: int = 0) -> list[np.ndar
     return [rng.standard_normal(n).astype(dtype) for _ in range(k)]
 
 
-def assert_bitwise(got: np.ndarray, want: np.ndarray) -> None:
+def assert_bitwise(got: np.ndarray, want: np.ndarray, what: object = "") -> None:
+    assert got.dtype == want.dtype, (got.dtype, want.dtype, what)
     if got.dtype.kind == "f":
-        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=str(what))
         bits = np.dtype(f"u{got.dtype.itemsize}")
         got, want = got[~np.isnan(got)].view(bits), want[~np.isnan(want)].view(bits)
-    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, want, err_msg=str(what))
 
 
 @pytest.fixture
@@ -272,22 +284,188 @@ def test_copy_and_bad_arguments(cp) -> None:
         ck.reduce_n(dst, [src], "mean")
 
 
-@pytest.mark.gpu
-def test_runtime_compiled_source_matches_fatbin(cp) -> None:
+# ---- on a GPU, both module origins, bitwise against the host kernels ----
+
+
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory):
+    """A fresh cache directory for the run-time compiled module, for this module's tests:
+    the first source test really calls NVRTC, later ones load the cached file."""
+    d = tmp_path_factory.mktemp("kernel-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ck.CACHE_ENV, str(d))
+        yield d
+
+
+@pytest.fixture(params=["default", "source"])
+def kernel_origin(request, monkeypatch, kernel_cache, cp) -> str:
+    """Run a test on the module :func:`module` loads by default (the fatbin where it is
+    installed) and on the source compiled at run time; the loaded modules live in fresh
+    caches that are restored afterwards, so neither choice leaks into other tests."""
+    for cache in ("_modules", "_origin", "_target", "_functions"):
+        monkeypatch.setattr(ck, cache, {})
+    monkeypatch.setattr(ck, "_use_fatbin", request.param == "default")
     dev = cp.cuda.Device().id
-    compiled, origin = ck._load(dev, use_fatbin=False)
-    assert origin == "source"
-    host = sources(np.float16, "sum", 5, 4099)
-    srcs = [cp.asarray(h) for h in host]
-    ck.module(dev)  # the default module (fatbin where it loads)
-    out_default = cp.empty(4099, cp.float16)
-    ck.reduce_n(out_default, srcs, "sum")
-    out_source = cp.empty(4099, cp.float16)
-    ptrs = np.zeros(1, ck._SRCS)
-    ptrs["p"][0, :5] = [s.data.ptr for s in srcs]
-    compiled.get_function("nt_reduce_n_sum_f16")(
-        (8,), (256,), (out_source, ptrs, np.int32(5), np.int64(4099))
-    )
-    want = reference("sum", host)
-    assert_bitwise(cp.asnumpy(out_default), want)
-    assert_bitwise(cp.asnumpy(out_source), want)
+    ck.module(dev)
+    installed = ck.lib_file(ck.FATBIN) is not None
+    want = "fatbin" if request.param == "default" and installed else "source"
+    # an installed fatbin that does not load on this GPU is a build problem: say so
+    assert ck.origin(dev) == want, (ck.origin(dev), want)
+    if want == "source":
+        assert list(kernel_cache.iterdir()), "the compiled module is cached by path"
+    return want
+
+
+# exponent ranges that reach well into each dtype's subnormals (and some normals)
+_TINY = {np.float16: (-26, -10), np.float32: (-151, -118), np.float64: (-1076, -1015)}
+
+
+def mixed_sources(dtype: type, op: str, k: int, n: int, seed: int) -> list[np.ndarray]:
+    """k arrays: for floats a mix of ordinary values and subnormal ones (whose sums,
+    products, maxima and scalings are subnormal too); integers over their full range."""
+    host = sources(dtype, op, k, n, seed)
+    if np.dtype(dtype).kind != "f":
+        return host
+    rng = np.random.default_rng([seed, 7])
+    lo, hi = _TINY[dtype]
+    out = []
+    for h in host:
+        tiny = np.ldexp(rng.uniform(-2, 2, n), rng.integers(lo, hi, n)).astype(dtype)
+        out.append(np.where(rng.random(n) < 0.5, tiny, h).astype(dtype))
+    return out
+
+
+GUARD = 16  # elements of guard on each side of a destination (>= 16 bytes for every dtype)
+
+
+def guarded_dst(cp, n: int, off: int, dtype: type):
+    """A destination view of n elements at element offset ``off`` from a 16-byte boundary,
+    inside a buffer whose other elements hold a sentinel."""
+    base = cp.full(n + 2 * GUARD + 8, 77, dtype)
+    return base, base[GUARD + off : GUARD + off + n]
+
+
+def assert_guards(cp, base, n: int, off: int) -> None:
+    b = cp.asnumpy(base)
+    keep = np.ones(b.size, bool)
+    keep[GUARD + off : GUARD + off + n] = False
+    assert np.all(b[keep] == 77), "a kernel wrote outside its destination"
+
+
+# (dst offset, source offsets) in elements: aligned; one shared misalignment (a scalar
+# head, then vectors); another; sources misaligned differently from dst (scalar path)
+OFFSETS = [
+    (0, (0, 0, 0, 0, 0, 0, 0, 0)),
+    (1, (1,) * 8),
+    (3, (3,) * 8),
+    (0, (1, 0, 2, 3, 1, 0, 2, 3)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_reductions_bitwise_against_the_host_kernels(cp, kernel_origin, dtype) -> None:
+    from nccltree import _native as nat
+
+    for op in ck.OPS:
+        for k in (1, 2, 3, 8):
+            for n in (1, 5, 17, 4099, 65_537):
+                host = mixed_sources(dtype, op, k, n + 8, seed=k * 1000 + n)
+                dev = [cp.asarray(h) for h in host]
+                for doff, soffs in OFFSETS:
+                    views = [h[o : o + n] for h, o in zip(host, soffs)]
+                    want = nat.reduce_n(np.empty(n, dtype), views, op)
+                    base, dst = guarded_dst(cp, n, doff, dtype)
+                    ck.reduce_n(dst, [d[o : o + n] for d, o in zip(dev, soffs)], op)
+                    what = (kernel_origin, op, k, n, doff, soffs)
+                    assert_bitwise(cp.asnumpy(dst), want, what)
+                    assert_guards(cp, base, n, doff)
+                # dst is one of the sources, all sharing a misalignment
+                views = [d[1 : 1 + n] for d in dev]
+                ck.reduce_n(views[-1], views, op)
+                want = nat.reduce_n(np.empty(n, dtype), [h[1 : 1 + n] for h in host], op)
+                assert_bitwise(cp.asnumpy(views[-1]), want)
+        if op == "sum":
+            for doff, soffs in OFFSETS:
+                host = mixed_sources(dtype, op, 2, 4099 + 8, seed=doff)
+                a, b = (h[o : o + 4099] for h, o in zip(host, soffs))
+                base, dst = guarded_dst(cp, 4099, doff, dtype)
+                dst[...] = cp.asarray(a)
+                ck.sum_into(dst, cp.asarray(host[1])[soffs[1] : soffs[1] + 4099])
+                assert_bitwise(cp.asnumpy(dst), nat.sum_into(a.copy(), b))
+                assert_guards(cp, base, 4099, doff)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+def test_float_kernels_bitwise_against_the_host_kernels(cp, kernel_origin, dtype) -> None:
+    from nccltree import _native as nat
+
+    for n in (1, 7, 4099, 65_537):
+        for doff, soffs in OFFSETS:
+            w, g, v = (
+                h[o : o + n] for h, o in zip(mixed_sources(dtype, "sum", 3, n + 8, n), soffs)
+            )
+            # scale
+            base, x = guarded_dst(cp, n, doff, dtype)
+            x[...] = cp.asarray(w)
+            ck.scale(x, 1 / 3)
+            assert_bitwise(cp.asnumpy(x), nat.scale(w.copy(), 1 / 3))
+            assert_guards(cp, base, n, doff)
+            # scaled sum (a mean in one pass), sources misaligned like the offsets say
+            srcs = mixed_sources(dtype, "sum", 5, n + 8, n + 1)
+            views = [h[o : o + n] for h, o in zip(srcs, soffs)]
+            base, dst = guarded_dst(cp, n, doff, dtype)
+            ck.reduce_n(dst, [cp.asarray(h)[o : o + n] for h, o in zip(srcs, soffs)], alpha=0.2)
+            want = nat.reduce_n(np.empty(n, dtype), views, "sum", alpha=0.2)
+            assert_bitwise(cp.asnumpy(dst), want)
+            assert_guards(cp, base, n, doff)
+            # sgd: w at doff, g and v at their own offsets
+            bw, dw = guarded_dst(cp, n, doff, dtype)
+            bg, dg = guarded_dst(cp, n, soffs[1], dtype)
+            bv, dv = guarded_dst(cp, n, soffs[2], dtype)
+            for d, h in ((dw, w), (dg, g), (dv, v)):
+                d[...] = cp.asarray(h)
+            ck.sgd_update(dw, dg, dv, 0.05, 0.9, 5e-4)
+            hw, hg, hv = w.copy(), g.copy(), v.copy()
+            nat.sgd_update(hw, hg, hv, 0.05, 0.9, 5e-4)
+            for got, want in ((dw, hw), (dg, hg), (dv, hv)):
+                assert_bitwise(cp.asnumpy(got), want)
+            for b, o in ((bw, doff), (bg, soffs[1]), (bv, soffs[2])):
+                assert_guards(cp, b, n, o)
+
+
+@pytest.mark.gpu
+def test_float32_subnormals_are_kept(cp, kernel_origin) -> None:
+    # results that flush-to-zero arithmetic would turn into zeros: a subnormal sum, the
+    # maximum of a subnormal and zero, a subnormal scaled, a subnormal SGD step
+    t = np.float32(2.0**-126)  # the smallest normal float32
+    a = np.array([1.5 * t, 2.0**-149, 3 * 2.0**-140, 2.0**-130] * 64, np.float32)
+    b = np.array([-1.25 * t, 0.0, 2.0**-140, 0.0] * 64, np.float32)
+    want = a + b
+    assert np.all(want != 0) and np.all(np.abs(want) < t)  # the check has teeth
+    dst = cp.empty_like(cp.asarray(a))
+    ck.reduce_n(dst, [cp.asarray(a), cp.asarray(b)], "sum")
+    assert_bitwise(cp.asnumpy(dst), want)
+    # the subnormal first: a flushing comparison would find it not above 0 and pick 0
+    ck.reduce_n(dst, [cp.asarray(np.abs(a)), cp.zeros(a.size, cp.float32)], "max")
+    assert_bitwise(cp.asnumpy(dst), np.abs(a))
+    x = cp.asarray(a)
+    ck.scale(x, 2.0)
+    assert_bitwise(cp.asnumpy(x), a * np.float32(2.0))
+    w, g, v = cp.asarray(a), cp.asarray(b), cp.zeros(a.size, cp.float32)
+    ck.sgd_update(w, g, v, 1.0, 0.0, 0.0)  # v = g, w = w - g
+    assert_bitwise(cp.asnumpy(w), a - b)
+    assert_bitwise(cp.asnumpy(v), b)
+
+
+@pytest.mark.gpu
+def test_runtime_compiled_module_targets_this_gpu(cp, kernel_origin) -> None:
+    dev = cp.cuda.Device().id
+    if kernel_origin != "source":
+        assert ck.target(dev) is None
+        return
+    cc = int(cp.cuda.Device(dev).compute_capability)
+    archs = cp.cuda.nvrtc.getSupportedArchs()
+    want = f"sm_{cc}" if cc in archs else f"compute_{max(a for a in archs if a < cc)}"
+    assert ck.target(dev) == want

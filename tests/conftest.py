@@ -1,12 +1,17 @@
-"""Shared fixtures: the ``backend`` parametrisation and device factories.
+"""Shared fixtures: the ``backend`` parametrisation, device factories, the fake CuPy.
 
 ``backend`` runs a test body on the host backend always and on the CUDA backend where a GPU
 is usable; ``gpu`` and ``multi_gpu(n)`` tests are skipped cleanly without enough GPUs.
+``fake_cupy`` runs nccltree's CUDA code on a fake of CuPy's layer (wiring only, never GPU
+verification; see ``tests/fakecupy``).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -104,11 +109,57 @@ def _one_device(request):
 
 #: parameters on no device (numpy), on a host device, and on a GPU where one is usable
 host_device = pytest.fixture(params=["numpy", "host"])(_one_device)
-any_device = pytest.fixture(
-    params=["numpy", "host", pytest.param("cuda", marks=pytest.mark.gpu)]
-)(_one_device)
+any_device = pytest.fixture(params=["numpy", "host", pytest.param("cuda", marks=pytest.mark.gpu)])(
+    _one_device
+)
 
 
 def to_np(a):
     """A numpy view or copy of a numpy or CuPy array."""
     return a if isinstance(a, np.ndarray) else a.get()
+
+
+# nccltree's per-process caches of what CuPy told it: (module, attribute, fresh value factory)
+_CUDA_CACHES: tuple[tuple[str, str, Any], ...] = (
+    ("nccltree.backends.cuda", "_peer_state", dict),
+    ("nccltree.backends.cuda", "_peer_warned", set),
+    ("nccltree._cuda_kernels", "_modules", dict),
+    ("nccltree._cuda_kernels", "_origin", dict),
+    ("nccltree._cuda_kernels", "_target", dict),
+    ("nccltree._cuda_kernels", "_functions", dict),
+    ("nccltree._cuda_kernels", "_use_fatbin", lambda: True),
+    ("nccltree.memory", "_gpu_usable", lambda: None),
+)
+
+
+@pytest.fixture
+def fake_cupy(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> Iterator[Any]:
+    """A fake of CuPy's layer installed as ``cupy`` for one test; yields its
+    ``fakecupy.FakeCuda`` (fault injection and inspection). Wiring checks only: nothing
+    that passes on it is verified on a GPU.
+
+    Configure it by indirect parametrisation with a dict of ``fakecupy.install`` arguments,
+    e.g. ``@pytest.mark.parametrize("fake_cupy", [{"n_gpus": 2, "peer": False}],
+    indirect=True)``; the default is 4 GPUs with peer access between all of them. nccltree's
+    caches of CuPy state are reset for the test and restored after it, compiled kernels go
+    to a temporary cache directory, and the test fails if the fake recorded a misuse
+    (``fake.misuse``; a test that provokes one on purpose clears the list).
+    """
+    import importlib
+
+    import fakecupy
+
+    gpu_count()  # the real answer, cached before the fake can be seen
+    options: dict[str, Any] = dict(getattr(request, "param", None) or {})
+    for module, attr, fresh in _CUDA_CACHES:
+        mod = importlib.import_module(module)
+        if hasattr(mod, attr):
+            monkeypatch.setattr(mod, attr, fresh())
+    monkeypatch.setenv("NCCLTREE_CACHE_DIR", str(tmp_path / "kernel-cache"))
+    with fakecupy.install(**options) as fake:
+        yield fake
+        misuse = list(fake.misuse)
+    if misuse:
+        pytest.fail("the fake CuPy recorded misuse:\n" + "\n".join(misuse))

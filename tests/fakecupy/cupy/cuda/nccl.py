@@ -409,7 +409,6 @@ class NcclCommunicator:
             if self._rank in st.hang_next:
                 st.hang_next.discard(self._rank)
                 posted.hang = True
-            s.pending.add(posted.token)
             fake.log("nccl", s, sp, dst=rb, src=sb, nbytes=n, detail=method)
             if in_group:
                 tls.group_calls.append(posted)
@@ -466,6 +465,8 @@ class NcclCommunicator:
 
 
 def _post(p: _Posted) -> None:
+    # enqueued on its stream now (inside a group: at groupEnd), pending until it executes
+    p.stream.pending.add(p.token)
     c = p.comm._clique
     if p.call.method in ("send", "recv"):
         src, dst = (

@@ -24,14 +24,18 @@ from . import _core
 MAGIC = b"\x7fFAKECUDA\n"
 NT_MAX_SOURCES = 8
 
-_TYPES = {
+_TYPES: dict[str, np.dtype[Any]] = {
     "f16": np.dtype(np.float16),
     "f32": np.dtype(np.float32),
     "f64": np.dtype(np.float64),
     "i32": np.dtype(np.int32),
     "i64": np.dtype(np.int64),
 }
-_SCALAR = {"f16": np.dtype(np.float32), "f32": np.dtype(np.float32), "f64": np.dtype(np.float64)}
+_SCALAR: dict[str, np.dtype[Any]] = {
+    "f16": np.dtype(np.float32),
+    "f32": np.dtype(np.float32),
+    "f64": np.dtype(np.float64),
+}
 _I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
 
 

@@ -189,7 +189,7 @@ class ndarray:
         v = self._np[key]
         if not isinstance(v, np.ndarray):
             k = key if isinstance(key, tuple) else (key,)
-            v = self._np[(*k, Ellipsis)]
+            v = self._np[k + (Ellipsis,)]
         if not np.shares_memory(v, self._np) and v.size:
             raise NotImplementedError("fake cupy: advanced indexing is not modelled")
         return ndarray._view(self, v)
@@ -576,8 +576,9 @@ class RawKernel:
         mod = self._raw_module._module()
         if self.name not in mod["kernels"]:
             raise driver.CUDADriverError(driver.CUDA_ERROR_NOT_FOUND)
-        g = tuple(max(1, int(x)) for x in (grid + (1, 1))[:3])
-        b = tuple(max(1, int(x)) for x in (block + (1, 1))[:3])
+        gx, gy, gz = (max(1, int(x)) for x in (grid + (1, 1))[:3])
+        bx, by, bz = (max(1, int(x)) for x in (block + (1, 1))[:3])
+        g, b = (gx, gy, gz), (bx, by, bz)
         sp = cuda._current_stream_ptr() if stream is None else int(stream.ptr)
         with fake.lock:
             try:

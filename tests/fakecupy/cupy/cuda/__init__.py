@@ -524,7 +524,7 @@ class PinnedMemoryPointer:
     def __new__(cls, mem: Any, offset: int) -> PinnedMemoryPointer:
         off = _core.as_int(offset, "offset", bits=64)
         n = int(mem.size) - off
-        typ = _sized_types.get(n)
+        typ: Any = _sized_types.get(n)
         if typ is None:
             typ = type("PinnedMemoryPointer", (PinnedMemoryPointer, ctypes.c_ubyte * n), {})
             _sized_types[n] = typ

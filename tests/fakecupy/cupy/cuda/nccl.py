@@ -69,7 +69,7 @@ _ERRORS = {
 NCCL_UNIQUE_ID_BYTES = 128
 
 # storage dtype of each ncclDataType_t (bfloat16 as its 16 bits)
-_DTYPE = {
+_DTYPE: dict[int, np.dtype[Any]] = {
     0: np.dtype(np.int8), 1: np.dtype(np.uint8), 2: np.dtype(np.int32), 3: np.dtype(np.uint32),
     4: np.dtype(np.int64), 5: np.dtype(np.uint64), 6: np.dtype(np.float16),
     7: np.dtype(np.float32), 8: np.dtype(np.float64), 9: np.dtype(np.uint16),

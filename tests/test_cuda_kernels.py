@@ -338,10 +338,14 @@ def mixed_sources(dtype: type, op: str, k: int, n: int, seed: int) -> list[np.nd
 GUARD = 16  # elements of guard on each side of a destination (>= 16 bytes for every dtype)
 
 
-def guarded_dst(cp, n: int, off: int, dtype: type):
-    """A destination view of n elements at element offset ``off`` from a 16-byte boundary,
-    inside a buffer whose other elements hold a sentinel."""
-    base = cp.full(n + 2 * GUARD + 8, 77, dtype)
+def guarded_dst(cp, n: int, off: int, dtype: type, fill: np.ndarray | None = None):
+    """(buffer, view): a destination of n elements (holding ``fill`` if given) at element
+    offset ``off`` from a 16-byte boundary, inside a buffer whose other elements hold a
+    sentinel."""
+    host = np.full(n + 2 * GUARD + 8, 77, dtype)
+    if fill is not None:
+        host[GUARD + off : GUARD + off + n] = fill
+    base = cp.asarray(host)
     return base, base[GUARD + off : GUARD + off + n]
 
 
@@ -389,8 +393,7 @@ def test_reductions_bitwise_against_the_host_kernels(cp, kernel_origin, dtype) -
             for doff, soffs in OFFSETS:
                 host = mixed_sources(dtype, op, 2, 4099 + 8, seed=doff)
                 a, b = (h[o : o + 4099] for h, o in zip(host, soffs))
-                base, dst = guarded_dst(cp, 4099, doff, dtype)
-                dst[...] = cp.asarray(a)
+                base, dst = guarded_dst(cp, 4099, doff, dtype, a)
                 ck.sum_into(dst, cp.asarray(host[1])[soffs[1] : soffs[1] + 4099])
                 assert_bitwise(cp.asnumpy(dst), nat.sum_into(a.copy(), b))
                 assert_guards(cp, base, 4099, doff)
@@ -407,8 +410,7 @@ def test_float_kernels_bitwise_against_the_host_kernels(cp, kernel_origin, dtype
                 h[o : o + n] for h, o in zip(mixed_sources(dtype, "sum", 3, n + 8, n), soffs)
             )
             # scale
-            base, x = guarded_dst(cp, n, doff, dtype)
-            x[...] = cp.asarray(w)
+            base, x = guarded_dst(cp, n, doff, dtype, w)
             ck.scale(x, 1 / 3)
             assert_bitwise(cp.asnumpy(x), nat.scale(w.copy(), 1 / 3))
             assert_guards(cp, base, n, doff)
@@ -421,11 +423,9 @@ def test_float_kernels_bitwise_against_the_host_kernels(cp, kernel_origin, dtype
             assert_bitwise(cp.asnumpy(dst), want)
             assert_guards(cp, base, n, doff)
             # sgd: w at doff, g and v at their own offsets
-            bw, dw = guarded_dst(cp, n, doff, dtype)
-            bg, dg = guarded_dst(cp, n, soffs[1], dtype)
-            bv, dv = guarded_dst(cp, n, soffs[2], dtype)
-            for d, h in ((dw, w), (dg, g), (dv, v)):
-                d[...] = cp.asarray(h)
+            bw, dw = guarded_dst(cp, n, doff, dtype, w)
+            bg, dg = guarded_dst(cp, n, soffs[1], dtype, g)
+            bv, dv = guarded_dst(cp, n, soffs[2], dtype, v)
             ck.sgd_update(dw, dg, dv, 0.05, 0.9, 5e-4)
             hw, hg, hv = w.copy(), g.copy(), v.copy()
             nat.sgd_update(hw, hg, hv, 0.05, 0.9, 5e-4)

@@ -108,7 +108,8 @@ class _Plugin:
             }
             self.markers[it.nodeid] = marks
             tests.append({"id": it.nodeid, **marks})
-        self.write({"event": "collected", "tests": tests})
+        self.write({"event": "collected", "rootdir": str(session.config.rootpath),
+                    "tests": tests})
 
     def pytest_collectreport(self, report: Any) -> None:
         if report.failed:
@@ -193,7 +194,8 @@ def issue_cost_worker(devices: str, algorithms: Sequence[str], sizes: Sequence[i
             try:
                 world = nt.World(devs, algorithm=alg, timeout=60)
             except Exception as exc:  # noqa: BLE001 - reported, the other algorithms go on
-                records.append({"algorithm": alg, "error": f"{type(exc).__name__}: {exc}"})
+                records.append({"algorithm": alg, "ranks": n,
+                                "error": f"{type(exc).__name__}: {exc}"})
                 status = 1
                 save()
                 continue
@@ -384,6 +386,7 @@ class TestLog:
         self.tests: dict[str, dict[str, Any]] = {}  # node id -> its latest record
         self.collect_errors: dict[str, str] = {}
         self.running: str | None = None
+        self.rootdir: str | None = None
 
     def read(self) -> bool:
         """Take in the whole lines written since the last call; True if there were any."""
@@ -397,6 +400,7 @@ class TestLog:
             rec = json.loads(line)
             event = rec.pop("event")
             if event == "collected":
+                self.rootdir = rec["rootdir"]  # node ids are relative to it
                 for t in rec["tests"]:
                     self.tests.setdefault(t["id"], {"outcome": "not run", **t})
             elif event == "collect_error":
@@ -649,8 +653,9 @@ class Check:
             if running is not None:
                 # the interpreter died inside a test: a crash, or the hard timeout
                 why = hang_file.read_text(errors="replace") if hang_file.exists() else ""
-                log.tests[running].update(outcome="crashed",
-                                          message=_tail(why.strip() or ran.tail, 3000))
+                # the stacks list the innermost frames first: keep the head of the dump
+                message = why.strip()[:3000] if why.strip() else _tail(ran.tail, 3000)
+                log.tests[running].update(outcome="crashed", message=message)
                 if any(r["outcome"] == "not run" for r in log.tests.values()):
                     print(f"{running} crashed; resuming after it", flush=True)
                     continue
@@ -699,7 +704,7 @@ class Check:
                 unexpected.append(t)
         counts["collect_errors"] = len(log.collect_errors)
         st.update(counts=counts, unexpected_skips=unexpected, tests=log.tests,
-                  collect_errors=log.collect_errors)
+                  collect_errors=log.collect_errors, rootdir=log.rootdir)
 
     # -- sweep ------------------------------------------------------------------------
     def sweep(self, runs: list[SweepRun]) -> None:
@@ -979,6 +984,9 @@ class Check:
                  if r["outcome"] not in ("passed", "skipped")
                  or (r["outcome"] == "skipped" and tid in t.get("unexpected_skips", []))]
         again += sorted({e.split("::")[0] for e in t.get("collect_errors", {}) if e})
+        root = Path(t.get("rootdir") or ROOT)
+        if root != ROOT:  # pytest takes paths relative to where it runs
+            again = [str(root / a) for a in again]
         if "tests" not in stages or (not t.get("tests") and not t.get("collect_errors")):
             again = tests  # the tests never ran
         elif again and cfg.marker and not self.args.tests:

@@ -1,0 +1,257 @@
+"""The one-call GPU check (``bench/gpu_check.py``), exercised without a GPU.
+
+Its dry run goes through every stage on the host backend; a GPU-mode run over a small test
+file of our own checks how tests are counted (a skipped ``gpu`` test fails the check, a
+skipped ``multi_gpu(n)`` test on fewer GPUs does not; failing, hanging and crashing tests
+are named and the run goes on after them) and that a rerun takes exactly what failed; the
+summary's bandwidth table is checked against the sweep's JSON records. None of this is GPU
+verification: the GPU tests themselves run only on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "gpu_check.py"
+
+
+def _module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve their annotations through it
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gpu_check = _module()
+
+
+def run_check(out: Path, *args: str, timeout: float = 300) -> tuple[int, str, dict[str, Any]]:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    results = json.loads((out / "gpu_check.json").read_text())
+    return proc.returncode, proc.stdout + proc.stderr, results
+
+
+def test_shell_entry_point_parses() -> None:
+    subprocess.run(["bash", "-n", str(ROOT / "bench" / "gpu_check.sh")], check=True)
+
+
+def test_dry_run_passes_and_reports_from_the_json(tmp_path: Path) -> None:
+    rc, output, res = run_check(tmp_path, "--dry-run")
+    assert rc == 0, output
+    assert res["result"] == "pass" and not res["failures"]
+    # the summary comes last
+    tail = output.rstrip().splitlines()
+    assert tail[-1].startswith("results: ")
+    assert any(line.startswith("nccltree GPU check: PASS") for line in tail[-40:])
+    stages = res["stages"]
+    assert {k: v["status"] for k, v in stages.items()} == dict.fromkeys(
+        ("probe", "install", "topology", "tests", "sweep", "issue_cost"), "ok"
+    )
+    counts = stages["tests"]["counts"]
+    assert counts["passed"] >= 3 and counts["failed"] == 0
+    # the GPU tests skip on the host backend, as expected in a dry run
+    assert counts["expected_skips"] > 0 and counts["unexpected_skips"] == 0
+    # every busbw the summary prints is a record of the sweep's JSON; 256 MiB is not in
+    # the dry run's sweep, so it is reported as not run rather than taken from elsewhere
+    records = []
+    for run in stages["sweep"]["runs"]:
+        records += json.loads((tmp_path / run["json"]).read_text())["records"]
+    table = res["summary"]["busbw"]
+    assert {(r["devices"], r["algorithm"]) for r in table} == {
+        (d, a) for d in ("cpu:1", "cpu:4") for a in ("tree", "ring", "direct")
+    }
+    for row in table:
+        cell = row["sizes"][str(1 << 20)]
+        (rec,) = [
+            r
+            for r in records
+            if (r["collective"], r["devices"], r["algorithm"], r["placement"], r["size"])
+            == (row["collective"], row["devices"], row["algorithm"], "out-of-place", 1 << 20)
+        ]
+        assert cell["busbw"] == rec["busbw"] and cell["wrong"] == 0
+        assert row["sizes"][str(256 << 20)] is None
+    assert "not run" in output
+    # the issue cost: every hand-built algorithm on four ranks, with its plan's step count
+    issue = [r for run in stages["issue_cost"]["runs"] for r in run["records"]]
+    four = [r for r in issue if r["ranks"] == 4]
+    assert {r["algorithm"] for r in four} == {"tree", "ring", "direct"}
+    assert all(r["ok"] and r["steps"] > 0 and r["per_step_us"] > 0 for r in four)
+
+
+FAKE_TESTS = """
+import os, signal, time
+import pytest
+
+def test_passes():
+    pass
+
+def test_fails():
+    assert 1 == 2
+
+@pytest.mark.gpu
+def test_gpu_skipped():
+    pytest.skip("pretend there is no GPU")
+
+@pytest.mark.multi_gpu(8)
+def test_needs_eight():
+    pytest.skip("needs 8 GPUs")
+
+def test_hangs_in_python():
+    time.sleep(60)
+
+def test_crashes():
+    os.abort()
+
+def test_hangs_where_no_timer_fires():
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    time.sleep(60)
+
+def test_after_the_crashes():
+    pass
+"""
+
+# the same names, all passing at once: what a rerun would meet after the fixes
+FIXED_TESTS = """
+import pytest
+
+@pytest.mark.gpu
+def test_gpu_skipped():
+    pass
+
+def test_fails():
+    pass
+
+def test_hangs_in_python():
+    pass
+
+def test_crashes():
+    pass
+
+def test_hangs_where_no_timer_fires():
+    pass
+"""
+
+
+def test_gpu_mode_counts_failures_skips_crashes_and_hangs(tmp_path: Path) -> None:
+    tests = tmp_path / "fake" / "test_fake.py"
+    tests.parent.mkdir()
+    tests.write_text(FAKE_TESTS)
+    out = tmp_path / "out"
+    # GPU mode (not a dry run) on a machine without one: the probe fails too, but the test
+    # stage runs and is counted as it would be on a GPU machine
+    args = ["--no-install", "--stages", "tests", "--test-timeout", "1", "--fallback-timeout"]
+    rc, output, res = run_check(out, *args, "--tests", str(tests))
+    assert rc == 1, output
+    assert res["result"] == "fail"
+    st = res["stages"]["tests"]
+    outcomes = {tid.split("::")[-1]: r["outcome"] for tid, r in st["tests"].items()}
+    assert outcomes == {
+        "test_passes": "passed",
+        "test_fails": "failed",
+        "test_gpu_skipped": "skipped",
+        "test_needs_eight": "skipped",
+        "test_hangs_in_python": "failed",
+        "test_crashes": "crashed",
+        "test_hangs_where_no_timer_fires": "crashed",
+        "test_after_the_crashes": "passed",  # the run resumed after each crash
+    }
+    c = st["counts"]
+    assert (c["expected_skips"], c["unexpected_skips"], c["timeouts"]) == (1, 1, 1)
+    assert st["timeout_via"].startswith("SIGALRM")
+    assert len(st["runs"]) == 3  # started again after each crash
+    failures = "\n".join(res["failures"])
+    assert "gpu test(s) skipped on a GPU machine" in failures
+    for name in ("test_fails", "test_hangs_in_python", "test_crashes"):
+        assert name in failures
+    hung = st["tests"][next(t for t in st["tests"] if t.endswith("no_timer_fires"))]
+    assert "killed after" in hung["message"]
+
+    # a rerun takes exactly what did not pass: failed, crashed, and the gpu test skipped
+    tests.write_text(FIXED_TESTS)
+    out2 = tmp_path / "out2"
+    prev = str(out / "gpu_check.json")
+    rc, output, res2 = run_check(out2, *args, "--tests", str(tests), "--rerun-failed", prev)
+    planned = {t.split("::")[-1] for t in res2["plan"]["tests"]}
+    assert planned == {
+        "test_fails",
+        "test_gpu_skipped",
+        "test_hangs_in_python",
+        "test_crashes",
+        "test_hangs_where_no_timer_fires",
+    }
+    st2 = res2["stages"]["tests"]
+    assert st2["status"] == "ok" and st2["counts"]["passed"] == 5, output
+    assert res2["plan"]["sweep"] == [] and res2["plan"]["issue_cost"] == []
+
+
+def _check_with_sweep(tmp_path: Path, records: list[dict[str, Any]]) -> Any:
+    args = gpu_check.build_parser().parse_args(["--dry-run"])
+    assert isinstance(args, argparse.Namespace)
+    check = gpu_check.Check(args, tmp_path, 300.0)
+    check.config = gpu_check.make_config(False, 1)
+    (tmp_path / "s.json").write_text(json.dumps({"records": records}))
+    run = {"json": "s.json", "status": "ok", "wrong": 0}
+    check.results["stages"] = {"sweep": {"status": "ok", "runs": [run]}}
+    return check
+
+
+def _record(size: int, algorithm: str, busbw: float, placement: str = "out-of-place") -> dict:
+    return {
+        "collective": "all_reduce",
+        "devices": "gpu:0,0,0,0",
+        "algorithm": algorithm,
+        "placement": placement,
+        "size": size,
+        "busbw": busbw,
+        "algbw": busbw / 1.5,
+        "time_us": 1.0,
+        "ranks": 4,
+        "wrong": 0,
+    }
+
+
+def test_summary_takes_the_sizes_it_names_from_the_records(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mib = 1 << 20
+    check = _check_with_sweep(
+        tmp_path,
+        [
+            _record(mib, "tree", 11.0),
+            _record(mib, "tree", 99.0, placement="in-place"),  # out of place is reported
+            _record(32 * mib, "tree", 55.0),  # not a summary size
+            _record(mib, "ring", 12.0),
+            _record(256 * mib, "ring", 300.0),
+        ],
+    )
+    table = check.busbw_table()
+    assert [r["algorithm"] for r in table] == ["tree", "ring"]  # the sweep's order
+    tree, ring = table
+    assert tree["sizes"][str(mib)]["busbw"] == 11.0
+    assert tree["sizes"][str(256 * mib)] is None
+    assert (ring["sizes"][str(mib)]["busbw"], ring["sizes"][str(256 * mib)]["busbw"]) == (
+        12.0,
+        300.0,
+    )
+    assert check.summary() == 0
+    printed = capsys.readouterr().out
+    tree_line = next(line for line in printed.splitlines() if " tree " in line)
+    assert "11.00" in tree_line and "not run" in tree_line and "55.00" not in tree_line

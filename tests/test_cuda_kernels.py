@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -168,6 +169,153 @@ def test_wrapper_arguments_match_the_kernel_signatures(launch_recorder, ptx_para
         name, _, _, args = launch_recorder[-1]
         assert name == f"nt_reduce_n_scaled_sum_{ck._SUFFIX[np.dtype(dtype)]}"
         assert args[4] == 0.25 and args[4].dtype == ck._SCALAR[np.dtype(dtype)]
+
+
+# ---- wiring on the fake CuPy ----
+# These run the module loader and wrappers unmodified on tests/fakecupy: they check what
+# NVRTC and CuPy are asked to do (options, architecture, cache files, pointers), never
+# results on a GPU, and do not count as GPU verification.
+
+
+def test_nvrtc_target_chooses_a_cubin_or_ptx_for_a_newer_gpu() -> None:
+    archs = (75, 80, 86, 89, 90, 100, 120)
+    assert ck.nvrtc_target(90, archs) == ("sm_90", "cubin")
+    assert ck.nvrtc_target(130, archs) == ("compute_120", "ptx")  # the driver compiles it
+    assert ck.nvrtc_target(87, archs) == ("compute_86", "ptx")
+    with pytest.raises(BackendUnavailable, match="compute capability 70"):
+        ck.nvrtc_target(70, archs)
+
+
+@pytest.fixture
+def nvrtc_calls(fake_cupy, monkeypatch) -> list[list[str]]:
+    """The options of every NVRTC compilation, with the run-time compiled path forced."""
+    import cupy
+
+    calls: list[list[str]] = []
+    real = cupy.cuda.nvrtc.compileProgram
+
+    def spy(prog, options):
+        calls.append(list(options))
+        return real(prog, options)
+
+    monkeypatch.setattr(cupy.cuda.nvrtc, "compileProgram", spy)
+    monkeypatch.setattr(ck, "_use_fatbin", False)
+    return calls
+
+
+def _cache_files() -> list[Path]:
+    d = ck.cache_dir()
+    return sorted(d.iterdir()) if d.is_dir() else []
+
+
+def _forget_modules(monkeypatch) -> None:
+    """What a new process knows: no loaded modules (the cache directory stays)."""
+    for cache in ("_modules", "_origin", "_target", "_functions"):
+        monkeypatch.setattr(ck, cache, {})
+
+
+def test_source_fallback_calls_nvrtc_itself_keeping_subnormals(fake_cupy, nvrtc_calls) -> None:
+    import cupy as cp
+
+    tiny = np.float32(2.0**-140)  # a float32 subnormal
+    x = cp.asarray(np.full(1000, tiny, np.float32))
+    ck.scale(x, 2.0)
+    assert ck.origin(0) == "source" and ck.target(0) == "sm_90"
+    (opts,) = nvrtc_calls
+    assert set(ck.NVRTC_OPTIONS) <= set(opts)
+    assert "--ftz=false" in opts and "--fmad=false" in opts
+    assert "--gpu-architecture=sm_90" in opts
+    assert not any("ftz=true" in o or "fast_math" in o for o in opts)
+    launch = fake_cupy.launches[-1]
+    assert launch.origin == "path" and not launch.ftz  # a cubin loaded by path
+    assert [p.suffix for p in _cache_files()] == [".cubin"]  # and no temporary file left
+    assert not fake_cupy.programs  # the NVRTC program was destroyed
+    np.testing.assert_array_equal(x.get(), np.full(1000, tiny * 2, np.float32))
+
+
+def test_compiled_modules_are_cached_by_source_options_and_nvrtc(
+    fake_cupy, nvrtc_calls, monkeypatch
+) -> None:
+    import cupy as cp
+
+    ck.module(0)
+    ck.module(1)  # another GPU of the same architecture: the same file
+    assert len(nvrtc_calls) == 1
+    _forget_modules(monkeypatch)
+    ck.module(0)
+    assert len(nvrtc_calls) == 1 and ck.origin(0) == "source"
+    # another NVRTC version compiles again, into another file
+    monkeypatch.setattr(cp.cuda.nvrtc, "getVersion", lambda: (13, 1))
+    _forget_modules(monkeypatch)
+    ck.module(0)
+    assert len(nvrtc_calls) == 2 and len(_cache_files()) == 2
+    # so does another source
+    text = ck.source_text()
+    monkeypatch.setattr(ck, "source_text", lambda: text + "\n// changed\n")
+    _forget_modules(monkeypatch)
+    ck.module(0)
+    assert len(nvrtc_calls) == 3 and len(_cache_files()) == 3
+
+
+def test_a_damaged_cache_file_is_compiled_again(fake_cupy, nvrtc_calls, monkeypatch) -> None:
+    ck.module(0)
+    (path,) = _cache_files()
+    good = path.read_bytes()
+    path.write_bytes(b"not a cubin")
+    _forget_modules(monkeypatch)
+    ck.module(0)
+    assert len(nvrtc_calls) == 2 and path.read_bytes() == good
+
+
+@pytest.mark.parametrize("fake_cupy", [{"n_gpus": 1, "compute_capability": "130"}], indirect=True)
+def test_a_gpu_newer_than_nvrtc_gets_ptx_and_a_warning(fake_cupy, nvrtc_calls) -> None:
+    import cupy as cp
+
+    newest = max(cp.cuda.nvrtc.getSupportedArchs())
+    with pytest.warns(RuntimeWarning, match=f"compute_{newest}"):
+        ck.module(0)
+    assert ck.target(0) == f"compute_{newest}"
+    assert f"--gpu-architecture=compute_{newest}" in nvrtc_calls[0]
+    assert "--ftz=false" in nvrtc_calls[0]
+    assert [p.suffix for p in _cache_files()] == [".ptx"]
+    x = cp.asarray(np.ones(8, np.float32))
+    ck.scale(x, 3.0)
+    assert not fake_cupy.launches[-1].ftz
+    np.testing.assert_array_equal(x.get(), np.full(8, 3, np.float32))
+
+
+@pytest.mark.parametrize("fake_cupy", [{"n_gpus": 1, "compute_capability": "70"}], indirect=True)
+def test_a_gpu_older_than_nvrtc_without_a_fatbin_is_unavailable(fake_cupy, nvrtc_calls) -> None:
+    with pytest.raises(BackendUnavailable, match="compute capability 70"):
+        ck.module(0)
+    assert not nvrtc_calls and ck.origin(0) is None
+
+
+def test_compile_errors_carry_the_nvrtc_log(fake_cupy, nvrtc_calls, monkeypatch) -> None:
+    text = ck.source_text()
+    monkeypatch.setattr(ck, "source_text", lambda: "#include <cuda_fp16.h>\n" + text)
+    with pytest.raises(BackendUnavailable, match="cuda_fp16.h"):
+        ck.module(0)
+    assert not fake_cupy.programs and not _cache_files()
+
+
+def test_misaligned_views_launch_with_their_own_pointers(fake_cupy) -> None:
+    # the kernel peels its head from the pointers themselves: the launch passes each
+    # view's address (12 bytes past a 16-byte boundary, the same for all) and its count
+    import cupy as cp
+
+    n = 1001
+    host = [np.arange(n + 8, dtype=np.float32) * (j + 1) for j in range(3)]
+    bases = [cp.asarray(h) for h in host]
+    views = [b[3 : 3 + n] for b in bases]
+    ck.reduce_n(views[0], views, "sum")
+    launch = fake_cupy.launches[-1]
+    assert launch.name == "nt_reduce_n_sum_f32"
+    assert launch.args[0] == bases[0].data.ptr + 12
+    assert tuple(launch.args[1][:3]) == tuple(b.data.ptr + 12 for b in bases)
+    assert launch.args[2] == 3 and launch.args[3] == n
+    assert launch.grid[0] * launch.block[0] * 4 >= n
+    np.testing.assert_array_equal(views[0].get(), reference("sum", [h[3 : 3 + n] for h in host]))
 
 
 # ---- on a GPU ----

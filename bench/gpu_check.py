@@ -108,13 +108,17 @@ class _Plugin:
             }
             self.markers[it.nodeid] = marks
             tests.append({"id": it.nodeid, **marks})
-        self.write({"event": "collected", "rootdir": str(session.config.rootpath),
-                    "tests": tests})
+        self.write({"event": "collected", "rootdir": str(session.config.rootpath), "tests": tests})
 
     def pytest_collectreport(self, report: Any) -> None:
         if report.failed:
-            self.write({"event": "collect_error", "id": report.nodeid,
-                        "message": _tail(report.longreprtext, 1500)})
+            self.write(
+                {
+                    "event": "collect_error",
+                    "id": report.nodeid,
+                    "message": _tail(report.longreprtext, 1500),
+                }
+            )
 
     def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
         self.write({"event": "start", "id": nodeid})
@@ -153,10 +157,17 @@ class _Plugin:
                 outcome = "skipped"
                 longrepr = rep.longrepr
                 message = str(longrepr[2]) if isinstance(longrepr, tuple) else str(longrepr)
-        self.write({"event": "done", "id": nodeid, "outcome": outcome,
-                    "seconds": round(sum(r.duration for r in reports), 3),
-                    "timeout": "Timeout" in message, "message": message,
-                    **self.markers.get(nodeid, {"gpu": 0, "multi_gpu": 0})})
+        self.write(
+            {
+                "event": "done",
+                "id": nodeid,
+                "outcome": outcome,
+                "seconds": round(sum(r.duration for r in reports), 3),
+                "timeout": "Timeout" in message,
+                "message": message,
+                **self.markers.get(nodeid, {"gpu": 0, "multi_gpu": 0}),
+            }
+        )
 
 
 def _tail(text: str, limit: int) -> str:
@@ -172,8 +183,9 @@ def pytest_configure(config: Any) -> None:
 # -- the per-step issue cost (run in a child process: --issue-cost-worker) -----------------
 
 
-def issue_cost_worker(devices: str, algorithms: Sequence[str], sizes: Sequence[int],
-                      reps: int, out: Path) -> int:
+def issue_cost_worker(
+    devices: str, algorithms: Sequence[str], sizes: Sequence[int], reps: int, out: Path
+) -> int:
     """Host time of a stream-ordered all_reduce call, per plan step; one JSON file."""
     import numpy as np
 
@@ -194,8 +206,9 @@ def issue_cost_worker(devices: str, algorithms: Sequence[str], sizes: Sequence[i
             try:
                 world = nt.World(devs, algorithm=alg, timeout=60)
             except Exception as exc:  # noqa: BLE001 - reported, the other algorithms go on
-                records.append({"algorithm": alg, "ranks": n,
-                                "error": f"{type(exc).__name__}: {exc}"})
+                records.append(
+                    {"algorithm": alg, "ranks": n, "error": f"{type(exc).__name__}: {exc}"}
+                )
                 status = 1
                 save()
                 continue
@@ -205,8 +218,11 @@ def issue_cost_worker(devices: str, algorithms: Sequence[str], sizes: Sequence[i
                     try:
                         count = max(1, size // 4)
                         xs = [d.from_host(np.ones(count, np.float32)) for d in devs]
-                        rec["steps"] = (len(world.plan("all_reduce", count, algorithm=alg).steps)
-                                        if alg in ALGORITHMS else None)
+                        rec["steps"] = (
+                            len(world.plan("all_reduce", count, algorithm=alg).steps)
+                            if alg in ALGORITHMS
+                            else None
+                        )
                         times = []
                         for i in range(warm + reps):
                             for d in devs:
@@ -221,8 +237,9 @@ def issue_cost_worker(devices: str, algorithms: Sequence[str], sizes: Sequence[i
                         want = float(n ** (warm + reps))
                         got = [float(d.to_host(x[:1])[0]) for d, x in zip(devs, xs)]
                         rec["issue_us"] = statistics.median(times) * 1e6
-                        rec["per_step_us"] = (rec["issue_us"] / rec["steps"]
-                                              if rec["steps"] else None)
+                        rec["per_step_us"] = (
+                            rec["issue_us"] / rec["steps"] if rec["steps"] else None
+                        )
                         rec["ok"] = all(g == want for g in got)
                         if not rec["ok"]:
                             rec["error"] = f"wrong result: {got} instead of {want}"
@@ -342,8 +359,18 @@ def make_config(dry_run: bool, gpus: int) -> Config:
         sweep.append(SweepRun(present, (*hand, "nccl"), band, lo, hi, f, n, w))
         sweep.append(SweepRun(logical, hand, band, lo, hi, f, n, w))
     marker = None if dry_run else "gpu or multi_gpu"
-    return Config("dry-run" if dry_run else "gpu", present, logical, sweep,
-                  (MiB, 256 * MiB), sizes, tests, marker, topo, not dry_run)
+    return Config(
+        "dry-run" if dry_run else "gpu",
+        present,
+        logical,
+        sweep,
+        (MiB, 256 * MiB),
+        sizes,
+        tests,
+        marker,
+        topo,
+        not dry_run,
+    )
 
 
 # -- the check ------------------------------------------------------------------------------
@@ -457,9 +484,14 @@ class Check:
         self.save()
         return st
 
-    def run(self, argv: Sequence[str], log: Path, timeout: float,
-            env: dict[str, str] | None = None, poll: Callable[[], None] | None = None
-            ) -> Ran:
+    def run(
+        self,
+        argv: Sequence[str],
+        log: Path,
+        timeout: float,
+        env: dict[str, str] | None = None,
+        poll: Callable[[], None] | None = None,
+    ) -> Ran:
         """Run ``argv`` with stdout and stderr into ``log``, at most ``timeout`` seconds
         (then it and its children are killed); ``poll()`` is called every second."""
         t = time.monotonic()
@@ -467,9 +499,15 @@ class Check:
             # the command on one line: the output starts after the first newline
             f.write(("$ " + shlex.join(argv).replace("\n", "\\n") + "\n").encode())
             f.flush()
-            proc = subprocess.Popen(list(argv), stdout=f, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, cwd=ROOT,
-                                    env=env or self.env, start_new_session=True)
+            proc = subprocess.Popen(
+                list(argv),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=ROOT,
+                env=env or self.env,
+                start_new_session=True,
+            )
             self.child = proc
             rc: int | None = None
             try:
@@ -512,8 +550,10 @@ class Check:
         info["python"] = sys.version.split()[0]
         self.results["machine"] = info
         self.gpus = len(info.get("gpus", []))
-        for name, argv in (("gpus.txt", ["nvidia-smi", "-L"]),
-                           ("nvidia-smi-topo.txt", ["nvidia-smi", "topo", "-m"])):
+        for name, argv in (
+            ("gpus.txt", ["nvidia-smi", "-L"]),
+            ("nvidia-smi-topo.txt", ["nvidia-smi", "topo", "-m"]),
+        ):
             try:
                 self.run(argv, self.out / name, 20)
             except OSError:
@@ -524,8 +564,11 @@ class Check:
         else:
             st["status"] = "ok"
             names = ", ".join(f"{g['name']} (sm_{g['cc']})" for g in info["gpus"])
-            print(f"{self.gpus} GPU(s): {names}; CuPy {info.get('cupy')}, driver "
-                  f"{info.get('driver')}, NCCL {info.get('nccl')}", flush=True)
+            print(
+                f"{self.gpus} GPU(s): {names}; CuPy {info.get('cupy')}, driver "
+                f"{info.get('driver')}, NCCL {info.get('nccl')}",
+                flush=True,
+            )
         self.save()
 
     def install(self) -> None:
@@ -535,41 +578,50 @@ class Check:
         wheels = sorted(wheels_dir.glob("*.whl")) if wheels_dir.is_dir() else []
         archs = sorted({g["cc"] for g in self.results.get("machine", {}).get("gpus", [])})
         self.env["PYTHONPATH"] = os.pathsep.join(
-            [str(site), str(BENCH), *filter(None, [self.env.get("PYTHONPATH")])])
+            [str(site), str(BENCH), *filter(None, [self.env.get("PYTHONPATH")])]
+        )
         build_env = dict(self.env)
         if archs:
             # the fatbin for the GPUs present only: one architecture compiles in seconds
             build_env["SKBUILD_CMAKE_DEFINE"] = "NCCLTREE_CUDA_ARCHS=" + ";".join(archs)
         build_env["PIP_BREAK_SYSTEM_PACKAGES"] = "1"  # a system Python without a venv
         pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
-        wheel_cmd = [*pip, "--no-compile", "--upgrade", "--target", str(site),
-                     *map(str, wheels)]
+        wheel_cmd = [*pip, "--no-compile", "--upgrade", "--target", str(site), *map(str, wheels)]
         build_cmd = [*pip, "--no-build-isolation", "-e", "."]
-        st.update(wheels=[w.name for w in wheels], cuda_archs=archs,
-                  commands=[shlex.join(wheel_cmd) if wheels else None, shlex.join(build_cmd)])
+        st.update(
+            wheels=[w.name for w in wheels],
+            cuda_archs=archs,
+            commands=[shlex.join(wheel_cmd) if wheels else None, shlex.join(build_cmd)],
+        )
         if self.args.dry_run or self.args.no_install:
             st["skipped"] = "dry run" if self.args.dry_run else "--no-install"
-            print("not run here:\n  " + "\n  ".join(c for c in st["commands"] if c),
-                  flush=True)
+            print("not run here:\n  " + "\n  ".join(c for c in st["commands"] if c), flush=True)
         else:
             if wheels:
                 ran = self.run(wheel_cmd, self.out / "install-wheels.txt", self.budget(60, 60))
                 st["wheels_rc"] = ran.rc
                 if ran.rc != 0:
                     self.fail(f"install: the wheels in {wheels_dir} did not install:\n{ran.tail}")
-            ran = self.run(build_cmd, self.out / "install-build.txt", self.budget(150, 90),
-                           env=build_env)
+            ran = self.run(
+                build_cmd, self.out / "install-build.txt", self.budget(150, 90), env=build_env
+            )
             st.update(build_rc=ran.rc, build_s=ran.seconds)
             log = (self.out / "install-build.txt").read_text(errors="replace")
-            st["fatbin"] = ("built" if "building the CUDA fatbin" in log
-                            else "not built (runtime compilation)" if "nvcc not found" in log
-                            else "unknown (quiet build)")
+            st["fatbin"] = (
+                "built"
+                if "building the CUDA fatbin" in log
+                else "not built (runtime compilation)"
+                if "nvcc not found" in log
+                else "unknown (quiet build)"
+            )
             if ran.rc != 0:
                 self.fail(f"install: building nccltree failed (rc {ran.rc}):\n{ran.tail}")
-        check = ("import nccltree, nccltree._native as n; n.library(); "
-                 "print('host kernel library:', n.library_path())\n"
-                 "try:\n import lmdb; print('lmdb', getattr(lmdb, '__version__', '?'))\n"
-                 "except ImportError: print('lmdb: missing')")
+        check = (
+            "import nccltree, nccltree._native as n; n.library(); "
+            "print('host kernel library:', n.library_path())\n"
+            "try:\n import lmdb; print('lmdb', getattr(lmdb, '__version__', '?'))\n"
+            "except ImportError: print('lmdb: missing')"
+        )
         ran = self.run([sys.executable, "-c", check], self.out / "install-check.txt", 60)
         st["import"] = ran.tail.strip().splitlines()
         if ran.rc != 0:
@@ -581,8 +633,14 @@ class Check:
 
     def topology(self) -> None:
         st = self.stage("topology")
-        argv = [sys.executable, "-m", "nccltree.cli.bench", "topo", "--devices",
-                self.config.topo_devices]
+        argv = [
+            sys.executable,
+            "-m",
+            "nccltree.cli.bench",
+            "topo",
+            "--devices",
+            self.config.topo_devices,
+        ]
         ran = self.run(argv, self.out / "topology.txt", self.budget(60, 60))
         lines = ran.tail.splitlines()
         matrix: list[str] = []
@@ -600,8 +658,9 @@ class Check:
     def _pytest_timeout_installed(self) -> bool:
         if self.args.fallback_timeout:
             return False
-        ran = self.run([sys.executable, "-c", "import pytest_timeout"],
-                       self.out / "pytest-timeout.txt", 60)
+        ran = self.run(
+            [sys.executable, "-c", "import pytest_timeout"], self.out / "pytest-timeout.txt", 60
+        )
         return ran.rc == 0
 
     def tests(self, selection: list[str]) -> None:
@@ -616,11 +675,28 @@ class Check:
         # past the per-test timeout, a test stuck in native code (where no Python-level
         # timer fires) is killed with its stacks written out, and the run resumes after it
         hard = timeout + min(30.0, max(5.0, timeout / 2))
-        env.update({_ENV_LOG: str(log.path), _ENV_HARD: str(hard),
-                    _ENV_HANG: str(hang_file), _ENV_DESELECT: str(done_file),
-                    _ENV_SOFT: "0" if via == "pytest-timeout" else str(timeout)})
-        argv = [sys.executable, "-m", "pytest", "-q", "-p", "gpu_check", "-p", "no:cacheprovider",
-                "--continue-on-collection-errors", "-o", "console_output_style=classic"]
+        env.update(
+            {
+                _ENV_LOG: str(log.path),
+                _ENV_HARD: str(hard),
+                _ENV_HANG: str(hang_file),
+                _ENV_DESELECT: str(done_file),
+                _ENV_SOFT: "0" if via == "pytest-timeout" else str(timeout),
+            }
+        )
+        argv = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "gpu_check",
+            "-p",
+            "no:cacheprovider",
+            "--continue-on-collection-errors",
+            "-o",
+            "console_output_style=classic",
+        ]
         if via == "pytest-timeout":
             argv.append(f"--timeout={timeout:g}")
 
@@ -632,22 +708,29 @@ class Check:
         runs: list[dict[str, Any]] = []
         while True:
             # a resumed run leaves out what already finished (and the test that crashed)
-            done_file.write_text("".join(f"{t}\n" for t, r in log.tests.items()
-                                         if r["outcome"] != "not run"))
+            done_file.write_text(
+                "".join(f"{t}\n" for t, r in log.tests.items() if r["outcome"] != "not run")
+            )
             limit = self.budget(1e9, self.reserve_after_tests)
             if limit < 5:
                 st["cut_short"] = "the deadline came before every test ran"
                 break
-            ran = self.run([*argv, *selection], self.out / f"tests-{len(runs) + 1}.txt", limit,
-                           env=env, poll=progress)
+            ran = self.run(
+                [*argv, *selection],
+                self.out / f"tests-{len(runs) + 1}.txt",
+                limit,
+                env=env,
+                poll=progress,
+            )
             log.read()
             runs.append({"rc": ran.rc, "seconds": ran.seconds})
             st["runs"] = runs
             running, log.running = log.running, None
             if ran.timed_out:
                 if running:
-                    log.tests[running].update(outcome="not finished",
-                                              message="still running at the deadline")
+                    log.tests[running].update(
+                        outcome="not finished", message="still running at the deadline"
+                    )
                 st["cut_short"] = "the deadline came before every test ran"
                 break
             if running is not None:
@@ -672,21 +755,41 @@ class Check:
         for t, msg in log.collect_errors.items():
             self.fail(f"tests: {t} could not be collected:\n{_tail(msg, 800)}")
         if c["unexpected_skips"]:
-            self.fail(f"tests: {c['unexpected_skips']} gpu test(s) skipped on a GPU machine: "
-                      + ", ".join(st["unexpected_skips"][:10]))
+            self.fail(
+                f"tests: {c['unexpected_skips']} gpu test(s) skipped on a GPU machine: "
+                + ", ".join(st["unexpected_skips"][:10])
+            )
         if c["not_run"]:
             self.fail(f"tests: {c['not_run']} test(s) did not run or finish (deadline)")
         if not log.tests and not log.collect_errors:
             self.fail("tests: no test was collected")
-        clean = not (bad or log.collect_errors or c["unexpected_skips"] or c["not_run"]
-                     or st.get("pytest_error"))
+        clean = not (
+            bad
+            or log.collect_errors
+            or c["unexpected_skips"]
+            or c["not_run"]
+            or st.get("pytest_error")
+        )
         st["status"] = "ok" if clean and log.tests else "failed"
         self.save()
 
     def _count_tests(self, st: dict[str, Any], log: TestLog) -> None:
-        counts = dict.fromkeys(("collected", "passed", "failed", "error", "crashed",
-                                "skipped", "expected_skips", "unexpected_skips",
-                                "other_skips", "not_run", "timeouts"), 0)
+        counts = dict.fromkeys(
+            (
+                "collected",
+                "passed",
+                "failed",
+                "error",
+                "crashed",
+                "skipped",
+                "expected_skips",
+                "unexpected_skips",
+                "other_skips",
+                "not_run",
+                "timeouts",
+            ),
+            0,
+        )
         unexpected = []
         for t, r in log.tests.items():
             counts["collected"] += 1
@@ -703,8 +806,13 @@ class Check:
                 counts["unexpected_skips"] += 1
                 unexpected.append(t)
         counts["collect_errors"] = len(log.collect_errors)
-        st.update(counts=counts, unexpected_skips=unexpected, tests=log.tests,
-                  collect_errors=log.collect_errors, rootdir=log.rootdir)
+        st.update(
+            counts=counts,
+            unexpected_skips=unexpected,
+            tests=log.tests,
+            collect_errors=log.collect_errors,
+            rootdir=log.rootdir,
+        )
 
     # -- sweep ------------------------------------------------------------------------
     def sweep(self, runs: list[SweepRun]) -> None:
@@ -712,8 +820,12 @@ class Check:
         done: list[dict[str, Any]] = st.setdefault("runs", [])
         for i, sr in enumerate(runs):
             name = f"sweep-{i + 1}"
-            rec: dict[str, Any] = {"key": sr.key, "devices": sr.devices, "band": sr.band,
-                                   "algorithms": list(sr.algorithms)}
+            rec: dict[str, Any] = {
+                "key": sr.key,
+                "devices": sr.devices,
+                "band": sr.band,
+                "algorithms": list(sr.algorithms),
+            }
             done.append(rec)
             limit = self.budget(1e9, self.reserve_after_sweep)
             if limit < 5:
@@ -728,43 +840,67 @@ class Check:
                 # stops the whole run: run the others again and report NCCL on its own.
                 first = ran
                 algs = [a for a in algs if a != "nccl"]
-                ran, path = self._bench(sr, algs, name,
-                                        self.budget(1e9, self.reserve_after_sweep))
+                ran, path = self._bench(sr, algs, name, self.budget(1e9, self.reserve_after_sweep))
                 if ran.rc == 0:
                     rec["nccl_error"] = first.tail
                     nccl_failed = self.config.nccl_expected
                     if nccl_failed:
                         self.fail(f"sweep {sr.key}: NCCL did not start:\n{_tail(first.tail, 800)}")
                     else:
-                        self.notes.append(f"sweep {sr.key}: no NCCL on the host backend "
-                                          "(expected in a dry run)")
+                        self.notes.append(
+                            f"sweep {sr.key}: no NCCL on the host backend (expected in a dry run)"
+                        )
             rec.update(rc=ran.rc, seconds=ran.seconds, ran=algs, log=f"{name}.txt")
             if path.exists():
                 records = json.loads(path.read_text())["records"]
-                rec.update(json=path.name, records=len(records),
-                           wrong=sum(r["wrong"] or 0 for r in records))
+                rec.update(
+                    json=path.name,
+                    records=len(records),
+                    wrong=sum(r["wrong"] or 0 for r in records),
+                )
             if ran.timed_out:
                 rec["status"] = "timed out (deadline)"
                 self.fail(f"sweep {sr.key}: cut at the deadline after {ran.seconds:.0f} s")
             elif ran.rc != 0:
                 rec["status"] = f"failed (rc {ran.rc})"
-                self.fail(f"sweep {sr.key}: nccltree-bench failed (rc {ran.rc}):\n"
-                          f"{_tail(ran.tail, 1200)}")
+                self.fail(
+                    f"sweep {sr.key}: nccltree-bench failed (rc {ran.rc}):\n{_tail(ran.tail, 1200)}"
+                )
             else:
                 rec["status"] = "failed (NCCL did not start)" if nccl_failed else "ok"
             self.save()
         st["status"] = "ok" if all(r["status"] == "ok" for r in done) else "failed"
         self.save()
 
-    def _bench(self, sr: SweepRun, algs: list[str], name: str, limit: float
-               ) -> tuple[Ran, Path]:
+    def _bench(self, sr: SweepRun, algs: list[str], name: str, limit: float) -> tuple[Ran, Path]:
         path = self.out / f"{name}.json"
         path.unlink(missing_ok=True)
-        argv = [sys.executable, "-m", "nccltree.cli.bench", "collectives", "--devices",
-                sr.devices, "--algorithm", ",".join(algs), "--collective",
-                "all_reduce,broadcast", "-b", sr.minbytes, "-e", sr.maxbytes, "-f",
-                str(sr.factor), "-n", str(sr.iters), "-w", str(sr.warmup), "-c", "1",
-                "--json", str(path)]
+        argv = [
+            sys.executable,
+            "-m",
+            "nccltree.cli.bench",
+            "collectives",
+            "--devices",
+            sr.devices,
+            "--algorithm",
+            ",".join(algs),
+            "--collective",
+            "all_reduce,broadcast",
+            "-b",
+            sr.minbytes,
+            "-e",
+            sr.maxbytes,
+            "-f",
+            str(sr.factor),
+            "-n",
+            str(sr.iters),
+            "-w",
+            str(sr.warmup),
+            "-c",
+            "1",
+            "--json",
+            str(path),
+        ]
         return self.run(argv, self.out / f"{name}.txt", limit), path
 
     # -- issue cost -------------------------------------------------------------------
@@ -781,9 +917,19 @@ class Check:
                 continue
             path = self.out / f"issue-{i + 1}.json"
             path.unlink(missing_ok=True)
-            argv = [sys.executable, str(Path(__file__).resolve()), "--issue-cost-worker",
-                    "--devices", devices, "--algorithms", ",".join(algs), "--sizes",
-                    ",".join(map(str, self.config.issue_sizes)), "--json", str(path)]
+            argv = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--issue-cost-worker",
+                "--devices",
+                devices,
+                "--algorithms",
+                ",".join(algs),
+                "--sizes",
+                ",".join(map(str, self.config.issue_sizes)),
+                "--json",
+                str(path),
+            ]
             ran = self.run(argv, self.out / f"issue-{i + 1}.txt", limit)
             rec.update(rc=ran.rc, seconds=ran.seconds, json=path.name)
             records = json.loads(path.read_text())["records"] if path.exists() else []
@@ -826,14 +972,24 @@ class Check:
                 key = (r["collective"], r["devices"], r["algorithm"])
                 cells = found.setdefault(key, {})
                 if r["placement"] == "out-of-place" and r["size"] in self.config.summary_sizes:
-                    cells[r["size"]] = {"busbw": r["busbw"], "algbw": r["algbw"],
-                                        "time_us": r["time_us"], "ranks": r["ranks"],
-                                        "wrong": r["wrong"]}
+                    cells[r["size"]] = {
+                        "busbw": r["busbw"],
+                        "algbw": r["algbw"],
+                        "time_us": r["time_us"],
+                        "ranks": r["ranks"],
+                        "wrong": r["wrong"],
+                    }
         # the sweep's own order: collectives, then device sets, then algorithms as given
         order = sorted(found, key=lambda k: (k[0], list(found).index(k)))
-        return [{"collective": c, "devices": d, "algorithm": a,
-                 "sizes": {str(s): found[(c, d, a)].get(s) for s in self.config.summary_sizes}}
-                for c, d, a in order]
+        return [
+            {
+                "collective": c,
+                "devices": d,
+                "algorithm": a,
+                "sizes": {str(s): found[(c, d, a)].get(s) for s in self.config.summary_sizes},
+            }
+            for c, d, a in order
+        ]
 
     def summary(self) -> int:
         table = self.busbw_table()
@@ -843,24 +999,34 @@ class Check:
         self.save()
         m = self.results.get("machine", {})
         gpus = m.get("gpus") or []
-        where = ("host backend (dry run)" if self.args.dry_run else
-                 f"{len(gpus)} GPU(s): " + ", ".join(f"{g['name']} sm_{g['cc']}" for g in gpus))
+        where = (
+            "host backend (dry run)"
+            if self.args.dry_run
+            else f"{len(gpus)} GPU(s): " + ", ".join(f"{g['name']} sm_{g['cc']}" for g in gpus)
+        )
         stages = self.results.get("stages", {})
-        lines = ["", "=" * 78,
-                 f"nccltree GPU check: {'PASS' if ok else 'FAIL'}   mode {self.config.mode}"
-                 f"{' (rerun of failures)' if self.args.rerun_failed else ''}, {where}",
-                 f"commit {self.results.get('commit')}, {self.elapsed():.0f} s of "
-                 f"{self.deadline_s:.0f} s; CuPy {m.get('cupy', '-')}, NCCL "
-                 f"{m.get('nccl', '-')}, Python {m.get('python')}"]
+        lines = [
+            "",
+            "=" * 78,
+            f"nccltree GPU check: {'PASS' if ok else 'FAIL'}   mode {self.config.mode}"
+            f"{' (rerun of failures)' if self.args.rerun_failed else ''}, {where}",
+            f"commit {self.results.get('commit')}, {self.elapsed():.0f} s of "
+            f"{self.deadline_s:.0f} s; CuPy {m.get('cupy', '-')}, NCCL "
+            f"{m.get('nccl', '-')}, Python {m.get('python')}",
+        ]
         ins = stages.get("install")
         if ins:
             if ins.get("skipped"):
                 how = f"build not run ({ins['skipped']})"
             else:
-                how = (f"built in {ins.get('build_s', 0):.0f} s, fatbin {ins.get('fatbin')}, "
-                       f"CUDA archs {','.join(ins.get('cuda_archs', [])) or '-'}")
-            lines.append(f"install   {ins['status']}: {how}; wheels: "
-                         f"{', '.join(ins.get('wheels', [])) or 'none'}")
+                how = (
+                    f"built in {ins.get('build_s', 0):.0f} s, fatbin {ins.get('fatbin')}, "
+                    f"CUDA archs {','.join(ins.get('cuda_archs', [])) or '-'}"
+                )
+            lines.append(
+                f"install   {ins['status']}: {how}; wheels: "
+                f"{', '.join(ins.get('wheels', [])) or 'none'}"
+            )
         tst = stages.get("tests")
         if tst and "counts" in tst:
             c = tst["counts"]
@@ -871,28 +1037,37 @@ class Check:
                 f"{' (dry run)' if self.args.dry_run else ' multi_gpu'}, "
                 f"{c['unexpected_skips']} gpu: must be 0, {c['other_skips']} other), "
                 f"{c['collect_errors']} collection errors; {c['timeouts']} timeouts "
-                f"({tst['test_timeout_s']:g} s each via {tst['timeout_via']})")
+                f"({tst['test_timeout_s']:g} s each via {tst['timeout_via']})"
+            )
         sw = stages.get("sweep")
         if sw:
             runs = sw.get("runs", [])
             wrong = sum(r.get("wrong", 0) for r in runs)
-            lines.append(f"sweep     {sw['status']}: {sum(r['status'] == 'ok' for r in runs)}"
-                         f"/{len(runs)} runs ok, {wrong} wrong elements; busbw (algbw) GB/s "
-                         "out of place:")
+            lines.append(
+                f"sweep     {sw['status']}: {sum(r['status'] == 'ok' for r in runs)}"
+                f"/{len(runs)} runs ok, {wrong} wrong elements; busbw (algbw) GB/s "
+                "out of place:"
+            )
             sizes = self.config.summary_sizes
-            lines.append(f"  {'collective':<11}{'devices':<14}{'algorithm':<10}"
-                         + "".join(f"{human(s):>20}" for s in sizes))
+            lines.append(
+                f"  {'collective':<11}{'devices':<14}{'algorithm':<10}"
+                + "".join(f"{human(s):>20}" for s in sizes)
+            )
             for row in table:
                 cells = []
                 for s in sizes:
                     v = row["sizes"][str(s)]
                     cells.append("not run" if v is None else f"{v['busbw']:.2f} ({v['algbw']:.2f})")
-                lines.append(f"  {row['collective']:<11}{row['devices']:<14}{row['algorithm']:<10}"
-                             + "".join(f"{c:>20}" for c in cells))
+                lines.append(
+                    f"  {row['collective']:<11}{row['devices']:<14}{row['algorithm']:<10}"
+                    + "".join(f"{c:>20}" for c in cells)
+                )
         ic = stages.get("issue_cost")
         if ic:
-            lines.append(f"issue     {ic['status']}: host time of a stream-ordered all_reduce "
-                         "call, per plan step (us)")
+            lines.append(
+                f"issue     {ic['status']}: host time of a stream-ordered all_reduce "
+                "call, per plan step (us)"
+            )
             for run in ic.get("runs", []):
                 by_alg: dict[str, list[str]] = {}
                 for r in run.get("records", []):
@@ -902,7 +1077,8 @@ class Check:
                         per = r.get("per_step_us")
                         by_alg.setdefault(r["algorithm"], []).append(
                             f"{human(r['size'])} {r['issue_us']:.0f}"
-                            + (f" = {r['steps']} x {per:.1f}" if per is not None else ""))
+                            + (f" = {r['steps']} x {per:.1f}" if per is not None else "")
+                        )
                 for alg, cells in by_alg.items():
                     lines.append(f"  {run['devices']:<14}{alg:<8}" + "; ".join(cells))
         topo = stages.get("topology")
@@ -924,17 +1100,24 @@ class Check:
         prev: dict[str, Any] | None = None
         if self.args.rerun_failed:
             prev = json.loads(Path(self.args.rerun_failed).read_text())
-        self.results.update(tool="nccltree gpu_check", version=1, commit=_commit(),
-                            mode="dry-run" if self.args.dry_run else "gpu",
-                            rerun_of=self.args.rerun_failed, deadline_s=self.deadline_s,
-                            started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), result="incomplete")
+        self.results.update(
+            tool="nccltree gpu_check",
+            version=1,
+            commit=_commit(),
+            mode="dry-run" if self.args.dry_run else "gpu",
+            rerun_of=self.args.rerun_failed,
+            deadline_s=self.deadline_s,
+            started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            result="incomplete",
+        )
         self.config = make_config(self.args.dry_run, 0)
         try:
             self.probe()
             self.config = make_config(self.args.dry_run, self.gpus)
             plan = self._plan(prev)
-            self.results["plan"] = {k: (v if k != "sweep" else [s.key for s in v])
-                                    for k, v in plan.items()}
+            self.results["plan"] = {
+                k: (v if k != "sweep" else [s.key for s in v]) for k, v in plan.items()
+            }
             if not any(plan[k] for k in ("topology", "tests", "sweep", "issue_cost")):
                 print("nothing failed in the previous run: nothing to rerun", flush=True)
             self.install()
@@ -960,12 +1143,13 @@ class Check:
     def _plan(self, prev: dict[str, Any] | None) -> dict[str, Any]:
         """What to run: everything, or what failed in ``prev``."""
         cfg = self.config
-        issue_sets = [(cfg.present, ("tree", "ring", "direct", "nccl")),
-                      (cfg.logical, ("tree", "ring", "direct"))]
+        issue_sets = [
+            (cfg.present, ("tree", "ring", "direct", "nccl")),
+            (cfg.logical, ("tree", "ring", "direct")),
+        ]
         tests = shlex.split(self.args.tests) if self.args.tests else cfg.tests
         if prev is None:
-            plan = {"topology": True, "tests": tests, "sweep": cfg.sweep,
-                    "issue_cost": issue_sets}
+            plan = {"topology": True, "tests": tests, "sweep": cfg.sweep, "issue_cost": issue_sets}
         else:
             plan = self._failed_in(prev, tests, issue_sets)
         for k in STAGES:
@@ -973,16 +1157,20 @@ class Check:
                 plan[k] = [] if k != "topology" else False
         return plan
 
-    def _failed_in(self, prev: dict[str, Any], tests: list[str],
-                   issue_sets: list[tuple[str, tuple[str, ...]]]) -> dict[str, Any]:
+    def _failed_in(
+        self, prev: dict[str, Any], tests: list[str], issue_sets: list[tuple[str, tuple[str, ...]]]
+    ) -> dict[str, Any]:
         """The parts of ``prev`` that did not pass."""
         cfg = self.config
         stages = prev.get("stages", {})
         topo = stages.get("topology", {}).get("status") != "ok"
         t = stages.get("tests", {})
-        again = [tid for tid, r in t.get("tests", {}).items()
-                 if r["outcome"] not in ("passed", "skipped")
-                 or (r["outcome"] == "skipped" and tid in t.get("unexpected_skips", []))]
+        again = [
+            tid
+            for tid, r in t.get("tests", {}).items()
+            if r["outcome"] not in ("passed", "skipped")
+            or (r["outcome"] == "skipped" and tid in t.get("unexpected_skips", []))
+        ]
         again += sorted({e.split("::")[0] for e in t.get("collect_errors", {}) if e})
         root = Path(t.get("rootdir") or ROOT)
         if root != ROOT:  # pytest takes paths relative to where it runs
@@ -991,21 +1179,38 @@ class Check:
             again = tests  # the tests never ran
         elif again and cfg.marker and not self.args.tests:
             again = ["-m", cfg.marker, *again]  # a module named again: its GPU tests only
-        sweep_ok = {r["key"] for r in stages.get("sweep", {}).get("runs", [])
-                    if r.get("status") == "ok"}
-        ic_ok = {r["devices"] for r in stages.get("issue_cost", {}).get("runs", [])
-                 if r.get("status") == "ok"}
-        return {"topology": topo, "tests": again,
-                "sweep": [s for s in cfg.sweep if s.key not in sweep_ok],
-                "issue_cost": [s for s in issue_sets if s[0] not in ic_ok]}
+        sweep_ok = {
+            r["key"] for r in stages.get("sweep", {}).get("runs", []) if r.get("status") == "ok"
+        }
+        ic_ok = {
+            r["devices"]
+            for r in stages.get("issue_cost", {}).get("runs", [])
+            if r.get("status") == "ok"
+        }
+        return {
+            "topology": topo,
+            "tests": again,
+            "sweep": [s for s in cfg.sweep if s.key not in sweep_ok],
+            "issue_cost": [s for s in issue_sets if s[0] not in ic_ok],
+        }
 
 
 def _commit() -> str:
     try:
-        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT,
-                              capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=ROOT, capture_output=True, text=True, timeout=10)
+        head = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     if head.returncode != 0:
@@ -1015,28 +1220,53 @@ def _commit() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="gpu_check", description=__doc__.split("\n\n")[0] if __doc__ else None,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dry-run", action="store_true",
-                   help="the same pipeline on the host backend, small sizes, no install")
-    p.add_argument("--rerun-failed", metavar="JSON",
-                   help="rerun only what failed in a previous gpu_check.json (deadline 120 s)")
-    p.add_argument("--out", metavar="DIR",
-                   help="results directory (default: $OUT, else out/gpu-check)")
-    p.add_argument("--deadline", type=float,
-                   help="global deadline in seconds (default 300; 120 with --rerun-failed)")
-    p.add_argument("--test-timeout", type=float, default=60.0,
-                   help="seconds per test (default %(default)g)")
-    p.add_argument("--tests", metavar="ARGS",
-                   help="pytest arguments selecting the tests (default: -m 'gpu or "
-                   "multi_gpu' tests; in a dry run tests/test_collectives_gpu.py)")
-    p.add_argument("--stages", default=",".join(STAGES),
-                   help="stages to run after the probe and install (default: %(default)s)")
+        prog="gpu_check",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="the same pipeline on the host backend, small sizes, no install",
+    )
+    p.add_argument(
+        "--rerun-failed",
+        metavar="JSON",
+        help="rerun only what failed in a previous gpu_check.json (deadline 120 s)",
+    )
+    p.add_argument(
+        "--out", metavar="DIR", help="results directory (default: $OUT, else out/gpu-check)"
+    )
+    p.add_argument(
+        "--deadline",
+        type=float,
+        help="global deadline in seconds (default 300; 120 with --rerun-failed)",
+    )
+    p.add_argument(
+        "--test-timeout", type=float, default=60.0, help="seconds per test (default %(default)g)"
+    )
+    p.add_argument(
+        "--tests",
+        metavar="ARGS",
+        help="pytest arguments selecting the tests (default: -m 'gpu or "
+        "multi_gpu' tests; in a dry run tests/test_collectives_gpu.py)",
+    )
+    p.add_argument(
+        "--stages",
+        default=",".join(STAGES),
+        help="stages to run after the probe and install (default: %(default)s)",
+    )
     p.add_argument("--wheels", metavar="DIR", help="wheels to install (default: .whl/)")
-    p.add_argument("--no-install", action="store_true",
-                   help="use the nccltree already installed (no wheel, no build)")
-    p.add_argument("--fallback-timeout", action="store_true",
-                   help="time tests with this file's plugin even where pytest-timeout exists")
+    p.add_argument(
+        "--no-install",
+        action="store_true",
+        help="use the nccltree already installed (no wheel, no build)",
+    )
+    p.add_argument(
+        "--fallback-timeout",
+        action="store_true",
+        help="time tests with this file's plugin even where pytest-timeout exists",
+    )
     p.add_argument("--issue-cost-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--devices", help=argparse.SUPPRESS)
     p.add_argument("--algorithms", help=argparse.SUPPRESS)
@@ -1052,15 +1282,22 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.issue_cost_worker:
-        return issue_cost_worker(args.devices, args.algorithms.split(","),
-                                 [int(s) for s in args.sizes.split(",")], 5, Path(args.json))
+        return issue_cost_worker(
+            args.devices,
+            args.algorithms.split(","),
+            [int(s) for s in args.sizes.split(",")],
+            5,
+            Path(args.json),
+        )
     out = Path(args.out or os.environ.get("OUT") or ROOT / "out" / "gpu-check").resolve()
     deadline = args.deadline or (120.0 if args.rerun_failed else 300.0)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     bad = [s for s in stages if s not in STAGES]
     if bad:
-        print(f"gpu_check: unknown stage {', '.join(bad)}; accepted: {', '.join(STAGES)}",
-              file=sys.stderr)
+        print(
+            f"gpu_check: unknown stage {', '.join(bad)}; accepted: {', '.join(STAGES)}",
+            file=sys.stderr,
+        )
         return 2
     check = Check(args, out, deadline, stages=stages)
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -446,9 +446,14 @@ class World:
         buf = self._scratch.get(key)
         if buf is None or buf.size < count:
             # Reuse is safe: consecutive collectives are ordered on the comm streams and a
-            # plan's end fences cover every access to a rank's scratch.
+            # plan's end fences cover every access to a rank's scratch. Device scratch is
+            # allocated for the rank's comm stream, the only stream that touches it, so a
+            # pool reuses a replaced (smaller) block only in that stream's order.
             dev = self.devices[rank]
-            buf = dev.pinned_empty((count,), dtype) if pinned else dev.empty((count,), dtype)
+            if pinned:
+                buf = dev.pinned_empty((count,), dtype)
+            else:
+                buf = dev.empty((count,), dtype, stream=self._streams[rank])
             self._scratch[key] = buf
         return buf[:count]
 

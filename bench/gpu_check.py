@@ -459,6 +459,7 @@ class Check:
     child: subprocess.Popen[bytes] | None = None
     stages: list[str] = field(default_factory=lambda: list(STAGES))
     config: Config = field(init=False)  # set once the probe knows the GPUs
+    plan: dict[str, Any] = field(default_factory=dict)  # what runs after the install
 
     # -- time and records -------------------------------------------------------------
     def elapsed(self) -> float:
@@ -603,7 +604,10 @@ class Check:
                 if ran.rc != 0:
                     self.fail(f"install: the wheels in {wheels_dir} did not install:\n{ran.tail}")
             ran = self.run(
-                build_cmd, self.out / "install-build.txt", self.budget(150, 90), env=build_env
+                build_cmd,
+                self.out / "install-build.txt",
+                self.budget(150, self.reserve_after_install),
+                env=build_env,
             )
             st.update(build_rc=ran.rc, build_s=ran.seconds)
             log = (self.out / "install-build.txt").read_text(errors="replace")
@@ -949,14 +953,22 @@ class Check:
         st["status"] = "ok" if all(r["status"] == "ok" for r in done) else "failed"
         self.save()
 
-    # -- reserves: time kept for the stages after one ---------------------------------
+    # -- reserves: time kept for the stages still to come (those planned) ------------
+    def _share(self, stage: str, fraction: float) -> float:
+        planned = bool(self.plan.get(stage))
+        return fraction * self.deadline_s if planned and not self.args.dry_run else 0.0
+
     @property
     def reserve_after_sweep(self) -> float:
-        return 0.0 if self.args.dry_run else 0.08 * self.deadline_s
+        return self._share("issue_cost", 0.08)
 
     @property
     def reserve_after_tests(self) -> float:
-        return self.reserve_after_sweep + (0.0 if self.args.dry_run else 0.25 * self.deadline_s)
+        return self.reserve_after_sweep + self._share("sweep", 0.25)
+
+    @property
+    def reserve_after_install(self) -> float:
+        return self.reserve_after_tests + self._share("tests", 0.15)
 
     # -- summary ----------------------------------------------------------------------
     def busbw_table(self) -> list[dict[str, Any]]:
@@ -1114,7 +1126,7 @@ class Check:
         try:
             self.probe()
             self.config = make_config(self.args.dry_run, self.gpus)
-            plan = self._plan(prev)
+            self.plan = plan = self._plan(prev)
             self.results["plan"] = {
                 k: (v if k != "sweep" else [s.key for s in v]) for k, v in plan.items()
             }

@@ -81,19 +81,22 @@ def run_driver(world, coll, xs, op, root, in_place):
     else:
         if in_place:
             res_in = [x.copy() for x in xs]
-            res = world.reduce_scatter(res_in, [res_in[r][r * (c // n) : (r + 1) * (c // n)]
-                                                for r in range(n)], op=op)
+            res = world.reduce_scatter(
+                res_in, [res_in[r][r * (c // n) : (r + 1) * (c // n)] for r in range(n)], op=op
+            )
         else:
-            res = world.reduce_scatter(xs, [np.full(c // n, 7, xs[0].dtype) for _ in range(n)],
-                                       op=op)
+            res = world.reduce_scatter(
+                xs, [np.full(c // n, 7, xs[0].dtype) for _ in range(n)], op=op
+            )
     return res
 
 
 def check_grid(world, sizes, dtypes=DTYPES, ops=OPS, colls=None, seed=0):
     n = world.size
     colls = colls or ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter")
-    for coll, dtype, op, size, in_place in itertools.product(colls, dtypes, ops, sizes,
-                                                             (False, True)):
+    for coll, dtype, op, size, in_place in itertools.product(
+        colls, dtypes, ops, sizes, (False, True)
+    ):
         if op == "mean" and np.dtype(dtype).kind != "f":
             continue
         if coll in ("broadcast", "all_gather") and op != "sum":
@@ -105,8 +108,10 @@ def check_grid(world, sizes, dtypes=DTYPES, ops=OPS, colls=None, seed=0):
             originals = [x.copy() for x in xs]
             work = [x.copy() for x in xs]
             res = run_driver(world, coll, work, op, root, in_place)
-            what = f"{world.algorithm} {coll} {op} {dtype} n={n} size={size} root={root} " \
-                   f"in_place={in_place}"
+            what = (
+                f"{world.algorithm} {coll} {op} {dtype} n={n} size={size} root={root} "
+                f"in_place={in_place}"
+            )
             for r in range(n):
                 want = expected(coll, originals, op, root, r)
                 if want is None:
@@ -126,8 +131,13 @@ def worlds():
     def get(n: int, alg: str, inline: bool):
         key = (n, alg, inline)
         if key not in made:
-            made[key] = nt.World(nt.devices(f"cpu:{n}"), algorithm=alg, timeout=30,
-                                 chunk_bytes=64, inline_bytes=(1 << 20) if inline else 0)
+            made[key] = nt.World(
+                nt.devices(f"cpu:{n}"),
+                algorithm=alg,
+                timeout=30,
+                chunk_bytes=64,
+                inline_bytes=(1 << 20) if inline else 0,
+            )
         return made[key]
 
     yield get
@@ -152,8 +162,13 @@ def test_inline_executor_matches(worlds, n, alg):
 @pytest.mark.parametrize("alg", ALGS)
 def test_mib_sizes(n, alg):
     with nt.World(nt.devices(f"cpu:{n}"), algorithm=alg, chunk_bytes=256 << 10) as w:
-        check_grid(w, sizes=((1 << 20) // 4 + 3,), dtypes=("float32",), ops=("sum", "mean"),
-                   colls=("all_reduce", "reduce", "broadcast", "reduce_scatter", "all_gather"))
+        check_grid(
+            w,
+            sizes=((1 << 20) // 4 + 3,),
+            dtypes=("float32",),
+            ops=("sum", "mean"),
+            colls=("all_reduce", "reduce", "broadcast", "reduce_scatter", "all_gather"),
+        )
 
 
 @pytest.mark.parametrize("n", [2, 3, 5])
@@ -194,8 +209,13 @@ def test_repeated_runs_are_bitwise_equal(alg):
 @pytest.mark.parametrize("preset", ["dgx1", "pcie2s8", "k80x4"])
 def test_presets_tree(preset):
     topo = nt.Topology.preset(preset)
-    with nt.World(nt.devices(f"cpu:{topo.n}"), algorithm="tree", topology=topo,
-                  chunk_bytes=256, inline_bytes=0) as w:
+    with nt.World(
+        nt.devices(f"cpu:{topo.n}"),
+        algorithm="tree",
+        topology=topo,
+        chunk_bytes=256,
+        inline_bytes=0,
+    ) as w:
         check_grid(w, sizes=(1, 301), dtypes=("float32", "int64"), ops=("sum", "max"))
 
 
@@ -282,8 +302,9 @@ def test_under_jitter(monkeypatch, n, alg):
     # Seeded random delays before every stream op: a missing wait anywhere in a plan
     # turns into a wrong answer here.
     monkeypatch.setenv("NCCLTREE_HOST_JITTER", f"{n * 7 + len(alg)}:300")
-    with nt.World(nt.devices(f"cpu:{n}"), algorithm=alg, timeout=30, chunk_bytes=64,
-                  inline_bytes=0) as w:
+    with nt.World(
+        nt.devices(f"cpu:{n}"), algorithm=alg, timeout=30, chunk_bytes=64, inline_bytes=0
+    ) as w:
         check_grid(w, sizes=(1, 37), dtypes=("float32", "int64"), ops=("sum", "max"))
     test_per_rank_calls(alg)
 
@@ -292,6 +313,22 @@ def test_under_jitter(monkeypatch, n, alg):
 def test_staged_topology_under_jitter(monkeypatch, alg):
     monkeypatch.setenv("NCCLTREE_HOST_JITTER", "11:200")
     topo = nt.Topology.preset("pcie2s8")
-    with nt.World(nt.devices("cpu:8"), algorithm=alg, topology=topo, timeout=30,
-                  chunk_bytes=256, inline_bytes=0) as w:
+    with nt.World(
+        nt.devices("cpu:8"),
+        algorithm=alg,
+        topology=topo,
+        timeout=30,
+        chunk_bytes=256,
+        inline_bytes=0,
+    ) as w:
         check_grid(w, sizes=(301,), dtypes=("float64",), ops=("sum",))
+
+
+@pytest.mark.parametrize("n", [3, 5])
+@pytest.mark.parametrize("alg", ALGS)
+def test_awkward_sizes_every_dtype(n, alg):
+    # counts whose per-rank slices and blocks fall off 16-byte boundaries, chunks of a size
+    # that is no multiple of 256 bytes: however the plan rounds its slices and chunks to
+    # aligned offsets, every element must be covered exactly once
+    with nt.World(nt.devices(f"cpu:{n}"), algorithm=alg, chunk_bytes=1000, inline_bytes=0) as w:
+        check_grid(w, sizes=(1001, 4099), ops=("sum", "max"))

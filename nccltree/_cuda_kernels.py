@@ -230,8 +230,9 @@ def _load(device_id: int, use_fatbin: bool = True) -> tuple[Any, str]:
         except Exception as exc:
             raise BackendUnavailable(
                 f"no CUDA kernels for GPU {device_id}: the fatbin did not load ({why}) and "
-                f"NVRTC could not compile {SOURCE} ({type(exc).__name__}: {exc}); a GPU "
-                "machine needs NVRTC and the CUDA headers, e.g. nccltree[cuda13]"
+                f"NVRTC could not compile {SOURCE} into {cache_dir()} ({CACHE_ENV} moves "
+                f"it) ({type(exc).__name__}: {exc}); a GPU machine needs NVRTC, e.g. "
+                "nccltree[cuda13]"
             ) from exc
         _target[device_id] = arch
         return mod, "source"

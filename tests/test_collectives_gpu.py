@@ -97,11 +97,13 @@ def run_one(
     c = inputs[0].size
     dtype = inputs[0].dtype
     if coll == "all_gather" and in_place:
-        bufs_ = [bufs.full(r, n * c, dtype, 7) for r in range(n)]
-        ins = []
+        # rank r's input is block r of its output (NCCL's in-place layout)
+        bufs_ = []
         for r in range(n):
-            bufs_[r][r * c : (r + 1) * c] = bufs.put(r, inputs[r])
-            ins.append(bufs_[r][r * c : (r + 1) * c])
+            host = np.full(n * c, 7, dtype)
+            host[r * c : (r + 1) * c] = inputs[r]
+            bufs_.append(bufs.put(r, host))
+        ins = [bufs_[r][r * c : (r + 1) * c] for r in range(n)]
         world.all_gather(ins, bufs_)
         return ins, bufs_
     if coll == "reduce_scatter" and in_place:

@@ -583,8 +583,10 @@ class Check:
         )
         build_env = dict(self.env)
         if archs:
-            # the fatbin for the GPUs present only: one architecture compiles in seconds
-            build_env["SKBUILD_CMAKE_DEFINE"] = "NCCLTREE_CUDA_ARCHS=" + ";".join(archs)
+            # the fatbin for the GPUs present only: one architecture compiles in seconds.
+            # CMAKE_ARGS, not SKBUILD_CMAKE_DEFINE, which splits its value on ";"
+            define = "-DNCCLTREE_CUDA_ARCHS=" + ";".join(archs)
+            build_env["CMAKE_ARGS"] = " ".join(filter(None, [self.env.get("CMAKE_ARGS"), define]))
         build_env["PIP_BREAK_SYSTEM_PACKAGES"] = "1"  # a system Python without a venv
         pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
         wheel_cmd = [*pip, "--no-compile", "--upgrade", "--target", str(site), *map(str, wheels)]

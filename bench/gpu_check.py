@@ -170,6 +170,14 @@ class _Plugin:
         )
 
 
+def _brief(failure: str) -> str:
+    """One line of a failure: its first line and, when it has more, its last (the error)."""
+    lines = [line.strip() for line in failure.strip().splitlines() if line.strip()]
+    if len(lines) < 2:
+        return lines[0] if lines else failure
+    return f"{lines[0]} ... {_tail(lines[-1], 150)}"
+
+
 def _tail(text: str, limit: int) -> str:
     return text if len(text) <= limit else "..." + text[-limit:]
 
@@ -1103,7 +1111,7 @@ class Check:
             lines.append(f"note: {n}")
         if self.failures:
             lines.append(f"{len(self.failures)} failure(s):")
-            lines += [f"  - {f.splitlines()[0]}" for f in self.failures[:30]]
+            lines += [f"  - {_brief(f)}" for f in self.failures[:30]]
         lines.append(f"results: {self.out / 'gpu_check.json'}")
         print("\n".join(lines), flush=True)
         return 0 if ok else 1

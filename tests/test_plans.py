@@ -490,3 +490,15 @@ def test_aligned_ring_slices_are_near_equal():
     per_rank = list(final.values())
     assert len(per_rank) == n
     assert max(per_rank) - min(per_rank) <= (n - 1) * align_elements(itemsize)
+
+
+def test_world_plans_align_what_they_choose(host_devs):
+    """The World passes the itemsize, so its plans' slices start on 256-byte boundaries."""
+    import numpy as np
+
+    with nt.World(host_devs(3), algorithm="ring") as w:
+        for dtype in (np.float16, np.float32, np.float64):
+            plan = w.plan("all_reduce", 4099, dtype=dtype, algorithm="ring")
+            unit = 256 // np.dtype(dtype).itemsize
+            offsets = {s.dst.offset for s in plan.steps if s.dst is not None}
+            assert max(offsets) > 0 and all(off % unit == 0 for off in offsets), (dtype, offsets)

@@ -28,12 +28,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ..backends.base import MAX_FUSED
 from .plan import IN, OUT, Buf, Plan, PlanBuilder, align_elements, aligned_chunk, chunked, split
 
 if TYPE_CHECKING:
     from ..tree import Tree
 
-MAX_FAN_IN = 8  # sources one native reduce pass takes
+MAX_FAN_IN = MAX_FUSED  # sources one native reduce pass takes
 
 
 def _res_role(in_place: bool) -> str:

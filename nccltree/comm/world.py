@@ -427,12 +427,15 @@ class World:
     def _plan(self, algorithm: str, prep: Prepared) -> Plan:
         chunk = max(1, self.chunk_bytes // prep.dtype.itemsize)
         key = (algorithm, prep.collective, prep.count, prep.op, prep.root, prep.in_place,
-               chunk)
+               chunk, prep.dtype.itemsize)
         plan = self._plans.get(key)
         if plan is None:
+            # the itemsize lets the plan align the slices and chunks it chooses (256 B), so
+            # the vector kernels keep their vector path
             plan = build_plan(algorithm, prep.collective, size=self.size, count=prep.count,
                               op=prep.op, root=prep.root, in_place=prep.in_place,
-                              chunk=chunk, tree_for=self.tree)
+                              chunk=chunk, tree_for=self.tree,
+                              itemsize=prep.dtype.itemsize)
             if len(self._plans) >= 256:
                 self._plans.pop(next(iter(self._plans)))
             self._plans[key] = plan

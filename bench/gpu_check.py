@@ -596,9 +596,11 @@ class Check:
             define = "-DNCCLTREE_CUDA_ARCHS=" + ";".join(archs)
             build_env["CMAKE_ARGS"] = " ".join(filter(None, [self.env.get("CMAKE_ARGS"), define]))
         build_env["PIP_BREAK_SYSTEM_PACKAGES"] = "1"  # a system Python without a venv
-        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
-        wheel_cmd = [*pip, "--no-compile", "--upgrade", "--target", str(site), *map(str, wheels)]
-        build_cmd = [*pip, "--no-build-isolation", "-e", "."]
+        pip = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps"]
+        wheel_cmd = [*pip, "-q", "--no-compile", "--upgrade", "--target", str(site)]
+        wheel_cmd += map(str, wheels)
+        # -v: CMake's messages go to the log (whether the fatbin was built, and for what)
+        build_cmd = [*pip, "-v", "--no-build-isolation", "-e", "."]
         st.update(
             wheels=[w.name for w in wheels],
             cuda_archs=archs,
@@ -626,7 +628,7 @@ class Check:
                 if "building the CUDA fatbin" in log
                 else "not built (runtime compilation)"
                 if "nvcc not found" in log
-                else "unknown (quiet build)"
+                else "unknown (see install-build.txt)"
             )
             if ran.rc != 0:
                 self.fail(f"install: building nccltree failed (rc {ran.rc}):\n{ran.tail}")

@@ -195,6 +195,8 @@ def issue_cost_worker(
     devices: str, algorithms: Sequence[str], sizes: Sequence[int], reps: int, out: Path
 ) -> int:
     """Host time of a stream-ordered all_reduce call, per plan step; one JSON file."""
+    # the checkout first, as for the `python -m nccltree...` children run from it
+    sys.path.insert(0, str(ROOT))
     import numpy as np
 
     import nccltree as nt
@@ -1016,6 +1018,11 @@ class Check:
         ]
 
     def summary(self) -> int:
+        for name, st in self.results.get("stages", {}).items():
+            if st.get("status") == "running":  # cut short: by a signal or an error
+                st["status"] = "not finished"
+            for run in st.get("runs", []) if name in ("sweep", "issue_cost") else []:
+                run.setdefault("status", "not finished")
         table = self.busbw_table()
         self.results["summary"] = {"busbw": table}
         ok = not self.failures
@@ -1055,7 +1062,7 @@ class Check:
         if tst and "counts" in tst:
             c = tst["counts"]
             lines.append(
-                f"tests     {tst['status']}: {c['passed']} passed, {c['failed']} failed, "
+                f"tests     {tst.get('status')}: {c['passed']} passed, {c['failed']} failed, "
                 f"{c['error']} errors, {c['crashed']} crashed, {c['not_run']} not run, "
                 f"{c['skipped']} skipped ({c['expected_skips']} expected"
                 f"{' (dry run)' if self.args.dry_run else ' multi_gpu'}, "
@@ -1068,7 +1075,7 @@ class Check:
             runs = sw.get("runs", [])
             wrong = sum(r.get("wrong", 0) for r in runs)
             lines.append(
-                f"sweep     {sw['status']}: {sum(r['status'] == 'ok' for r in runs)}"
+                f"sweep     {sw['status']}: {sum(r.get('status') == 'ok' for r in runs)}"
                 f"/{len(runs)} runs ok, {wrong} wrong elements; busbw (algbw) GB/s "
                 "out of place:"
             )

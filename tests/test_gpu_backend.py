@@ -201,3 +201,30 @@ def test_stream_allocations_and_collectives_back_to_back_under_jitter(alg: str) 
     for it, (hosts, got) in enumerate(checks):
         for r, g in enumerate(got):
             np.testing.assert_array_equal(g, hosts[0] + hosts[1], err_msg=f"{it=} {r=}")
+
+
+# -- topology detection (here, not in test_topology.py: that module needs hypothesis,
+# which a GPU machine may lack) --
+
+
+@pytest.mark.gpu
+def test_detect_real_gpu_shared_by_two_ranks():
+    devs = nt.devices("gpu:0,0")
+    try:
+        topo = nt.Topology.detect(devs)
+    finally:
+        devs[0].runtime.shutdown()
+    assert topo.link(0, 1) == nt.Link(nt.LinkKind.SAME_DEVICE)
+
+
+@pytest.mark.multi_gpu(2)
+def test_detect_real_gpus():
+    devs = nt.devices("gpu:all")
+    try:
+        topo = nt.Topology.detect(devs)
+    finally:
+        devs[0].runtime.shutdown()
+    assert topo.n == len(devs)
+    for i in range(topo.n):
+        for j in range(topo.n):
+            assert (topo.link(i, j).kind == nt.LinkKind.SELF) == (i == j)

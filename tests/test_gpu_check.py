@@ -285,3 +285,20 @@ def test_a_check_stopped_by_sigterm_still_reports(tmp_path: Path) -> None:
     assert any(f.startswith("interrupted (SIGTERM)") for f in res["failures"])
     assert "nccltree GPU check: FAIL" in output
     assert output.rstrip().splitlines()[-1].startswith("results: ")
+
+
+def test_modules_left_out_without_hypothesis_hold_no_gpu_tests():
+    """The conftest leaves modules that need hypothesis out of collection where it is
+    missing (a GPU machine); none of them may hold a gpu or multi_gpu test (the backend
+    fixture's CUDA variant included), or the GPU check would not see it."""
+    import conftest
+
+    here = Path(__file__).parent
+    modules = [str(here / m) for ms in conftest._NEEDS.values() for m in ms]
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+         "-m", "gpu or multi_gpu", *modules],
+        capture_output=True, text=True, timeout=300, cwd=here.parent,
+    )  # fmt: skip
+    assert res.returncode == 5, res.stdout + res.stderr  # 5: no tests selected
+    assert "deselected" in res.stdout

@@ -648,29 +648,6 @@ def test_detect_cuda_without_cupy(monkeypatch):
         Topology.detect(fake_devices("cuda", [0, 1]))
 
 
-@pytest.mark.gpu
-def test_detect_real_gpu_shared_by_two_ranks():
-    devs = nt.devices("gpu:0,0")
-    try:
-        topo = nt.Topology.detect(devs)
-    finally:
-        devs[0].runtime.shutdown()
-    assert topo.link(0, 1) == Link(K.SAME_DEVICE)
-
-
-@pytest.mark.multi_gpu(2)
-def test_detect_real_gpus():
-    devs = nt.devices("gpu:all")
-    try:
-        topo = nt.Topology.detect(devs)
-    finally:
-        devs[0].runtime.shutdown()
-    assert topo.n == len(devs)
-    for i in range(topo.n):
-        for j in range(topo.n):
-            assert (topo.link(i, j).kind == K.SELF) == (i == j)
-
-
 _DEFAULT_P2P_LINKS = st.one_of(
     st.builds(Link, st.just(K.NVLINK), st.integers(1, 24)),
     st.sampled_from([Link(k) for k in (K.SAME_DEVICE, K.SAME_BOARD, K.PIX, K.PXB, K.PHB, K.NODE)]),

@@ -318,3 +318,24 @@ def test_nccl_refuses_shared_gpus_and_host_devices(fake_cupy: Any) -> None:
         nt.World(nt.devices("gpu:0,0"), algorithm="nccl")
     with pytest.raises(ValueError, match="CUDA devices"):
         nt.World(nt.devices("cpu:2"), algorithm="nccl")
+
+
+def test_device_error_while_enqueueing_a_plan_aborts_the_world(
+    fake_cupy: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A raw CUDA error raised while a tree plan is enqueued (a broken context) becomes
+    ``CommError`` and fails the World, as a failed op does (wiring check)."""
+    from cupy.cuda import runtime
+
+    w = nt.World(nt.devices("gpu:0,1"), algorithm="tree")
+    xs = [d.zeros(1 << 12, np.float32) for d in w.devices]
+
+    def broken(*args: Any) -> None:
+        raise runtime.CUDARuntimeError(700)
+
+    monkeypatch.setattr(runtime, "memcpyPeerAsync", broken)
+    monkeypatch.setattr(runtime, "memcpyAsync", broken)
+    with pytest.raises(nt.CommError, match="failed on a device"):
+        w.all_reduce(xs, outs=[d.zeros(1 << 12, np.float32) for d in w.devices])
+    assert w.aborted
+    w.close()

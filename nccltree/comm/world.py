@@ -305,10 +305,17 @@ class World:
                     raise self._on_stream_error(exc) from exc
                 return Launched(prep.results, None, list(streams), None)
             events = [self.devices[r].new_event() for r in plan.event_owners()]
-            for r, cs in enumerate(streams):
-                if cs is not None:
-                    self._streams[r].wait_event(cs.record())
-            enqueue(plan, bufs, self._streams, self.devices, events)
+            try:
+                for r, cs in enumerate(streams):
+                    if cs is not None:
+                        self._streams[r].wait_event(cs.record())
+                enqueue(plan, bufs, self._streams, self.devices, events)
+            except (ValueError, TypeError):
+                raise
+            except BaseException as exc:
+                # a device error while enqueueing (a broken CUDA context): part of the plan
+                # may be queued, so the World cannot be trusted any more
+                raise self._on_stream_error(exc) from exc
             ends = [events[plan.end_events[r]] for r in range(self.size)]
             keep = (bufs, prep, events)
             if not async_op:

@@ -87,8 +87,12 @@ def copy_bandwidth(nbytes: int, repeat: int = 9) -> dict:
         np.copyto(b, a)
         times.append(time.perf_counter() - t0)
     t = statistics.median(times)
-    return {"size": a.nbytes, "time_us": t * 1e6, "bandwidth": 2 * a.nbytes / t / 1e9,
-            "samples_us": [x * 1e6 for x in times]}
+    return {
+        "size": a.nbytes,
+        "time_us": t * 1e6,
+        "bandwidth": 2 * a.nbytes / t / 1e9,
+        "samples_us": [x * 1e6 for x in times],
+    }
 
 
 def barrier_round_trip(n: int, rounds: int = 2000, repeat: int = 5) -> dict:
@@ -151,11 +155,25 @@ def run_mpi(n: int, sizes: list[int]) -> dict:
     if mpiexec is None:
         return {"error": "mpiexec not found (install the mpi extra: mpi4py and mpich)"}
     large = [s for s in SCHEDULE if s[0] > 0]
-    cmd = [mpiexec, "-n", str(n), sys.executable, str(here / "mpi_allreduce.py"),
-           "--sizes", ",".join(map(str, sizes)),
-           "--iters", str(SCHEDULE[0][1]), "--warmup", str(SCHEDULE[0][2]),
-           "--large", str(large[-1][0]), "--large-iters", str(large[-1][1]),
-           "--large-warmup", str(large[-1][2])]
+    cmd = [
+        mpiexec,
+        "-n",
+        str(n),
+        sys.executable,
+        str(here / "mpi_allreduce.py"),
+        "--sizes",
+        ",".join(map(str, sizes)),
+        "--iters",
+        str(SCHEDULE[0][1]),
+        "--warmup",
+        str(SCHEDULE[0][2]),
+        "--large",
+        str(large[-1][0]),
+        "--large-iters",
+        str(large[-1][1]),
+        "--large-warmup",
+        str(large[-1][2]),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     if proc.returncode:
         return {"error": f"mpiexec exited with {proc.returncode}: {proc.stderr[-2000:]}"}
@@ -174,14 +192,26 @@ def summarise(n: int, run: dict, maxbytes: int) -> dict:
         for r in recs:
             if r["size"] != maxbytes:
                 continue
-            plan = w.plan("all_reduce", r["count"], in_place=r["placement"] == "in-place",
-                          dtype=r["dtype"], algorithm=r["algorithm"])
+            plan = w.plan(
+                "all_reduce",
+                r["count"],
+                in_place=r["placement"] == "in-place",
+                dtype=r["dtype"],
+                algorithm=r["algorithm"],
+            )
             moved = plan_bytes(plan, np.dtype(r["dtype"]).itemsize)
             bound_us = moved / copy_bw * 1e6
-            bounds.append({"algorithm": r["algorithm"], "placement": r["placement"],
-                           "bytes_moved": moved, "bytes_over_size": moved / r["size"],
-                           "bound_us": bound_us, "time_us": r["time_us"],
-                           "ratio": r["time_us"] / bound_us})
+            bounds.append(
+                {
+                    "algorithm": r["algorithm"],
+                    "placement": r["placement"],
+                    "bytes_moved": moved,
+                    "bytes_over_size": moved / r["size"],
+                    "bound_us": bound_us,
+                    "time_us": r["time_us"],
+                    "ratio": r["time_us"] / bound_us,
+                }
+            )
     devs[0].runtime.shutdown()
     out = {"bounds": bounds}
     mpi_rows = {row["size"]: row for row in run["mpi"].get("rows", [])}
@@ -190,17 +220,28 @@ def summarise(n: int, run: dict, maxbytes: int) -> dict:
         best = max(big, key=lambda r: r["busbw"])
         best_ip = max((r for r in big if r["placement"] == "in-place"), key=lambda r: r["busbw"])
         mpi_bw = mpi_rows[maxbytes]["busbw"]
-        out["mpi"] = {"size": maxbytes, "mpi_busbw": mpi_bw,
-                      "best": {k: best[k] for k in ("algorithm", "placement", "busbw")},
-                      "best_ratio": best["busbw"] / mpi_bw,
-                      "best_in_place": {k: best_ip[k] for k in ("algorithm", "busbw")},
-                      "best_in_place_ratio": best_ip["busbw"] / mpi_bw}
+        out["mpi"] = {
+            "size": maxbytes,
+            "mpi_busbw": mpi_bw,
+            "best": {k: best[k] for k in ("algorithm", "placement", "busbw")},
+            "best_ratio": best["busbw"] / mpi_bw,
+            "best_in_place": {k: best_ip[k] for k in ("algorithm", "busbw")},
+            "best_in_place_ratio": best_ip["busbw"] / mpi_bw,
+        }
     barrier = run["barrier"]["time_us"]
     smallest = min(r["size"] for r in recs)
-    out["small"] = [{"algorithm": r["algorithm"], "placement": r["placement"],
-                     "size": r["size"], "time_us": r["time_us"], "barrier_us": barrier,
-                     "ratio": r["time_us"] / barrier}
-                    for r in recs if r["size"] == smallest]
+    out["small"] = [
+        {
+            "algorithm": r["algorithm"],
+            "placement": r["placement"],
+            "size": r["size"],
+            "time_us": r["time_us"],
+            "barrier_us": barrier,
+            "ratio": r["time_us"] / barrier,
+        }
+        for r in recs
+        if r["size"] == smallest
+    ]
     return out
 
 
@@ -213,23 +254,40 @@ def measure(n: int, sizes: list[int], log) -> dict:
         groups.setdefault(iters_for(s), []).append(s)
     for (iters, warmup), group in groups.items():
         log(f"cpu:{n}: tree/ring/direct at {len(group)} size(s), {iters} iterations")
-        with Benchmark(devs, ALGORITHMS, ["all_reduce"], group, iters=iters, warmup=warmup,
-                       devices_label=f"cpu:{n}") as bench:
+        with Benchmark(
+            devs,
+            ALGORITHMS,
+            ["all_reduce"],
+            group,
+            iters=iters,
+            warmup=warmup,
+            devices_label=f"cpu:{n}",
+        ) as bench:
             records.extend(r.as_dict() for r in bench)
     copy_after = copy_bandwidth(sizes[-1])
     devs[0].runtime.shutdown()
     samples = copy_before["samples_us"] + copy_after["samples_us"]
     t = statistics.median(samples) / 1e6
-    copy = {"size": copy_before["size"], "time_us": t * 1e6,
-            "bandwidth": 2 * copy_before["size"] / t / 1e9,
-            "before": copy_before["bandwidth"], "after": copy_after["bandwidth"]}
+    copy = {
+        "size": copy_before["size"],
+        "time_us": t * 1e6,
+        "bandwidth": 2 * copy_before["size"] / t / 1e9,
+        "before": copy_before["bandwidth"],
+        "after": copy_after["bandwidth"],
+    }
     log(f"cpu:{n}: numpy, barrier")
     numpy_rows = naive_numpy(n, sizes)
     barrier = barrier_round_trip(n)
     log(f"cpu:{n}: MPICH, mpiexec -n {n}")
     mpi = run_mpi(n, sizes)
-    return {"ranks": n, "records": records, "copy": copy, "numpy": numpy_rows,
-            "barrier": barrier, "mpi": mpi}
+    return {
+        "ranks": n,
+        "records": records,
+        "copy": copy,
+        "numpy": numpy_rows,
+        "barrier": barrier,
+        "mpi": mpi,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,9 +317,14 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python bench/collectives_table.py " + " ".join(argv or sys.argv[1:]),
         "machine": machine,
         "load_average": {"before": load_before, "after": os.getloadavg()},
-        "sizes": sizes, "dtype": "float32", "op": "sum", "algorithms": list(ALGORITHMS),
+        "sizes": sizes,
+        "dtype": "float32",
+        "op": "sum",
+        "algorithms": list(ALGORITHMS),
         "schedule": [{"from_size": a, "iters": b, "warmup": c} for a, b, c in SCHEDULE],
-        "targets": TARGETS, "runs": runs, "elapsed_s": time.perf_counter() - t0,
+        "targets": TARGETS,
+        "runs": runs,
+        "elapsed_s": time.perf_counter() - t0,
     }
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(payload, f, indent=1)

@@ -37,13 +37,22 @@ def jobs(mib: int) -> dict[str, tuple[int, Callable[[int], None], Callable[[], N
         np.multiply(x, np.float16(0.999), out=x)
 
     return {
-        "sum2": (3 * size, lambda t: nat.reduce_n(dst, [a, b], "sum", t),
-                 lambda: np.add(a, b, out=dst)),
-        "sum4": (5 * size, lambda t: nat.reduce_n(dst, [a, b, c, d], "sum", t),
-                 lambda: numpy_sum4(dst, a, b, c, d)),
+        "sum2": (
+            3 * size,
+            lambda t: nat.reduce_n(dst, [a, b], "sum", t),
+            lambda: np.add(a, b, out=dst),
+        ),
+        "sum4": (
+            5 * size,
+            lambda t: nat.reduce_n(dst, [a, b, c, d], "sum", t),
+            lambda: numpy_sum4(dst, a, b, c, d),
+        ),
         "scale": (2 * size, lambda t: nat.scale(x, 0.999, t), numpy_scale),
-        "sgd": (6 * size, lambda t: nat.sgd_update(w, g, v, LR, MOMENTUM, WEIGHT_DECAY, t),
-                lambda: numpy_sgd(w, g, v, tmp)),
+        "sgd": (
+            6 * size,
+            lambda t: nat.sgd_update(w, g, v, LR, MOMENTUM, WEIGHT_DECAY, t),
+            lambda: numpy_sgd(w, g, v, tmp),
+        ),
     }
 
 
@@ -61,8 +70,12 @@ def main() -> None:
     before = nat.use_f16c()
     if not nat.use_f16c(True):
         raise SystemExit("this CPU has no F16C: there is only the portable code to measure")
-    variants = [("F16C", True, 2), ("F16C", True, 1), ("portable", False, 2),
-                ("portable", False, 1)]
+    variants = [
+        ("F16C", True, 2),
+        ("F16C", True, 1),
+        ("portable", False, 2),
+        ("portable", False, 1),
+    ]
     times: dict[tuple[str, str], list[float]] = {}
     nbytes: dict[str, int] = {}
     try:
@@ -72,13 +85,16 @@ def main() -> None:
                 for label, on, threads in variants:
                     nat.use_f16c(on)
                     t = timed(lambda: kernel(threads))  # noqa: B023 -- called at once
-                    times.setdefault((name, f"{label}, {threads} thread"
-                                      + ("s" if threads > 1 else "")), []).append(t)
+                    times.setdefault(
+                        (name, f"{label}, {threads} thread" + ("s" if threads > 1 else "")), []
+                    ).append(t)
                 times.setdefault((name, "numpy"), []).append(timed(numpy_fn))
     finally:
         nat.use_f16c(before)
-    print(f"float16, {args.mib} MiB per array, median of {args.repeat}; "
-          "GB/s = (bytes read + written) / time")
+    print(
+        f"float16, {args.mib} MiB per array, median of {args.repeat}; "
+        "GB/s = (bytes read + written) / time"
+    )
     print()
     print("| case | code | median ms | GB/s | vs numpy | F16C vs portable |")
     print("|---|---|---:|---:|---:|---:|")

@@ -33,8 +33,7 @@ class Case:
     nbytes: int  # bytes read + written by one call
 
 
-def numpy_sum4(dst: np.ndarray, a: np.ndarray, b: np.ndarray, c: np.ndarray,
-               d: np.ndarray) -> None:
+def numpy_sum4(dst: np.ndarray, a: np.ndarray, b: np.ndarray, c: np.ndarray, d: np.ndarray) -> None:
     """numpy's 4-way sum: three pairwise passes."""
     np.add(a, b, out=dst)
     np.add(dst, c, out=dst)
@@ -68,16 +67,48 @@ def make_cases(mib: int = 64, threads: int = 2) -> list[Case]:
         Case("copy", f"nt_copy, {t}", lambda: nat.copy(dst, a, nthreads=threads), 2 * size),
         Case("copy", "nt_copy, 1 thread", lambda: nat.copy(dst, a), 2 * size),
         # out of place (dst = a + b) streams its stores; in place (acc += b) needs not
-        Case("sum2", f"nt_reduce_n out of place, {t}", lambda: nat.reduce_n(dst, [a, b], nthreads=threads), 3 * size),
-        Case("sum2", "nt_reduce_n out of place, 1 thread", lambda: nat.reduce_n(dst, [a, b]), 3 * size),
-        Case("sum2", f"nt_reduce_n in place, {t}", lambda: nat.reduce_n(acc, [acc, b], nthreads=threads), 3 * size),
-        Case("sum2", "nt_reduce_n in place, 1 thread", lambda: nat.reduce_n(acc, [acc, b]), 3 * size),
+        Case(
+            "sum2",
+            f"nt_reduce_n out of place, {t}",
+            lambda: nat.reduce_n(dst, [a, b], nthreads=threads),
+            3 * size,
+        ),
+        Case(
+            "sum2",
+            "nt_reduce_n out of place, 1 thread",
+            lambda: nat.reduce_n(dst, [a, b]),
+            3 * size,
+        ),
+        Case(
+            "sum2",
+            f"nt_reduce_n in place, {t}",
+            lambda: nat.reduce_n(acc, [acc, b], nthreads=threads),
+            3 * size,
+        ),
+        Case(
+            "sum2", "nt_reduce_n in place, 1 thread", lambda: nat.reduce_n(acc, [acc, b]), 3 * size
+        ),
         Case("sum2", "numpy np.add(a, b, out=dst)", lambda: np.add(a, b, out=dst), 3 * size),
-        Case("sum4", f"nt_reduce_n, {t}", lambda: nat.reduce_n(dst, [a, b, c, d], nthreads=threads), 5 * size),
+        Case(
+            "sum4",
+            f"nt_reduce_n, {t}",
+            lambda: nat.reduce_n(dst, [a, b, c, d], nthreads=threads),
+            5 * size,
+        ),
         Case("sum4", "nt_reduce_n, 1 thread", lambda: nat.reduce_n(dst, [a, b, c, d]), 5 * size),
         Case("sum4", "numpy pairwise np.add", lambda: numpy_sum4(dst, a, b, c, d), 5 * size),
-        Case("sgd", f"nt_sgd_update, {t}", lambda: nat.sgd_update(w, g, v, LR, MOMENTUM, WEIGHT_DECAY, nthreads=threads), 6 * size),
-        Case("sgd", "nt_sgd_update, 1 thread", lambda: nat.sgd_update(w, g, v, LR, MOMENTUM, WEIGHT_DECAY), 6 * size),
+        Case(
+            "sgd",
+            f"nt_sgd_update, {t}",
+            lambda: nat.sgd_update(w, g, v, LR, MOMENTUM, WEIGHT_DECAY, nthreads=threads),
+            6 * size,
+        ),
+        Case(
+            "sgd",
+            "nt_sgd_update, 1 thread",
+            lambda: nat.sgd_update(w, g, v, LR, MOMENTUM, WEIGHT_DECAY),
+            6 * size,
+        ),
         Case("sgd", "numpy (6 ufunc calls)", lambda: numpy_sgd(w, g, v, tmp), 6 * size),
     ]
 

@@ -28,8 +28,9 @@ def fmt_us(us: float) -> str:
     return f"{us:.1f}" if us < 1000 else f"{us:,.0f}"
 
 
-def md_table(header: Sequence[str], rows: Iterable[Sequence[object]],
-             align: str | None = None) -> list[str]:
+def md_table(
+    header: Sequence[str], rows: Iterable[Sequence[object]], align: str | None = None
+) -> list[str]:
     """Markdown table; ``align`` has an ``l`` or ``r`` per column (default: first left)."""
     align = align or "l" + "r" * (len(header) - 1)
     sep = ["---:" if a == "r" else ":---" for a in align]
@@ -48,10 +49,13 @@ def _verdict(ok: bool) -> str:
 def comparison_tables(d: dict) -> list[str]:
     algs = d["algorithms"]
     m = d["machine"]
-    out = [f"Measured on {m['cpu']} ({m['cpu_count']} cores), Python {m['python']}, "
-           f"numpy {m['numpy']}; {d['dtype']} {d['op']}; load average before/after "
-           f"{d['load_average']['before'][0]:.2f}/{d['load_average']['after'][0]:.2f}. "
-           "Cells: median time (µs) · busbw (GB/s, nccl-tests' 2(n-1)/n factor).", ""]
+    out = [
+        f"Measured on {m['cpu']} ({m['cpu_count']} cores), Python {m['python']}, "
+        f"numpy {m['numpy']}; {d['dtype']} {d['op']}; load average before/after "
+        f"{d['load_average']['before'][0]:.2f}/{d['load_average']['after'][0]:.2f}. "
+        "Cells: median time (µs) · busbw (GB/s, nccl-tests' 2(n-1)/n factor).",
+        "",
+    ]
     for n, run in d["runs"].items():
         recs = run["records"]
         mpi = {r["size"]: r for r in run["mpi"].get("rows", [])}
@@ -64,13 +68,23 @@ def comparison_tables(d: dict) -> list[str]:
             for size in d["sizes"]:
                 row = [human_bytes(size)]
                 for a in algs:
-                    r = next((x for x in recs if x["size"] == size and x["algorithm"] == a
-                              and x["placement"] == placement), None)
+                    r = next(
+                        (
+                            x
+                            for x in recs
+                            if x["size"] == size
+                            and x["algorithm"] == a
+                            and x["placement"] == placement
+                        ),
+                        None,
+                    )
                     row.append("" if r is None else f"{fmt_us(r['time_us'])} · {r['busbw']:.2f}")
                 if placement == "in-place":
                     for src in (mpi, numpy_rows):
                         r = src.get(size)
-                        row.append("" if r is None else f"{fmt_us(r['time_us'])} · {r['busbw']:.2f}")
+                        row.append(
+                            "" if r is None else f"{fmt_us(r['time_us'])} · {r['busbw']:.2f}"
+                        )
                 rows.append(row)
             wrong = sum(x["wrong"] or 0 for x in recs if x["placement"] == placement)
             out += [f"**all_reduce, cpu:{n} ({n} ranks), {placement}** (#wrong: {wrong})", ""]
@@ -88,40 +102,95 @@ def targets_tables(d: dict) -> list[str]:
     rows = []
     for n, run in d["runs"].items():
         for b in run["summary"]["bounds"]:
-            rows.append([n, b["algorithm"], b["placement"], f"{b['bytes_over_size']:.0f} S",
-                         f"{b['bound_us'] / 1e3:.2f}", f"{b['time_us'] / 1e3:.2f}",
-                         f"{b['ratio']:.2f}", _verdict(b["ratio"] <= t["bound_ratio_max"])])
-    copies = ", ".join(f"cpu:{n}: {run['copy']['bandwidth']:.2f} GB/s"
-                       for n, run in d["runs"].items())
-    out = [f"**{biggest}: time against the byte-count bound** (bytes the plan reads and "
-           f"writes ÷ `np.copyto` bandwidth measured in the same run, {copies}; target "
-           f"≤ {t['bound_ratio_max']}×)", ""]
-    out += md_table(["ranks", "algorithm", "placement", "bytes moved", "bound (ms)",
-                     "measured (ms)", "ratio", "target"], rows, "lllrrrrl")
+            rows.append(
+                [
+                    n,
+                    b["algorithm"],
+                    b["placement"],
+                    f"{b['bytes_over_size']:.0f} S",
+                    f"{b['bound_us'] / 1e3:.2f}",
+                    f"{b['time_us'] / 1e3:.2f}",
+                    f"{b['ratio']:.2f}",
+                    _verdict(b["ratio"] <= t["bound_ratio_max"]),
+                ]
+            )
+    copies = ", ".join(
+        f"cpu:{n}: {run['copy']['bandwidth']:.2f} GB/s" for n, run in d["runs"].items()
+    )
+    out = [
+        f"**{biggest}: time against the byte-count bound** (bytes the plan reads and "
+        f"writes ÷ `np.copyto` bandwidth measured in the same run, {copies}; target "
+        f"≤ {t['bound_ratio_max']}×)",
+        "",
+    ]
+    out += md_table(
+        [
+            "ranks",
+            "algorithm",
+            "placement",
+            "bytes moved",
+            "bound (ms)",
+            "measured (ms)",
+            "ratio",
+            "target",
+        ],
+        rows,
+        "lllrrrrl",
+    )
     rows = []
     for n, run in d["runs"].items():
         s = run["summary"].get("mpi")
         if not s:
             continue
         b, bi = s["best"], s["best_in_place"]
-        rows.append([n, f"{b['algorithm']} ({b['placement']})", f"{b['busbw']:.2f}",
-                     f"{bi['algorithm']}: {bi['busbw']:.2f}", f"{s['mpi_busbw']:.2f}",
-                     f"{s['best_ratio']:.2f}", _verdict(s["best_ratio"] >= t["mpi_ratio_min"])])
-    out += ["", f"**{biggest}: best bus bandwidth against MPICH** (`Allreduce(MPI.IN_PLACE)`, "
-            f"same rank count; target ≥ {t['mpi_ratio_min']}×)", ""]
-    out += md_table(["ranks", "best", "busbw (GB/s)", "best in place", "MPICH busbw",
-                     "ratio", "target"], rows, "llrrrrl")
+        rows.append(
+            [
+                n,
+                f"{b['algorithm']} ({b['placement']})",
+                f"{b['busbw']:.2f}",
+                f"{bi['algorithm']}: {bi['busbw']:.2f}",
+                f"{s['mpi_busbw']:.2f}",
+                f"{s['best_ratio']:.2f}",
+                _verdict(s["best_ratio"] >= t["mpi_ratio_min"]),
+            ]
+        )
+    out += [
+        "",
+        f"**{biggest}: best bus bandwidth against MPICH** (`Allreduce(MPI.IN_PLACE)`, "
+        f"same rank count; target ≥ {t['mpi_ratio_min']}×)",
+        "",
+    ]
+    out += md_table(
+        ["ranks", "best", "busbw (GB/s)", "best in place", "MPICH busbw", "ratio", "target"],
+        rows,
+        "llrrrrl",
+    )
     rows = []
     for n, run in d["runs"].items():
         for s in run["summary"]["small"]:
-            rows.append([n, s["algorithm"], s["placement"], fmt_us(s["time_us"]),
-                         fmt_us(s["barrier_us"]), f"{s['ratio']:.2f}",
-                         _verdict(s["ratio"] <= t["barrier_ratio_max"])])
+            rows.append(
+                [
+                    n,
+                    s["algorithm"],
+                    s["placement"],
+                    fmt_us(s["time_us"]),
+                    fmt_us(s["barrier_us"]),
+                    f"{s['ratio']:.2f}",
+                    _verdict(s["ratio"] <= t["barrier_ratio_max"]),
+                ]
+            )
     small = human_bytes(d["sizes"][0])
-    out += ["", f"**{small}: latency against a bare `threading.Barrier` round trip** of "
-            f"the same thread count (target ≤ {t['barrier_ratio_max']}×)", ""]
-    out += md_table(["ranks", "algorithm", "placement", "time (µs)", "barrier (µs)",
-                     "ratio", "target"], rows, "lllrrrl")
+    out += [
+        "",
+        f"**{small}: latency against a bare `threading.Barrier` round trip** of "
+        f"the same thread count (target ≤ {t['barrier_ratio_max']}×)",
+        "",
+    ]
+    out += md_table(
+        ["ranks", "algorithm", "placement", "time (µs)", "barrier (µs)", "ratio", "target"],
+        rows,
+        "lllrrrl",
+    )
     return out + [""]
 
 
@@ -129,8 +198,14 @@ def targets_tables(d: dict) -> list[str]:
 
 
 def _find(rs: list[dict], size: int, alg: str, placement: str) -> dict | None:
-    return next((x for x in rs if x["size"] == size and x["algorithm"] == alg
-                 and x["placement"] == placement), None)
+    return next(
+        (
+            x
+            for x in rs
+            if x["size"] == size and x["algorithm"] == alg and x["placement"] == placement
+        ),
+        None,
+    )
 
 
 def _full_cell(r: dict | None) -> str:
@@ -160,43 +235,89 @@ def collectives_tables(d: dict, full: bool = False) -> list[str]:
         algs = list(dict.fromkeys(r["algorithm"] for r in rs))
         sizes = list(dict.fromkeys(r["size"] for r in rs))
         wrong = sum(r["wrong"] or 0 for r in rs)
-        title = (f"**{coll}, {r0['devices']} ({r0['ranks']} ranks, {m['backend']}), "
-                 f"{r0['dtype']} {r0['op']}**, median of {r0['iters']} iterations, "
-                 f"#wrong {wrong}")
+        title = (
+            f"**{coll}, {r0['devices']} ({r0['ranks']} ranks, {m['backend']}), "
+            f"{r0['dtype']} {r0['op']}**, median of {r0['iters']} iterations, "
+            f"#wrong {wrong}"
+        )
         if full:
             out += [title + "; time µs · algbw · busbw (GB/s) · #wrong", ""]
-            rows = [[human_bytes(s), a, _full_cell(_find(rs, s, a, "out-of-place")),
-                     _full_cell(_find(rs, s, a, "in-place"))] for s in sizes for a in algs]
+            rows = [
+                [
+                    human_bytes(s),
+                    a,
+                    _full_cell(_find(rs, s, a, "out-of-place")),
+                    _full_cell(_find(rs, s, a, "in-place")),
+                ]
+                for s in sizes
+                for a in algs
+            ]
             out += md_table(["size", "algorithm", "out of place", "in place"], rows, "llrr")
         else:
-            out += [title + "; busbw (GB/s) out of place / in place, and the in-place "
-                    "time (µs)", ""]
-            rows = [[human_bytes(s),
-                     *(f"{_busbw(_find(rs, s, a, 'out-of-place'))} / "
-                       f"{_busbw(_find(rs, s, a, 'in-place'))}" for a in algs),
-                     *(_time(_find(rs, s, a, "in-place")) for a in algs)]
-                    for s in sizes]
-            out += md_table(["size", *(f"{a} busbw" for a in algs),
-                             *(f"{a} µs" for a in algs)], rows)
+            out += [
+                title + "; busbw (GB/s) out of place / in place, and the in-place time (µs)",
+                "",
+            ]
+            rows = [
+                [
+                    human_bytes(s),
+                    *(
+                        f"{_busbw(_find(rs, s, a, 'out-of-place'))} / "
+                        f"{_busbw(_find(rs, s, a, 'in-place'))}"
+                        for a in algs
+                    ),
+                    *(_time(_find(rs, s, a, "in-place")) for a in algs),
+                ]
+                for s in sizes
+            ]
+            out += md_table(
+                ["size", *(f"{a} busbw" for a in algs), *(f"{a} µs" for a in algs)], rows
+            )
         out.append("")
     return out
 
 
 def train_tables(d: dict) -> list[str]:
-    rows = [[p["devices"], p["ranks"], p["scaling"], p["per_rank_batch"], p["effective_batch"],
-             f"{p['examples_per_s']:,.0f}", f"{p['speedup']:.2f}×",
-             f"{100 * p['efficiency']:.0f}%", f"{100 * p['comm_fraction']:.0f}%"]
-            for p in d["points"]]
+    rows = [
+        [
+            p["devices"],
+            p["ranks"],
+            p["scaling"],
+            p["per_rank_batch"],
+            p["effective_batch"],
+            f"{p['examples_per_s']:,.0f}",
+            f"{p['speedup']:.2f}×",
+            f"{100 * p['efficiency']:.0f}%",
+            f"{100 * p['comm_fraction']:.0f}%",
+        ]
+        for p in d["points"]
+    ]
     p0 = d["points"][0]
     c = d.get("config", {})
     blas = c.get("blas_threads") or "cores // ranks"
     data = c.get("data") or (f"synthetic, {c.get('features')} features" if c else "")
     hidden = f" ({c['hidden']} hidden)" if c.get("model") == "mlp" else ""
-    out = [f"**training, model {p0['model']}{hidden}, algorithm {p0['algorithm']}, "
-           f"{data}, BLAS threads per rank: {blas}**" + (
-               f", {c['iters']} timed iterations after {c['warmup']}" if c else ""), ""]
-    out += md_table(["devices", "ranks", "scaling", "per-rank batch", "effective batch",
-                     "examples/s", "speedup", "efficiency", "comm"], rows, "lrlrrrrrr")
+    out = [
+        f"**training, model {p0['model']}{hidden}, algorithm {p0['algorithm']}, "
+        f"{data}, BLAS threads per rank: {blas}**"
+        + (f", {c['iters']} timed iterations after {c['warmup']}" if c else ""),
+        "",
+    ]
+    out += md_table(
+        [
+            "devices",
+            "ranks",
+            "scaling",
+            "per-rank batch",
+            "effective batch",
+            "examples/s",
+            "speedup",
+            "efficiency",
+            "comm",
+        ],
+        rows,
+        "lrlrrrrrr",
+    )
     return out + [""]
 
 
@@ -219,30 +340,51 @@ def spread_table(ds: list[dict]) -> list[str]:
         for n, run in d["runs"].items():
             s = run["summary"]
             for b in s["bounds"]:
-                key = (f"{human_bytes(d['sizes'][-1])} time / bound (≤ {t['bound_ratio_max']})",
-                       n, b["algorithm"], b["placement"])
+                key = (
+                    f"{human_bytes(d['sizes'][-1])} time / bound (≤ {t['bound_ratio_max']})",
+                    n,
+                    b["algorithm"],
+                    b["placement"],
+                )
                 rows.setdefault(key, []).append(b["ratio"])
             if "mpi" in s:
-                key = (f"{human_bytes(d['sizes'][-1])} best busbw / MPICH "
-                       f"(≥ {t['mpi_ratio_min']})", n, "best", "")
+                key = (
+                    f"{human_bytes(d['sizes'][-1])} best busbw / MPICH (≥ {t['mpi_ratio_min']})",
+                    n,
+                    "best",
+                    "",
+                )
                 rows.setdefault(key, []).append(s["mpi"]["best_ratio"])
             for x in s["small"]:
-                key = (f"{human_bytes(d['sizes'][0])} time / barrier "
-                       f"(≤ {t['barrier_ratio_max']})", n, x["algorithm"], x["placement"])
+                key = (
+                    f"{human_bytes(d['sizes'][0])} time / barrier (≤ {t['barrier_ratio_max']})",
+                    n,
+                    x["algorithm"],
+                    x["placement"],
+                )
                 rows.setdefault(key, []).append(x["ratio"])
-    body = [[k[0], k[1], k[2], k[3], f"{min(v):.2f} – {max(v):.2f}", len(v)]
-            for k, v in rows.items()]
+    body = [
+        [k[0], k[1], k[2], k[3], f"{min(v):.2f} – {max(v):.2f}", len(v)] for k, v in rows.items()
+    ]
     out = [f"**Spread over {len(ds)} runs** (min – max of each ratio)", ""]
-    return out + md_table(["ratio (target)", "ranks", "algorithm", "placement", "range",
-                           "runs"], body, "llllrr") + [""]
+    return (
+        out
+        + md_table(
+            ["ratio (target)", "ranks", "algorithm", "placement", "range", "runs"], body, "llllrr"
+        )
+        + [""]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", help="benchmark JSON files")
     p.add_argument("--out", help="write the Markdown here (default: stdout)")
-    p.add_argument("--full", action="store_true",
-                   help="nccltree-bench collectives: every column, a row per size x algorithm")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="nccltree-bench collectives: every column, a row per size x algorithm",
+    )
     args = p.parse_args(argv)
     lines: list[str] = []
     comparisons = []

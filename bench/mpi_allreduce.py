@@ -53,8 +53,16 @@ def measure(comm: MPI.Comm, size: int, args: argparse.Namespace) -> dict:
     t = statistics.median(times)
     nbytes = count * dtype.itemsize
     algbw, busbw = bandwidths(nbytes, t, 2 * (n - 1) / n)
-    return {"size": nbytes, "count": count, "time_us": t * 1e6, "algbw": algbw,
-            "busbw": busbw, "wrong": wrong, "iters": iters, "warmup": warmup}
+    return {
+        "size": nbytes,
+        "count": count,
+        "time_us": t * 1e6,
+        "algbw": algbw,
+        "busbw": busbw,
+        "wrong": wrong,
+        "iters": iters,
+        "warmup": warmup,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--large", default="0",
-                   help="from this size on use --large-iters/--large-warmup (0: never)")
+    p.add_argument(
+        "--large", default="0", help="from this size on use --large-iters/--large-warmup (0: never)"
+    )
     p.add_argument("--large-iters", type=int, default=5)
     p.add_argument("--large-warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -74,8 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     comm = MPI.COMM_WORLD
     rows = [measure(comm, s, args) for s in sizes]
     if comm.rank == 0:
-        json.dump({"library": MPI.Get_library_version().splitlines()[0].strip(),
-                   "ranks": comm.size, "dtype": args.dtype, "rows": rows}, sys.stdout)
+        json.dump(
+            {
+                "library": MPI.Get_library_version().splitlines()[0].strip(),
+                "ranks": comm.size,
+                "dtype": args.dtype,
+                "rows": rows,
+            },
+            sys.stdout,
+        )
         sys.stdout.write("\n")
     return 0
 

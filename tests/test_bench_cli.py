@@ -44,10 +44,23 @@ def table_rows(out: str) -> list[list[str]]:
 @pytest.mark.parametrize("n", [2, 3])
 def test_collectives_table_json_and_csv(n, tmp_path, capsys):
     js, cs = tmp_path / "r.json", tmp_path / "r.csv"
-    code, out, err = run(["collectives", "--devices", f"cpu:{n}", "--algorithm",
-                          "tree,ring,direct", "--collective", "allreduce,all_gather,broadcast,"
-                          "reduce,reduce_scatter", *TINY, "--json", str(js), "--csv", str(cs)],
-                         capsys)
+    code, out, err = run(
+        [
+            "collectives",
+            "--devices",
+            f"cpu:{n}",
+            "--algorithm",
+            "tree,ring,direct",
+            "--collective",
+            "allreduce,all_gather,broadcast,reduce,reduce_scatter",
+            *TINY,
+            "--json",
+            str(js),
+            "--csv",
+            str(cs),
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert "# Out of bounds values : 0 OK" in out and "Avg bus bandwidth" in out
     assert "out-of-place" in out and "#wrong" in out
@@ -62,8 +75,13 @@ def test_collectives_table_json_and_csv(n, tmp_path, capsys):
     recs = data["records"]
     assert len(recs) == 2 * len(rows) and data["machine"]["backend"] == "host"
     for r in recs:
-        factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
-                  "reduce_scatter": (n - 1) / n, "broadcast": 1.0, "reduce": 1.0}[r["collective"]]
+        factor = {
+            "all_reduce": 2 * (n - 1) / n,
+            "all_gather": (n - 1) / n,
+            "reduce_scatter": (n - 1) / n,
+            "broadcast": 1.0,
+            "reduce": 1.0,
+        }[r["collective"]]
         assert r["busbw"] == pytest.approx(r["algbw"] * factor)
         assert r["algbw"] == pytest.approx(r["size"] / r["time_us"] / 1e3)
         assert r["wrong"] == 0 and r["machine"]["device_names"][0] == "cpu:0"
@@ -74,8 +92,26 @@ def test_collectives_table_json_and_csv(n, tmp_path, capsys):
 
 
 def test_table_busbw_column_matches_algbw_times_factor(capsys):
-    code, out, _ = run(["collectives", "--devices", "cpu:3", "--algorithm", "tree", "-b",
-                        "64K", "-e", "256K", "-f", "4", "-n", "2", "-w", "1"], capsys)
+    code, out, _ = run(
+        [
+            "collectives",
+            "--devices",
+            "cpu:3",
+            "--algorithm",
+            "tree",
+            "-b",
+            "64K",
+            "-e",
+            "256K",
+            "-f",
+            "4",
+            "-n",
+            "2",
+            "-w",
+            "1",
+        ],
+        capsys,
+    )
     assert code == 0
     for row in table_rows(out):
         for algbw, busbw in ((row[7], row[8]), (row[11], row[12])):
@@ -89,8 +125,9 @@ def test_broken_algorithm_gives_wrong_count_and_exit_code(capsys):
         made.append(algorithm)
         return OffByOne(devices, algorithm=algorithm)
 
-    code, out, err = run(["collectives", "--devices", "cpu:2", *TINY], capsys,
-                         world_factory=factory)
+    code, out, err = run(
+        ["collectives", "--devices", "cpu:2", *TINY], capsys, world_factory=factory
+    )
     assert made == ["tree"]
     assert code == 1
     wrong = [int(row[9]) + int(row[13]) for row in table_rows(out)]
@@ -98,21 +135,24 @@ def test_broken_algorithm_gives_wrong_count_and_exit_code(capsys):
     assert "FAILED" in out and "wrong element" in err
 
 
-@pytest.mark.parametrize("argv,match", [
-    (["--collective", "allscatter"], "accepted: all_reduce"),
-    (["-b", "1M", "-e", "8"], "larger than"),
-    (["-f", "1"], "stepfactor must be > 1"),
-    (["-f", "0.5"], "stepfactor must be > 1"),
-    (["--devices", "cpu:0"], "accepted forms"),
-    (["--devices", "tpu:1"], "accepted forms"),
-    (["--algorithm", "tree,bogus"], "accepted: tree, ring"),
-    (["-o", "avg"], "accepted: sum"),
-    (["-d", "complex64"], "accepted: float16"),
-    (["-r", "5"], r"root must be a rank in \[0, 2\)"),
-    (["-n", "0"], "iters must be"),
-    (["-e", "64Q"], "K, M, G"),
-    (["--json", "/nonexistent-dir/x.json"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--collective", "allscatter"], "accepted: all_reduce"),
+        (["-b", "1M", "-e", "8"], "larger than"),
+        (["-f", "1"], "stepfactor must be > 1"),
+        (["-f", "0.5"], "stepfactor must be > 1"),
+        (["--devices", "cpu:0"], "accepted forms"),
+        (["--devices", "tpu:1"], "accepted forms"),
+        (["--algorithm", "tree,bogus"], "accepted: tree, ring"),
+        (["-o", "avg"], "accepted: sum"),
+        (["-d", "complex64"], "accepted: float16"),
+        (["-r", "5"], r"root must be a rank in \[0, 2\)"),
+        (["-n", "0"], "iters must be"),
+        (["-e", "64Q"], "K, M, G"),
+        (["--json", "/nonexistent-dir/x.json"], "does not exist"),
+    ],
+)
 def test_bad_flags_error_before_anything_runs(argv, match, capsys):
     made = []
 
@@ -122,8 +162,9 @@ def test_bad_flags_error_before_anything_runs(argv, match, capsys):
 
     # an injected factory takes any algorithm name, so the name check needs the default
     factory = None if "--algorithm" in argv else counting
-    code, out, err = run(["collectives", "--devices", "cpu:2", *argv], capsys,
-                         world_factory=factory)
+    code, out, err = run(
+        ["collectives", "--devices", "cpu:2", *argv], capsys, world_factory=factory
+    )
     assert code == 2
     assert out == ""  # no header, no table: nothing ran
     assert made == []
@@ -142,8 +183,9 @@ def test_argparse_errors_and_help_return_codes(capsys):
 
 def test_quiet_prints_nothing_but_writes_json(tmp_path, capsys):
     js = tmp_path / "q.json"
-    code, out, err = run(["collectives", "--devices", "cpu:2", *TINY, "--quiet",
-                          "--json", str(js)], capsys)
+    code, out, err = run(
+        ["collectives", "--devices", "cpu:2", *TINY, "--quiet", "--json", str(js)], capsys
+    )
     assert code == 0 and out == "" and err == ""
     assert len(json.loads(js.read_text())["records"]) == 8
 
@@ -151,16 +193,29 @@ def test_quiet_prints_nothing_but_writes_json(tmp_path, capsys):
 def test_plot_is_drawn(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     png = tmp_path / "busbw.png"
-    code, _, err = run(["collectives", "--devices", "cpu:2", "--algorithm", "tree,ring",
-                        *TINY, "--quiet", "--plot", str(png)], capsys)
+    code, _, err = run(
+        [
+            "collectives",
+            "--devices",
+            "cpu:2",
+            "--algorithm",
+            "tree,ring",
+            *TINY,
+            "--quiet",
+            "--plot",
+            str(png),
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_without_matplotlib_says_so_before_running(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if missing
-    code, out, err = run(["collectives", "--devices", "cpu:2", *TINY,
-                          "--plot", str(tmp_path / "x.png")], capsys)
+    code, out, err = run(
+        ["collectives", "--devices", "cpu:2", *TINY, "--plot", str(tmp_path / "x.png")], capsys
+    )
     assert code == 2 and out == ""
     assert "needs matplotlib" in err and "pip install" in err
     assert not (tmp_path / "x.png").exists()
@@ -192,26 +247,62 @@ def test_table_helpers():
     assert cli.human_bytes(3000) == "3000 B"
     header = cli.table_header("all_reduce")
     assert header[0] == "# all_reduce" and "busbw" in header[2] and "(GB/s)" in header[3]
-    rec = drv.BenchRecord("all_reduce", "tree", "out-of-place", 8, 2, "float32", "sum", -1,
-                          2, 12.5, 0.0006, 0.0006, None, 1, 0, 1.0, "cpu:2")
+    rec = drv.BenchRecord(
+        "all_reduce",
+        "tree",
+        "out-of-place",
+        8,
+        2,
+        "float32",
+        "sum",
+        -1,
+        2,
+        12.5,
+        0.0006,
+        0.0006,
+        None,
+        1,
+        0,
+        1.0,
+        "cpu:2",
+    )
     assert cli.table_row([rec, rec]).split()[-1] == "N/A"
 
 
 # -- train --------------------------------------------------------------------------------
 
-TRAIN = ["train", "--iters", "2", "-w", "1", "--records", "128", "--features", "8",
-         "--hidden", "8", "--batch-size", "8"]
+TRAIN = [
+    "train",
+    "--iters",
+    "2",
+    "-w",
+    "1",
+    "--records",
+    "128",
+    "--features",
+    "8",
+    "--hidden",
+    "8",
+    "--batch-size",
+    "8",
+]
 
 
 def test_train_table_and_json(tmp_path, capsys):
     js = tmp_path / "t.json"
-    code, out, err = run([*TRAIN, "--devices", "cpu:1", "cpu:2", "--scaling", "weak",
-                          "strong", "--json", str(js)], capsys)
+    code, out, err = run(
+        [*TRAIN, "--devices", "cpu:1", "cpu:2", "--scaling", "weak", "strong", "--json", str(js)],
+        capsys,
+    )
     assert code == 0, err
     assert "examples/s" in out and "efficiency" in out
     points = json.loads(js.read_text())["points"]
     assert [(p["devices"], p["scaling"]) for p in points] == [
-        ("cpu:1", "weak"), ("cpu:1", "strong"), ("cpu:2", "weak"), ("cpu:2", "strong")]
+        ("cpu:1", "weak"),
+        ("cpu:1", "strong"),
+        ("cpu:2", "weak"),
+        ("cpu:2", "strong"),
+    ]
     weak2, strong2 = points[2], points[3]
     assert (weak2["per_rank_batch"], weak2["effective_batch"]) == (8, 16)
     assert (strong2["per_rank_batch"], strong2["effective_batch"]) == (4, 8)
@@ -223,8 +314,7 @@ def test_train_table_and_json(tmp_path, capsys):
 
 
 def test_train_bad_flags_fail_before_training(capsys):
-    code, out, err = run([*TRAIN, "--devices", "cpu:1", "cpu:3", "--scaling", "strong"],
-                         capsys)
+    code, out, err = run([*TRAIN, "--devices", "cpu:1", "cpu:3", "--scaling", "strong"], capsys)
     assert code == 2 and out == "" and "split evenly" in err
     code, out, err = run([*TRAIN, "--devices", "cpu:1", "--model", "resnet"], capsys)
     assert code == 2 and "accepted: softmax, mlp, cnn" in err
@@ -247,8 +337,7 @@ def test_topo_preset_with_dot(tmp_path, capsys):
 
 
 def test_topo_from_smi_detected_and_root(capsys):
-    code, out, _ = run(["topo", "--smi", str(SMI_DIR / "dgx1_v100.txt"), "--root", "3"],
-                       capsys)
+    code, out, _ = run(["topo", "--smi", str(SMI_DIR / "dgx1_v100.txt"), "--root", "3"], capsys)
     assert code == 0 and "root 3" in out and "parsed from" in out
     code, out, _ = run(["topo", "--devices", "cpu:3"], capsys)
     assert code == 0 and "cpu:2" in out and "tree of 3 ranks" in out

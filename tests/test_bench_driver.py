@@ -71,7 +71,14 @@ def test_byte_counts_follow_nccl_tests():
 
 def test_parse_size_and_range():
     assert [drv.parse_size(s) for s in ("8", "64K", "64M", "1G", "2k", "3MiB", "4MB")] == [
-        8, 64 << 10, 64 << 20, 1 << 30, 2 << 10, 3 << 20, 4 << 20]
+        8,
+        64 << 10,
+        64 << 20,
+        1 << 30,
+        2 << 10,
+        3 << 20,
+        4 << 20,
+    ]
     for bad in ("", "1.5M", "12Q", "-8", "M"):
         with pytest.raises(ValueError, match="accepted"):
             drv.parse_size(bad)
@@ -136,8 +143,15 @@ def test_count_wrong():
 @pytest.mark.parametrize("n", [2, 3])
 def test_every_collective_is_right_and_figures_are_consistent(make_devices, n):
     devs = make_devices(n)
-    with drv.Benchmark(devs, ["tree", "ring", "direct"], list(drv.SPECS),
-                       [0, 4, 60, 4100], iters=2, warmup=1, root=n - 1) as bench:
+    with drv.Benchmark(
+        devs,
+        ["tree", "ring", "direct"],
+        list(drv.SPECS),
+        [0, 4, 60, 4100],
+        iters=2,
+        warmup=1,
+        root=n - 1,
+    ) as bench:
         recs = list(bench)
     assert len(recs) == bench.total == 5 * 4 * 3 * 2
     for r in recs:
@@ -148,32 +162,54 @@ def test_every_collective_is_right_and_figures_are_consistent(make_devices, n):
         assert r.root == (n - 1 if r.collective in ("reduce", "broadcast") else -1)
         assert r.op == ("sum" if drv.SPECS[r.collective].reduces else "none")
     assert {(r.placement, r.algorithm) for r in recs} == {
-        (p, a) for p in drv.PLACEMENTS for a in ("tree", "ring", "direct")}
+        (p, a) for p in drv.PLACEMENTS for a in ("tree", "ring", "direct")
+    }
 
 
-@pytest.mark.parametrize("op,dtype", [("max", "float16"), ("prod", "int32"), ("mean", "float64"),
-                                      ("min", "int64")])
+@pytest.mark.parametrize(
+    "op,dtype", [("max", "float16"), ("prod", "int32"), ("mean", "float64"), ("min", "int64")]
+)
 def test_ops_and_dtypes_check_clean(host_devs, op, dtype):
-    recs = drv.run_benchmark(host_devs(3), algorithms=["tree", "ring"],
-                             collectives=["all_reduce", "reduce_scatter"], sizes=[96, 3000],
-                             dtype=dtype, op=op, iters=1, warmup=0)
+    recs = drv.run_benchmark(
+        host_devs(3),
+        algorithms=["tree", "ring"],
+        collectives=["all_reduce", "reduce_scatter"],
+        sizes=[96, 3000],
+        dtype=dtype,
+        op=op,
+        iters=1,
+        warmup=0,
+    )
     assert [r.wrong for r in recs] == [0] * len(recs)
 
 
-@pytest.mark.parametrize("broken,collective", [(MaxInsteadOfSum, "all_reduce"),
-                                               (GatherNothing, "all_gather")])
+@pytest.mark.parametrize(
+    "broken,collective", [(MaxInsteadOfSum, "all_reduce"), (GatherNothing, "all_gather")]
+)
 def test_a_broken_algorithm_is_caught(host_devs, broken, collective):
     devs = host_devs(3)
-    recs = drv.run_benchmark(devs, algorithms=["tree"], collectives=[collective],
-                             sizes=[64, 4096], iters=1, warmup=0,
-                             world_factory=lambda d, a: broken(d, algorithm=a))
+    recs = drv.run_benchmark(
+        devs,
+        algorithms=["tree"],
+        collectives=[collective],
+        sizes=[64, 4096],
+        iters=1,
+        warmup=0,
+        world_factory=lambda d, a: broken(d, algorithm=a),
+    )
     assert all(r.wrong > 0 for r in recs)
 
 
 def test_reduce_must_leave_other_inputs_alone(host_devs):
-    recs = drv.run_benchmark(host_devs(3), algorithms=["tree"], collectives=["reduce"],
-                             sizes=[4096], iters=1, warmup=0,
-                             world_factory=lambda d, a: ReduceEverywhere(d, algorithm=a))
+    recs = drv.run_benchmark(
+        host_devs(3),
+        algorithms=["tree"],
+        collectives=["reduce"],
+        sizes=[4096],
+        iters=1,
+        warmup=0,
+        world_factory=lambda d, a: ReduceEverywhere(d, algorithm=a),
+    )
     wrong = {r.placement: r.wrong for r in recs}
     # out of place the root's result is right and inputs stay; in place the two non-root
     # buffers change (except where the other ranks' values happen to sum to zero)
@@ -182,21 +218,30 @@ def test_reduce_must_leave_other_inputs_alone(host_devs):
 
 
 def test_check_zero_reports_no_wrong_column(host_devs):
-    recs = drv.run_benchmark(host_devs(2), sizes=[64], iters=1, warmup=0, check=0,
-                             world_factory=lambda d, a: MaxInsteadOfSum(d, algorithm=a))
+    recs = drv.run_benchmark(
+        host_devs(2),
+        sizes=[64],
+        iters=1,
+        warmup=0,
+        check=0,
+        world_factory=lambda d, a: MaxInsteadOfSum(d, algorithm=a),
+    )
     assert [r.wrong for r in recs] == [None, None]
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"collectives": ["allscatter"]}, "accepted: all_reduce"),
-    ({"root": 2}, r"root must be a rank in \[0, 2\)"),
-    ({"op": "mean", "dtype": "int32"}, "floating-point"),
-    ({"op": "avg"}, "accepted: sum"),
-    ({"iters": 0}, "iters must be an int >= 1"),
-    ({"check": -1}, "check must be"),
-    ({"sizes": ["12Q"]}, "accepted"),
-    ({"dtype": "complex64"}, "accepted"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"collectives": ["allscatter"]}, "accepted: all_reduce"),
+        ({"root": 2}, r"root must be a rank in \[0, 2\)"),
+        ({"op": "mean", "dtype": "int32"}, "floating-point"),
+        ({"op": "avg"}, "accepted: sum"),
+        ({"iters": 0}, "iters must be an int >= 1"),
+        ({"check": -1}, "check must be"),
+        ({"sizes": ["12Q"]}, "accepted"),
+        ({"dtype": "complex64"}, "accepted"),
+    ],
+)
 def test_bad_arguments_fail_before_any_world_exists(host_devs, kwargs, match):
     made = []
     with pytest.raises((ValueError, TypeError), match=match):
@@ -238,10 +283,14 @@ def test_plan_bytes_counts_reads_and_writes(n):
 
 def test_make_tables_renders_driver_json(host_devs):
     mt = _bench_module("make_tables")
-    recs = drv.run_benchmark(host_devs(2), algorithms=["tree", "ring"], sizes=[8, 4096],
-                             iters=1, warmup=0)
-    data = {"tool": "nccltree-bench collectives", "machine": recs[0].machine,
-            "records": [r.as_dict() for r in recs]}
+    recs = drv.run_benchmark(
+        host_devs(2), algorithms=["tree", "ring"], sizes=[8, 4096], iters=1, warmup=0
+    )
+    data = {
+        "tool": "nccltree-bench collectives",
+        "machine": recs[0].machine,
+        "records": [r.as_dict() for r in recs],
+    }
     rows = [x for x in mt.tables(data) if x.startswith("| ") and "B |" in x]
     # compact: a row per size, busbw out of place / in place per algorithm
     assert len(rows) == 2 and rows[1].startswith("| 4 KiB |") and rows[1].count(" / ") == 2

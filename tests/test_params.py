@@ -14,8 +14,6 @@ from nccltree.params import ALIGN_BYTES
 SHAPES = {"w1": (3, 5), "b1": (5,), "scalar": (), "w2": (5, 2, 3), "b2": 7}
 
 
-
-
 def _addr(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
 

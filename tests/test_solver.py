@@ -16,8 +16,6 @@ SHAPES = {"w": (4, 3), "b": (3,)}
 STEPS = 20
 
 
-
-
 # -- an independent reference: plain Python floats, one element at a time ----------------
 
 

@@ -21,11 +21,24 @@ from typing import Any, TextIO
 
 from ..comm import bench as drv
 
-COLLECTIVE_DEFAULTS = {"devices": "auto", "algorithm": "tree", "collective": "all_reduce",
-                       "minbytes": "8", "maxbytes": "32M", "stepfactor": 2.0, "iters": 20,
-                       "warmup": 5, "check": 1, "op": "sum", "dtype": "float32", "root": 0}
-PLOT_MISSING = ("--plot needs matplotlib, which is not installed; install it with "
-                "`pip install matplotlib` (or the `plot` extra: `pip install nccltree[plot]`)")
+COLLECTIVE_DEFAULTS = {
+    "devices": "auto",
+    "algorithm": "tree",
+    "collective": "all_reduce",
+    "minbytes": "8",
+    "maxbytes": "32M",
+    "stepfactor": 2.0,
+    "iters": 20,
+    "warmup": 5,
+    "check": 1,
+    "op": "sum",
+    "dtype": "float32",
+    "root": 0,
+}
+PLOT_MISSING = (
+    "--plot needs matplotlib, which is not installed; install it with "
+    "`pip install matplotlib` (or the `plot` extra: `pip install nccltree[plot]`)"
+)
 
 
 class UsageError(ValueError):
@@ -121,16 +134,24 @@ def table_footer(records: Sequence[drv.BenchRecord]) -> list[str]:
     for a in algs:
         vals = [r.busbw for r in records if r.algorithm == a]
         avg.append(f"{sum(vals) / len(vals):.3f} ({a})")
-    return [f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
-            f"# Avg bus bandwidth    : {'  '.join(avg)}  GB/s", "#"]
+    return [
+        f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
+        f"# Avg bus bandwidth    : {'  '.join(avg)}  GB/s",
+        "#",
+    ]
 
 
 def _collectives_header(bench: drv.Benchmark, sizes: list[int], factor: float) -> list[str]:
     m = bench.machine
-    where = (f"{bench.label} ({bench.n} ranks, {m['backend']} backend; {m['cpu']}, "
-             f"{m['cpu_count']} cores)")
-    rng = (f"{human_bytes(sizes[0])} .. {human_bytes(sizes[-1])}, step x{factor:g}"
-           if len(sizes) > 1 else human_bytes(sizes[0]))
+    where = (
+        f"{bench.label} ({bench.n} ranks, {m['backend']} backend; {m['cpu']}, "
+        f"{m['cpu_count']} cores)"
+    )
+    rng = (
+        f"{human_bytes(sizes[0])} .. {human_bytes(sizes[-1])}, step x{factor:g}"
+        if len(sizes) > 1
+        else human_bytes(sizes[0])
+    )
     op = bench.op if any(drv.SPECS[c].reduces for c in bench.collectives) else "none"
     return [
         "# nccltree-bench collectives",
@@ -177,18 +198,22 @@ def plot_collectives(path: str, records: Sequence[drv.BenchRecord]) -> None:
     cols = min(2, len(colls))
     rows = -(-len(colls) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.2 * rows), squeeze=False)
-    for ax in axes.flat[len(colls):]:
+    for ax in axes.flat[len(colls) :]:
         ax.set_visible(False)
     for ax, coll in zip(axes.flat, colls):
         recs = [r for r in records if r.collective == coll and r.size > 0]
         for i, alg in enumerate(dict.fromkeys(r.algorithm for r in recs)):
             for placement, style in (("out-of-place", "-"), ("in-place", "--")):
-                pts = [(r.size, r.busbw) for r in recs
-                       if r.algorithm == alg and r.placement == placement]
+                pts = [
+                    (r.size, r.busbw)
+                    for r in recs
+                    if r.algorithm == alg and r.placement == placement
+                ]
                 if pts:
                     xs, ys = zip(*pts)
-                    ax.plot(xs, ys, style, marker="o", ms=3, color=f"C{i}",
-                            label=f"{alg} ({placement})")
+                    ax.plot(
+                        xs, ys, style, marker="o", ms=3, color=f"C{i}", label=f"{alg} ({placement})"
+                    )
         ax.set_xscale("log", base=2)
         # tick labels people read at a glance: 64 B, 1 KiB, 1 MiB, 64 MiB
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: human_bytes(int(round(v)))))
@@ -206,8 +231,10 @@ def plot_collectives(path: str, records: Sequence[drv.BenchRecord]) -> None:
 def _sizes(args: argparse.Namespace) -> list[int]:
     lo, hi = drv.parse_size(args.minbytes), drv.parse_size(args.maxbytes)
     if lo > hi:
-        raise UsageError(f"-b/--minbytes ({args.minbytes}) is larger than -e/--maxbytes "
-                         f"({args.maxbytes}); accepted: minbytes <= maxbytes")
+        raise UsageError(
+            f"-b/--minbytes ({args.minbytes}) is larger than -e/--maxbytes "
+            f"({args.maxbytes}); accepted: minbytes <= maxbytes"
+        )
     if not args.stepfactor > 1:
         raise UsageError(f"-f/--stepfactor must be > 1, got {args.stepfactor:g}")
     return drv.size_range(lo, hi, args.stepfactor)
@@ -225,8 +252,10 @@ def make_benchmark(args: argparse.Namespace, world_factory: Any = None) -> drv.B
     if world_factory is None:
         bad = [a for a in algorithms if a not in ALGORITHM_CHOICES]
         if bad:
-            raise UsageError(f"unknown algorithm {', '.join(bad)}; accepted: "
-                             f"{', '.join(ALGORITHM_CHOICES)} (several: tree,ring)")
+            raise UsageError(
+                f"unknown algorithm {', '.join(bad)}; accepted: "
+                f"{', '.join(ALGORITHM_CHOICES)} (several: tree,ring)"
+            )
     collectives = [collective_name(c) for c in _split(args.collective)]
     if args.plot:
         _require_matplotlib()
@@ -234,30 +263,41 @@ def make_benchmark(args: argparse.Namespace, world_factory: Any = None) -> drv.B
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise UsageError(f"{flag} {path}: the directory does not exist")
     return drv.Benchmark(
-        args.devices, algorithms, collectives, sizes, dtype=args.dtype, op=args.op,
-        root=args.root, iters=args.iters, warmup=args.warmup, check=args.check,
-        world_factory=world_factory, devices_label=args.devices)
+        args.devices,
+        algorithms,
+        collectives,
+        sizes,
+        dtype=args.dtype,
+        op=args.op,
+        root=args.root,
+        iters=args.iters,
+        warmup=args.warmup,
+        check=args.check,
+        world_factory=world_factory,
+        devices_label=args.devices,
+    )
 
 
-def run_collectives(bench: drv.Benchmark, args: argparse.Namespace, out: TextIO,
-                    err: TextIO) -> int:
+def run_collectives(
+    bench: drv.Benchmark, args: argparse.Namespace, out: TextIO, err: TextIO
+) -> int:
     quiet = args.quiet
     sizes = bench.sizes
     if not quiet:
-        print("\n".join(_collectives_header(bench, sizes, args.stepfactor)), file=out,
-              flush=True)
+        print("\n".join(_collectives_header(bench, sizes, args.stepfactor)), file=out, flush=True)
     progress = Progress(bench.total, quiet, err)
     records: list[drv.BenchRecord] = []
     group: list[drv.BenchRecord] = []
     current = None
     for rec in bench:
-        progress.step(f"{rec.collective} {human_bytes(rec.size)} {rec.algorithm} "
-                      f"{rec.placement}")
+        progress.step(f"{rec.collective} {human_bytes(rec.size)} {rec.algorithm} {rec.placement}")
         if rec.collective != current:
             if current is not None and not quiet:
                 progress.clear()
-                print("\n".join(table_footer([r for r in records if r.collective == current])),
-                      file=out)
+                print(
+                    "\n".join(table_footer([r for r in records if r.collective == current])),
+                    file=out,
+                )
             current = rec.collective
             if not quiet:
                 progress.clear()
@@ -271,15 +311,21 @@ def run_collectives(bench: drv.Benchmark, args: argparse.Namespace, out: TextIO,
             group = []
     progress.clear()
     if current is not None and not quiet:
-        print("\n".join(table_footer([r for r in records if r.collective == current])),
-              file=out, flush=True)
+        print(
+            "\n".join(table_footer([r for r in records if r.collective == current])),
+            file=out,
+            flush=True,
+        )
     if args.json:
-        write_json(args.json, {
-            "tool": "nccltree-bench collectives",
-            "config": {k: getattr(args, k) for k in COLLECTIVE_DEFAULTS},
-            "machine": bench.machine,
-            "records": [r.as_dict() for r in records],
-        })
+        write_json(
+            args.json,
+            {
+                "tool": "nccltree-bench collectives",
+                "config": {k: getattr(args, k) for k in COLLECTIVE_DEFAULTS},
+                "machine": bench.machine,
+                "records": [r.as_dict() for r in records],
+            },
+        )
     if args.csv:
         write_csv(args.csv, records)
     if args.plot:
@@ -327,23 +373,42 @@ def train_point(spec: str, scaling: str, args: argparse.Namespace, dataset) -> d
     with contextlib.ExitStack() as stack:
         if devs[0].backend == "host":
             stack.callback(devs[0].runtime.shutdown)
-        dp = stack.enter_context(DataParallel(model, devs, algorithm=args.algorithm,
-                                              blas_threads=args.blas_threads,
-                                              lr=0.01, momentum=0.9))
-        reader = stack.enter_context(DataReader(
-            path, per_rank, n, device=devs if devs[0].backend != "host" else None,
-            log_on_wait=None))
+        dp = stack.enter_context(
+            DataParallel(
+                model,
+                devs,
+                algorithm=args.algorithm,
+                blas_threads=args.blas_threads,
+                lr=0.01,
+                momentum=0.9,
+            )
+        )
+        reader = stack.enter_context(
+            DataReader(
+                path,
+                per_rank,
+                n,
+                device=devs if devs[0].backend != "host" else None,
+                log_on_wait=None,
+            )
+        )
         dp.fit(reader, args.warmup + args.iters, on_step=steps.append)
-    timed = steps[args.warmup:]
+    timed = steps[args.warmup :]
     t0 = steps[args.warmup - 1].elapsed_s if args.warmup else 0.0
     secs = timed[-1].elapsed_s - t0
     step_s = sum(s.step_s for s in timed)
     return {
-        "devices": spec, "ranks": n, "scaling": scaling, "per_rank_batch": per_rank,
-        "effective_batch": per_rank * n, "iters": len(timed),
+        "devices": spec,
+        "ranks": n,
+        "scaling": scaling,
+        "per_rank_batch": per_rank,
+        "effective_batch": per_rank * n,
+        "iters": len(timed),
         "examples_per_s": sum(s.examples for s in timed) / secs if secs > 0 else 0.0,
         "comm_fraction": sum(s.comm_s for s in timed) / step_s if step_s > 0 else 0.0,
-        "backend": devs[0].backend, "algorithm": args.algorithm, "model": args.model,
+        "backend": devs[0].backend,
+        "algorithm": args.algorithm,
+        "model": args.model,
         "blas_threads": args.blas_threads,  # None: the trainer's default ("auto")
     }
 
@@ -360,14 +425,34 @@ def add_speedups(points: list[dict]) -> None:
 
 def train_table(points: Sequence[dict]) -> list[str]:
     fmt = "{:<16} {:>5} {:>7} {:>9} {:>9} {:>12} {:>8} {:>10} {:>6}"
-    lines = [fmt.format("devices", "ranks", "scaling", "per-rank", "effective", "examples/s",
-                        "speedup", "efficiency", "comm"),
-             fmt.format("", "", "", "batch", "batch", "", "", "", "")]
+    lines = [
+        fmt.format(
+            "devices",
+            "ranks",
+            "scaling",
+            "per-rank",
+            "effective",
+            "examples/s",
+            "speedup",
+            "efficiency",
+            "comm",
+        ),
+        fmt.format("", "", "", "batch", "batch", "", "", "", ""),
+    ]
     for p in points:
-        lines.append(fmt.format(p["devices"], p["ranks"], p["scaling"], p["per_rank_batch"],
-                                p["effective_batch"], f"{p['examples_per_s']:,.0f}",
-                                f"{p['speedup']:.2f}x", f"{100 * p['efficiency']:.0f}%",
-                                f"{100 * p['comm_fraction']:.0f}%"))
+        lines.append(
+            fmt.format(
+                p["devices"],
+                p["ranks"],
+                p["scaling"],
+                p["per_rank_batch"],
+                p["effective_batch"],
+                f"{p['examples_per_s']:,.0f}",
+                f"{p['speedup']:.2f}x",
+                f"{100 * p['efficiency']:.0f}%",
+                f"{100 * p['comm_fraction']:.0f}%",
+            )
+        )
     return lines
 
 
@@ -405,20 +490,25 @@ def check_train_args(args: argparse.Namespace) -> None:
     if args.model not in MODELS:
         raise UsageError(f"unknown model {args.model!r}; accepted: {', '.join(MODELS)}")
     if args.algorithm not in ALGORITHM_CHOICES:
-        raise UsageError(f"unknown algorithm {args.algorithm!r}; accepted: "
-                         f"{', '.join(ALGORITHM_CHOICES)}")
-    for flag, v, lo in (("--iters", args.iters, 1), ("-w/--warmup-iters", args.warmup, 0),
-                        ("--batch-size", args.batch_size, 1), ("--records", args.records, 1),
-                        ("--features", args.features, 1),
-                        ("--blas-threads", 1 if args.blas_threads is None else args.blas_threads,
-                         1)):
+        raise UsageError(
+            f"unknown algorithm {args.algorithm!r}; accepted: {', '.join(ALGORITHM_CHOICES)}"
+        )
+    for flag, v, lo in (
+        ("--iters", args.iters, 1),
+        ("-w/--warmup-iters", args.warmup, 0),
+        ("--batch-size", args.batch_size, 1),
+        ("--records", args.records, 1),
+        ("--features", args.features, 1),
+        ("--blas-threads", 1 if args.blas_threads is None else args.blas_threads, 1),
+    ):
         if v < lo:
             raise UsageError(f"{flag} must be >= {lo}, got {v}")
     try:
         [int(h) for h in _split(args.hidden)]
     except ValueError:
-        raise UsageError(f"--hidden takes comma-separated layer widths, got "
-                         f"{args.hidden!r}") from None
+        raise UsageError(
+            f"--hidden takes comma-separated layer widths, got {args.hidden!r}"
+        ) from None
     for spec in args.devices:
         devs = make_devices(spec)
         if devs[0].backend == "host":
@@ -446,18 +536,41 @@ def run_train(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     progress.clear()
     add_speedups(points)
     if not args.quiet:
-        print(f"# nccltree-bench train: model {args.model}, algorithm {args.algorithm}, "
-              f"batch size {args.batch_size} ({', '.join(args.scaling)} scaling), "
-              f"{args.iters} timed iterations after {args.warmup} warm-up", file=out)
+        print(
+            f"# nccltree-bench train: model {args.model}, algorithm {args.algorithm}, "
+            f"batch size {args.batch_size} ({', '.join(args.scaling)} scaling), "
+            f"{args.iters} timed iterations after {args.warmup} warm-up",
+            file=out,
+        )
         print("\n".join(train_table(points)), file=out, flush=True)
     if args.json:
         one = make_devices("cpu:1")
-        config = {k: getattr(args, k) for k in ("devices", "scaling", "batch_size", "model",
-                                                "hidden", "algorithm", "iters", "warmup",
-                                                "data", "records", "features",
-                                                "blas_threads")}
-        write_json(args.json, {"tool": "nccltree-bench train", "config": config,
-                               "points": points, "machine": drv.machine_description(one)})
+        config = {
+            k: getattr(args, k)
+            for k in (
+                "devices",
+                "scaling",
+                "batch_size",
+                "model",
+                "hidden",
+                "algorithm",
+                "iters",
+                "warmup",
+                "data",
+                "records",
+                "features",
+                "blas_threads",
+            )
+        }
+        write_json(
+            args.json,
+            {
+                "tool": "nccltree-bench train",
+                "config": config,
+                "points": points,
+                "machine": drv.machine_description(one),
+            },
+        )
         one[0].runtime.shutdown()
     if args.plot:
         plot_train(args.plot, points)
@@ -483,11 +596,14 @@ def topology_dot(topo: Any, tree: Any) -> str:
             edge = next(((p, c) for p, c in ((i, j), (j, i)) if (p, c) in tree_edges), None)
             if edge:
                 p, c = edge
-                lines.append(f'  n{p} -> n{c} [label="{label}, level {tree_edges[edge]}", '
-                             'penwidth=3, color="firebrick", arrowhead=normal];')
+                lines.append(
+                    f'  n{p} -> n{c} [label="{label}, level {tree_edges[edge]}", '
+                    'penwidth=3, color="firebrick", arrowhead=normal];'
+                )
             else:
-                lines.append(f'  n{i} -> n{j} [label="{label}", color="gray60", '
-                             'fontcolor="gray40"];')
+                lines.append(
+                    f'  n{i} -> n{j} [label="{label}", color="gray60", fontcolor="gray40"];'
+                )
     lines.append("}")
     return "\n".join(lines) + "\n"
 
@@ -531,102 +647,208 @@ def run_topo(topo: Any, where: str, tree: Any, args: argparse.Namespace, out: Te
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="nccltree-bench",
-        description="Collective and training benchmarks, and the topology the tree uses.")
+        description="Collective and training benchmarks, and the topology the tree uses.",
+    )
     sub = p.add_subparsers(dest="command", metavar="{collectives,train,topo}")
     sub.required = True
     d = COLLECTIVE_DEFAULTS
     c = sub.add_parser(
-        "collectives", help="nccl-tests style bandwidth sweep of collectives",
+        "collectives",
+        help="nccl-tests style bandwidth sweep of collectives",
         description="Time collectives over a size sweep and check every result. Figures "
         "mean what nccl-tests' mean: algbw = size / time, busbw = algbw x 2(n-1)/n "
         "(all_reduce), (n-1)/n (all_gather, reduce_scatter), 1 (broadcast, reduce); "
-        "GB = 1e9 bytes. Exit status 1 if any element was wrong.")
-    c.add_argument("--devices", default=d["devices"],
-                   help='device spec: "cpu:N", "gpu:0,1", "gpu:all" or "auto" (default: '
-                   '%(default)s)')
-    c.add_argument("--algorithm", default=d["algorithm"],
-                   help="comma-separated algorithms compared side by side: tree, ring, "
-                   "direct, nccl, auto (default: %(default)s)")
-    c.add_argument("--collective", default=d["collective"],
-                   help="comma-separated: all_reduce, broadcast, reduce, all_gather, "
-                   "reduce_scatter (allreduce, allgather, reducescatter too; default: "
-                   "%(default)s)")
-    c.add_argument("-b", "--minbytes", default=d["minbytes"],
-                   help="smallest size, bytes with K/M/G suffixes (default: %(default)s)")
-    c.add_argument("-e", "--maxbytes", default=d["maxbytes"],
-                   help="largest size (default: %(default)s)")
-    c.add_argument("-f", "--stepfactor", type=float, default=d["stepfactor"],
-                   help="multiply the size by this between steps, > 1 (default: %(default)g)")
-    c.add_argument("-n", "--iters", type=int, default=d["iters"],
-                   help="timed iterations per size; the median is reported (default: "
-                   "%(default)s)")
-    c.add_argument("-w", "--warmup-iters", dest="warmup", type=int, default=d["warmup"],
-                   help="untimed iterations before timing (default: %(default)s)")
-    c.add_argument("-c", "--check", type=int, default=d["check"],
-                   help="check runs per size on fresh data, counted in #wrong; 0 turns the "
-                   "check off (default: %(default)s)")
-    c.add_argument("-o", "--op", default=d["op"],
-                   help="reduction op: sum, mean, max, min, prod (default: %(default)s)")
-    c.add_argument("-d", "--dtype", default=d["dtype"],
-                   help="float16, float32, float64, int32, int64 (half, float, double, int "
-                   "too; default: %(default)s)")
-    c.add_argument("-r", "--root", type=int, default=d["root"],
-                   help="root rank of reduce and broadcast (default: %(default)s)")
+        "GB = 1e9 bytes. Exit status 1 if any element was wrong.",
+    )
+    c.add_argument(
+        "--devices",
+        default=d["devices"],
+        help='device spec: "cpu:N", "gpu:0,1", "gpu:all" or "auto" (default: %(default)s)',
+    )
+    c.add_argument(
+        "--algorithm",
+        default=d["algorithm"],
+        help="comma-separated algorithms compared side by side: tree, ring, "
+        "direct, nccl, auto (default: %(default)s)",
+    )
+    c.add_argument(
+        "--collective",
+        default=d["collective"],
+        help="comma-separated: all_reduce, broadcast, reduce, all_gather, "
+        "reduce_scatter (allreduce, allgather, reducescatter too; default: "
+        "%(default)s)",
+    )
+    c.add_argument(
+        "-b",
+        "--minbytes",
+        default=d["minbytes"],
+        help="smallest size, bytes with K/M/G suffixes (default: %(default)s)",
+    )
+    c.add_argument(
+        "-e", "--maxbytes", default=d["maxbytes"], help="largest size (default: %(default)s)"
+    )
+    c.add_argument(
+        "-f",
+        "--stepfactor",
+        type=float,
+        default=d["stepfactor"],
+        help="multiply the size by this between steps, > 1 (default: %(default)g)",
+    )
+    c.add_argument(
+        "-n",
+        "--iters",
+        type=int,
+        default=d["iters"],
+        help="timed iterations per size; the median is reported (default: %(default)s)",
+    )
+    c.add_argument(
+        "-w",
+        "--warmup-iters",
+        dest="warmup",
+        type=int,
+        default=d["warmup"],
+        help="untimed iterations before timing (default: %(default)s)",
+    )
+    c.add_argument(
+        "-c",
+        "--check",
+        type=int,
+        default=d["check"],
+        help="check runs per size on fresh data, counted in #wrong; 0 turns the "
+        "check off (default: %(default)s)",
+    )
+    c.add_argument(
+        "-o",
+        "--op",
+        default=d["op"],
+        help="reduction op: sum, mean, max, min, prod (default: %(default)s)",
+    )
+    c.add_argument(
+        "-d",
+        "--dtype",
+        default=d["dtype"],
+        help="float16, float32, float64, int32, int64 (half, float, double, int "
+        "too; default: %(default)s)",
+    )
+    c.add_argument(
+        "-r",
+        "--root",
+        type=int,
+        default=d["root"],
+        help="root rank of reduce and broadcast (default: %(default)s)",
+    )
     c.add_argument("--json", metavar="FILE", help="write every record as JSON")
     c.add_argument("--csv", metavar="FILE", help="write every record as CSV")
-    c.add_argument("--plot", metavar="FILE.png",
-                   help="draw busbw against size, a line per algorithm (needs matplotlib)")
-    c.add_argument("--quiet", action="store_true",
-                   help="print no table or progress (for scripts; use --json/--csv)")
+    c.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw busbw against size, a line per algorithm (needs matplotlib)",
+    )
+    c.add_argument(
+        "--quiet",
+        action="store_true",
+        help="print no table or progress (for scripts; use --json/--csv)",
+    )
 
     t = sub.add_parser(
-        "train", help="examples/s of the reference trainer over device sets",
+        "train",
+        help="examples/s of the reference trainer over device sets",
         description="Train the reference model on each device set and report examples/s, "
         "speedup and efficiency over the first set, and the fraction of step time spent "
-        "in communication.")
-    t.add_argument("--devices", nargs="+", default=["cpu:1", "cpu:2"],
-                   help="device sets, space-separated, e.g. cpu:1 cpu:2 or gpu:0 gpu:0,1 "
-                   "(default: %(default)s)")
-    t.add_argument("--scaling", nargs="+", choices=("weak", "strong"), default=["weak"],
-                   help="weak: --batch-size per rank; strong: global, split across ranks "
-                   "(one or both; default: weak)")
-    t.add_argument("--batch-size", type=int, default=64,
-                   help="batch size (per rank or global, see --scaling; default: %(default)s)")
+        "in communication.",
+    )
+    t.add_argument(
+        "--devices",
+        nargs="+",
+        default=["cpu:1", "cpu:2"],
+        help="device sets, space-separated, e.g. cpu:1 cpu:2 or gpu:0 gpu:0,1 "
+        "(default: %(default)s)",
+    )
+    t.add_argument(
+        "--scaling",
+        nargs="+",
+        choices=("weak", "strong"),
+        default=["weak"],
+        help="weak: --batch-size per rank; strong: global, split across ranks "
+        "(one or both; default: weak)",
+    )
+    t.add_argument(
+        "--batch-size",
+        type=int,
+        default=64,
+        help="batch size (per rank or global, see --scaling; default: %(default)s)",
+    )
     t.add_argument("--model", default="mlp", help="softmax, mlp, cnn (default: %(default)s)")
-    t.add_argument("--hidden", default="512,512",
-                   help="mlp hidden layer widths, comma-separated (default: %(default)s)")
-    t.add_argument("--algorithm", default="tree",
-                   help="collective algorithm: tree, ring, direct, nccl, auto (default: "
-                   "%(default)s)")
-    t.add_argument("--blas-threads", type=_blas_threads, default=1,
-                   help="BLAS threads per rank, or 'auto' for the trainer's default (cores // "
-                   "ranks). Default 1, so every device set gets the same per-rank compute "
-                   "and the speedups compare like with like (on a 2-core machine two BLAS "
-                   "threads on small matrices make 1 rank about 4x slower)")
-    t.add_argument("--iters", type=int, default=30,
-                   help="timed iterations per device set (default: %(default)s)")
-    t.add_argument("-w", "--warmup-iters", dest="warmup", type=int, default=5,
-                   help="untimed iterations first (default: %(default)s)")
-    t.add_argument("--data", metavar="DB",
-                   help="an LMDB to train on (default: a synthetic task)")
-    t.add_argument("--records", type=int, default=4096,
-                   help="records of the synthetic task (default: %(default)s)")
-    t.add_argument("--features", type=int, default=256,
-                   help="features per record of the synthetic task (default: %(default)s)")
+    t.add_argument(
+        "--hidden",
+        default="512,512",
+        help="mlp hidden layer widths, comma-separated (default: %(default)s)",
+    )
+    t.add_argument(
+        "--algorithm",
+        default="tree",
+        help="collective algorithm: tree, ring, direct, nccl, auto (default: %(default)s)",
+    )
+    t.add_argument(
+        "--blas-threads",
+        type=_blas_threads,
+        default=1,
+        help="BLAS threads per rank, or 'auto' for the trainer's default (cores // "
+        "ranks). Default 1, so every device set gets the same per-rank compute "
+        "and the speedups compare like with like (on a 2-core machine two BLAS "
+        "threads on small matrices make 1 rank about 4x slower)",
+    )
+    t.add_argument(
+        "--iters",
+        type=int,
+        default=30,
+        help="timed iterations per device set (default: %(default)s)",
+    )
+    t.add_argument(
+        "-w",
+        "--warmup-iters",
+        dest="warmup",
+        type=int,
+        default=5,
+        help="untimed iterations first (default: %(default)s)",
+    )
+    t.add_argument("--data", metavar="DB", help="an LMDB to train on (default: a synthetic task)")
+    t.add_argument(
+        "--records",
+        type=int,
+        default=4096,
+        help="records of the synthetic task (default: %(default)s)",
+    )
+    t.add_argument(
+        "--features",
+        type=int,
+        default=256,
+        help="features per record of the synthetic task (default: %(default)s)",
+    )
     t.add_argument("--json", metavar="FILE", help="write the results as JSON")
-    t.add_argument("--plot", metavar="FILE.png",
-                   help="draw examples/s and efficiency against device count")
+    t.add_argument(
+        "--plot", metavar="FILE.png", help="draw examples/s and efficiency against device count"
+    )
     t.add_argument("--quiet", action="store_true", help="print no table or progress")
 
-    g = sub.add_parser("topo", help="the topology matrix and the tree built from it",
-                       description="Print the detected topology (or a preset, or one "
-                       "parsed from `nvidia-smi topo -m` output) and the tree build_tree "
-                       "makes of it.")
+    g = sub.add_parser(
+        "topo",
+        help="the topology matrix and the tree built from it",
+        description="Print the detected topology (or a preset, or one "
+        "parsed from `nvidia-smi topo -m` output) and the tree build_tree "
+        "makes of it.",
+    )
     src = g.add_mutually_exclusive_group()
-    src.add_argument("--devices", default="auto",
-                     help="detect the topology of these devices (default: %(default)s)")
-    src.add_argument("--preset", metavar="NAME",
-                     help="a built-in topology: dgx1, nvswitch8, k80x4, pcie2s8, flat:N")
+    src.add_argument(
+        "--devices",
+        default="auto",
+        help="detect the topology of these devices (default: %(default)s)",
+    )
+    src.add_argument(
+        "--preset",
+        metavar="NAME",
+        help="a built-in topology: dgx1, nvswitch8, k80x4, pcie2s8, flat:N",
+    )
     src.add_argument("--smi", metavar="FILE", help="a saved `nvidia-smi topo -m` output")
     g.add_argument("--root", type=int, default=None, help="root the tree at this rank")
     g.add_argument("--dot", metavar="FILE", help="also write the graph as Graphviz dot")
@@ -683,6 +905,7 @@ def main(argv: list[str] | None = None, *, world_factory: Any = None) -> int:
     except (NcclTreeError, OSError) as exc:
         print(f"{sub}: error: {exc}", file=sys.stderr, flush=True)
         return 1
+
 
 if __name__ == "__main__":
     sys.exit(main())

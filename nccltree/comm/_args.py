@@ -37,17 +37,16 @@ class Launched:
     keepalive: Any
 
 
-def prepare(devices: Sequence[Any], collective: str, xs: Any, outs: Any, op: str,
-            root: int) -> Prepared:
+def prepare(
+    devices: Sequence[Any], collective: str, xs: Any, outs: Any, op: str, root: int
+) -> Prepared:
     """Check every rank's arguments together (ValueError/TypeError naming the rank) and
     return flat views and the call's shape; nothing is written."""
     n = len(devices)
     xs = _as_list(xs, "inputs", n)
     outs = [None] * n if outs is None else _as_list(outs, "outputs", n)
     if collective in ("reduce", "broadcast"):
-        if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not (
-            0 <= root < n
-        ):
+        if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not (0 <= root < n):
             raise ValueError(f"root must be a rank in [0, {n}), got {root!r}")
     root = int(root)
     ins, outs_arr = [], []
@@ -94,9 +93,7 @@ def prepare(devices: Sequence[Any], collective: str, xs: Any, outs: Any, op: str
             in_place.append(True)
             continue
         if o.size != want:
-            raise ValueError(
-                f"rank {r}: {collective} output needs {want} elements, got {o.size}"
-            )
+            raise ValueError(f"rank {r}: {collective} output needs {want} elements, got {o.size}")
         fo = o.reshape(-1)
         same = _in_place(collective, fx, fo, r, count, want)
         flat_in.append(fx)
@@ -115,8 +112,7 @@ def prepare(devices: Sequence[Any], collective: str, xs: Any, outs: Any, op: str
     if collective in ("reduce", "broadcast"):
         # only the root's output matters for reduce; broadcast writes every rank's
         all_in_place = in_place[root] if collective == "reduce" else all_in_place
-    return Prepared(collective, flat_in, flat_out, results, dtype, count,
-                     all_in_place, op, root)
+    return Prepared(collective, flat_in, flat_out, results, dtype, count, all_in_place, op, root)
 
 
 def _as_list(xs: Any, what: str, n: int) -> list[Any]:
@@ -158,7 +154,6 @@ def _in_place(collective: str, x: Any, out: Any, rank: int, count: int, want: in
         return True
     if px < po + out.nbytes and po < px + x.nbytes and x.nbytes and out.nbytes:
         raise ValueError(
-            f"rank {rank}: input and output overlap but are not the in-place layout of "
-            f"{collective}"
+            f"rank {rank}: input and output overlap but are not the in-place layout of {collective}"
         )
     return False

@@ -8,9 +8,7 @@ import numpy as np
 # followed by a scale of 1/size on the rank that holds the final value.
 OPS = {"sum": "sum", "mean": "sum", "max": "max", "min": "min", "prod": "prod"}
 
-DTYPES = tuple(
-    np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")
-)
+DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64"))
 
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter")
 
@@ -40,9 +38,7 @@ def check_op(op: str, dtype: np.dtype) -> str:
 def check_dtype(dtype: np.dtype) -> np.dtype:
     dtype = np.dtype(dtype)
     if dtype not in DTYPES:
-        raise TypeError(
-            f"unsupported dtype {dtype}; accepted: {', '.join(str(d) for d in DTYPES)}"
-        )
+        raise TypeError(f"unsupported dtype {dtype}; accepted: {', '.join(str(d) for d in DTYPES)}")
     return dtype
 
 

@@ -74,8 +74,7 @@ def _wide(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float64 if a.dtype.kind == "f" else np.int64)
 
 
-_NP_OPS = {"sum": np.add, "mean": np.add, "prod": np.multiply, "max": np.maximum,
-           "min": np.minimum}
+_NP_OPS = {"sum": np.add, "mean": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
 
 
 def reference(op: str, arrays: list[np.ndarray]) -> np.ndarray:
@@ -111,7 +110,7 @@ def _exp_all_gather(ins, op, root):
 def _exp_reduce_scatter(ins, op, root):
     ref = reference(op, ins)
     k = ref.size // len(ins)
-    return [("out", ref[r * k:(r + 1) * k]) for r in range(len(ins))]
+    return [("out", ref[r * k : (r + 1) * k]) for r in range(len(ins))]
 
 
 def _same(elements: int, n: int) -> int:
@@ -126,11 +125,21 @@ def _whole(elements: int, n: int) -> int:
     return (elements // n) * n
 
 
-def _spec(name, reduces, rooted, one_buffer, factor, in_count, out_count, offsets, expected,
-          call) -> CollectiveSpec:
-    return CollectiveSpec(name=name, reduces=reduces, rooted=rooted, one_buffer=one_buffer,
-                          factor=factor, in_count=in_count, out_count=out_count,
-                          in_place_offsets=offsets, expected=expected, call=call)
+def _spec(
+    name, reduces, rooted, one_buffer, factor, in_count, out_count, offsets, expected, call
+) -> CollectiveSpec:
+    return CollectiveSpec(
+        name=name,
+        reduces=reduces,
+        rooted=rooted,
+        one_buffer=one_buffer,
+        factor=factor,
+        in_count=in_count,
+        out_count=out_count,
+        in_place_offsets=offsets,
+        expected=expected,
+        call=call,
+    )
 
 
 def _no_offsets(rank: int, count_in: int, count_out: int) -> tuple[int, int]:
@@ -139,32 +148,81 @@ def _no_offsets(rank: int, count_in: int, count_out: int) -> tuple[int, int]:
 
 # name, reduces, rooted, one_buffer, bus factor, input and output counts, in-place
 # offsets (input, output), expected results, the call
-SPECS: dict[str, CollectiveSpec] = {s.name: s for s in (
-    _spec("all_reduce", True, False, True, lambda n: 2 * (n - 1) / n, _same, _same,
-          _no_offsets, _exp_all_reduce,
-          lambda w, xs, outs, op, root: w.all_reduce(xs, op=op, outs=outs)),
-    _spec("reduce", True, True, True, lambda n: 1.0, _same, _same,
-          _no_offsets, _exp_reduce,
-          lambda w, xs, outs, op, root: w.reduce(xs, root=root, op=op, outs=outs)),
-    _spec("broadcast", False, True, True, lambda n: 1.0, _same, _same,
-          _no_offsets, _exp_broadcast,
-          lambda w, xs, outs, op, root: w.broadcast(xs, root=root, outs=outs)),
-    # in place, rank r's input is block r of its output (NCCL's layout)
-    _spec("all_gather", False, False, False, lambda n: (n - 1) / n, _per_rank, _whole,
-          lambda r, ci, co: (r * ci, 0), _exp_all_gather,
-          lambda w, xs, outs, op, root: w.all_gather(xs, outs)),
-    # in place, rank r's output is block r of its input
-    _spec("reduce_scatter", True, False, False, lambda n: (n - 1) / n, _whole, _per_rank,
-          lambda r, ci, co: (0, r * co), _exp_reduce_scatter,
-          lambda w, xs, outs, op, root: w.reduce_scatter(xs, outs, op=op)),
-)}
+SPECS: dict[str, CollectiveSpec] = {
+    s.name: s
+    for s in (
+        _spec(
+            "all_reduce",
+            True,
+            False,
+            True,
+            lambda n: 2 * (n - 1) / n,
+            _same,
+            _same,
+            _no_offsets,
+            _exp_all_reduce,
+            lambda w, xs, outs, op, root: w.all_reduce(xs, op=op, outs=outs),
+        ),
+        _spec(
+            "reduce",
+            True,
+            True,
+            True,
+            lambda n: 1.0,
+            _same,
+            _same,
+            _no_offsets,
+            _exp_reduce,
+            lambda w, xs, outs, op, root: w.reduce(xs, root=root, op=op, outs=outs),
+        ),
+        _spec(
+            "broadcast",
+            False,
+            True,
+            True,
+            lambda n: 1.0,
+            _same,
+            _same,
+            _no_offsets,
+            _exp_broadcast,
+            lambda w, xs, outs, op, root: w.broadcast(xs, root=root, outs=outs),
+        ),
+        # in place, rank r's input is block r of its output (NCCL's layout)
+        _spec(
+            "all_gather",
+            False,
+            False,
+            False,
+            lambda n: (n - 1) / n,
+            _per_rank,
+            _whole,
+            lambda r, ci, co: (r * ci, 0),
+            _exp_all_gather,
+            lambda w, xs, outs, op, root: w.all_gather(xs, outs),
+        ),
+        # in place, rank r's output is block r of its input
+        _spec(
+            "reduce_scatter",
+            True,
+            False,
+            False,
+            lambda n: (n - 1) / n,
+            _whole,
+            _per_rank,
+            lambda r, ci, co: (0, r * co),
+            _exp_reduce_scatter,
+            lambda w, xs, outs, op, root: w.reduce_scatter(xs, outs, op=op),
+        ),
+    )
+}
 
 
 # -- data ---------------------------------------------------------------------------------
 
 
-def init_data(rank: int, n: int, count: int, dtype: Any, op: str = "sum",
-              seed: int = 0) -> np.ndarray:
+def init_data(
+    rank: int, n: int, count: int, dtype: Any, op: str = "sum", seed: int = 0
+) -> np.ndarray:
     """Rank ``rank``'s input: seeded, different per rank and per element, small integers
     (as nccl-tests uses) so that sums over up to 64 ranks stay exact even in float16.
     For ``prod`` the values are +-1 with one rank contributing +-2 per element, so the
@@ -172,7 +230,7 @@ def init_data(rank: int, n: int, count: int, dtype: Any, op: str = "sum",
     rng = np.random.default_rng([seed, rank, n])
     if op == "prod":
         v = rng.integers(0, 2, count, dtype=np.int8) * 2 - 1
-        v[(rank % n)::n] *= 2
+        v[(rank % n) :: n] *= 2
     else:
         v = rng.integers(-4, 5, count, dtype=np.int8)
     return v.astype(dtype)
@@ -331,8 +389,9 @@ def check_dtype(name: str | Any) -> np.dtype:
         dtype = None
     if dtype is None or dtype not in _ops.DTYPES:
         accepted = ", ".join(str(d) for d in _ops.DTYPES)
-        raise ValueError(f"unknown dtype {name!r}; accepted: {accepted} (also half, float, "
-                         "double, int)")
+        raise ValueError(
+            f"unknown dtype {name!r}; accepted: {accepted} (also half, float, double, int)"
+        )
     return dtype
 
 
@@ -427,18 +486,47 @@ class Benchmark:
                 self._own_runtime = devices[0].runtime
         self.worlds: dict[str, Any] = {}
         try:
-            self._configure(devices, algorithms, collectives, sizes, dtype, op, root, iters,
-                            warmup, check, placements, seed, timeout, world_factory,
-                            devices_label)
+            self._configure(
+                devices,
+                algorithms,
+                collectives,
+                sizes,
+                dtype,
+                op,
+                root,
+                iters,
+                warmup,
+                check,
+                placements,
+                seed,
+                timeout,
+                world_factory,
+                devices_label,
+            )
         except BaseException:
             self.close()  # the Worlds (and a runtime) made so far
             raise
         self.machine = machine_description(self.devices)
         self._timer = _Timer(self.devices)
 
-    def _configure(self, devices, algorithms, collectives, sizes, dtype, op, root, iters,
-                   warmup, check, placements, seed, timeout, world_factory,
-                   devices_label) -> None:
+    def _configure(
+        self,
+        devices,
+        algorithms,
+        collectives,
+        sizes,
+        dtype,
+        op,
+        root,
+        iters,
+        warmup,
+        check,
+        placements,
+        seed,
+        timeout,
+        world_factory,
+        devices_label,
+    ) -> None:
         """Check every argument, then create the Worlds."""
         self.devices = list(devices)
         if not self.devices:
@@ -479,8 +567,7 @@ class Benchmark:
     @property
     def total(self) -> int:
         """How many records iterating yields."""
-        return (len(self.collectives) * len(self.sizes) * len(self.algorithms)
-                * len(self.placements))
+        return len(self.collectives) * len(self.sizes) * len(self.algorithms) * len(self.placements)
 
     def close(self) -> None:
         """Close the Worlds, and shut down the devices made from a spec string."""
@@ -523,18 +610,19 @@ class Benchmark:
             if in_place:
                 oi, oo = spec.in_place_offsets(r, data.in_count, data.out_count)
                 host = _poison(max(data.in_count, data.out_count), self.dtype)
-                host[oi:oi + data.in_count] = x
+                host[oi : oi + data.in_count] = x
                 big = dev.from_host(host)
-                ins.append(big[oi:oi + data.in_count])
-                outs.append(big[oo:oo + data.out_count])
+                ins.append(big[oi : oi + data.in_count])
+                outs.append(big[oo : oo + data.out_count])
             else:
                 ins.append(dev.from_host(x))
                 outs.append(dev.from_host(_poison(data.out_count, self.dtype)))
         call_outs = None if in_place and spec.one_buffer else outs
         return ins, call_outs, outs
 
-    def measure(self, spec: CollectiveSpec, algorithm: str, data: _SizeData,
-                in_place: bool) -> BenchRecord:
+    def measure(
+        self, spec: CollectiveSpec, algorithm: str, data: _SizeData, in_place: bool
+    ) -> BenchRecord:
         """Warm up, time, check one size x algorithm x placement."""
         world = self.worlds[algorithm]
         op, root = self.op, self.root
@@ -559,12 +647,23 @@ class Benchmark:
         factor = spec.bus_factor(self.n)
         algbw, busbw = bandwidths(size, t, factor)
         return BenchRecord(
-            collective=spec.name, algorithm=algorithm,
-            placement="in-place" if in_place else "out-of-place", size=size,
-            count=size // self.dtype.itemsize, dtype=str(self.dtype),
-            op=self.op if spec.reduces else "none", root=self.root if spec.rooted else -1,
-            ranks=self.n, time_us=t * 1e6, algbw=algbw, busbw=busbw, wrong=wrong,
-            iters=self.iters, warmup=self.warmup, bus_factor=factor, devices=self.label,
+            collective=spec.name,
+            algorithm=algorithm,
+            placement="in-place" if in_place else "out-of-place",
+            size=size,
+            count=size // self.dtype.itemsize,
+            dtype=str(self.dtype),
+            op=self.op if spec.reduces else "none",
+            root=self.root if spec.rooted else -1,
+            ranks=self.n,
+            time_us=t * 1e6,
+            algbw=algbw,
+            busbw=busbw,
+            wrong=wrong,
+            iters=self.iters,
+            warmup=self.warmup,
+            bus_factor=factor,
+            devices=self.label,
             machine=self.machine,
         )
 

@@ -51,18 +51,34 @@ class Comm:
         call = _Call(collective, x, out, op, root, stream, async_op)
         return self.world._rendezvous.arrive(self.rank, call)
 
-    def all_reduce(self, x: Any, *, out: Any = None, op: str = "sum", stream: Any = None,
-                   async_op: bool = False) -> Any:
+    def all_reduce(
+        self,
+        x: Any,
+        *,
+        out: Any = None,
+        op: str = "sum",
+        stream: Any = None,
+        async_op: bool = False,
+    ) -> Any:
         """``op`` over every rank's ``x``; returns ``out`` (or ``x`` in place), or a Work."""
         return self._call("all_reduce", x, out, op, 0, stream, async_op)
 
-    def reduce(self, x: Any, root: int = 0, *, out: Any = None, op: str = "sum",
-               stream: Any = None, async_op: bool = False) -> Any:
+    def reduce(
+        self,
+        x: Any,
+        root: int = 0,
+        *,
+        out: Any = None,
+        op: str = "sum",
+        stream: Any = None,
+        async_op: bool = False,
+    ) -> Any:
         """``op`` over every rank's ``x`` at ``root``; other ranks' ``x`` stay unchanged."""
         return self._call("reduce", x, out, op, root, stream, async_op)
 
-    def broadcast(self, x: Any, root: int = 0, *, out: Any = None, stream: Any = None,
-                  async_op: bool = False) -> Any:
+    def broadcast(
+        self, x: Any, root: int = 0, *, out: Any = None, stream: Any = None, async_op: bool = False
+    ) -> Any:
         """Every rank gets the root's ``x``."""
         return self._call("broadcast", x, out, "sum", root, stream, async_op)
 
@@ -70,8 +86,9 @@ class Comm:
         """``out`` gets every rank's ``x``, rank i's at ``[i*x.size, (i+1)*x.size)``."""
         return self._call("all_gather", x, out, "sum", 0, stream, async_op)
 
-    def reduce_scatter(self, x: Any, out: Any, *, op: str = "sum", stream: Any = None,
-                       async_op: bool = False) -> Any:
+    def reduce_scatter(
+        self, x: Any, out: Any, *, op: str = "sum", stream: Any = None, async_op: bool = False
+    ) -> Any:
         """``out`` gets block ``rank`` of ``op`` over every rank's ``x``."""
         return self._call("reduce_scatter", x, out, op, 0, stream, async_op)
 
@@ -80,8 +97,9 @@ class Comm:
         stream = self.world._caller_stream(self.rank, None)
         if stream is not None:
             stream.synchronize(self.world.timeout)
-        self.world._rendezvous.arrive(self.rank, _Call("barrier", None, None, "sum", 0,
-                                                       None, False))
+        self.world._rendezvous.arrive(
+            self.rank, _Call("barrier", None, None, "sum", 0, None, False)
+        )
 
 
 @dataclass
@@ -178,8 +196,14 @@ class _Rendezvous:
         call = p.calls[rank]
         if call.async_op:
             events = [launched.events[rank]] if launched.events else []
-            return Work(events, [launched.caller_streams[rank]], launched.results[rank],
-                        launched.keepalive, self.world.timeout, self.world._on_stream_error)
+            return Work(
+                events,
+                [launched.caller_streams[rank]],
+                launched.results[rank],
+                launched.keepalive,
+                self.world.timeout,
+                self.world._on_stream_error,
+            )
         return launched.results[rank]
 
     def _run(self, p: _Pending) -> Launched | None:
@@ -195,8 +219,13 @@ class _Rendezvous:
         if first.collective == "barrier":
             return None
         return self.world._launch(
-            first.collective, [c.x for c in calls], [c.out for c in calls], first.op,
-            first.root, [c.stream for c in calls], first.async_op,
+            first.collective,
+            [c.x for c in calls],
+            [c.out for c in calls],
+            first.op,
+            first.root,
+            [c.stream for c in calls],
+            first.async_op,
         )
 
 

@@ -21,11 +21,17 @@ class Buffers:
 
     __slots__ = ("arrays",)
 
-    def __init__(self, ins: Sequence[Any], outs: Sequence[Any], tmps: Sequence[Any | None],
-                 stages: Sequence[Any | None] | None = None):
+    def __init__(
+        self,
+        ins: Sequence[Any],
+        outs: Sequence[Any],
+        tmps: Sequence[Any | None],
+        stages: Sequence[Any | None] | None = None,
+    ):
         stages = stages if stages is not None else [None] * len(ins)
-        self.arrays = [{IN: i, OUT: o, TMP: t, STAGE: g}
-                       for i, o, t, g in zip(ins, outs, tmps, stages)]
+        self.arrays = [
+            {IN: i, OUT: o, TMP: t, STAGE: g} for i, o, t, g in zip(ins, outs, tmps, stages)
+        ]
 
     def view(self, b: Buf) -> Any:
         arr = self.arrays[b.rank][b.role]
@@ -33,8 +39,11 @@ class Buffers:
 
     def same(self, a: Buf, b: Buf) -> bool:
         """Whether two ranges are one memory (an in-place rank's "in" and "out")."""
-        return (a.offset == b.offset and a.count == b.count
-                and self.arrays[a.rank][a.role] is self.arrays[b.rank][b.role])
+        return (
+            a.offset == b.offset
+            and a.count == b.count
+            and self.arrays[a.rank][a.role] is self.arrays[b.rank][b.role]
+        )
 
 
 def _device_of(b: Buf, devices: Sequence[Any]) -> Any:
@@ -42,8 +51,14 @@ def _device_of(b: Buf, devices: Sequence[Any]) -> Any:
     return None if b.role == STAGE else devices[b.rank]
 
 
-def enqueue(plan: Plan, bufs: Buffers, streams: Sequence[Any], devices: Sequence[Any],
-            events: Sequence[Any] | None, steps: Sequence[Step] | None = None) -> None:
+def enqueue(
+    plan: Plan,
+    bufs: Buffers,
+    streams: Sequence[Any],
+    devices: Sequence[Any],
+    events: Sequence[Any] | None,
+    steps: Sequence[Step] | None = None,
+) -> None:
     """Issue every step of ``plan`` (or ``steps``) on ``streams[step.rank]``."""
     view = bufs.view
     for s in plan.steps if steps is None else steps:
@@ -55,12 +70,21 @@ def enqueue(plan: Plan, bufs: Buffers, streams: Sequence[Any], devices: Sequence
             st.wait_event(events[s.event])
         elif kind == "copy":
             if not bufs.same(s.dst, s.srcs[0]):
-                st.copy(view(s.dst), view(s.srcs[0]), src_device=_device_of(s.srcs[0], devices),
-                        dst_device=_device_of(s.dst, devices))
+                st.copy(
+                    view(s.dst),
+                    view(s.srcs[0]),
+                    src_device=_device_of(s.srcs[0], devices),
+                    dst_device=_device_of(s.dst, devices),
+                )
         elif kind == "reduce":
-            st.reduce(view(s.dst), [view(b) for b in s.srcs], s.op,
-                      src_devices=[_device_of(b, devices) for b in s.srcs],
-                      dst_device=devices[s.dst.rank], alpha=s.alpha)
+            st.reduce(
+                view(s.dst),
+                [view(b) for b in s.srcs],
+                s.op,
+                src_devices=[_device_of(b, devices) for b in s.srcs],
+                dst_device=devices[s.dst.rank],
+                alpha=s.alpha,
+            )
         elif kind == "scale":
             st.scale(view(s.dst), s.alpha)
         else:  # pragma: no cover - plans are built by this package

@@ -223,29 +223,63 @@ class World:
         return results
 
     # -- driver side ----------------------------------------------------------------------
-    def all_reduce(self, xs: Sequence[Any], op: str = "sum", outs: Sequence[Any] | None = None,
-                   *, streams: Sequence[Any] | None = None, async_op: bool = False) -> Any:
+    def all_reduce(
+        self,
+        xs: Sequence[Any],
+        op: str = "sum",
+        outs: Sequence[Any] | None = None,
+        *,
+        streams: Sequence[Any] | None = None,
+        async_op: bool = False,
+    ) -> Any:
         """Every rank gets ``op`` over all ranks' arrays; in place unless ``outs``."""
         return self._driver("all_reduce", xs, outs, op, 0, streams, async_op)
 
-    def reduce(self, xs: Sequence[Any], root: int = 0, op: str = "sum",
-               outs: Sequence[Any] | None = None, *, streams: Sequence[Any] | None = None,
-               async_op: bool = False) -> Any:
+    def reduce(
+        self,
+        xs: Sequence[Any],
+        root: int = 0,
+        op: str = "sum",
+        outs: Sequence[Any] | None = None,
+        *,
+        streams: Sequence[Any] | None = None,
+        async_op: bool = False,
+    ) -> Any:
         """The root gets ``op`` over all ranks' arrays; other inputs stay unchanged."""
         return self._driver("reduce", xs, outs, op, root, streams, async_op)
 
-    def broadcast(self, xs: Sequence[Any], root: int = 0, outs: Sequence[Any] | None = None,
-                  *, streams: Sequence[Any] | None = None, async_op: bool = False) -> Any:
+    def broadcast(
+        self,
+        xs: Sequence[Any],
+        root: int = 0,
+        outs: Sequence[Any] | None = None,
+        *,
+        streams: Sequence[Any] | None = None,
+        async_op: bool = False,
+    ) -> Any:
         """Every rank gets the root's array."""
         return self._driver("broadcast", xs, outs, "sum", root, streams, async_op)
 
-    def all_gather(self, xs: Sequence[Any], outs: Sequence[Any], *,
-                   streams: Sequence[Any] | None = None, async_op: bool = False) -> Any:
+    def all_gather(
+        self,
+        xs: Sequence[Any],
+        outs: Sequence[Any],
+        *,
+        streams: Sequence[Any] | None = None,
+        async_op: bool = False,
+    ) -> Any:
         """``outs[r]`` holds every rank's array, rank i's at ``[i*x.size, (i+1)*x.size)``."""
         return self._driver("all_gather", xs, outs, "sum", 0, streams, async_op)
 
-    def reduce_scatter(self, xs: Sequence[Any], outs: Sequence[Any], op: str = "sum", *,
-                       streams: Sequence[Any] | None = None, async_op: bool = False) -> Any:
+    def reduce_scatter(
+        self,
+        xs: Sequence[Any],
+        outs: Sequence[Any],
+        op: str = "sum",
+        *,
+        streams: Sequence[Any] | None = None,
+        async_op: bool = False,
+    ) -> Any:
         """``outs[r]`` gets block r of ``op`` over all ranks' arrays."""
         return self._driver("reduce_scatter", xs, outs, op, 0, streams, async_op)
 
@@ -268,8 +302,14 @@ class World:
                 raise ValueError(f"streams has {len(streams)} entries for {n} ranks")
         launched = self._launch(collective, xs, outs, op, root, streams, async_op)
         if async_op:
-            return Work(launched.events or [], launched.caller_streams, launched.results,
-                        launched.keepalive, self.timeout, self._on_stream_error)
+            return Work(
+                launched.events or [],
+                launched.caller_streams,
+                launched.results,
+                launched.keepalive,
+                self.timeout,
+                self._on_stream_error,
+            )
         return launched.results
 
     def _caller_stream(self, rank: int, stream: Any) -> Any:
@@ -282,8 +322,9 @@ class World:
         return dev.current_stream()
 
     # -- the engine -----------------------------------------------------------------------
-    def _launch(self, collective: str, xs, outs, op: str, root: int, streams: list,
-                async_op: bool) -> Launched:
+    def _launch(
+        self, collective: str, xs, outs, op: str, root: int, streams: list, async_op: bool
+    ) -> Launched:
         with self._lock:
             self._check_usable()
             prep = prepare(self.devices, collective, xs, outs, op, root)
@@ -291,10 +332,13 @@ class World:
             if algorithm == "nccl":
                 return self._launch_nccl(prep, streams)
             plan = self._plan(algorithm, prep)
-            tmps = [self._scratch_for(r, prep.dtype, plan.scratch.get(r, 0))
-                    for r in range(self.size)]
-            stages = [self._scratch_for(r, prep.dtype, plan.stage.get(r, 0), pinned=True)
-                      for r in range(self.size)]
+            tmps = [
+                self._scratch_for(r, prep.dtype, plan.scratch.get(r, 0)) for r in range(self.size)
+            ]
+            stages = [
+                self._scratch_for(r, prep.dtype, plan.stage.get(r, 0), pinned=True)
+                for r in range(self.size)
+            ]
             bufs = Buffers(prep.ins, prep.outs, tmps, stages)
             if self._can_inline(prep, streams, async_op):
                 try:
@@ -340,8 +384,11 @@ class World:
             launched = self._nccl_engine().launch(prep, streams)
         except CommError as exc:
             raise self._on_stream_error(exc) from exc
-        self._watch(f"NCCL {prep.collective} of {prep.nbytes} B per rank",
-                    launched.events or [], launched.keepalive)
+        self._watch(
+            f"NCCL {prep.collective} of {prep.nbytes} B per rank",
+            launched.events or [],
+            launched.keepalive,
+        )
         return launched
 
     def _watch(self, what: str, events: list, keepalive: Any) -> None:
@@ -419,13 +466,30 @@ class World:
             self._trees[root] = build_tree(self.topology, root=root)
         return self._trees[root]
 
-    def plan(self, collective: str, count: int, *, op: str = "sum", root: int = 0,
-             in_place: bool = False, dtype: Any = np.float32,
-             algorithm: str | None = None) -> Plan:
+    def plan(
+        self,
+        collective: str,
+        count: int,
+        *,
+        op: str = "sum",
+        root: int = 0,
+        in_place: bool = False,
+        dtype: Any = np.float32,
+        algorithm: str | None = None,
+    ) -> Plan:
         """The plan a call with these parameters runs (for inspection and tests)."""
         dtype = np.dtype(dtype)
-        prep = Prepared(_ops.collective_name(collective), [], [], [], dtype, int(count),
-                         bool(in_place), op, int(root))
+        prep = Prepared(
+            _ops.collective_name(collective),
+            [],
+            [],
+            [],
+            dtype,
+            int(count),
+            bool(in_place),
+            op,
+            int(root),
+        )
         alg = algorithm or self._choose(prep)
         if alg not in ALGORITHMS:
             raise ValueError(f"no inspectable plan for algorithm {alg!r}")
@@ -433,16 +497,32 @@ class World:
 
     def _plan(self, algorithm: str, prep: Prepared) -> Plan:
         chunk = max(1, self.chunk_bytes // prep.dtype.itemsize)
-        key = (algorithm, prep.collective, prep.count, prep.op, prep.root, prep.in_place,
-               chunk, prep.dtype.itemsize)
+        key = (
+            algorithm,
+            prep.collective,
+            prep.count,
+            prep.op,
+            prep.root,
+            prep.in_place,
+            chunk,
+            prep.dtype.itemsize,
+        )
         plan = self._plans.get(key)
         if plan is None:
             # the itemsize lets the plan align the slices and chunks it chooses (256 B), so
             # the vector kernels keep their vector path
-            plan = build_plan(algorithm, prep.collective, size=self.size, count=prep.count,
-                              op=prep.op, root=prep.root, in_place=prep.in_place,
-                              chunk=chunk, tree_for=self.tree,
-                              itemsize=prep.dtype.itemsize)
+            plan = build_plan(
+                algorithm,
+                prep.collective,
+                size=self.size,
+                count=prep.count,
+                op=prep.op,
+                root=prep.root,
+                in_place=prep.in_place,
+                chunk=chunk,
+                tree_for=self.tree,
+                itemsize=prep.dtype.itemsize,
+            )
             if len(self._plans) >= 256:
                 self._plans.pop(next(iter(self._plans)))
             self._plans[key] = plan

@@ -75,11 +75,11 @@ _ENV_DESELECT = "NCCLTREE_CHECK_DESELECT"  # file of node ids not to run (alread
 
 class _Plugin:
     def __init__(self, log: str) -> None:
-        self.log = open(log, "a", encoding="utf-8")  # noqa: SIM115 - open for the session
+        self.log = open(log, "a", encoding="utf-8")
         self.soft = float(os.environ.get(_ENV_SOFT, "0") or 0)
         self.hard = float(os.environ.get(_ENV_HARD, "0") or 0)
         hang = os.environ.get(_ENV_HANG)
-        self.hang_file: IO[str] | None = open(hang, "w", encoding="utf-8") if hang else None  # noqa: SIM115
+        self.hang_file: IO[str] | None = open(hang, "w", encoding="utf-8") if hang else None
         self.markers: dict[str, dict[str, int]] = {}
         self.phases: dict[str, list[Any]] = {}
 

@@ -167,7 +167,7 @@ def _nvrtc_compile(nvrtc: Any, source: str, options: Sequence[str], kind: str) -
         except Exception as exc:
             try:
                 log = nvrtc.getProgramLog(prog)
-            except Exception:
+            except Exception:  # noqa: BLE001 - the log only adds detail to the error below
                 log = ""
             raise RuntimeError(f"{exc}\n{log}".rstrip()) from exc
         return bytes(nvrtc.getCUBIN(prog) if kind == "cubin" else nvrtc.getPTX(prog))
@@ -214,14 +214,13 @@ def _load(device_id: int, use_fatbin: bool = True) -> tuple[Any, str]:
         if fatbin is not None:
             try:
                 return _load_path(cp, fatbin), "fatbin"
-            except Exception as exc:  # any load failure means: compile the source instead
+            except Exception as exc:  # noqa: BLE001 - any load failure: compile the source
                 why = f"{type(exc).__name__}: {exc}"
         try:
             path, arch = compile_source(device_id)
             try:
                 mod = _load_path(cp, path)
-            except Exception:
-                # a damaged cache file: compile again, once
+            except Exception:  # noqa: BLE001 - a damaged cache file: compile again, once
                 path.unlink(missing_ok=True)
                 path, arch = compile_source(device_id)
                 mod = _load_path(cp, path)

@@ -520,7 +520,7 @@ def _improve(levels: list[Level], cost: list[list[int]], n: int, root: int | Non
     return [tuple(sorted((par[c], c) for c in range(n) if lev[c] == k)) for k in range(len(levels))]
 
 
-def _try_relabel(par, lev, kids, cost, n, root) -> bool:  # noqa: ANN001 - private helper
+def _try_relabel(par, lev, kids, cost, n, root) -> bool:
     def near(x: int) -> list[int]:
         return ([par[x]] if par[x] >= 0 else []) + kids[x]
 
@@ -543,7 +543,7 @@ def _try_relabel(par, lev, kids, cost, n, root) -> bool:  # noqa: ANN001 - priva
     return False
 
 
-def _try_repair(par, lev, cost, n) -> bool:  # noqa: ANN001 - private helper
+def _try_repair(par, lev, cost, n) -> bool:
     for x in range(n):
         for y in range(x + 1, n):
             px, py = par[x], par[y]
@@ -555,7 +555,7 @@ def _try_repair(par, lev, cost, n) -> bool:  # noqa: ANN001 - private helper
     return False
 
 
-def _try_turn(par, lev, kids, cost, n, root) -> bool:  # noqa: ANN001 - private helper
+def _try_turn(par, lev, kids, cost, n, root) -> bool:
     for c in range(n):
         p = par[c]
         if p < 0 or p == root:

@@ -469,7 +469,7 @@ class Metrics:
     """JSON lines in DIR/metrics.jsonl (appended to when a run resumes)."""
 
     def __init__(self, path: str | None) -> None:
-        self.file = open(path, "a", encoding="utf-8") if path else None  # noqa: SIM115
+        self.file = open(path, "a", encoding="utf-8") if path else None
 
     def write(self, **record: Any) -> None:
         if self.file is not None:

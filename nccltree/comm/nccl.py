@@ -159,7 +159,7 @@ class NcclEngine:
             error: BaseException | None = None
             try:
                 nccl.groupStart()
-            except Exception as exc:  # noqa: BLE001 - reported below as a CommError
+            except Exception as exc:
                 raise CommError(f"NCCL groupStart failed: {exc!r}") from exc
             try:
                 for fn, args in calls:
@@ -177,6 +177,6 @@ class NcclEngine:
                 ) from error
             try:
                 events: list[Event] = [s.record() for s in order]
-            except Exception as exc:  # noqa: BLE001 - a CUDA error recording the events
+            except Exception as exc:
                 raise CommError(f"recording the end of NCCL {prep.collective}: {exc!r}") from exc
         return Launched(prep.results, events, order, (prep,))

@@ -180,7 +180,7 @@ def _decode_image(data: bytes | memoryview) -> np.ndarray:
         with Image.open(io.BytesIO(data)) as img:
             gray = img.mode in ("1", "L", "LA", "I", "I;16", "F")
             arr = np.asarray(img.convert("L" if gray else "RGB"))
-    except Exception as e:  # Pillow raises many exception types for a bad file
+    except Exception as e:  # noqa: BLE001 - Pillow raises many types for a bad file
         raise ValueError(f"cannot decode the encoded image: {e}") from None
     if arr.ndim == 2:
         return arr[None, :, :].copy()

@@ -1,0 +1,79 @@
+"""The one argument-checking rule (``nccltree._validate``)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from nccltree._validate import check_index, check_int, check_real, check_timeout, is_int
+
+
+@pytest.mark.parametrize("v", [0, 3, np.int64(3), np.uint8(3), np.int32(-1)])
+def test_integers_python_and_numpy(v):
+    assert is_int(v)
+    assert check_int(v, "n") == int(v) and type(check_int(v, "n")) is int
+
+
+@pytest.mark.parametrize("v", [True, np.bool_(True), 1.0, np.float32(1), "1", None])
+def test_not_integers(v):
+    assert not is_int(v)
+    with pytest.raises(TypeError, match=r"n must be an integer, got"):
+        check_int(v, "n")
+
+
+def test_int_ranges():
+    assert check_int(5, "n", min=1, max=5) == 5
+    with pytest.raises(ValueError, match=r"n must be >= 1, got 0"):
+        check_int(0, "n", min=1)
+    with pytest.raises(ValueError, match=r"n must be in \[1, 4\], got 5"):
+        check_int(np.int64(5), "n", min=1, max=4)
+    with pytest.raises(ValueError, match=r"n must be <= 4"):
+        check_int(5, "n", max=4)
+
+
+def test_index():
+    assert check_index(np.int64(1), "rank", 2) == 1
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
+        check_index(2, "rank", 2)
+    with pytest.raises(TypeError, match="rank must be an integer"):
+        check_index(True, "rank", 2)
+
+
+@pytest.mark.parametrize("v", [0, 1.5, np.float32(2.5), np.int64(3)])
+def test_reals(v):
+    assert check_real(v, "x") == float(v)
+
+
+@pytest.mark.parametrize("v", [True, "1.0", None, 1j])
+def test_not_reals(v):
+    with pytest.raises(TypeError, match="x must be a real number"):
+        check_real(v, "x")
+
+
+def test_nan_and_infinities():
+    with pytest.raises(ValueError, match="x must be a number, got NaN"):
+        check_real(math.nan, "x")
+    with pytest.raises(ValueError, match="x must be a number, got NaN"):
+        check_real(np.float64("nan"), "x", finite=False)
+    with pytest.raises(ValueError, match="x must be finite, got inf"):
+        check_real(math.inf, "x")
+    assert check_real(math.inf, "x", finite=False) == math.inf
+
+
+def test_real_ranges():
+    with pytest.raises(ValueError, match=r"lr must be > 0, got 0"):
+        check_real(0.0, "lr", min=0.0, min_open=True)
+    with pytest.raises(ValueError, match=r"m must be in \[0, 1\], got 1.5"):
+        check_real(1.5, "m", min=0.0, max=1.0)
+    assert check_real(0.0, "m", min=0.0, max=1.0) == 0.0
+
+
+def test_timeouts():
+    assert check_timeout(None) is None
+    assert check_timeout(np.float32(0.5)) == 0.5
+    for bad, err in ((math.nan, ValueError), (-1, ValueError), (math.inf, ValueError),
+                     (True, TypeError)):  # fmt: skip
+        with pytest.raises(err, match="timeout"):
+            check_timeout(bad)

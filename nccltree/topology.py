@@ -14,11 +14,15 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _smi
 from ._errors import BackendUnavailable
 from ._topo_presets import FLAT_DESCRIPTION, PRESETS
+from ._validate import check_index, check_int
+
+if TYPE_CHECKING:
+    from .backends.base import Device
 
 
 class LinkKind(IntEnum):
@@ -94,8 +98,7 @@ class Link:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", LinkKind(self.kind))
-        if isinstance(self.nvlinks, bool) or not isinstance(self.nvlinks, int):
-            raise TypeError(f"nvlinks must be an int, got {type(self.nvlinks).__name__}")
+        object.__setattr__(self, "nvlinks", check_int(self.nvlinks, "nvlinks", min=0))
         if (self.kind == LinkKind.NVLINK) != (self.nvlinks > 0):
             raise ValueError(
                 f"nvlinks must be >= 1 for an NVLINK link and 0 otherwise, got {self.kind.name} "
@@ -197,13 +200,9 @@ class Topology:
 
     def link(self, i: int, j: int) -> Link:
         """The link between devices ``i`` and ``j``."""
-        n = self.n
-        for x in (i, j):
-            if isinstance(x, bool) or not isinstance(x, int):
-                raise TypeError(f"device indices must be ints, got {type(x).__name__}")
-            if not 0 <= x < n:
-                raise ValueError(f"device index {x} out of range for {n} devices (0..{n - 1})")
-        return self._links[i][j]
+        return self._links[check_index(i, "device index i", self.n)][
+            check_index(j, "device index j", self.n)
+        ]
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Topology):
@@ -221,8 +220,7 @@ class Topology:
     @classmethod
     def uniform(cls, n: int, link: Link) -> Topology:
         """``n`` devices with the same ``link`` between every pair."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"n must be an int >= 1, got {n!r}")
+        n = check_int(n, "n", min=1)
         return cls([[_SELF if i == j else link for j in range(n)] for i in range(n)])
 
     @classmethod
@@ -365,7 +363,7 @@ class Topology:
     # -- detection ---------------------------------------------------------------------
 
     @classmethod
-    def detect(cls, devices: Sequence[Any]) -> Topology:
+    def detect(cls, devices: Sequence[Device]) -> Topology:
         """The topology of ``devices`` (as ``nt.devices`` returns them, one backend).
 
         Host devices are ranks in one memory: every pair SAME_DEVICE (``DEV``). CUDA

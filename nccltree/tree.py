@@ -33,11 +33,12 @@ level:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TypeVar
 
+from ._validate import check_index
 from .topology import Link, Topology
 
 T = TypeVar("T")
@@ -120,11 +121,7 @@ class Tree:
         return sum(self.topology.link(p, c).cost for p, c, _ in self.edges)
 
     def _check(self, r: int) -> int:
-        if isinstance(r, bool) or not isinstance(r, int):
-            raise TypeError(f"rank must be an int, got {type(r).__name__}")
-        if not 0 <= r < self.n:
-            raise ValueError(f"rank {r} out of range for {self.n} ranks (0..{self.n - 1})")
-        return r
+        return check_index(r, "rank", self.n)
 
     def parent(self, r: int) -> int | None:
         """The parent of rank ``r``; None for the root."""
@@ -177,10 +174,7 @@ def build_tree(topology: Topology, root: int | None = None) -> Tree:
         raise TypeError(f"build_tree needs a Topology, got {type(topology).__name__}")
     n = topology.n
     if root is not None:
-        if isinstance(root, bool) or not isinstance(root, int):
-            raise TypeError(f"root must be an int or None, got {type(root).__name__}")
-        if not 0 <= root < n:
-            raise ValueError(f"root {root} out of range for {n} ranks (0..{n - 1})")
+        root = check_index(root, "root", n)
     # Search in ranks relative to the root, as MPI does, so that ties resolve the same way
     # for every root: on a uniform topology the tree for root r is the binomial tree of
     # root 0 turned by r.
@@ -275,7 +269,7 @@ def _exact(
     return best(leaders)
 
 
-def _product(options: list[tuple[T, ...]]) -> Iterator[tuple[T, ...]]:
+def _product(options: Sequence[tuple[T, ...]]) -> Iterator[tuple[T, ...]]:
     if not options:
         yield ()
         return
@@ -332,7 +326,7 @@ def _last_heuristic_level(
     """
     memo: dict[tuple[int, ...], int] = {}
     if len(leaders) % 2 and len(leaders) <= ODD_TRIALS_LEADERS:
-        waiting = list(leaders)
+        waiting: list[int | None] = list(leaders)
     else:
         waiting = [None]
 
@@ -356,7 +350,7 @@ def _last_heuristic_level(
         improved = True
         while improved:
             improved = False
-            pairs = [tuple(sorted(pair)) for pair in best[1]]
+            pairs = [(min(a, b), max(a, b)) for a, b in best[1]]
             for i in range(len(pairs)):
                 for j in range(i + 1, len(pairs)):
                     (a, b), (c, d) = pairs[i], pairs[j]
@@ -407,7 +401,10 @@ def _orient_for_tail(
 
 
 def _exact_cost(
-    leaders: tuple[int, ...], cost: list[list[int]], root: int | None, memo: dict
+    leaders: tuple[int, ...],
+    cost: list[list[int]],
+    root: int | None,
+    memo: dict[tuple[int, ...], int],
 ) -> int:
     """The least cost of the levels that pair ``leaders`` down to one (no tie-breaks)."""
     if len(leaders) == 1:
@@ -483,7 +480,7 @@ def _matching_greedy(
                 now = cost[a][b] + cost[c][d]
                 for p, q in (((a, c), (b, d)), ((a, d), (b, c))):
                     if cost[p[0]][p[1]] + cost[q[0]][q[1]] < now:
-                        pairs[i], pairs[j] = tuple(sorted(p)), tuple(sorted(q))
+                        pairs[i], pairs[j] = (min(p), max(p)), (min(q), max(q))
                         improved = True
                         break
                 if improved:
@@ -520,7 +517,14 @@ def _improve(levels: list[Level], cost: list[list[int]], n: int, root: int | Non
     return [tuple(sorted((par[c], c) for c in range(n) if lev[c] == k)) for k in range(len(levels))]
 
 
-def _try_relabel(par, lev, kids, cost, n, root) -> bool:
+def _try_relabel(
+    par: list[int],
+    lev: list[int],
+    kids: list[list[int]],
+    cost: list[list[int]],
+    n: int,
+    root: int | None,
+) -> bool:
     def near(x: int) -> list[int]:
         return ([par[x]] if par[x] >= 0 else []) + kids[x]
 
@@ -543,7 +547,7 @@ def _try_relabel(par, lev, kids, cost, n, root) -> bool:
     return False
 
 
-def _try_repair(par, lev, cost, n) -> bool:
+def _try_repair(par: list[int], lev: list[int], cost: list[list[int]], n: int) -> bool:
     for x in range(n):
         for y in range(x + 1, n):
             px, py = par[x], par[y]
@@ -555,7 +559,14 @@ def _try_repair(par, lev, cost, n) -> bool:
     return False
 
 
-def _try_turn(par, lev, kids, cost, n, root) -> bool:
+def _try_turn(
+    par: list[int],
+    lev: list[int],
+    kids: list[list[int]],
+    cost: list[list[int]],
+    n: int,
+    root: int | None,
+) -> bool:
     for c in range(n):
         p = par[c]
         if p < 0 or p == root:

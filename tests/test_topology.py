@@ -8,6 +8,7 @@ import types
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -76,6 +77,8 @@ def test_link_cost_follows_kind_and_nvlink_count():
         (dict(kind=K.PIX, nvlinks=2), ValueError),
         (dict(kind=K.NVLINK, nvlinks=True), TypeError),
         (dict(kind=K.NVLINK, nvlinks=2.0), TypeError),
+        (dict(kind=K.NVLINK, nvlinks=np.bool_(True)), TypeError),
+        (dict(kind=K.PIX, nvlinks=-1), ValueError),
         (dict(kind=K.PIX, p2p=1), TypeError),
         (dict(kind=K.SAME_DEVICE, p2p=False), ValueError),
         (dict(kind=42), ValueError),
@@ -139,12 +142,29 @@ def test_constructor_validates():
 def test_link_index_checks():
     topo = Topology.preset("flat:3")
     assert topo.link(0, 2) == Link(K.PIX)
-    with pytest.raises(ValueError, match=r"out of range for 3 devices \(0..2\)"):
+    with pytest.raises(ValueError, match=r"device index j must be in \[0, 3\), got 3"):
         topo.link(0, 3)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="device index i"):
         topo.link(-1, 0)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="device index j must be an integer"):
         topo.link(0, True)
+    with pytest.raises(TypeError, match="device index i must be an integer"):
+        topo.link(0.0, 1)
+
+
+def test_numpy_integers_accepted():
+    # the one argument rule: numpy integers are integers, bool is not
+    topo = Topology.preset("flat:3")
+    assert topo.link(np.int64(0), 1) == topo.link(0, 1) == Link(K.PIX)
+    assert topo.link(np.uint8(2), np.int32(2)) == Link(K.SELF)
+    link = Link(K.NVLINK, np.int64(2))
+    assert link == Link(K.NVLINK, 2) and type(link.nvlinks) is int
+    assert hash(link) == hash(Link(K.NVLINK, 2))
+    assert Topology.uniform(np.int64(3), Link(K.PIX)) == topo
+    with pytest.raises(TypeError, match="n must be an integer"):
+        Topology.uniform(True, Link(K.PIX))
+    with pytest.raises(ValueError, match="n must be >= 1, got 0"):
+        Topology.uniform(np.int64(0), Link(K.PIX))
 
 
 def test_presets_listed_with_descriptions():

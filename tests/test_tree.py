@@ -6,6 +6,7 @@ import itertools
 import math
 import random
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -261,17 +262,34 @@ def test_build_tree_rejects():
     topo = Topology.preset("flat:4")
     with pytest.raises(TypeError, match="Topology"):
         build_tree("flat:4")
-    with pytest.raises(ValueError, match=r"root 4 out of range for 4 ranks \(0..3\)"):
+    with pytest.raises(ValueError, match=r"root must be in \[0, 4\), got 4"):
         build_tree(topo, root=4)
     with pytest.raises(ValueError):
         build_tree(topo, root=-1)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="root must be an integer"):
         build_tree(topo, root=True)
+    with pytest.raises(TypeError, match="root must be an integer"):
+        build_tree(topo, root=1.0)
     tree = build_tree(topo)
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 4\), got 4"):
         tree.children(4)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="rank must be an integer"):
         tree.parent("0")
+    with pytest.raises(TypeError, match="rank must be an integer"):
+        tree.parent(np.bool_(True))
+
+
+@pytest.mark.parametrize("n", [2, 5, 8])
+def test_numpy_integer_roots_and_ranks(n):
+    # the one argument rule: numpy integers are integers (World.comm took them already)
+    topo = Topology.preset(f"flat:{n}")
+    for r in range(n):
+        tree = build_tree(topo, root=np.int64(r))
+        assert tree == build_tree(topo, root=r)
+        assert type(tree.root) is int and tree.root == r
+        assert tree.children(np.int32(r)) == tree.children(r)
+        assert tree.parent(np.uint8(r)) == tree.parent(r)
+        assert tree.subtree(np.int64(r)) == tree.subtree(r)
 
 
 def test_tree_constructor_checks_levels():

@@ -14,18 +14,38 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, SupportsIndex, TypeAlias
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from ._errors import BackendUnavailable
+from ._validate import check_int, is_int
 from .backends.base import Device, Stream
 from .backends.host import aligned_empty
 
-__all__ = ["PinnedPool", "PoolStats", "SyncedMemory", "pinned_empty", "size_class"]
+#: what a shape argument may be: a size or a sequence of sizes (numpy integers too)
+ShapeLike: TypeAlias = SupportsIndex | Sequence[SupportsIndex]
+
+__all__ = ["PinnedPool", "PoolStats", "SyncedMemory", "check_shape", "pinned_empty", "size_class"]
+
+
+def check_shape(shape: object, name: str = "shape", *, min: int = 0) -> tuple[int, ...]:
+    """``shape`` (an integer or a sequence of integers, each >= ``min``) as a tuple of
+    ``int``: the one rule of ``nccltree._validate`` applied to every size (numpy integers
+    accepted, bool and floats refused)."""
+    if is_int(shape):
+        return (check_int(shape, name, min=min),)
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable):
+        raise TypeError(
+            f"{name} must be an integer or a sequence of integers, got {shape!r} "
+            f"({type(shape).__name__})"
+        )
+    return tuple(check_int(d, f"{name}[{i}]", min=min) for i, d in enumerate(shape))
+
 
 _gpu_usable: bool | None = None
 _gpu_lock = threading.Lock()
@@ -46,7 +66,9 @@ def _use_cuda_pinned() -> bool:
     return _gpu_usable
 
 
-def pinned_empty(shape: Any, dtype: Any = "float32", *, pinned: bool | None = None) -> np.ndarray:
+def pinned_empty(
+    shape: ShapeLike, dtype: DTypeLike = "float32", *, pinned: bool | None = None
+) -> np.ndarray:
     """An uninitialised C-contiguous host array for fast device transfers.
 
     ``pinned=None``: page-locked (``cudaHostAlloc``, freed with the last view of the array)
@@ -70,8 +92,7 @@ _MIN_CLASS = 512  # below this a block is rounded up to a multiple of 64 bytes
 def size_class(nbytes: int) -> int:
     """The block size a request of ``nbytes`` gets: the next of 8 geometric steps per
     power of two (at most 12.5% waste, unlike power-of-two rounding's 50%)."""
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    nbytes = check_int(nbytes, "nbytes", min=0)
     if nbytes <= _MIN_CLASS:
         return max(64, -(-nbytes // 64) * 64)
     step = 1 << (nbytes.bit_length() - 4)  # 1/8 of the power of two below nbytes
@@ -101,9 +122,7 @@ class PinnedPool:
     """
 
     def __init__(self, max_bytes: int = 1 << 30, *, pinned: bool | None = None) -> None:
-        if not isinstance(max_bytes, int) or max_bytes <= 0:
-            raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
-        self.max_bytes = max_bytes
+        self.max_bytes = check_int(max_bytes, "max_bytes", min=1)
         self._pinned = pinned
         self._lock = threading.Lock()
         self._free: dict[int, list[np.ndarray]] = {}  # size class -> cached raw blocks
@@ -114,12 +133,10 @@ class PinnedPool:
         self._hits = 0
         self._misses = 0
 
-    def alloc(self, shape: Any, dtype: Any = "float32") -> np.ndarray:
+    def alloc(self, shape: ShapeLike, dtype: DTypeLike = "float32") -> np.ndarray:
         """An uninitialised C-contiguous array from the pool; give it back with ``free``."""
         dt = np.dtype(dtype)
-        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(map(int, shape))
-        if any(s < 0 for s in shape):
-            raise ValueError(f"shape must not have negative sizes, got {shape}")
+        shape = check_shape(shape)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         cls = size_class(nbytes)
         with self._lock:
@@ -167,7 +184,7 @@ class PinnedPool:
             self._cached += cls
 
     @contextmanager
-    def borrow(self, shape: Any, dtype: Any = "float32") -> Iterator[np.ndarray]:
+    def borrow(self, shape: ShapeLike, dtype: DTypeLike = "float32") -> Iterator[np.ndarray]:
         """``alloc`` for the duration of a ``with`` block."""
         arr = self.alloc(shape, dtype)
         try:
@@ -208,10 +225,10 @@ class SyncedMemory:
     whatever the calling thread's current device. Not thread-safe (one owner, as in Caffe).
     """
 
-    def __init__(self, shape: Any, dtype: Any, device: Device) -> None:
+    def __init__(self, shape: ShapeLike, dtype: DTypeLike, device: Device) -> None:
         if not isinstance(device, Device):
             raise TypeError(f"device must be a nccltree Device, got {device!r}")
-        self.shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        self.shape = check_shape(shape)
         self.dtype = np.dtype(dtype)
         self.device = device
         self.head = UNINITIALIZED

@@ -164,8 +164,33 @@ def test_pool_free_checks_its_argument():
     pool.free(a)
     with pytest.raises(ValueError, match="alloc"):
         pool.free(a)  # a second free
-    with pytest.raises(ValueError, match="max_bytes"):
+    with pytest.raises(ValueError, match="max_bytes must be >= 1, got 0"):
         PinnedPool(max_bytes=0)
+
+
+def test_pool_arguments_follow_the_one_rule():
+    # numpy integers are integers; bool and floats are not
+    pool = PinnedPool(max_bytes=np.int64(1 << 16), pinned=False)
+    assert pool.max_bytes == 1 << 16 and type(pool.max_bytes) is int
+    with pool.borrow(np.int64(8)) as a:
+        assert a.shape == (8,)
+    with pool.borrow((np.int32(2), np.uint8(3)), np.float64) as a:
+        assert a.shape == (2, 3)
+    for bad in (True, 1.5e6, np.bool_(True)):
+        with pytest.raises(TypeError, match="max_bytes must be an integer"):
+            PinnedPool(max_bytes=bad)
+    with pytest.raises(TypeError, match=r"shape\[0\] must be an integer, got 2.5"):
+        pool.alloc((2.5,))
+    with pytest.raises(TypeError, match="shape must be an integer or a sequence"):
+        pool.alloc(None)
+    with pytest.raises(TypeError, match="shape must be an integer or a sequence of integers, got True"):
+        pool.alloc(True)
+    with pytest.raises(ValueError, match=r"shape\[1\] must be >= 0, got -1"):
+        pool.alloc((2, -1))
+    assert size_class(np.int64(100)) == size_class(100)
+    with pytest.raises(ValueError, match="nbytes must be >= 0"):
+        size_class(-1)
+    assert pool.stats().in_use_bytes == 0
 
 
 def test_pool_borrow():
@@ -375,3 +400,14 @@ def test_remembers_its_device_across_threads(devs):
     t.join()
     d1.check_array(result[0])
     np.testing.assert_array_equal(d1.to_host(result[0]), np.full(8, 2))
+
+
+def test_synced_shape_follows_the_one_rule(host_devs):
+    (d,) = host_devs(1)
+    m = nt.SyncedMemory((np.int64(2), 3), np.float32, d)
+    assert m.shape == (2, 3) and all(type(s) is int for s in m.shape)
+    assert nt.SyncedMemory(np.uint8(5), np.float32, d).shape == (5,)
+    with pytest.raises(TypeError, match=r"shape\[0\] must be an integer"):
+        nt.SyncedMemory((2.0, 3), np.float32, d)
+    with pytest.raises(ValueError, match=r"shape\[1\] must be >= 0"):
+        nt.SyncedMemory((2, -3), np.float32, d)

@@ -14,6 +14,7 @@ from collections import deque
 from typing import Generic, TypeVar
 
 from ._errors import NcclTreeError
+from ._validate import check_int, check_timeout
 
 __all__ = ["BlockingQueue", "QueueClosed"]
 
@@ -38,9 +39,7 @@ class BlockingQueue(Generic[T]):
     """
 
     def __init__(self, maxsize: int = 0) -> None:
-        if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 0:
-            raise ValueError(f"maxsize must be an int >= 0 (0 = unbounded), got {maxsize!r}")
-        self.maxsize = maxsize
+        self.maxsize = check_int(maxsize, "maxsize", min=0)  # 0: unbounded
         self._items: deque[T] = deque()
         self._lock = threading.Lock()
         self._not_empty = threading.Condition(self._lock)
@@ -96,6 +95,7 @@ class BlockingQueue(Generic[T]):
         """Append ``item``; while the queue is full, wait up to ``timeout`` seconds."""
         if item is None:
             raise TypeError("None cannot be pushed (try_pop returns None for 'empty')")
+        timeout = check_timeout(timeout)
         with self._lock:
             if self.maxsize > 0 and len(self._items) >= self.maxsize and not self._closed:
                 deadline = _deadline(timeout)
@@ -121,7 +121,7 @@ class BlockingQueue(Generic[T]):
         if self._closed:
             raise self._closed_error()
         if log_on_wait is not None:
-            if self._pop_waits % max(1, log_every) == 0:
+            if self._pop_waits % log_every == 0:
                 log.info(log_on_wait)
             self._pop_waits += 1
         deadline = _deadline(timeout)
@@ -146,6 +146,8 @@ class BlockingQueue(Generic[T]):
         If it has to wait and ``log_on_wait`` is given, that message is logged (INFO, logger
         ``nccltree.queue``) on the first such wait and then once every ``log_every`` waits.
         """
+        timeout = check_timeout(timeout)
+        log_every = check_int(log_every, "log_every", min=1)
         with self._lock:
             self._wait_item(timeout, "pop", log_on_wait, log_every)
             item = self._items.popleft()
@@ -166,6 +168,7 @@ class BlockingQueue(Generic[T]):
 
     def peek(self, timeout: float | None = None) -> T:
         """The oldest item, left in the queue, waiting up to ``timeout`` seconds for one."""
+        timeout = check_timeout(timeout)
         with self._lock:
             self._wait_item(timeout, "peek", None, DEFAULT_LOG_EVERY)
             return self._items[0]
@@ -186,11 +189,7 @@ class BlockingQueue(Generic[T]):
 
 
 def _deadline(timeout: float | None) -> float | None:
-    if timeout is None:
-        return None
-    if timeout < 0:
-        raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout!r}")
-    return time.monotonic() + timeout
+    return None if timeout is None else time.monotonic() + timeout
 
 
 def _remaining(deadline: float | None) -> float | None:

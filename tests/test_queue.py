@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 
+import numpy as np
 import pytest
 
 import nccltree as nt
@@ -55,6 +57,33 @@ def test_none_cannot_be_pushed_and_bad_arguments():
         BlockingQueue(-1)
     with pytest.raises(ValueError, match="timeout"):
         q.pop(timeout=-1)
+
+
+@pytest.mark.parametrize("timeout", [math.nan, math.inf, -math.inf, np.float64("nan")])
+def test_nan_and_infinite_timeouts_refused(timeout):
+    # NaN used to pass `timeout < 0`; checked at the entry, even when no wait is needed
+    q = BlockingQueue()
+    q.push(1)
+    for call in (q.pop, q.peek, lambda timeout: q.push(2, timeout=timeout)):
+        with pytest.raises(ValueError, match="timeout must be"):
+            call(timeout=timeout)
+    assert q.pop(timeout=None) == 1 and len(q) == 0
+
+
+def test_numpy_numbers_accepted_bool_refused():
+    q = BlockingQueue(maxsize=np.int64(2))
+    assert q.maxsize == 2 and type(q.maxsize) is int
+    q.push("a", timeout=np.float32(0.5))
+    assert q.peek(timeout=np.int64(1)) == "a"
+    assert q.pop(timeout=np.float64(0.0), log_every=np.int32(2)) == "a"
+    with pytest.raises(TypeError, match="maxsize must be an integer"):
+        BlockingQueue(True)
+    with pytest.raises(TypeError, match="maxsize must be an integer"):
+        BlockingQueue(2.0)
+    with pytest.raises(TypeError, match="timeout must be a real number"):
+        q.pop(timeout=True)
+    with pytest.raises(ValueError, match="log_every must be >= 1"):
+        q.pop(timeout=0, log_every=0)
 
 
 def test_timeouts_raise_timeout_error():

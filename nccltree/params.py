@@ -10,32 +10,21 @@ from __future__ import annotations
 import math
 import types
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import DTypeLike
+
+from .memory import ShapeLike, check_shape
+
+if TYPE_CHECKING:
+    from .backends.base import Device
 
 # 64 bytes: a cache line and an AVX-512 vector, so every parameter starts where vectorised
 # kernels and BLAS like it; the padding between parameters stays zero (see FlatParams).
 ALIGN_BYTES = 64
 
 _DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-
-
-def _normalize_shape(name: Any, shape: Any) -> tuple[int, ...]:
-    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
-        shape = (shape,)
-    try:
-        dims = tuple(shape)
-    except TypeError:
-        raise TypeError(
-            f"shape of parameter {name!r} must be a tuple of ints, got {shape!r}"
-        ) from None
-    for d in dims:
-        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0:
-            raise ValueError(
-                f"shape of parameter {name!r} must hold non-negative ints, got {shape!r}"
-            )
-    return tuple(int(d) for d in dims)
 
 
 def _aligned_slice(raw: np.ndarray, n: int) -> np.ndarray:
@@ -64,9 +53,9 @@ class FlatParams:
 
     def __init__(
         self,
-        shapes: Mapping[str, Any],
-        dtype: Any = np.float32,
-        device: Any = None,
+        shapes: Mapping[str, ShapeLike],
+        dtype: DTypeLike = np.float32,
+        device: Device | None = None,
     ) -> None:
         if not isinstance(shapes, Mapping):
             raise TypeError(f"shapes must be a dict of name -> shape, got {type(shapes).__name__}")
@@ -87,7 +76,7 @@ class FlatParams:
         for name, shape in shapes.items():
             if not isinstance(name, str) or not name:
                 raise TypeError(f"parameter names must be non-empty strings, got {name!r}")
-            dims = _normalize_shape(name, shape)
+            dims = check_shape(shape, f"parameter {name!r} shape")
             offset = -(-offset // step) * step
             layout[name] = (offset, dims)
             offset += math.prod(dims)
@@ -135,11 +124,11 @@ class FlatParams:
         return self._dtype
 
     @property
-    def device(self) -> Any:
+    def device(self) -> Device | None:
         return self._device
 
     @property
-    def xp(self) -> Any:
+    def xp(self) -> types.ModuleType:
         """The array module of the buffers: numpy, or CuPy on a CUDA device."""
         return np if self._device is None else self._device.xp
 
@@ -234,7 +223,7 @@ class FlatParams:
         for dst, src in pairs:
             if self.xp is np and other.xp is np:
                 dst[...] = src
-            elif self._same_gpu(other):
+            elif self._device is not None and self._same_gpu(other):
                 with self._device.activate():
                     dst[...] = src
             else:

@@ -133,15 +133,24 @@ def test_alignment_padding_is_per_dtype():
         ({}, np.float32, ValueError, "at least one"),
         ([("a", (2,))], np.float32, TypeError, "dict"),
         ({"a": (2,)}, np.int32, ValueError, "float16, float32 or float64"),
-        ({"a": (-1,)}, np.float32, ValueError, "non-negative ints"),
-        ({"a": (2.5,)}, np.float32, ValueError, "non-negative ints"),
-        ({"a": None}, np.float32, TypeError, "tuple of ints"),
+        ({"a": (-1,)}, np.float32, ValueError, r"parameter 'a' shape\[0\] must be >= 0, got -1"),
+        ({"a": (2.5,)}, np.float32, TypeError, r"parameter 'a' shape\[0\] must be an integer"),
+        ({"a": (2, True)}, np.float32, TypeError, r"shape\[1\] must be an integer, got True"),
+        ({"a": True}, np.float32, TypeError, "integer or a sequence of integers"),
+        ({"a": None}, np.float32, TypeError, "integer or a sequence of integers"),
         ({"": (2,)}, np.float32, TypeError, "non-empty strings"),
     ],
 )
 def test_argument_errors(shapes, dtype, exc, match):
     with pytest.raises(exc, match=match):
         nt.FlatParams(shapes, dtype=dtype)
+
+
+def test_numpy_integer_shapes():
+    p = nt.FlatParams({"w": (np.int64(3), np.int32(4)), "b": np.uint8(4)})
+    assert p.shapes == {"w": (3, 4), "b": (4,)}
+    assert all(type(d) is int for dims in p.shapes.values() for d in dims)
+    assert p.views["w"].shape == (3, 4)
 
 
 def test_device_must_be_a_device():

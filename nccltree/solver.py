@@ -14,11 +14,14 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
+from ._validate import check_int, check_real
 from .params import FlatParams
+
+T = TypeVar("T")
 
 LR_POLICIES = ("fixed", "step", "exp", "inv", "multistep", "poly", "sigmoid")
 
@@ -56,19 +59,10 @@ class Callback:
         pass
 
 
-def _real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a real number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
+def _given(value: T | None) -> T:
+    """A policy parameter that ``__init__`` required for the policy in force."""
+    assert value is not None, "the lr_policy's parameters are checked in __init__"
     return value
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
 
 
 class SGD:
@@ -108,15 +102,11 @@ class SGD:
         if not isinstance(params, FlatParams):
             raise TypeError(f"params must be a FlatParams, got {type(params).__name__}")
         self.params = params
-        self.base_lr = _real("lr", lr)
-        if self.base_lr < 0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        self.momentum = _real("momentum", momentum)
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        self.weight_decay = _real("weight_decay", weight_decay)
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        self.base_lr = check_real(lr, "lr", min=0.0)
+        self.momentum = check_real(momentum, "momentum", min=0.0)
+        if self.momentum >= 1.0:  # the history would grow without bound
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum:g}")
+        self.weight_decay = check_real(weight_decay, "weight_decay", min=0.0)
         if lr_policy not in _POLICY_NEEDS:
             raise ValueError(
                 f"lr_policy must be one of {', '.join(LR_POLICIES)}; got {lr_policy!r}"
@@ -132,12 +122,15 @@ class SGD:
         missing = [k for k in _POLICY_NEEDS[lr_policy] if given[k] is None]
         if missing:
             raise ValueError(f"lr_policy {lr_policy!r} needs {' and '.join(missing)}")
-        self.gamma = None if gamma is None else _real("gamma", gamma)
-        self.power = None if power is None else _real("power", power)
-        self.stepsize = None if stepsize is None else _positive_int("stepsize", stepsize)
-        self.max_iter = None if max_iter is None else _positive_int("max_iter", max_iter)
+        # Sigmoid uses a negative gamma on purpose, for a decaying rate.
+        needs = _POLICY_NEEDS[lr_policy]
+        self.gamma = self._policy_real(
+            "gamma", gamma, lr_policy, "gamma" in needs and lr_policy != "sigmoid"
+        )
+        self.power = self._policy_real("power", power, lr_policy, "power" in needs)
+        self.stepsize = None if stepsize is None else check_int(stepsize, "stepsize", min=1)
+        self.max_iter = None if max_iter is None else check_int(max_iter, "max_iter", min=1)
         self.stepvalue = None if stepvalue is None else self._check_stepvalue(stepvalue)
-        self._check_policy_ranges()
 
         self.iter = 0
         self.history = self._zeros_like_data()
@@ -148,30 +141,27 @@ class SGD:
 
     # -- validation -----------------------------------------------------------------------
     @staticmethod
+    def _policy_real(
+        name: str, value: float | None, policy: str, nonnegative: bool
+    ) -> float | None:
+        """``gamma`` or ``power``: >= 0 where the policy uses it so (a negative gamma makes
+        step/exp/multistep flip sign and inv blow up, a negative power blows up inv and
+        poly), any finite number where the policy ignores it."""
+        if value is None:
+            return None
+        if nonnegative:
+            return check_real(value, f"{name} for lr_policy {policy!r}", min=0.0)
+        return check_real(value, name)
+
+    @staticmethod
     def _check_stepvalue(stepvalue: Sequence[int]) -> tuple[int, ...]:
         if isinstance(stepvalue, (str, bytes)) or not isinstance(stepvalue, Iterable):
             raise TypeError(f"stepvalue must be a list of ints, got {stepvalue!r}")
-        values = tuple(stepvalue)
-        for v in values:
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-                raise ValueError(f"stepvalue must hold non-negative ints, got {list(values)}")
+        values = tuple(check_int(v, f"stepvalue[{i}]", min=0) for i, v in enumerate(stepvalue))
         if not values or any(b <= a for a, b in zip(values[:-1], values[1:], strict=True)):
             # Caffe advances one step per iteration, so it needs increasing values too.
             raise ValueError(f"stepvalue must be a non-empty increasing list, got {list(values)}")
-        return tuple(int(v) for v in values)
-
-    def _check_policy_ranges(self) -> None:
-        needs = _POLICY_NEEDS[self.lr_policy]
-        if "gamma" in needs and self.lr_policy != "sigmoid" and self.gamma < 0:  # type: ignore[operator]
-            # A negative gamma makes step/exp/multistep flip sign and inv blow up; sigmoid
-            # uses a negative gamma on purpose, for a decaying rate.
-            raise ValueError(
-                f"gamma must be >= 0 for lr_policy {self.lr_policy!r}, got {self.gamma}"
-            )
-        if "power" in needs and self.power < 0:  # type: ignore[operator]
-            raise ValueError(
-                f"power must be >= 0 for lr_policy {self.lr_policy!r}, got {self.power}"
-            )
+        return values
 
     # -- buffers and kernel ---------------------------------------------------------------
     def _zeros_like_data(self) -> Any:
@@ -199,19 +189,19 @@ class SGD:
         if policy == "fixed":
             return base
         if policy == "step":
-            return base * self.gamma ** (it // self.stepsize)  # type: ignore[operator]
+            return base * _given(self.gamma) ** (it // _given(self.stepsize))
         if policy == "exp":
-            return base * self.gamma**it  # type: ignore[operator]
+            return base * _given(self.gamma) ** it
         if policy == "inv":
-            return base * (1.0 + self.gamma * it) ** (-self.power)  # type: ignore[operator]
+            return base * (1.0 + _given(self.gamma) * it) ** (-_given(self.power))
         if policy == "multistep":
-            return base * self.gamma ** bisect.bisect_right(self.stepvalue, it)  # type: ignore[operator,arg-type]
+            return base * _given(self.gamma) ** bisect.bisect_right(_given(self.stepvalue), it)
         if policy == "poly":
             # Caffe's formula is undefined past max_iter (a negative base); the rate is 0.
-            frac = max(0.0, 1.0 - it / self.max_iter)  # type: ignore[operator]
-            return base * frac**self.power  # type: ignore[operator]
+            frac = max(0.0, 1.0 - it / _given(self.max_iter))
+            return base * frac ** _given(self.power)
         # sigmoid
-        return base * (1.0 / (1.0 + math.exp(-self.gamma * (it - self.stepsize))))  # type: ignore[operator]
+        return base * (1.0 / (1.0 + math.exp(-_given(self.gamma) * (it - _given(self.stepsize)))))
 
     # -- stepping -------------------------------------------------------------------------
     def step(self) -> None:
@@ -270,9 +260,8 @@ class SGD:
             it, history = state["iter"], state["history"]
         except (KeyError, TypeError):
             raise ValueError("state must be a dict with 'iter' and 'history'") from None
-        it = int(np.asarray(it))
-        if it < 0:
-            raise ValueError(f"state 'iter' must be >= 0, got {it}")
+        # np.savez gives the iteration back as a 0-d array: its scalar is checked
+        it = check_int(np.asarray(it)[()], "state 'iter'", min=0)
         history = np.asarray(history)
         p = self.params
         if history.shape != (p.size,) or history.dtype != p.dtype:

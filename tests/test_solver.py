@@ -257,7 +257,19 @@ def test_callback_must_have_both_methods():
     ("kwargs", "exc", "match"),
     [
         ({"lr": -0.1}, ValueError, "lr must be >= 0"),
-        ({"lr": float("nan")}, ValueError, "finite"),
+        ({"lr": float("nan")}, ValueError, "lr must be a number, got NaN"),
+        ({"lr": float("inf")}, ValueError, "lr must be finite"),
+        ({"lr": True}, TypeError, "lr must be a real number"),
+        ({"lr": 0.1, "momentum": float("nan")}, ValueError, "momentum must be a number"),
+        ({"lr": 0.1, "weight_decay": float("-inf")}, ValueError, "weight_decay must be finite"),
+        ({"lr": 0.1, "gamma": float("nan")}, ValueError, "gamma must be a number"),
+        ({"lr": 0.1, "lr_policy": "step", "gamma": 0.1, "stepsize": True}, TypeError, "stepsize"),
+        ({"lr": 0.1, "lr_policy": "step", "gamma": 0.1, "stepsize": 2.0}, TypeError, "stepsize"),
+        (
+            {"lr": 0.1, "lr_policy": "multistep", "gamma": 0.1, "stepvalue": [1, 2.5]},
+            TypeError,
+            r"stepvalue\[1\] must be an integer",
+        ),
         ({"lr": "0.1"}, TypeError, "real number"),
         ({"lr": 0.1, "momentum": 1.0}, ValueError, "momentum"),
         ({"lr": 0.1, "weight_decay": -1e-4}, ValueError, "weight_decay"),
@@ -280,7 +292,11 @@ def test_callback_must_have_both_methods():
             "non-empty",
         ),
         ({"lr": 0.1, "lr_policy": "step", "gamma": 0.1, "stepsize": 0}, ValueError, "stepsize"),
-        ({"lr": 0.1, "lr_policy": "exp", "gamma": -0.5}, ValueError, "gamma must be >= 0"),
+        (
+            {"lr": 0.1, "lr_policy": "exp", "gamma": -0.5},
+            ValueError,
+            "gamma for lr_policy 'exp' must be >= 0",
+        ),
         ({"lr": 0.1, "lr_policy": "poly", "power": -1, "max_iter": 5}, ValueError, "power"),
         ({"lr": 0.1, "callbacks": [object()]}, TypeError, "on_start"),
     ],
@@ -288,6 +304,26 @@ def test_callback_must_have_both_methods():
 def test_argument_errors(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         nt.SGD(nt.FlatParams({"a": (1,)}), **kwargs)
+
+
+def test_numpy_numbers_accepted():
+    # the one argument rule: numpy integers and reals are numbers, stored as Python ones
+    sgd = nt.SGD(
+        nt.FlatParams({"a": (1,)}),
+        lr=np.float32(0.5),
+        momentum=np.float64(0.9),
+        weight_decay=np.int64(0),
+        lr_policy="multistep",
+        gamma=np.float64(0.1),
+        stepvalue=np.array([2, 4]),
+    )
+    assert sgd.base_lr == 0.5 and type(sgd.base_lr) is float
+    assert sgd.stepvalue == (2, 4) and all(type(v) is int for v in sgd.stepvalue)
+    step = nt.SGD(
+        nt.FlatParams({"a": (1,)}), lr=1, lr_policy="step", gamma=0.5, stepsize=np.int64(3)
+    )
+    step.iter = 3
+    assert step.stepsize == 3 and step.learning_rate() == 0.5
 
 
 def test_params_must_be_flat_params():

@@ -257,7 +257,7 @@ def test_mean_is_folded_into_the_final_sums(alg, coll, n):
 
 
 def test_finish_mean_keeps_the_scale_where_it_cannot_fold():
-    from nccltree.comm.algorithms import _finish_mean
+    from nccltree.comm.builders import finish_mean as _finish_mean
 
     a, b, c = Buf(0, "in", 0, 4), Buf(1, "in", 0, 4), Buf(0, "out", 0, 4)
     cases = {

@@ -1,0 +1,100 @@
+"""What every builder shares: the request it gets, the registry it is entered in, and the
+steps every reducing algorithm ends its sums with."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ...backends.base import MAX_FUSED
+from .._ops import OPS
+from ..plan import IN, OUT, Buf, Plan, PlanBuilder
+
+if TYPE_CHECKING:
+    from ...tree import Tree
+
+MAX_FAN_IN = MAX_FUSED  # sources one native reduce pass takes
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """One collective call's shape, as every builder takes it (checked by ``build_plan``).
+
+    ``count`` follows the module's conventions (see :mod:`nccltree.comm.algorithms`);
+    ``chunk`` is in elements and already a multiple of ``align``, the element count every
+    offset the plan chooses itself is a multiple of. ``tree_for(root)`` gives the tree
+    rooted at ``root`` (only the tree algorithm needs one)."""
+
+    size: int
+    count: int
+    op: str = "sum"
+    root: int = 0
+    in_place: bool = False
+    chunk: int = 1 << 18
+    align: int = 1
+    tree_for: Callable[[int], Tree] | None = None
+
+    def tree(self, root: int = 0) -> Tree:
+        """The tree over the ``size`` ranks rooted at ``root``."""
+        if self.tree_for is None:
+            raise ValueError("the tree algorithm needs a tree")
+        tree = self.tree_for(root)
+        if tree.n != self.size:
+            raise ValueError(f"the tree spans {tree.n} ranks, the plan {self.size}")
+        return tree
+
+    @property
+    def res_role(self) -> str:
+        """The role of the buffer a rank's result goes to: its input when in place."""
+        return IN if self.in_place else OUT
+
+    @property
+    def kernel_op(self) -> str:
+        """The elementwise op between contributions (a mean is a sum, scaled at the end)."""
+        return OPS[self.op]
+
+
+Builder = Callable[[PlanRequest], Plan]
+
+#: (algorithm, collective) -> its builder; filled by :func:`builds` as the algorithm
+#: modules are imported.
+BUILDERS: dict[tuple[str, str], Builder] = {}
+
+
+def builds(algorithm: str, collective: str) -> Callable[[Builder], Builder]:
+    """Register the decorated function as the builder of ``collective`` by ``algorithm``."""
+
+    def register(fn: Builder) -> Builder:
+        if (algorithm, collective) in BUILDERS:
+            raise AssertionError(f"two builders for {algorithm} {collective}")
+        BUILDERS[(algorithm, collective)] = fn
+        return fn
+
+    return register
+
+
+def reduce_many(b: PlanBuilder, rank: int, dst: Buf, srcs: list[Buf], op: str) -> None:
+    """dst = op(srcs) in passes of at most MAX_FAN_IN sources, in a fixed order."""
+    if dst in srcs[MAX_FAN_IN:]:
+        # The accumulator must not be overwritten before it is read.
+        srcs = [dst] + [s for s in srcs if s != dst]
+    b.reduce(rank, dst, srcs[:MAX_FAN_IN], op)
+    rest = srcs[MAX_FAN_IN:]
+    while rest:
+        b.reduce(rank, dst, [dst, *rest[: MAX_FAN_IN - 1]], op)
+        rest = rest[MAX_FAN_IN - 1 :]
+
+
+def finish_mean(b: PlanBuilder, rank: int, buf: Buf, op: str, size: int) -> None:
+    """Scale the finished sum in ``buf`` by 1/size when ``op`` is a mean."""
+    # the 1/size goes into the sum that has just produced buf when it can, which saves a
+    # pass over buf (and rounds float16 once); otherwise, e.g. after a copy, a scale step
+    if op == "mean" and size > 1 and not b.fold_scale(rank, buf, 1.0 / size):
+        b.scale(rank, buf, 1.0 / size)
+
+
+def reduce_chunk(b: PlanBuilder, req: PlanRequest, rank: int, dst: Buf, srcs: list[Buf]) -> None:
+    """dst = the request's op over srcs, finished (a mean scaled): a rank's final sum."""
+    reduce_many(b, rank, dst, srcs, req.kernel_op)
+    finish_mean(b, rank, dst, req.op, req.size)

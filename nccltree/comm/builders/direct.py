@@ -1,0 +1,98 @@
+"""direct: every rank reduces its 1/N slice reading all peers, then writes it to every
+peer: about 2N buffer passes in total, the least traffic in shared memory (one host,
+NVSwitch). Needs every pair of devices to reach each other."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ..plan import IN, OUT, Buf, Plan, PlanBuilder, chunked, split
+from ._base import PlanRequest, builds, reduce_chunk
+
+
+def _slices(req: PlanRequest) -> Iterator[tuple[int, int, int]]:
+    """(rank, offset, count) of every chunk of every rank's slice of the input."""
+    for r, (off, cnt) in enumerate(split(req.count, req.size, req.align)):
+        for o, c in chunked(cnt, req.chunk):
+            yield r, off + o, c
+
+
+def _inputs(req: PlanRequest, off: int, c: int) -> list[Buf]:
+    return [Buf(q, IN, off, c) for q in range(req.size)]
+
+
+@builds("direct", "all_reduce")
+def direct_all_reduce(req: PlanRequest) -> Plan:
+    n, role = req.size, req.res_role
+    b = PlanBuilder(
+        n,
+        f"direct all_reduce {req.op} count={req.count}",
+        same_buffer=req.in_place,
+        align=req.align,
+    )
+    for r, off, c in _slices(req):
+        mine = Buf(r, role, off, c)
+        reduce_chunk(b, req, r, mine, _inputs(req, off, c))
+        # Write the chunk to every peer right away (staggered so the ranks do not all hit
+        # the same destination at once).
+        for i in range(1, n):
+            q = (r + i) % n
+            b.copy(r, Buf(q, role, off, c), mine)
+    return b.build()
+
+
+@builds("direct", "reduce")
+def direct_reduce(req: PlanRequest) -> Plan:
+    """Rank r reduces slice r of every input straight into the root's result."""
+    root = req.root
+    b = PlanBuilder(
+        req.size,
+        f"direct reduce {req.op} root={root} count={req.count}",
+        same_buffer=req.in_place,
+        align=req.align,
+    )
+    for r, off, c in _slices(req):
+        reduce_chunk(b, req, r, Buf(root, req.res_role, off, c), _inputs(req, off, c))
+    return b.build()
+
+
+@builds("direct", "broadcast")
+def direct_broadcast(req: PlanRequest) -> Plan:
+    """Every rank reads the root's buffer itself."""
+    root, count = req.root, req.count
+    b = PlanBuilder(
+        req.size,
+        f"direct broadcast root={root} count={count}",
+        same_buffer=req.in_place,
+        align=req.align,
+    )
+    for r in range(req.size):
+        if r == root and req.in_place:
+            continue
+        b.copy(r, Buf(r, req.res_role, 0, count), Buf(root, IN, 0, count))
+    return b.build()
+
+
+@builds("direct", "all_gather")
+def direct_all_gather(req: PlanRequest) -> Plan:
+    n, count = req.size, req.count
+    b = PlanBuilder(n, f"direct all_gather count={count}", align=req.align)
+    for r in range(n):
+        src = Buf(r, OUT, r * count, count) if req.in_place else Buf(r, IN, 0, count)
+        for i in range(n):
+            q = (r + i) % n
+            if q == r and req.in_place:
+                continue
+            b.copy(r, Buf(q, OUT, r * count, count), src)
+    return b.build()
+
+
+@builds("direct", "reduce_scatter")
+def direct_reduce_scatter(req: PlanRequest) -> Plan:
+    n, count = req.size, req.count
+    b = PlanBuilder(n, f"direct reduce_scatter {req.op} count={count}", align=req.align)
+    for r in range(n):
+        dst = Buf(r, IN, r * count, count) if req.in_place else Buf(r, OUT, 0, count)
+        for o, c in chunked(count, req.chunk):
+            reduce_chunk(b, req, r, dst.sub(o, c), _inputs(req, r * count + o, c))
+    return b.build()

@@ -1,0 +1,348 @@
+"""tree: reduce up a topology-aware tree, then send the result down it.
+
+A parent sums itself and all its children in one fused pass, reading the children's
+buffers directly; the result goes down the tree, the most distant subtree first. Messages
+are cut into chunks so that levels and the two directions work concurrently (with several
+chunks, each child with peer access copies from its parent on its own stream, so the
+parent's stream goes on to its next chunk); links without peer access go through pinned
+staging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ..plan import IN, OUT, Buf, Plan, PlanBuilder, chunked
+from ._base import PlanRequest, builds, finish_mean, reduce_many
+
+if TYPE_CHECKING:
+    from ...tree import Tree
+
+Ranges = Callable[[int], list[tuple[int, int]]]  # rank -> the (offset, count) pieces it gets
+
+
+def _tree_orders(tree: Tree) -> tuple[list[int], list[int]]:
+    """(children-before-parents order, parents-before-children order) of the tree's ranks."""
+    pre: list[int] = []
+    frontier = [tree.root]
+    while frontier:
+        r = frontier.pop(0)
+        pre.append(r)
+        frontier.extend(tree.children(r))
+    height: dict[int, int] = {}
+    for r in reversed(pre):
+        height[r] = 1 + max((height[k] for k in tree.children(r)), default=-1)
+    post = sorted(pre, key=lambda r: (height[r], pre.index(r)))
+    return post, pre
+
+
+def _ranges(blocks: tuple[int, ...] | list[int], count: int) -> list[tuple[int, int]]:
+    """Merge sorted block indices into (offset, count) element ranges."""
+    out: list[tuple[int, int]] = []
+    for blk in blocks:
+        off = blk * count
+        if out and out[-1][0] + out[-1][1] == off:
+            out[-1] = (out[-1][0], out[-1][1] + count)
+        else:
+            out.append((off, count))
+    return out
+
+
+def _same_for_all(pieces: list[tuple[int, int]]) -> Ranges:
+    """``ranges`` for :meth:`_TreePlan.send_down` that gives every child the same pieces."""
+    return lambda _k: pieces
+
+
+class _Stager:
+    """Moves data across tree edges whose devices have no peer access, through pinned host
+    memory: the sender copies a chunk into one of two staging slots of its own, the
+    receiver copies it out. Double buffering with "slot free" events bounds the staging
+    memory to two chunks per rank while sender and receiver overlap."""
+
+    SLOTS = 2
+
+    def __init__(self, b: PlanBuilder, tree: Tree, chunk: int) -> None:
+        self.b, self.tree, self.chunk = b, tree, chunk
+        self.areas: dict[int, Buf] = {}
+        self.turn: dict[int, int] = {}
+        self.free: dict[tuple[int, int], int] = {}
+
+    def direct(self, i: int, j: int) -> bool:
+        """Whether ranks i and j reach each other's memory (else the stager carries)."""
+        return self.tree.topology.link(i, j).p2p
+
+    def send(self, sender: int, receiver: int, dst: Buf, src: Buf) -> None:
+        """dst (on receiver) <- src (on sender), in chunks through the sender's slots; the
+        copy out of the last slot is on the receiver's stream, so later work of the
+        receiver is ordered after it."""
+        b = self.b
+        if sender not in self.areas:
+            self.areas[sender] = b.alloc_stage(sender, self.SLOTS * self.chunk)
+            self.turn[sender] = 0
+        for off, c in chunked(src.count, self.chunk):
+            if not c:
+                continue
+            slot = self.turn[sender]
+            self.turn[sender] = (slot + 1) % self.SLOTS
+            area = self.areas[sender].sub(slot * self.chunk, c)
+            if (sender, slot) in self.free:
+                b.wait(sender, self.free[(sender, slot)])
+            b.copy(sender, area, src.sub(off, c))
+            b.wait(receiver, b.signal(sender))
+            b.copy(receiver, dst.sub(off, c), area)
+            self.free[(sender, slot)] = b.signal(receiver)
+
+
+class _TreePlan:
+    """One tree plan in the making: the builder, the tree and its two visiting orders, the
+    stager, the events that say a rank's partial sum of a chunk is ready (by (rank, chunk
+    key)) and the landing areas in parents' scratch for children behind links without
+    peer access (by (parent, child)). The phases below add to it chunk by chunk."""
+
+    def __init__(self, b: PlanBuilder, tree: Tree, req: PlanRequest) -> None:
+        self.b, self.tree, self.req = b, tree, req
+        self.post, self.pre = _tree_orders(tree)
+        self.stager = _Stager(b, tree, req.chunk)
+        self.ready: dict[tuple[int, int], int] = {}
+        self.landing: dict[tuple[int, int], Buf] = {}
+
+    def reduce_chunk(
+        self,
+        part: Callable[[int], Buf],
+        own: Callable[[int], Buf],
+        key: int,
+        off: int,
+        c: int,
+        total: Buf,
+    ) -> None:
+        """One chunk of the reduction up the tree: part(r) <- own(r) + sum(part(children)),
+        finished in the root's ``total`` (a mean scaled there). On a tree of one rank the
+        root's input is copied to ``total`` unless it is that buffer.
+
+        A child behind a link without peer access sends its chunk through the stager into
+        a landing area in the parent's scratch memory, which the fused pass then reads."""
+        b, tree, stager = self.b, self.tree, self.stager
+        for r in self.post:
+            kids = tree.children(r)
+            if not kids:
+                continue
+            srcs = [own(r).sub(off, c)]
+            for k in kids:
+                if stager.direct(r, k):
+                    if (k, key) in self.ready:
+                        b.wait(r, self.ready[(k, key)])
+                    srcs.append(part(k).sub(off, c))
+                else:
+                    if (r, k) not in self.landing:
+                        self.landing[(r, k)] = b.alloc_scratch(r, stager.chunk)
+                    land = self.landing[(r, k)].sub(0, c)
+                    stager.send(k, r, land, part(k).sub(off, c))
+                    srcs.append(land)
+            reduce_many(b, r, part(r).sub(off, c), srcs, self.req.kernel_op)
+            if r != tree.root:
+                self.ready[(r, key)] = b.signal(r)
+        root = tree.root
+        dst, mine = total.sub(off, c), own(root).sub(off, c)
+        if tree.n == 1 and dst != mine:
+            b.copy(root, dst, mine)
+        finish_mean(b, root, dst, self.req.op, tree.n)
+
+    def send_down(
+        self, src: Callable[[int], Buf], dst: Callable[[int], Buf], ranges: Ranges, pull: bool
+    ) -> None:
+        """Down the tree, parents before children, the most distant child first: child k
+        gets the pieces ``ranges(k)`` of its parent's ``src`` in its ``dst``.
+
+        ``pull``: a child with peer access copies the data on its own stream once its
+        parent has it, so the parent's stream goes on to its next chunk while its children
+        copy this one; the builders ask for it when a message has more than one chunk.
+        Otherwise the parent writes the data into its children's buffers on its own
+        stream, from its cache, and each child waits for that. A child without peer access
+        always gets the data through the parent's staging slots."""
+        b, stager = self.b, self.stager
+        for r in self.pre:
+            kids = self.tree.children(r)
+            has = b.signal(r) if pull and any(stager.direct(r, k) for k in kids) else None
+            for k in kids:
+                if not stager.direct(r, k):
+                    for off, c in ranges(k):
+                        stager.send(r, k, dst(k).sub(off, c), src(r).sub(off, c))
+                elif pull:
+                    assert has is not None  # signalled above: k has peer access
+                    b.wait(k, has)
+                    for off, c in ranges(k):
+                        b.copy(k, dst(k).sub(off, c), src(r).sub(off, c))
+                else:
+                    for off, c in ranges(k):
+                        b.copy(r, dst(k).sub(off, c), src(r).sub(off, c))
+                    b.wait(k, b.signal(r))
+
+
+def _interleave(
+    n_chunks: int, lag: int, up: Callable[[int], None], down: Callable[[int], None]
+) -> None:
+    """Issue chunk t's upward work, then chunk t-lag's downward work, so both phases
+    progress together on every stream instead of one strictly after the other."""
+    for t in range(n_chunks + lag):
+        if t < n_chunks:
+            up(t)
+        if t - lag >= 0:
+            down(t - lag)
+
+
+@builds("tree", "all_reduce")
+def tree_all_reduce(req: PlanRequest) -> Plan:
+    tree = req.tree()
+    n, count, role = tree.n, req.count, req.res_role
+    b = PlanBuilder(
+        n, f"tree all_reduce {req.op} count={count}", same_buffer=req.in_place, align=req.align
+    )
+    tp = _TreePlan(b, tree, req)
+
+    def own(r: int) -> Buf:
+        return Buf(r, IN, 0, count)
+
+    def res(r: int) -> Buf:
+        return Buf(r, role, 0, count)
+
+    def part(r: int) -> Buf:
+        # A leaf's contribution is its input, read in place; inner nodes accumulate in
+        # their result buffer (overwritten by the final value later anyway).
+        return own(r) if not tree.children(r) else res(r)
+
+    pieces = list(chunked(count, req.chunk))
+
+    def up(i: int) -> None:
+        off, c = pieces[i]
+        tp.reduce_chunk(part, own, i, off, c, res(tree.root))
+
+    def down(i: int) -> None:
+        tp.send_down(res, res, _same_for_all([pieces[i]]), len(pieces) > 1)
+
+    _interleave(len(pieces), max(1, tree.depth), up, down)
+    return b.build()
+
+
+@builds("tree", "reduce")
+def tree_reduce(req: PlanRequest) -> Plan:
+    """Reduce to the root; inputs of other ranks stay unchanged (inner partial sums go to
+    scratch memory)."""
+    tree = req.tree(req.root)
+    n, root, count = tree.n, tree.root, req.count
+    b = PlanBuilder(
+        n,
+        f"tree reduce {req.op} root={root} count={count}",
+        same_buffer=req.in_place,
+        align=req.align,
+    )
+    tp = _TreePlan(b, tree, req)
+
+    def own(r: int) -> Buf:
+        return Buf(r, IN, 0, count)
+
+    partials = {r: b.alloc_scratch(r, count) for r in range(n) if r != root and tree.children(r)}
+
+    def part(r: int) -> Buf:
+        if r == root:
+            return Buf(r, req.res_role, 0, count)
+        return partials.get(r, own(r))
+
+    for i, (off, c) in enumerate(chunked(count, req.chunk)):
+        tp.reduce_chunk(part, own, i, off, c, part(root))
+    return b.build()
+
+
+@builds("tree", "broadcast")
+def tree_broadcast(req: PlanRequest) -> Plan:
+    tree = req.tree(req.root)
+    n, root, count, role = tree.n, tree.root, req.count, req.res_role
+    b = PlanBuilder(
+        n, f"tree broadcast root={root} count={count}", same_buffer=req.in_place, align=req.align
+    )
+    tp = _TreePlan(b, tree, req)
+
+    def src(r: int) -> Buf:
+        return Buf(r, IN if r == root else role, 0, count)
+
+    def dst(k: int) -> Buf:
+        return Buf(k, role, 0, count)
+
+    pieces = list(chunked(count, req.chunk))
+    for off, c in pieces:
+        if not req.in_place:
+            b.copy(root, Buf(root, OUT, off, c), Buf(root, IN, off, c))
+        tp.send_down(src, dst, _same_for_all([(off, c)]), len(pieces) > 1)
+    return b.build()
+
+
+@builds("tree", "all_gather")
+def tree_all_gather(req: PlanRequest) -> Plan:
+    """Gather every rank's block up the tree into the root's output, then send the blocks
+    each subtree lacks down the tree."""
+    tree = req.tree()
+    n, count = tree.n, req.count
+    b = PlanBuilder(n, f"tree all_gather count={count}", align=req.align)
+    tp = _TreePlan(b, tree, req)
+    stager = tp.stager
+
+    def out(r: int) -> Buf:
+        return Buf(r, OUT, 0, n * count)
+
+    for r in tp.post:
+        if not req.in_place:
+            b.copy(r, out(r).sub(r * count, count), Buf(r, IN, 0, count))
+        for k in tree.children(r):
+            for off, c in _ranges(tree.subtree(k), count):
+                if stager.direct(r, k):
+                    if (k, 0) in tp.ready:
+                        b.wait(r, tp.ready.pop((k, 0)))
+                    b.copy(r, out(r).sub(off, c), out(k).sub(off, c))
+                else:
+                    stager.send(k, r, out(r).sub(off, c), out(k).sub(off, c))
+        if r != tree.root:
+            tp.ready[(r, 0)] = b.signal(r)
+
+    def missing(k: int) -> list[tuple[int, int]]:
+        have = set(tree.subtree(k))
+        pieces: list[tuple[int, int]] = []
+        for off, c in _ranges([x for x in range(n) if x not in have], count):
+            pieces.extend((off + o, cc) for o, cc in chunked(c, req.chunk))
+        return pieces
+
+    pull = any(len(missing(k)) > 1 for k in range(n) if k != tree.root)
+    tp.send_down(out, out, missing, pull)
+    return b.build()
+
+
+@builds("tree", "reduce_scatter")
+def tree_reduce_scatter(req: PlanRequest) -> Plan:
+    """Reduce the whole input to the root's scratch memory, then every rank copies its
+    block from there."""
+    tree = req.tree()
+    n, root, count = tree.n, tree.root, req.count
+    total = n * count
+    b = PlanBuilder(n, f"tree reduce_scatter {req.op} count={count}", align=req.align)
+    tp = _TreePlan(b, tree, req)
+
+    def own(r: int) -> Buf:
+        return Buf(r, IN, 0, total)
+
+    partials = {r: b.alloc_scratch(r, total) for r in range(n) if r == root or tree.children(r)}
+
+    def part(r: int) -> Buf:
+        return partials.get(r, own(r))
+
+    for i, (off, c) in enumerate(chunked(total, req.chunk)):
+        tp.reduce_chunk(part, own, i, off, c, part(root))
+    done = b.signal(root)
+    for r in range(n):
+        dst = Buf(r, IN, r * count, count) if req.in_place else Buf(r, OUT, 0, count)
+        block = part(root).sub(r * count, count)
+        if r == root or tp.stager.direct(root, r):
+            if r != root:
+                b.wait(r, done)
+            b.copy(r, dst, block)
+        else:
+            tp.stager.send(root, r, dst, block)
+    return b.build()

@@ -13,12 +13,18 @@ softmax cross-entropy averaged over the batch.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
+from ._validate import check_int
+from .memory import ShapeLike, check_shape
 from .params import FlatParams
+
+if TYPE_CHECKING:
+    from .backends.base import Device
 
 # -- shared pieces ------------------------------------------------------------------------
 
@@ -78,7 +84,9 @@ class Model:
         """Parameter shapes by name, in layout order (for FlatParams)."""
         raise NotImplementedError
 
-    def make_params(self, dtype: Any = np.float32, device: Any = None) -> FlatParams:
+    def make_params(
+        self, dtype: DTypeLike = np.float32, device: Device | None = None
+    ) -> FlatParams:
         """A zero FlatParams with this model's shapes (call :meth:`init` to initialise)."""
         return FlatParams(self.shapes(), dtype=dtype, device=device)
 
@@ -111,17 +119,11 @@ class Model:
         self._backward(xp, params, dlogits, cache)
         return loss
 
-    def _forward(self, xp: Any, params: FlatParams, x: Any, cache: dict | None) -> Any:
+    def _forward(self, xp: Any, params: FlatParams, x: Any, cache: dict[str, Any] | None) -> Any:
         raise NotImplementedError
 
-    def _backward(self, xp: Any, params: FlatParams, dout: Any, cache: dict) -> None:
+    def _backward(self, xp: Any, params: FlatParams, dout: Any, cache: dict[str, Any]) -> None:
         raise NotImplementedError
-
-
-def _check_positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
 
 
 # -- fully connected models ---------------------------------------------------------------
@@ -137,14 +139,10 @@ class MLP(Model):
 
     name = "mlp"
 
-    def __init__(self, in_features: int, hidden: Sequence[int] = (256,), classes: int = 10):
-        self.in_features = _check_positive("in_features", in_features)
-        if isinstance(hidden, (int, np.integer)):
-            hidden = (hidden,)
-        self.hidden = tuple(_check_positive("hidden sizes", h) for h in hidden)
-        self.classes = _check_positive("classes", classes)
-        if self.classes < 2:
-            raise ValueError(f"classes must be >= 2, got {classes}")
+    def __init__(self, in_features: int, hidden: ShapeLike = (256,), classes: int = 10):
+        self.in_features = check_int(in_features, "in_features", min=1)
+        self.hidden = check_shape(hidden, "hidden", min=1)
+        self.classes = check_int(classes, "classes", min=2)
         self.sizes = (self.in_features, *self.hidden, self.classes)
 
     def __repr__(self) -> str:
@@ -171,7 +169,7 @@ class MLP(Model):
             values[f"fc{i}.bias"] = np.zeros(fan_out)
         return values
 
-    def _forward(self, xp: Any, params: FlatParams, x: Any, cache: dict | None) -> Any:
+    def _forward(self, xp: Any, params: FlatParams, x: Any, cache: dict[str, Any] | None) -> Any:
         h = x.reshape(x.shape[0], -1)
         if h.shape[1] != self.in_features:
             raise ValueError(
@@ -189,7 +187,7 @@ class MLP(Model):
             cache["acts"] = acts
         return h
 
-    def _backward(self, xp: Any, params: FlatParams, dout: Any, cache: dict) -> None:
+    def _backward(self, xp: Any, params: FlatParams, dout: Any, cache: dict[str, Any]) -> None:
         acts = cache["acts"]
         for i in range(len(self.sizes) - 2, -1, -1):
             x_in = acts[i]
@@ -277,27 +275,23 @@ class ConvNet(Model):
 
     def __init__(
         self,
-        input_shape: Sequence[int],
+        input_shape: ShapeLike,
         classes: int = 10,
-        channels: Sequence[int] = (8, 16),
+        channels: ShapeLike = (8, 16),
         kernel: int = 3,
         pool: str = "max",
     ):
-        shape = tuple(input_shape)
+        shape = check_shape(input_shape, "input_shape", min=1)
         if len(shape) == 2:
             shape = (1, *shape)
         if len(shape) != 3:
             raise ValueError(f"input_shape must be (C, H, W) or (H, W), got {input_shape!r}")
-        self.input_shape = tuple(_check_positive("input_shape entries", d) for d in shape)
-        self.classes = _check_positive("classes", classes)
-        if self.classes < 2:
-            raise ValueError(f"classes must be >= 2, got {classes}")
-        if isinstance(channels, (int, np.integer)):
-            channels = (channels,)
-        self.channels = tuple(_check_positive("channels", c) for c in channels)
+        self.input_shape = shape
+        self.classes = check_int(classes, "classes", min=2)
+        self.channels = check_shape(channels, "channels", min=1)
         if not self.channels:
             raise ValueError("channels must list at least one convolution")
-        self.kernel = _check_positive("kernel", kernel)
+        self.kernel = check_int(kernel, "kernel", min=1)
         if self.kernel % 2 == 0:
             raise ValueError(f"kernel must be odd (for 'same' padding), got {kernel}")
         if pool not in ("max", "avg"):
@@ -346,7 +340,7 @@ class ConvNet(Model):
         w = params.views[f"conv{i}.weight"]
         return w.transpose(2, 3, 1, 0).reshape(-1, w.shape[0])
 
-    def _forward(self, xp: Any, params: FlatParams, x: Any, cache: dict | None) -> Any:
+    def _forward(self, xp: Any, params: FlatParams, x: Any, cache: dict[str, Any] | None) -> Any:
         n, k = x.shape[0], self.kernel
         if math.prod(x.shape[1:]) != math.prod(self.input_shape):
             raise ValueError(
@@ -378,7 +372,7 @@ class ConvNet(Model):
             cache.update(stages=stages, flat=flat, pooled_shape=h.shape)
         return logits
 
-    def _backward(self, xp: Any, params: FlatParams, dout: Any, cache: dict) -> None:
+    def _backward(self, xp: Any, params: FlatParams, dout: Any, cache: dict[str, Any]) -> None:
         xp.matmul(dout.T, cache["flat"], out=params.grad_views["fc.weight"])
         dout.sum(axis=0, out=params.grad_views["fc.bias"])
         n, h2, w2, c = cache["pooled_shape"]
@@ -425,7 +419,7 @@ MODELS: dict[str, Callable[..., Model]] = {
 }
 
 
-def build_model(name: str, input_shape: Sequence[int] | int, classes: int, **kw: Any) -> Model:
+def build_model(name: str, input_shape: ShapeLike, classes: int, **kw: Any) -> Model:
     """The model registered as ``name`` ("softmax", "mlp", "cnn") for inputs of
     ``input_shape`` (one example, e.g. ``(C, H, W)`` or ``(features,)``) and ``classes``.
 
@@ -434,6 +428,4 @@ def build_model(name: str, input_shape: Sequence[int] | int, classes: int, **kw:
     """
     if name not in MODELS:
         raise ValueError(f"model must be one of {', '.join(MODELS)}; got {name!r}")
-    if isinstance(input_shape, (int, np.integer)):
-        input_shape = (input_shape,)
-    return MODELS[name](tuple(input_shape), classes, **kw)
+    return MODELS[name](check_shape(input_shape, "input_shape", min=1), classes, **kw)

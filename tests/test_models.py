@@ -227,12 +227,28 @@ def test_registry_and_shapes():
         (lambda: build_model("cnn", (1, 8, 8), 2, kernel=4), ValueError, "odd"),
         (lambda: build_model("mlp", (4,), 1), ValueError, "classes must be >= 2"),
         (lambda: build_model("mlp", (4,), 3, hidden=[0]), ValueError, "hidden"),
-        (lambda: MLP(0), ValueError, "in_features"),
+        (lambda: MLP(0), ValueError, "in_features must be >= 1, got 0"),
+        (lambda: MLP(True), TypeError, "in_features must be an integer"),
+        (lambda: MLP(4.0), TypeError, "in_features must be an integer"),
+        (lambda: MLP(4, hidden=[8, 2.5]), TypeError, r"hidden\[1\] must be an integer"),
+        (lambda: MLP(4, classes=np.bool_(True)), TypeError, "classes must be an integer"),
+        (lambda: build_model("cnn", (1, 8, 8), 2, kernel=3.0), TypeError, "kernel"),
+        (lambda: build_model("cnn", (1, 8, 8), 2, channels=[]), ValueError, "at least one"),
+        (lambda: build_model("mlp", (4, -1), 2), ValueError, r"input_shape\[1\] must be >= 1"),
     ],
 )
 def test_argument_errors(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+def test_numpy_integer_sizes():
+    m = MLP(np.int64(4), hidden=np.array([8, 3]), classes=np.int32(2))
+    assert m.sizes == (4, 8, 3, 2) and all(type(d) is int for d in m.sizes)
+    assert build_model("mlp", np.int64(4), np.int64(2), hidden=np.int64(8)).sizes == (4, 8, 2)
+    cnn = build_model("cnn", (np.int64(1), 8, 8), 3, channels=np.int64(4), kernel=np.int64(3))
+    assert cnn.input_shape == (1, 8, 8) and cnn.channels == (4,) and cnn.kernel == 3
+    assert cnn.shapes() == build_model("cnn", (1, 8, 8), 3, channels=4, kernel=3).shapes()
 
 
 def test_batch_errors():

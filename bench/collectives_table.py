@@ -13,8 +13,8 @@ For each rank count N, in one process run (and one MPI job per N):
 * a bare ``threading.Barrier`` round trip of N threads.
 
 From these it derives, for each algorithm at the largest size, the ratio of its time to
-its own byte-count bound (the bytes its plan moves, read + written, over the copy
-bandwidth), the ratio of the best bus bandwidth to MPICH's, and at 8 B the ratio of each
+its own byte-count bound (the bytes its plan reads and writes, ``Plan.bytes_moved``, over
+the copy bandwidth), the ratio of the best bus bandwidth to MPICH's, and at 8 B the ratio of each
 algorithm's time to the barrier round trip. ``bench/make_tables.py`` turns the JSON into
 the Markdown tables of docs/performance.md.
 """
@@ -36,7 +36,6 @@ import numpy as np
 
 from nccltree.backends import devices as make_devices
 from nccltree.comm.bench import Benchmark, bandwidths, machine_description, parse_size
-from nccltree.comm.plan import IN, OUT, Plan
 
 ALGORITHMS = ("tree", "ring", "direct")
 # (smallest size of the group, timed iterations, warm-up): fewer at large sizes
@@ -56,24 +55,6 @@ def sizes_up_to(maxbytes: int) -> list[int]:
         sizes.append(s)
         s *= 8
     return [*sizes, maxbytes]
-
-
-def plan_bytes(plan: Plan, itemsize: int) -> int:
-    """Bytes the plan reads and writes: a copy reads and writes its elements once, a
-    reduce reads every source and writes the destination, a scale reads and writes.
-    Copies onto the same memory (skipped by the executor) move nothing."""
-
-    def where(b):
-        role = IN if plan.same_buffer and b.role == OUT else b.role
-        return b.rank, role, b.offset, b.count
-
-    total = 0
-    for s in plan.steps:
-        if s.kind == "copy" and where(s.dst) == where(s.srcs[0]):
-            continue
-        if s.kind in ("copy", "reduce", "scale"):
-            total += (len(s.srcs) + 1) * s.dst.count * itemsize
-    return total
 
 
 def copy_bandwidth(nbytes: int, repeat: int = 9) -> dict:
@@ -199,7 +180,7 @@ def summarise(n: int, run: dict, maxbytes: int) -> dict:
                 dtype=r["dtype"],
                 algorithm=r["algorithm"],
             )
-            moved = plan_bytes(plan, np.dtype(r["dtype"]).itemsize)
+            moved = plan.bytes_moved(np.dtype(r["dtype"]).itemsize)
             bound_us = moved / copy_bw * 1e6
             bounds.append(
                 {

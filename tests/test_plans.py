@@ -502,3 +502,115 @@ def test_world_plans_align_what_they_choose(host_devs):
             unit = 256 // np.dtype(dtype).itemsize
             offsets = {s.dst.offset for s in plan.steps if s.dst is not None}
             assert max(offsets) > 0 and all(off % unit == 0 for off in offsets), (dtype, offsets)
+
+
+# -- one builder signature, one registry; build_plan's argument checks ---------------------
+
+
+def test_every_algorithm_builds_every_collective_through_one_registry():
+    from nccltree.comm.algorithms import ALGORITHMS
+    from nccltree.comm.builders import BUILDERS, builds
+
+    assert set(BUILDERS) == {(a, c) for a in ALGORITHMS for c in COLLS}
+    with pytest.raises(AssertionError, match="two builders for ring all_reduce"):
+        builds("ring", "all_reduce")(BUILDERS[("ring", "all_reduce")])
+    with pytest.raises(ValueError, match="no plan for 'ring' 'gather'"):
+        build_plan("ring", "gather", size=2, count=4)
+    with pytest.raises(ValueError, match="no plan for 'mesh'"):
+        build_plan("mesh", "all_reduce", size=2, count=4)
+
+
+@pytest.mark.parametrize("alg", ["tree", "ring", "direct"])
+@pytest.mark.parametrize("coll", COLLS)
+def test_build_plan_accepts_numpy_integers(alg, coll):
+    tree_for = _trees(nt.Topology.preset("flat:3"))
+    ints = dict(size=3, count=100, root=2, chunk=40, itemsize=4)
+    kw = dict(op="sum", in_place=True, tree_for=tree_for)
+    plain = build_plan(alg, coll, **ints, **kw)
+    for np_int in (np.int64, np.int32, np.uint16):
+        numpy = build_plan(alg, coll, **{k: np_int(v) for k, v in ints.items()}, **kw)
+        assert numpy.steps == plain.steps and numpy.scratch == plain.scratch
+        assert all(type(b.offset) is int for s in numpy.data_steps() for b in s.touches)
+
+
+@pytest.mark.parametrize(
+    "name, bad, error, match",
+    [
+        ("size", True, TypeError, "size must be an integer, got True"),
+        ("size", 3.0, TypeError, "size must be an integer"),
+        ("size", 0, ValueError, "size must be >= 1, got 0"),
+        ("count", np.bool_(True), TypeError, "count must be an integer"),
+        ("count", float("nan"), TypeError, "count must be an integer"),
+        ("count", -1, ValueError, "count must be >= 0, got -1"),
+        ("root", False, TypeError, "root must be an integer, got False"),
+        ("root", 3, ValueError, r"root must be in \[0, 3\), got 3"),
+        ("root", np.int64(-1), ValueError, r"root must be in \[0, 3\), got -1"),
+        ("chunk", True, TypeError, "chunk must be an integer"),
+        ("chunk", 0, ValueError, "chunk must be >= 1, got 0"),
+        ("chunk", float("inf"), TypeError, "chunk must be an integer"),
+        ("itemsize", True, TypeError, "itemsize must be an integer"),
+        ("itemsize", 0, ValueError, "itemsize must be >= 1, got 0"),
+        ("itemsize", 4.0, TypeError, "itemsize must be an integer"),
+        ("op", "avg", ValueError, "unknown reduction op 'avg'"),
+    ],
+)
+def test_build_plan_checks_its_arguments(name, bad, error, match):
+    kw = dict(size=3, count=12, root=0, chunk=4, itemsize=None, op="sum")
+    kw[name] = bad
+    for alg in ("tree", "ring", "direct"):
+        tree_for = _trees(nt.Topology.preset("flat:3"))
+        with pytest.raises(error, match=match):
+            build_plan(alg, "reduce", tree_for=tree_for, **kw)
+
+
+def test_build_plan_needs_a_tree_of_its_size_for_the_tree_algorithm():
+    with pytest.raises(ValueError, match="needs a tree"):
+        build_plan("tree", "all_reduce", size=2, count=4)
+    with pytest.raises(ValueError, match="the tree spans 4 ranks, the plan 3"):
+        build_plan(
+            "tree", "all_reduce", size=3, count=4, tree_for=_trees(nt.Topology.preset("flat:4"))
+        )
+    # rooted collectives ask for the tree rooted at their root, the others for rank 0's
+    asked = []
+    topo = nt.Topology.preset("flat:4")
+
+    def tree_for(root):
+        asked.append(root)
+        return nt.build_tree(topo, root=root)
+
+    for coll in COLLS:
+        build_plan("tree", coll, size=4, count=8, root=np.int64(3), tree_for=tree_for)
+    assert asked == [0, 3, 3, 0, 0]
+
+
+# -- bytes a plan moves (the byte-count bound of bench/collectives_table.py) --------------
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_bytes_moved_counts_reads_and_writes(n):
+    count = 1 << 16
+    size = 4 * count
+    with nt.World(f"cpu:{n}", algorithm="tree") as w:
+        # direct: every rank reduces its 1/n slice (n reads + 1 write) and writes it to
+        # n-1 peers (a read and a write each): (n + 1) + 2 (n - 1) = 3n - 1 buffer passes
+        for in_place in (False, True):
+            plan = w.plan("all_reduce", count, in_place=in_place, algorithm="direct")
+            assert plan.bytes_moved(4) == (3 * n - 1) * size
+        # ring: n-1 reduce steps of 1/n (2 reads + 1 write), n-1 copies of 1/n (read + write)
+        plan = w.plan("all_reduce", count, in_place=True, algorithm="ring")
+        assert plan.bytes_moved(4) == pytest.approx(5 * (n - 1) * size, rel=1e-3)
+
+
+def test_bytes_moved_skips_copies_onto_the_same_memory():
+    a, a_out, b = Buf(0, IN, 0, 10), Buf(0, OUT, 0, 10), Buf(1, IN, 0, 10)
+    pb = PlanBuilder(2, same_buffer=True)
+    pb.copy(0, a_out, a)  # in place: "out" is "in", nothing moves
+    pb.reduce(1, b, [a, b], "sum")  # two reads, one write
+    pb.scale(1, b, 0.5)  # a read and a write
+    plan = pb.build()
+    assert plan.bytes_moved(8) == (3 + 2) * 10 * 8
+    plan.same_buffer = False  # now the copy is real: a read and a write
+    assert plan.bytes_moved(np.int64(8)) == (2 + 3 + 2) * 10 * 8
+    for bad, error in ((0, ValueError), (True, TypeError), (8.0, TypeError)):
+        with pytest.raises(error, match="itemsize"):
+            plan.bytes_moved(bad)

@@ -71,7 +71,7 @@ def build_plan(
     if op not in OPS:
         raise ValueError(f"unknown reduction op {op!r}; accepted: {', '.join(OPS)}")
     size = check_int(size, "size", min=1)
-    align = align_elements(None if itemsize is None else check_int(itemsize, "itemsize", min=1))
+    align = align_elements(itemsize)
     req = PlanRequest(
         size=size,
         count=check_int(count, "count", min=0),

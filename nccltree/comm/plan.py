@@ -26,6 +26,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from math import lcm
 
+from .._validate import check_int
+
 # Buffer roles: the caller's input, the caller's output (same memory as "in" when the call
 # is in place), scratch memory the engine owns on the rank's device, and pinned host
 # memory the engine owns for the rank (staging between devices without peer access).
@@ -43,8 +45,7 @@ def align_elements(itemsize: int | None) -> int:
     that is a multiple of :data:`ALIGN_BYTES` bytes (1, element granularity, for None)."""
     if itemsize is None:
         return 1
-    if itemsize < 1:
-        raise ValueError(f"itemsize must be positive, got {itemsize}")
+    itemsize = check_int(itemsize, "itemsize", min=1)
     return lcm(ALIGN_BYTES, itemsize) // itemsize
 
 
@@ -134,6 +135,25 @@ class Plan:
                     if src.rank != s.dst.rank:
                         out.append((src.rank, s.dst.rank, src.count))
         return out
+
+    def bytes_moved(self, itemsize: int) -> int:
+        """Bytes the plan's data steps read and write, for elements of ``itemsize`` bytes:
+        a copy reads and writes its elements once, a reduce reads every source and writes
+        the destination, a scale reads and writes its buffer. A copy onto the same memory
+        (which the executor skips) moves nothing. Over a memory bandwidth (bytes read +
+        written per second), this is the least time the plan can take on one host."""
+        itemsize = check_int(itemsize, "itemsize", min=1)
+
+        def where(b: Buf) -> tuple[tuple[int, str], int, int]:
+            return _region(b, self.same_buffer), b.offset, b.count
+
+        total = 0
+        for s in self.data_steps():
+            assert s.dst is not None, f"a {s.kind} step without a destination"
+            if s.kind == "copy" and where(s.dst) == where(s.srcs[0]):
+                continue
+            total += (len(s.srcs) + 1) * s.dst.count * itemsize
+        return total
 
     def __str__(self) -> str:
         lines = [f"plan: {self.description} ({self.size} ranks, {len(self.steps)} steps)"]

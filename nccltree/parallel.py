@@ -30,14 +30,20 @@ import time
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from ._errors import NcclTreeError, PeerFailure
+from ._validate import check_int, check_real
 from .models import Model
 from .params import FlatParams
 from .solver import SGD, Callback
+
+if TYPE_CHECKING:
+    from .backends.base import Device
+    from .comm import Comm, World
 
 UPDATE_MODES = ("allreduce", "root")
 SCALING_MODES = ("weak", "strong")
@@ -45,6 +51,15 @@ SNAPSHOT_FORMAT = "nccltree-snapshot-1"
 
 # How often a rank waiting for data looks at the stop flag (seconds).
 _DATA_POLL_S = 0.5
+
+
+class BatchSource(Protocol):
+    """What :meth:`DataParallel.fit` reads batches from (a :class:`~nccltree.DataReader`):
+    ``next_batch(rank, timeout=)`` returns a batch that unpacks as ``x, y`` and is a
+    context manager that releases it. Optional attributes: ``ranks``, ``start``,
+    ``round_size`` and the batch's ``position``."""
+
+    def next_batch(self, rank: int = 0, timeout: float | None = None) -> Any: ...
 
 
 class RankFailure(NcclTreeError):
@@ -60,22 +75,18 @@ class RankFailure(NcclTreeError):
 def per_rank_batch(batch_size: int, ranks: int, scaling: str = "weak") -> int:
     """The batch each rank computes: ``batch_size`` (weak) or ``batch_size / ranks``
     (strong; ValueError when it does not divide evenly)."""
-    if (
-        isinstance(batch_size, bool)
-        or not isinstance(batch_size, (int, np.integer))
-        or batch_size < 1
-    ):
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    batch_size = check_int(batch_size, "batch_size", min=1)
+    ranks = check_int(ranks, "ranks", min=1)
     if scaling not in SCALING_MODES:
         raise ValueError(f"scaling must be one of {', '.join(SCALING_MODES)}; got {scaling!r}")
     if scaling == "weak":
-        return int(batch_size)
+        return batch_size
     if batch_size % ranks:
         raise ValueError(
             f"strong scaling splits the global batch across ranks, but {batch_size} does not "
             f"split evenly across {ranks} ranks; use a multiple of {ranks}"
         )
-    return int(batch_size) // ranks
+    return batch_size // ranks
 
 
 # -- results and snapshots ---------------------------------------------------------------
@@ -195,6 +206,7 @@ def evaluate(
     model: Model, params: FlatParams, x: np.ndarray, y: np.ndarray, batch_size: int = 1024
 ) -> tuple[float, float]:
     """``(accuracy, mean loss)`` of ``model`` with ``params`` on the arrays ``x``, ``y``."""
+    batch_size = check_int(batch_size, "batch_size", min=1)
     n = len(y)
     if n == 0:
         raise ValueError("evaluation needs at least one example")
@@ -228,7 +240,7 @@ class _Timed:
 class AllReduceSync(Callback, _Timed):
     """``on_gradients_ready``: average the flat gradient buffer over all ranks."""
 
-    def __init__(self, comm: Any, params: FlatParams) -> None:
+    def __init__(self, comm: Comm, params: FlatParams) -> None:
         _Timed.__init__(self)
         self.comm, self.params = comm, params
 
@@ -240,7 +252,7 @@ class RootSync(Callback, _Timed):
     """Caffe's P2PSync: gradients summed at the root, which alone updates; the root's
     parameters are broadcast at the start of the next iteration."""
 
-    def __init__(self, comm: Any, params: FlatParams, root: int = 0) -> None:
+    def __init__(self, comm: Comm, params: FlatParams, root: int = 0) -> None:
         _Timed.__init__(self)
         self.comm, self.params, self.root = comm, params, root
 
@@ -251,7 +263,9 @@ class RootSync(Callback, _Timed):
         self._timed(self.comm.reduce, self.params.grad, root=self.root)
         if self.comm.rank == self.root:
             # each rank's loss is a mean over its batch: the sum of N means needs 1/N
-            self.params.device.scale(self.params.grad, 1.0 / self.comm.size)
+            device = self.params.device
+            assert device is not None, "DataParallel's parameters live on a device"
+            device.scale(self.params.grad, 1.0 / self.comm.size)
 
 
 # -- the driver ----------------------------------------------------------------------------
@@ -294,13 +308,13 @@ class DataParallel:
     def __init__(
         self,
         model: Model,
-        devices: Sequence[Any] | str,
+        devices: Sequence[Device] | str,
         *,
         algorithm: str = "tree",
         update_mode: str = "allreduce",
         comm: bool = True,
         seed: int = 0,
-        dtype: Any = np.float32,
+        dtype: DTypeLike = np.float32,
         timeout: float = 60.0,
         blas_threads: int | None = None,
         grad_hook: Callable[[int, int, FlatParams], None] | None = None,
@@ -325,10 +339,8 @@ class DataParallel:
             raise ValueError(
                 f"algorithm must be one of {', '.join(ALGORITHM_CHOICES)}; got {algorithm!r}"
             )
-        if blas_threads is not None and (
-            isinstance(blas_threads, bool) or not isinstance(blas_threads, int) or blas_threads < 1
-        ):
-            raise ValueError(f"blas_threads must be None or an int >= 1, got {blas_threads!r}")
+        if blas_threads is not None:
+            blas_threads = check_int(blas_threads, "blas_threads", min=1)
         if grad_hook is not None and not callable(grad_hook):
             raise TypeError("grad_hook must be callable(rank, iteration, params)")
         self.model = model
@@ -337,8 +349,9 @@ class DataParallel:
         self.algorithm = algorithm
         self.update_mode = update_mode
         self.comm_enabled = bool(comm)
-        self.seed = seed
-        self.timeout = float(timeout)
+        self.seed = check_int(seed, "seed", min=0)
+        # a bound, not None: fit waits for the ranks with it
+        self.timeout = check_real(timeout, "timeout", min=0.0, min_open=True)
         self.blas_threads = blas_threads
         self.grad_hook = grad_hook
         self.params = [model.make_params(dtype=dtype, device=d) for d in devices]
@@ -347,7 +360,7 @@ class DataParallel:
         model.init(self.params[0], seed=seed)
         self.position: int | None = None  # data position of the next iteration, if known
         self.last_snapshot: str | None = None
-        self._world: Any = None
+        self._world: World | None = None
         self._run: _Run | None = None
         self._restored = False
 
@@ -361,7 +374,7 @@ class DataParallel:
     def root_updates(self) -> bool:
         return self.update_mode == "root" and self.comm_enabled
 
-    def world(self) -> Any:
+    def world(self) -> World:
         """The World the ranks communicate through (created on first use)."""
         # a World aborted by a failed rank or closed by stop() is closed for good
         if self._world is None or self._world.aborted:
@@ -434,7 +447,7 @@ class DataParallel:
     # -- training -------------------------------------------------------------------------
     def fit(
         self,
-        data: Any,
+        data: BatchSource,
         iters: int,
         *,
         on_step: Callable[[StepInfo], None] | None = None,
@@ -452,8 +465,7 @@ class DataParallel:
         re-raises ``KeyboardInterrupt``; :meth:`stop` ends the run early with
         ``FitResult.stopped`` set.
         """
-        if isinstance(iters, bool) or not isinstance(iters, (int, np.integer)) or iters < 0:
-            raise ValueError(f"iters must be an int >= 0, got {iters!r}")
+        iters = check_int(iters, "iters", min=0)
         ranks = getattr(data, "ranks", self.size)
         if ranks != self.size:
             raise ValueError(f"the data serve {ranks} ranks, the driver has {self.size} devices")
@@ -500,15 +512,15 @@ class DataParallel:
 
     def _launch(
         self,
-        world: Any,
+        world: World | None,
         run: _Run,
-        data: Any,
+        data: BatchSource,
         iters: int,
         on_step: Callable[[StepInfo], None] | None,
         result: FitResult,
         t_start: float,
     ) -> None:
-        def body(comm: Any) -> None:
+        def body(comm: Comm | _NoComm) -> None:
             r = comm.rank
             try:
                 with self.devices[r].activate():
@@ -546,10 +558,10 @@ class DataParallel:
 
     def _rank_loop(
         self,
-        comm: Any,
+        comm: Comm | _NoComm,
         r: int,
         run: _Run,
-        data: Any,
+        data: BatchSource,
         iters: int,
         on_step: Callable[[StepInfo], None] | None,
         result: FitResult,
@@ -558,6 +570,7 @@ class DataParallel:
         params, solver, model = self.params[r], self.solvers[r], self.model
         sync: AllReduceSync | RootSync | None = None
         if self.comm_enabled:
+            assert not isinstance(comm, _NoComm), "communication is on: a real Comm"
             sync = (
                 RootSync(comm, params)
                 if self.update_mode == "root"
@@ -629,10 +642,11 @@ class DataParallel:
                 )
         if self.root_updates:
             # the last update lives on the root only: share it so every replica ends equal
+            assert sync is not None and not isinstance(comm, _NoComm)
             sync._timed(comm.broadcast, params.data, root=0)
 
 
-def _next_batch(data: Any, rank: int, run: _Run) -> Any:
+def _next_batch(data: BatchSource, rank: int, run: _Run) -> Any:
     """The rank's next batch, looking at the stop flag while it waits."""
     while True:
         try:

@@ -137,6 +137,18 @@ def test_strong_scaling_uneven_split_is_an_error():
         per_rank_batch(8, 2, "linear")
 
 
+def test_per_rank_batch_follows_the_one_rule():
+    assert per_rank_batch(np.int64(32), np.int64(4), "strong") == 8
+    assert type(per_rank_batch(np.int32(32), 4)) is int
+    for bad in (True, 32.0, "32"):
+        with pytest.raises(TypeError, match="batch_size must be an integer"):
+            per_rank_batch(bad, 4)
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+        per_rank_batch(0, 4)
+    with pytest.raises(ValueError, match="ranks must be >= 1"):
+        per_rank_batch(8, 0, "strong")
+
+
 @pytest.mark.parametrize("update_mode", ["allreduce", "root"])
 def test_snapshot_resume_is_bitwise(host_devs, db, tmp_path, update_mode):
     path = str(tmp_path / "snap.npz")
@@ -254,6 +266,47 @@ def test_evaluate_and_argument_checks(host_devs, db):
         DataParallel(object(), host_devs(1), lr=0.1)
     with nt.DataReader(db, 8, 3) as reader, pytest.raises(ValueError, match="3 ranks"):
         DataParallel(model(), host_devs(2), lr=0.1).fit(reader, 5)
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        evaluate(dp.model, dp.params[0], x, y, batch_size=0)
+    assert evaluate(dp.model, dp.params[0], x, y, batch_size=np.int64(100)) == (acc, loss)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"timeout": float("nan")}, ValueError, "timeout must be a number, got NaN"),
+        ({"timeout": float("inf")}, ValueError, "timeout must be finite"),
+        ({"timeout": 0}, ValueError, "timeout must be > 0"),
+        ({"timeout": True}, TypeError, "timeout must be a real number"),
+        ({"blas_threads": 0}, ValueError, "blas_threads must be >= 1"),
+        ({"blas_threads": 2.0}, TypeError, "blas_threads must be an integer"),
+        ({"seed": -1}, ValueError, "seed must be >= 0"),
+        ({"seed": True}, TypeError, "seed must be an integer"),
+        ({"lr": float("nan")}, ValueError, "lr must be a number"),
+    ],
+)
+def test_driver_arguments_follow_the_one_rule(host_devs, kwargs, exc, match):
+    kwargs = {"lr": 0.1, **kwargs}
+    with pytest.raises(exc, match=match):
+        DataParallel(model(), host_devs(1), **kwargs)
+
+
+def test_driver_takes_numpy_numbers(host_devs, db):
+    dp = DataParallel(
+        model(),
+        host_devs(2),
+        lr=np.float32(0.1),
+        seed=np.int64(0),
+        timeout=np.float64(30),
+        blas_threads=np.int64(1),
+    )
+    assert dp.blas_threads == 1 and dp.timeout == 30.0 and dp.seed == 0
+    with dp, nt.DataReader(db, 8, 2) as reader:
+        with pytest.raises(TypeError, match="iters must be an integer"):
+            dp.fit(reader, 2.0)
+        with pytest.raises(ValueError, match="iters must be >= 0"):
+            dp.fit(reader, -1)
+        assert len(dp.fit(reader, np.int64(2)).losses) == 2
 
 
 @pytest.mark.parametrize("update_mode", ["allreduce", "root"])

@@ -49,6 +49,20 @@ class PlanRequest:
         """The role of the buffer a rank's result goes to: its input when in place."""
         return IN if self.in_place else OUT
 
+    def gather_input(self, r: int) -> Buf:
+        """all_gather: rank ``r``'s block, its input, or its slot of its output when the
+        call is in place (NCCL's layout)."""
+        if self.in_place:
+            return Buf(r, OUT, r * self.count, self.count)
+        return Buf(r, IN, 0, self.count)
+
+    def scatter_output(self, r: int) -> Buf:
+        """reduce_scatter: where rank ``r``'s block of the result goes, its output, or its
+        slot of its input when the call is in place (NCCL's layout)."""
+        if self.in_place:
+            return Buf(r, IN, r * self.count, self.count)
+        return Buf(r, OUT, 0, self.count)
+
     @property
     def kernel_op(self) -> str:
         """The elementwise op between contributions (a mean is a sum, scaled at the end)."""

@@ -78,7 +78,7 @@ def direct_all_gather(req: PlanRequest) -> Plan:
     n, count = req.size, req.count
     b = PlanBuilder(n, f"direct all_gather count={count}", align=req.align)
     for r in range(n):
-        src = Buf(r, OUT, r * count, count) if req.in_place else Buf(r, IN, 0, count)
+        src = req.gather_input(r)
         for i in range(n):
             q = (r + i) % n
             if q == r and req.in_place:
@@ -92,7 +92,7 @@ def direct_reduce_scatter(req: PlanRequest) -> Plan:
     n, count = req.size, req.count
     b = PlanBuilder(n, f"direct reduce_scatter {req.op} count={count}", align=req.align)
     for r in range(n):
-        dst = Buf(r, IN, r * count, count) if req.in_place else Buf(r, OUT, 0, count)
+        dst = req.scatter_output(r)
         for o, c in chunked(count, req.chunk):
             reduce_chunk(b, req, r, dst.sub(o, c), _inputs(req, r * count + o, c))
     return b.build()

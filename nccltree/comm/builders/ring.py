@@ -142,7 +142,7 @@ def ring_all_gather(req: PlanRequest) -> Plan:
     ev: dict[tuple[int, int], int] = {}
     for r in range(n):
         if not req.in_place:
-            b.copy(r, out(r).sub(r * count, count), Buf(r, IN, 0, count))
+            b.copy(r, out(r).sub(r * count, count), req.gather_input(r))
         ev[(r, -1)] = b.signal(r)
     for t in range(n - 1):
         for r in range(n):

@@ -291,7 +291,7 @@ def tree_all_gather(req: PlanRequest) -> Plan:
 
     for r in tp.post:
         if not req.in_place:
-            b.copy(r, out(r).sub(r * count, count), Buf(r, IN, 0, count))
+            b.copy(r, out(r).sub(r * count, count), req.gather_input(r))
         for k in tree.children(r):
             for off, c in _ranges(tree.subtree(k), count):
                 if stager.direct(r, k):
@@ -337,7 +337,7 @@ def tree_reduce_scatter(req: PlanRequest) -> Plan:
         tp.reduce_chunk(part, own, i, off, c, part(root))
     done = b.signal(root)
     for r in range(n):
-        dst = Buf(r, IN, r * count, count) if req.in_place else Buf(r, OUT, 0, count)
+        dst = req.scatter_output(r)
         block = part(root).sub(r * count, count)
         if r == root or tp.stager.direct(root, r):
             if r != root:

@@ -28,6 +28,17 @@ def test_synthetic_is_seeded_and_shaped():
     for bad in ({"n": 0}, {"classes": 0}, {"seed": -1}, {"shape": (0,)}, {"split": "val"}):
         with pytest.raises(ValueError):
             synthetic(**bad)
+    with pytest.raises(ValueError, match="shape must hold at least one size"):
+        synthetic(10, shape=())
+
+
+def test_synthetic_arguments_follow_the_one_rule():
+    X, y = synthetic(np.int64(20), shape=(np.int32(1), 4, 4), classes=np.int64(3), seed=np.uint8(5))
+    X0, y0 = synthetic(20, shape=(1, 4, 4), classes=3, seed=5)
+    assert X.tobytes() == X0.tobytes() and y.tobytes() == y0.tobytes()
+    for bad, name in (({"n": True}, "n"), ({"seed": 1.0}, "seed"), ({"shape": (4.0,)}, "shape")):
+        with pytest.raises(TypeError, match=f"{name}.* must be an integer"):
+            synthetic(**bad)
 
 
 def _train(X, y, Xt, yt, hidden: int | None, steps: int = 300, bs: int = 32) -> float:

@@ -405,6 +405,35 @@ def test_bad_arguments(db10):
             r.next_batch(2)
 
 
+def test_arguments_follow_the_one_rule(db10):
+    # numpy integers are integers; bool and floats are not; NaN and inf are not numbers
+    with DataReader(
+        db10, np.int64(4), ranks=np.int32(2), prefetch=np.uint8(2), epochs=np.int64(1)
+    ) as r:
+        assert r.batch_size == 4 and type(r.batch_size) is int
+        with r.next_batch(np.int64(1), timeout=np.float64(10)) as b:
+            assert b.rank == 1 and len(b) == 4
+        for bad in (True, 0.0):
+            with pytest.raises(TypeError, match="rank must be an integer"):
+                r.next_batch(bad)
+        for bad in (float("nan"), float("inf"), -1.0):
+            with pytest.raises(ValueError, match="timeout must be"):
+                r.next_batch(0, timeout=bad)
+    for kwargs, exc, match in [
+        ({"batch_size": True}, TypeError, "batch_size must be an integer"),
+        ({"batch_size": 2.0}, TypeError, "batch_size must be an integer"),
+        ({"batch_size": 2, "ranks": np.bool_(True)}, TypeError, "ranks must be an integer"),
+        ({"batch_size": 2, "scale": float("nan")}, ValueError, "scale must be a number"),
+        ({"batch_size": 2, "scale": float("inf")}, ValueError, "scale must be finite"),
+        ({"batch_size": 2, "scale": "0.5"}, TypeError, "scale must be a real number"),
+        ({"batch_size": 2, "scale": True}, TypeError, "scale must be a real number"),
+    ]:
+        with pytest.raises(exc, match=match):
+            DataReader(db10, **kwargs)
+    with DataReader(db10, 2, scale=np.float64(0.5)) as r, r.next_batch() as b:
+        assert b.x.dtype == np.float32
+
+
 def test_batch_larger_than_tiny_database_with_drop_last(tmp_path):
     path = index_db(tmp_path / "tiny", 3)
     with pytest.raises(ValueError, match="no batch at all"):

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
+    from ..backends.base import Event
+    from ..memory import SyncedMemory
     from .pipeline import Pipeline
 
 
@@ -19,9 +21,11 @@ class Slot:
     def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
         self.x, self.y = x, y
         self.count = self.index = self.position = 0
-        self.x_mem = self.y_mem = None  # SyncedMemory when batches go to a device
-        self.pushed = None  # event: the device copy of this slot is done
-        self.released = None  # event: the consumer's work on the device copy is done
+        # SyncedMemory when batches go to a device
+        self.x_mem: SyncedMemory | None = None
+        self.y_mem: SyncedMemory | None = None
+        self.pushed: Event | None = None  # the device copy of this slot is done
+        self.released: Event | None = None  # the consumer's work on the device copy is done
 
 
 class Batch:
@@ -41,7 +45,8 @@ class Batch:
     __slots__ = ("rank", "index", "position", "_slot", "_state")
 
     def __init__(self, state: Pipeline, rank: int, slot: Slot) -> None:
-        self._state, self.rank, self._slot = state, rank, slot
+        self._state, self.rank = state, rank
+        self._slot: Slot | None = slot
         self.index, self.position = slot.index, slot.position
 
     def _live(self) -> Slot:

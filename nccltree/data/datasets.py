@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from math import prod
 
 import numpy as np
+
+from .._validate import check_int
+from ..memory import ShapeLike, check_shape
 
 SPLITS = ("train", "test")
 
@@ -21,7 +23,7 @@ _NOISE = 0.1
 
 def synthetic(
     n: int = 4096,
-    shape: Sequence[int] | int = (64,),
+    shape: ShapeLike = (64,),
     classes: int = 10,
     seed: int = 0,
     *,
@@ -40,14 +42,12 @@ def synthetic(
     however long it trains; the Bayes limit is about 99%. Other seeds draw other tasks of
     similar difficulty (MLP 90-95% after 300 steps).
     """
-    for name, value in (("n", n), ("classes", classes)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1; got {value!r}")
-    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0; got {seed!r}")
-    shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
-    if not shape or any(s < 1 for s in shape):
-        raise ValueError(f"shape must be a non-empty tuple of positive sizes; got {shape!r}")
+    n = check_int(n, "n", min=1)
+    classes = check_int(classes, "classes", min=1)
+    seed = check_int(seed, "seed", min=0)
+    shape = check_shape(shape, "shape", min=1)
+    if not shape:
+        raise ValueError("shape must hold at least one size; got ()")
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}; got {split!r}")
     features = prod(shape)

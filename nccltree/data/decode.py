@@ -11,10 +11,13 @@ import os
 from collections.abc import Callable, Sequence
 from functools import cache
 from math import prod
+from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .._errors import BackendUnavailable
+from .._validate import check_real
 from . import datum
 from .format import LABEL_OFFSET, RecordLayout, record_layout
 
@@ -80,22 +83,24 @@ class Transform:
         self,
         shape: tuple[int, ...],
         in_dtype: np.dtype,
-        dtype: object = None,
+        dtype: DTypeLike | None = None,
         scale: float | None = None,
         mean: object = None,
     ) -> None:
+        dt: np.dtype[Any] | None
         if dtype is not None:
-            dt = np.dtype(dtype)  # type: ignore[call-overload]
+            dt = np.dtype(dtype)
             if dt.kind != "f":
                 raise ValueError(f"dtype must be a float type (e.g. 'float32') or None; got {dt}")
         else:
             dt = None
-        if scale is not None and (isinstance(scale, bool) or not np.isscalar(scale)):
-            raise TypeError(f"scale must be a number or None; got {scale!r}")
-        self.out_dtype = dt or (
+        if scale is not None:
+            scale = check_real(scale, "scale")
+        self.out_dtype: np.dtype[Any] = dt or (
             np.dtype(np.float32) if scale is not None or mean is not None else in_dtype
         )
-        self.scale = None if scale is None else self.out_dtype.type(scale)
+        # a scalar of the output dtype, so the product is computed in it
+        self.scale = None if scale is None else np.asarray(scale, self.out_dtype)[()]
         self.mean = None if mean is None else _mean_array(mean, shape, self.out_dtype)
         self.identity = self.out_dtype == in_dtype and self.scale is None and self.mean is None
 
@@ -190,7 +195,9 @@ class RecordDecoder:
         else:
             self._fill_large(values, x[:n], y[:n], transform)
 
-    def _check_headers(self, values, buf: bytes, stride: int, y: np.ndarray) -> None:
+    def _check_headers(
+        self, values: Sequence[memoryview], buf: bytes, stride: int, y: np.ndarray
+    ) -> None:
         """Check the headers in ``buf`` (one every ``stride`` bytes) and copy the labels."""
         hw = np.ndarray((len(values), len(self._words)), "<i8", buf, 0, (stride, 8))
         same = hw == self._words
@@ -200,7 +207,9 @@ class RecordDecoder:
             raise BadRecord(i, self._reason(values[i]))
         np.copyto(y, hw[:, 1])
 
-    def _fill_small(self, values, x, y, transform) -> None:
+    def _fill_small(
+        self, values: Sequence[memoryview], x: np.ndarray, y: np.ndarray, transform: Transform
+    ) -> None:
         n, size, h = len(values), self._size, self._hsize
         joined = b"".join(values)
         self._check_headers(values, joined, size, y)
@@ -210,7 +219,9 @@ class RecordDecoder:
         else:
             transform(payload, x)
 
-    def _fill_large(self, values, x, y, transform) -> None:
+    def _fill_large(
+        self, values: Sequence[memoryview], x: np.ndarray, y: np.ndarray, transform: Transform
+    ) -> None:
         n, h, nb = len(values), self._hsize, self._nbytes
         self._check_headers(values, b"".join([v[:h] for v in values]), h, y)
         dst = x if transform.identity else self._staging(n)
@@ -218,7 +229,7 @@ class RecordDecoder:
         if self._gather is not None:
             self._gather(flat, [v[h:] for v in values], GATHER_THREADS)
         else:
-            out = memoryview(flat)
+            out = flat.data  # a memoryview of the bytes
             o = 0
             for v in values:
                 out[o : o + nb] = v[h:]

@@ -6,12 +6,14 @@ import errno
 import os
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+from .._validate import check_int
 from .datum import _decode as _decode_datum
 from .datum import encode_datum, looks_like_datum
 from .errors import DataError
@@ -22,7 +24,7 @@ FORMATS = ("auto", "nccltree", "datum")
 _MiB = 1 << 20
 
 
-def _lmdb():
+def _lmdb() -> ModuleType:
     import lmdb  # a dependency, but imported here so that `import nccltree` stays cheap
 
     return lmdb
@@ -94,12 +96,14 @@ def detect_format(value: bytes | memoryview, key: bytes | memoryview) -> str:
     )
 
 
-def decoder(format: str):
+def decoder(format: str) -> Callable[[bytes | memoryview], tuple[np.ndarray, int]]:
     """The single-record decode function ``buf -> (array, label)`` of a format."""
     return _decode_record if format == "nccltree" else _decode_datum
 
 
-def decode_one(format: str, value: bytes | memoryview, key: bytes | memoryview):
+def decode_one(
+    format: str, value: bytes | memoryview, key: bytes | memoryview
+) -> tuple[np.ndarray, int]:
     try:
         return decoder(format)(value)
     except ValueError as e:
@@ -245,8 +249,9 @@ def write_lmdb(
         raise TypeError(f"labels must be integers; got dtype {y.dtype}")
     if format == "datum" and X.dtype not in (np.uint8, np.float32):
         raise TypeError(f"Datum records hold uint8 or float32 data; got {X.dtype}")
-    if commit_bytes <= 0:
-        raise ValueError(f"commit_bytes must be > 0; got {commit_bytes}")
+    commit_bytes = check_int(commit_bytes, "commit_bytes", min=1)
+    if map_size is not None:
+        map_size = check_int(map_size, "map_size", min=1)
     encode = encode_record if format == "nccltree" else encode_datum
     sample = encode(X[0], int(y[0]))
     width = max(8, len(str(len(X) - 1)))

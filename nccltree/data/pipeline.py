@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from .format import keyname
 from .lmdb_io import close_env
 from .order import Dealing
 from .sources import SequentialSource, ShuffledSource
+
+if TYPE_CHECKING:
+    from ..backends.base import Device, Stream
 
 JOIN_TIMEOUT = 30.0
 
@@ -40,7 +43,7 @@ class Pipeline:
         transform: Transform,
         shuffle: int | None,
         slots: list[list[Slot]],
-        devices: list | None,
+        devices: list[Device] | None,
         log_msgs: list[str | None],
         epochs: int | None,
     ) -> None:
@@ -66,7 +69,9 @@ class Pipeline:
         self.ended = False
         self.closed = False
         self.env_closed = False
-        self.streams = [dev.new_stream() for dev in devices] if devices else None
+        self.streams: list[Stream] | None = (
+            [dev.new_stream() for dev in devices] if devices else None
+        )
         self.thread = threading.Thread(target=self.run, name="nccltree-DataReader", daemon=True)
 
     # -- reader thread --
@@ -124,7 +129,7 @@ class Pipeline:
         # Only this thread takes free buffers, so a non-empty free queue stays non-empty
         # until it does.
         while d.round_length(i + len(group)) and all(len(free[r]) for r in ranks):
-            group.append([free[r].try_pop() for r in ranks])
+            group.append([self._free_slot(r) for r in ranks])  # never waits: none is empty
         return group
 
     def _loop(self, txn: Any) -> None:
@@ -206,6 +211,7 @@ class Pipeline:
 
     def _push(self, slot: Slot, rank: int) -> None:
         """Start the copy of a filled slot to the rank's device on a side stream."""
+        assert self.streams is not None and slot.x_mem is not None and slot.y_mem is not None
         stream = self.streams[rank]
         if slot.released is not None:
             stream.wait_event(slot.released)  # the consumer's kernels have read the old data
@@ -246,6 +252,7 @@ class Pipeline:
             self.served[rank] += 1
             self.held[rank] += 1
         if slot.pushed is not None:
+            assert self.devices is not None, "slots are pushed to devices only"
             dev = self.devices[rank]
             if dev.backend == "host":
                 slot.pushed.synchronize()  # numpy code runs now, not in stream order
@@ -273,6 +280,7 @@ class Pipeline:
         with self.lock:
             self.held[rank] -= 1
         if slot.x_mem is not None:
+            assert self.devices is not None, "slots have device memory only with devices"
             slot.released = self.devices[rank].current_stream().record()
         try:
             self.free[rank].push(slot)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
+from .._validate import check_index, check_int, check_timeout
 from .batch import Batch, Slot
 from .decode import DatumDecoder, RecordDecoder, Transform
 from .errors import DataError, EndOfData
@@ -17,13 +19,10 @@ from .lmdb_io import check_format, close_env, detect_format, open_env
 from .order import Dealing
 from .pipeline import Pipeline
 
+if TYPE_CHECKING:
+    from ..backends.base import Device
+
 __all__ = ["Batch", "DataReader"]
-
-
-def _check_int(name: str, value: object, lo: int) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}; got {value!r}")
-    return int(value)
 
 
 class DataReader:
@@ -83,27 +82,23 @@ class DataReader:
         *,
         process_rank: int = 0,
         process_count: int = 1,
-        dtype: Any = None,
+        dtype: DTypeLike | None = None,
         scale: float | None = None,
         mean: Any = None,
         format: str = "auto",
         log_on_wait: bool | str | None = True,
-        device: Any = None,
+        device: Device | Sequence[Device] | None = None,
     ) -> None:
-        batch_size = _check_int("batch_size", batch_size, 1)
-        ranks = _check_int("ranks", ranks, 1)
-        prefetch = _check_int("prefetch", prefetch, 0)
+        batch_size = check_int(batch_size, "batch_size", min=1)
+        ranks = check_int(ranks, "ranks", min=1)
+        prefetch = check_int(prefetch, "prefetch", min=0)
         if epochs is not None:
-            epochs = _check_int("epochs", epochs, 1)
-        start = _check_int("start", start, 0)
+            epochs = check_int(epochs, "epochs", min=1)
+        start = check_int(start, "start", min=0)
         if shuffle is not None:
-            shuffle = _check_int("shuffle (a seed, or None)", shuffle, 0)
-        process_count = _check_int("process_count", process_count, 1)
-        process_rank = _check_int("process_rank", process_rank, 0)
-        if process_rank >= process_count:
-            raise ValueError(
-                f"process_rank must be < process_count={process_count}; got {process_rank}"
-            )
+            shuffle = check_int(shuffle, "shuffle (a seed, or None)", min=0)
+        process_count = check_int(process_count, "process_count", min=1)
+        process_rank = check_index(process_rank, "process_rank", process_count)
         check_format(format)
         devices = _check_devices(device, ranks)
 
@@ -177,13 +172,9 @@ class DataReader:
         reader hit a bad record, ``ReaderClosed`` once the reader is closed, and
         ``TimeoutError`` when ``timeout`` runs out.
         """
-        if (
-            not isinstance(rank, (int, np.integer))
-            or isinstance(rank, bool)
-            or not 0 <= rank < self.ranks
-        ):
-            raise ValueError(f"rank must be an int in [0, {self.ranks}); got {rank!r}")
-        return Batch(self._state, int(rank), self._state.take(int(rank), timeout))
+        rank = check_index(rank, "rank", self.ranks)
+        timeout = check_timeout(timeout)
+        return Batch(self._state, rank, self._state.take(rank, timeout))
 
     def batches(self, rank: int = 0, timeout: float | None = None) -> Iterator[Batch]:
         """Iterate over ``rank``'s batches until the end of the data.
@@ -263,7 +254,7 @@ def _inspect(env: Any, path: str, format: str) -> tuple[int, str, Any]:
     return n, fmt, decoder
 
 
-def _check_devices(device: Any, ranks: int) -> list | None:
+def _check_devices(device: Device | Sequence[Device] | None, ranks: int) -> list[Device] | None:
     if device is None:
         return None
     from ..backends.base import Device
@@ -282,7 +273,7 @@ def _make_slots(
     batch_size: int,
     shape: tuple[int, ...],
     dtype: np.dtype,
-    devices: Sequence | None,
+    devices: Sequence[Device] | None,
 ) -> list[list[Slot]]:
     from ..memory import SyncedMemory, pinned_empty
 

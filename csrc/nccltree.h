@@ -28,6 +28,9 @@ enum { NT_F16 = 0, NT_F32 = 1, NT_F64 = 2, NT_I32 = 3, NT_I64 = 4, NT_NDTYPES = 
 /* op codes */
 enum { NT_SUM = 0, NT_PROD = 1, NT_MAX = 2, NT_MIN = 3, NT_NOPS = 4 };
 
+/* Sources one reduce takes. Python's one definition is nccltree.backends.base.MAX_FUSED:
+   nccltree._native checks nt_max_sources() against it when it loads the library, and a
+   test checks the copy in nccltree_kernels.cu (compiled without this header by NVRTC). */
 #define NT_MAX_SOURCES 8
 
 /* status codes: one per kind of bad argument, so the caller can say exactly what failed */
@@ -70,6 +73,8 @@ NT_API int nt_copy(void *dst, const void *src, int64_t nbytes, int nthreads);
 NT_API int nt_gather(void *dst, const void *const *srcs, const int64_t *nbytes, int k,
                      int nthreads);
 NT_API const char *nt_strerror(int status);
+/* NT_MAX_SOURCES, for the caller to check that it agrees */
+NT_API int nt_max_sources(void);
 /* float16 kernels: enable = 1 uses F16C when the CPU has it (the default), 0 the portable
    conversions, -1 changes nothing; returns 1 when the F16C code is in use. */
 NT_API int nt_use_f16c(int enable);

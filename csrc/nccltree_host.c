@@ -505,6 +505,8 @@ static int nt_f16c_active(void) {
 #endif
 }
 
+NT_API int nt_max_sources(void) { return NT_MAX_SOURCES; }
+
 NT_API int nt_use_f16c(int enable) {
 #ifdef NT_F16C
     if (enable >= 0) __atomic_store_n(&nt_f16c_state, enable ? nt_cpu_has_f16c() : 0, __ATOMIC_RELAXED);

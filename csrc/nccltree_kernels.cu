@@ -27,6 +27,9 @@
 //   nt_sgd_update_{f16,f32,f64}(T *w, T *g, T *v, S lr, S momentum, S weight_decay, long long n)
 //                                    g += wd*w; v = momentum*v + lr*g; w -= v
 
+// Sources one reduce takes: must equal nccltree.backends.base.MAX_FUSED (and NT_MAX_SOURCES
+// of nccltree.h), which _cuda_kernels checks before compiling this source and a test checks
+// for the shipped file; the struct below is passed by value, so a mismatch would misread it.
 #define NT_MAX_SOURCES 8
 
 // Passed by value: the k source pointers (unused slots are ignored).

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 import threading
 import warnings
@@ -27,10 +28,14 @@ from typing import Any
 import numpy as np
 
 from ._errors import BackendUnavailable
+from ._validate import check_real
+from .backends.base import MAX_FUSED, REDUCE_OPS, check_dtype, check_same
 
 FATBIN = "nccltree_kernels.fatbin"
 SOURCE = "nccltree_kernels.cu"
-MAX_SOURCES = 8
+#: sources one kernel takes: the backends' one constant (the source's ``NT_MAX_SOURCES``
+#: is checked against it before compiling, and by a test for the shipped file)
+MAX_SOURCES = MAX_FUSED
 #: NVRTC options: the floating-point semantics of the nvcc build (see CMakeLists.txt) and of
 #: the host library, spelled out: no fused multiply-add, subnormals kept, IEEE division
 #: and square root.  The target architecture is added per GPU.
@@ -58,7 +63,7 @@ _SCALAR: dict[np.dtype[Any], type[np.floating[Any]]] = {
     np.dtype(np.float32): np.float32,
     np.dtype(np.float64): np.float64,
 }
-OPS = ("sum", "prod", "max", "min")
+OPS = REDUCE_OPS
 # the nt_srcs struct: eight device pointers passed by value
 _SRCS = np.dtype([("p", "<u8", (MAX_SOURCES,))])
 _BLOCK = 256
@@ -75,15 +80,20 @@ _functions: dict[tuple[int, str], Any] = {}  # (GPU ordinal, kernel name) -> ker
 _use_fatbin = True
 
 
-def _cupy() -> Any:
+def import_cupy() -> Any:
+    """The ``cupy`` module; ``BackendUnavailable`` saying what is missing if it cannot be
+    imported (the CUDA backend imports it through here too)."""
     try:
         import cupy
     except Exception as exc:  # ImportError, or OSError for missing CUDA libraries
         raise BackendUnavailable(
-            f"CUDA kernels need CuPy ({type(exc).__name__}: {exc}); "
-            "install nccltree[cuda12] or nccltree[cuda13]"
+            "nccltree's CUDA backend and kernels need CuPy, which could not be imported "
+            f"({type(exc).__name__}: {exc}); install nccltree[cuda12] or nccltree[cuda13]"
         ) from exc
     return cupy
+
+
+_cupy = import_cupy
 
 
 def lib_file(name: str) -> Path | None:
@@ -111,6 +121,15 @@ def source_text() -> str:
     if path is None:
         raise BackendUnavailable(f"{SOURCE} is missing from the nccltree installation")
     return path.read_text()
+
+
+def source_max_sources(text: str) -> int:
+    """The ``NT_MAX_SOURCES`` a CUDA source defines (the size of the pointer struct its
+    reduce kernels take by value)."""
+    m = re.search(r"^\s*#\s*define\s+NT_MAX_SOURCES\s+(\d+)\b", text, re.MULTILINE)
+    if m is None:
+        raise BackendUnavailable(f"{SOURCE} does not define NT_MAX_SOURCES")
+    return int(m.group(1))
 
 
 # ---- run-time compilation ----
@@ -192,6 +211,11 @@ def compile_source(device_id: int) -> tuple[Path, str]:
         )
     options = (*NVRTC_OPTIONS, f"--gpu-architecture={arch}")
     source = source_text()
+    if source_max_sources(source) != MAX_SOURCES:
+        raise BackendUnavailable(
+            f"{SOURCE} takes {source_max_sources(source)} sources per reduce but this "
+            f"nccltree passes {MAX_SOURCES} (backends.base.MAX_FUSED); reinstall nccltree"
+        )
     key = hashlib.sha256(repr((source, options, version, kind)).encode()).hexdigest()
     path = cache_dir() / f"nccltree_kernels-{arch}-{key[:24]}.{kind}"
     if not path.is_file():
@@ -277,17 +301,8 @@ def _array(x: Any, name: str) -> Any:
 
 
 def _suffix(x: Any, name: str, accepted: Mapping[np.dtype[Any], object]) -> str:
-    if x.dtype not in accepted:
-        names = ", ".join(str(dt) for dt in accepted)
-        raise TypeError(f"{name} has dtype {x.dtype}; accepted: {names}")
+    check_dtype(x, name, tuple(accepted))
     return _SUFFIX[x.dtype]
-
-
-def _same(x: Any, ref: Any, name: str, ref_name: str) -> None:
-    if x.dtype != ref.dtype:
-        raise TypeError(f"{name} has dtype {x.dtype} but {ref_name} has {ref.dtype}")
-    if x.size != ref.size:
-        raise ValueError(f"{name} has {x.size} elements but {ref_name} has {ref.size}")
 
 
 def _device_of(dst: Any, stream: Any) -> int:
@@ -332,9 +347,8 @@ def reduce_n(
     if op not in OPS:
         raise ValueError(f"op must be one of {', '.join(OPS)}; got {op!r}")
     dst = _array(dst, "dst")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.integer, np.floating)):
-        raise TypeError(f"alpha must be a real number, got {type(alpha).__name__}")
-    scaled = float(alpha) != 1.0
+    alpha = check_real(alpha, "alpha")
+    scaled = alpha != 1.0
     if scaled and op != "sum":
         raise ValueError(f"alpha != 1.0 needs op='sum'; got op={op!r}")
     suffix = _suffix(dst, "dst", _SCALAR if scaled else _SUFFIX)
@@ -344,7 +358,7 @@ def reduce_n(
         raise ValueError(f"reduce_n takes 1 to {MAX_SOURCES} sources, got {len(srcs)}")
     ptrs = np.zeros(1, _SRCS)
     for j, s in enumerate(srcs):
-        _same(_array(s, f"srcs[{j}]"), dst, f"srcs[{j}]", "dst")
+        check_same(_array(s, f"srcs[{j}]"), dst, f"srcs[{j}]", "dst")
         ptrs["p"][0, j] = s.data.ptr
     n = dst.size
     if n:
@@ -361,7 +375,7 @@ def sum_into(dst: Any, src: Any, stream: Any = None) -> Any:
     """``dst += src``; returns ``dst``."""
     dst = _array(dst, "dst")
     suffix = _suffix(dst, "dst", _SUFFIX)
-    _same(_array(src, "src"), dst, "src", "dst")
+    check_same(_array(src, "src"), dst, "src", "dst")
     if dst.size:
         _launch(dst, f"nt_sum_into_{suffix}", dst.size, (dst, src, np.int64(dst.size)), stream)
     return dst
@@ -371,6 +385,7 @@ def scale(x: Any, alpha: float, stream: Any = None) -> Any:
     """``x *= alpha`` for floating arrays; returns ``x``."""
     x = _array(x, "x")
     suffix = _suffix(x, "x", _SCALAR)
+    alpha = check_real(alpha, "alpha")
     if x.size:
         a = _SCALAR[x.dtype](alpha)
         _launch(x, f"nt_scale_{suffix}", x.size, (x, a, np.int64(x.size)), stream)
@@ -389,11 +404,15 @@ def sgd_update(
     """Caffe's step in one kernel: ``g += wd*w; v = momentum*v + lr*g; w -= v``; returns w."""
     w = _array(w, "w")
     suffix = _suffix(w, "w", _SCALAR)
-    _same(_array(g, "g"), w, "g", "w")
-    _same(_array(v, "v"), w, "v", "w")
+    check_same(_array(g, "g"), w, "g", "w")
+    check_same(_array(v, "v"), w, "v", "w")
+    hyper = [
+        check_real(x, name)
+        for x, name in ((lr, "lr"), (momentum, "momentum"), (weight_decay, "weight_decay"))
+    ]
     if w.size:
         t = _SCALAR[w.dtype]
-        args = (w, g, v, t(lr), t(momentum), t(weight_decay), np.int64(w.size))
+        args = (w, g, v, *(t(x) for x in hyper), np.int64(w.size))
         _launch(w, f"nt_sgd_update_{suffix}", w.size, args, stream)
     return w
 
@@ -401,7 +420,7 @@ def sgd_update(
 def copy(dst: Any, src: Any, stream: Any = None) -> Any:
     """``dst[...] = src`` as one asynchronous device (or peer) copy; returns ``dst``."""
     dst = _array(dst, "dst")
-    _same(_array(src, "src"), dst, "src", "dst")
+    check_same(_array(src, "src"), dst, "src", "dst")
     if dst.nbytes:
         cp = _cupy()
         with cp.cuda.Device(_device_of(dst, stream)):

@@ -14,18 +14,23 @@ import ctypes
 import os
 import sys
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ._errors import BackendUnavailable, NativeError
+from ._validate import check_int, check_real
+from .backends.base import FLOAT_DTYPES, MAX_FUSED, check_dtype, check_same
 
 __all__ = [
     "DTYPES",
+    "FLOAT_DTYPES",
     "MAX_SOURCES",
     "OPS",
     "check",
+    "check_host_array",
     "copy",
     "gather",
     "library",
@@ -37,19 +42,19 @@ __all__ = [
     "sum_n",
 ]
 
-#: numpy dtype -> C dtype code (csrc/nccltree.h)
-DTYPES: dict[np.dtype, int] = {
+#: numpy dtype -> C dtype code (csrc/nccltree.h); the keys are ``backends.base.DTYPES``
+DTYPES: dict[np.dtype[Any], int] = {
     np.dtype(np.float16): 0,
     np.dtype(np.float32): 1,
     np.dtype(np.float64): 2,
     np.dtype(np.int32): 3,
     np.dtype(np.int64): 4,
 }
-#: dtypes that scale and sgd_update accept
-FLOAT_DTYPES = tuple(dt for dt in DTYPES if dt.kind == "f")
 #: op name -> C op code
 OPS: dict[str, int] = {"sum": 0, "prod": 1, "max": 2, "min": 3}
-MAX_SOURCES = 8
+#: sources one call takes: the backends' one constant, which the library is checked
+#: against when it is loaded
+MAX_SOURCES = MAX_FUSED
 
 # status codes (csrc/nccltree.h) and the exception each one means
 OK = 0
@@ -126,6 +131,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "nt_copy": [vp, vp, i64, i32],
         "nt_gather": [vp, vp, vp, i32, i32],
         "nt_use_f16c": [i32],
+        "nt_max_sources": [],
     }
     for name, argtypes in sigs.items():
         fn = getattr(lib, name)
@@ -150,8 +156,18 @@ def library() -> ctypes.CDLL:
                         f"cannot load the nccltree host kernel library {path}: {exc}; "
                         f"rebuild it: {_BUILD_HINT}"
                     ) from exc
+                _check_max_sources(int(lib.nt_max_sources()), path)
                 _lib = lib
     return _lib
+
+
+def _check_max_sources(n: int, path: Path) -> None:
+    # the fold schedule above the kernels assumes MAX_FUSED sources per call
+    if n != MAX_FUSED:
+        raise BackendUnavailable(
+            f"the host kernel library {path} takes {n} sources per reduce but this nccltree "
+            f"expects {MAX_FUSED} (backends.base.MAX_FUSED); rebuild it: {_BUILD_HINT}"
+        )
 
 
 def use_f16c(enable: bool | None = None) -> bool:
@@ -183,7 +199,10 @@ def check(status: int, what: str = "native kernel") -> None:
 # ---- argument checks ----
 
 
-def _array(x: object, name: str, *, writable: bool = False) -> np.ndarray:
+def check_host_array(x: object, name: str, *, writable: bool = False) -> np.ndarray:
+    """``x`` if it is a C-contiguous numpy array (``writable``: and writeable), else
+    TypeError/ValueError naming ``name``: the check of every kernel operand in host
+    memory (the host backend's and the CUDA backend's copies to and from the host)."""
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
     if not x.flags.c_contiguous:
@@ -193,44 +212,27 @@ def _array(x: object, name: str, *, writable: bool = False) -> np.ndarray:
     return x
 
 
-def _dtype_code(x: np.ndarray, name: str, accepted: Sequence[np.dtype]) -> int:
-    if x.dtype not in accepted:
-        names = ", ".join(str(dt) for dt in accepted)
-        raise TypeError(f"{name} has dtype {x.dtype}; accepted: {names}")
+def _dtype_code(x: np.ndarray, name: str, accepted: Sequence[np.dtype[Any]]) -> int:
+    check_dtype(x, name, accepted)
     return DTYPES[x.dtype]
 
 
-def _same(x: np.ndarray, ref: np.ndarray, name: str, ref_name: str) -> None:
-    if x.dtype != ref.dtype:
-        raise TypeError(f"{name} has dtype {x.dtype} but {ref_name} has {ref.dtype}")
-    if x.size != ref.size:
-        raise ValueError(f"{name} has {x.size} elements but {ref_name} has {ref.size}")
-
-
-def _threads(nthreads: int) -> int:
-    if isinstance(nthreads, bool) or not isinstance(nthreads, (int, np.integer)):
-        raise TypeError(f"nthreads must be an int >= 1, got {type(nthreads).__name__}")
-    if nthreads < 1:
-        raise ValueError(f"nthreads must be >= 1, got {nthreads}")
-    return int(nthreads)
-
-
-def _scalar(x: float, name: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
-    return float(x)
+def _threads(nthreads: object) -> int:
+    return check_int(nthreads, "nthreads", min=1)
 
 
 def _addr(x: np.ndarray) -> int:
-    return x.__array_interface__["data"][0]
+    return int(x.__array_interface__["data"][0])
 
 
 def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
-    return _overlap_at(_addr(a), a.nbytes, _addr(b), b.nbytes)
+    return ranges_overlap(_addr(a), a.nbytes, _addr(b), b.nbytes)
 
 
-def _overlap_at(pa: int, na: int, pb: int, nb: int) -> bool:
-    # contiguous arrays: byte ranges decide it exactly and cheaply
+def ranges_overlap(pa: int, na: int, pb: int, nb: int) -> bool:
+    """Whether the byte ranges ``[pa, pa + na)`` and ``[pb, pb + nb)`` share a byte: for
+    contiguous arrays (host or, through unified addressing, CUDA) it decides overlap
+    exactly and cheaply."""
     return na > 0 and nb > 0 and pa < pb + nb and pb < pa + na
 
 
@@ -258,8 +260,8 @@ def reduce_n(
     code = OPS.get(op) if isinstance(op, str) else None
     if code is None:
         raise ValueError(f"op must be one of {', '.join(OPS)}; got {op!r}")
-    dst = _array(dst, "dst", writable=True)
-    alpha = _scalar(alpha, "alpha")
+    dst = check_host_array(dst, "dst", writable=True)
+    alpha = check_real(alpha, "alpha")
     scaled = alpha != 1.0
     if scaled and op != "sum":
         raise ValueError(f"alpha != 1.0 needs op='sum'; got op={op!r}")
@@ -273,10 +275,10 @@ def reduce_n(
     dst_addr = _addr(dst)
     nbytes = dst.nbytes
     for j, s in enumerate(srcs):
-        s = _array(s, f"srcs[{j}]")
-        _same(s, dst, f"srcs[{j}]", "dst")
+        s = check_host_array(s, f"srcs[{j}]")
+        check_same(s, dst, f"srcs[{j}]", "dst")
         addr = ptrs[j] = _addr(s)
-        if addr != dst_addr and _overlap_at(addr, nbytes, dst_addr, nbytes):
+        if addr != dst_addr and ranges_overlap(addr, nbytes, dst_addr, nbytes):
             raise ValueError(f"srcs[{j}] partially overlaps dst (only the same memory is allowed)")
     nthreads = _threads(nthreads)
     lib = library()
@@ -300,9 +302,9 @@ def sum_into(dst: np.ndarray, src: np.ndarray, nthreads: int = 1) -> np.ndarray:
 
 def scale(x: np.ndarray, alpha: float, nthreads: int = 1) -> np.ndarray:
     """``x *= alpha`` for floating arrays (alpha rounded to x's compute type); returns x."""
-    x = _array(x, "x", writable=True)
+    x = check_host_array(x, "x", writable=True)
     dtype = _dtype_code(x, "x", FLOAT_DTYPES)
-    alpha = _scalar(alpha, "alpha")
+    alpha = check_real(alpha, "alpha")
     nthreads = _threads(nthreads)
     check(library().nt_scale(dtype, _addr(x), alpha, x.size, nthreads), "scale")
     return x
@@ -322,17 +324,17 @@ def sgd_update(
     Updates ``w``, ``g`` and ``v`` in place (floating dtypes; float16 computed in float32)
     and returns ``w``.  The three arrays must not overlap.
     """
-    w = _array(w, "w", writable=True)
-    g = _array(g, "g", writable=True)
-    v = _array(v, "v", writable=True)
+    w = check_host_array(w, "w", writable=True)
+    g = check_host_array(g, "g", writable=True)
+    v = check_host_array(v, "v", writable=True)
     dtype = _dtype_code(w, "w", FLOAT_DTYPES)
-    _same(g, w, "g", "w")
-    _same(v, w, "v", "w")
+    check_same(g, w, "g", "w")
+    check_same(v, w, "v", "w")
     if _overlap(w, g) or _overlap(w, v) or _overlap(g, v):
         raise ValueError("w, g and v must be distinct, non-overlapping arrays")
-    lr = _scalar(lr, "lr")
-    momentum = _scalar(momentum, "momentum")
-    weight_decay = _scalar(weight_decay, "weight_decay")
+    lr = check_real(lr, "lr")
+    momentum = check_real(momentum, "momentum")
+    weight_decay = check_real(weight_decay, "weight_decay")
     nthreads = _threads(nthreads)
     status = library().nt_sgd_update(
         dtype, _addr(w), _addr(g), _addr(v), lr, momentum, weight_decay, w.size, nthreads
@@ -343,11 +345,11 @@ def sgd_update(
 
 def copy(dst: np.ndarray, src: np.ndarray, nthreads: int = 1) -> np.ndarray:
     """``dst[...] = src`` (same dtype and size, any dtype); returns ``dst``."""
-    dst = _array(dst, "dst", writable=True)
-    src = _array(src, "src")
-    _same(src, dst, "src", "dst")
+    dst = check_host_array(dst, "dst", writable=True)
+    src = check_host_array(src, "src")
+    check_same(src, dst, "src", "dst")
     pd, ps, nbytes = _addr(dst), _addr(src), dst.nbytes
-    if ps != pd and _overlap_at(ps, nbytes, pd, nbytes):
+    if ps != pd and ranges_overlap(ps, nbytes, pd, nbytes):
         raise ValueError("src partially overlaps dst")
     nthreads = _threads(nthreads)
     check(library().nt_copy(pd, ps, nbytes, nthreads), "copy")
@@ -372,7 +374,7 @@ class _PyBuffer(ctypes.Structure):
     ]
 
 
-def _buffer_api() -> tuple[object, object]:
+def _buffer_api() -> tuple[Callable[[object, int, int], int], Callable[[int], None]]:
     # The buffer protocol straight from the interpreter: the address of a read-only buffer
     # (an LMDB value) costs about 0.7 us this way against about 1.5 us through a numpy view,
     # and ctypes' own from_buffer refuses read-only memory.
@@ -397,7 +399,7 @@ def gather(dst: np.ndarray, views: Sequence[object], nthreads: int = 1) -> np.nd
     ``dst``.  The copy is split over ``nthreads`` threads, and large totals are written
     with streaming stores.
     """
-    dst = _array(dst, "dst", writable=True)
+    dst = check_host_array(dst, "dst", writable=True)
     if not isinstance(views, (list, tuple)):
         raise TypeError(
             f"views must be a list or tuple of buffer objects, got {type(views).__name__}"
@@ -420,7 +422,7 @@ def gather(dst: np.ndarray, views: Sequence[object], nthreads: int = 1) -> np.nd
                 ) from None
             held += 1
         # every address and size in two vectorised reads instead of 2k ctypes look-ups
-        fields = np.frombuffer(bufs, np.uint8).reshape(k, step)
+        fields = np.frombuffer(memoryview(bufs).cast("B"), np.uint8).reshape(k, step)
         ptrs = np.ascontiguousarray(fields[:, :8]).view(np.uint64).reshape(k)
         sizes = np.ascontiguousarray(fields[:, _BUF_LEN : _BUF_LEN + 8]).view(np.int64).reshape(k)
         total = int(sizes.sum())

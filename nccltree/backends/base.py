@@ -9,15 +9,30 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Callable, Collection, Iterator, Sequence
+import types
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
+
+import numpy as np
+
+from .._validate import check_int, check_real, check_timeout, is_int
 
 #: Reduction operators every backend's ``Stream.reduce`` accepts.
 REDUCE_OPS = ("sum", "prod", "max", "min")
 
 #: Sources one reduce kernel takes (host and CUDA); longer lists are folded in passes.
+#: The one definition: ``_native`` and ``_cuda_kernels`` import it, the host library is
+#: asserted to agree when it is loaded (``nt_max_sources()``), and a test reads the CUDA
+#: source's ``NT_MAX_SOURCES``.
 MAX_FUSED = 8
+
+#: The dtypes of the kernels (host and CUDA alike); ``FLOAT_DTYPES`` those that scale,
+#: the SGD step and a scaled sum accept.
+DTYPES: tuple[np.dtype[Any], ...] = tuple(
+    np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")
+)
+FLOAT_DTYPES: tuple[np.dtype[Any], ...] = tuple(dt for dt in DTYPES if dt.kind == "f")
 
 #: Default timeout (seconds) of a wait when the caller passes ``timeout=None``: no wait is
 #: unbounded, so a lost event turns into an error instead of a hang.
@@ -48,13 +63,18 @@ class Event(abc.ABC):
     def record(self, stream: Stream) -> None:
         """Mark the current end of ``stream``; replaces any earlier point."""
 
-    @abc.abstractmethod
     def synchronize(self, timeout: float | None = None) -> None:
         """Block until the event completed.
 
-        Raises ``CommTimeout`` after ``timeout`` seconds (None: the backend default) and
-        re-raises the error of a failed op that precedes the event in its stream.
+        Raises ``CommTimeout`` after ``timeout`` seconds (None: ``DEFAULT_TIMEOUT``; a
+        finite number >= 0 otherwise) and re-raises the error of a failed op that precedes
+        the event in its stream.
         """
+        self._synchronize(timeout_or_default(timeout))
+
+    @abc.abstractmethod
+    def _synchronize(self, timeout: float) -> None:
+        """Block until the event completed, for at most ``timeout`` (checked) seconds."""
 
     @abc.abstractmethod
     def query(self) -> bool:
@@ -65,14 +85,14 @@ class Stream(abc.ABC):
     """An ordered queue of asynchronous work on one device.
 
     Every operation returns at once; work runs in the order it was enqueued. Arguments are
-    checked when the operation is enqueued (TypeError/ValueError), so a bad call never
-    leaves half-done work behind. ``with stream:`` makes it this thread's current stream
-    on its device.
+    checked when the operation is enqueued (TypeError/ValueError), here, once for every
+    backend, so a bad call never leaves half-done work behind and both backends refuse it
+    with the same message. ``with stream:`` makes it this thread's current stream on its
+    device.
     """
 
     device: Device
 
-    @abc.abstractmethod
     def copy(
         self,
         dst: Any,
@@ -83,13 +103,13 @@ class Stream(abc.ABC):
     ) -> None:
         """Copy ``src`` into ``dst`` (same number of bytes), in this stream's order.
 
-        ``dst`` is on ``dst_device`` (None: this stream's device); ``src`` is on
-        ``src_device`` (a peer copy) or, when None, on this device or in host memory. The
-        host backend records a ``"copy"`` transfer from ``src_device`` to ``dst_device``
-        when both are devices and differ.
+        ``dst`` is on ``dst_device`` (None: this stream's device, or host memory); ``src``
+        is on ``src_device`` (a peer copy) or, when None, on this device or in host memory.
+        The host backend records a ``"copy"`` transfer from ``src_device`` to
+        ``dst_device`` when both are devices and differ.
         """
+        self._copy(check_copy(self.device, dst, src, src_device, dst_device))
 
-    @abc.abstractmethod
     def reduce(
         self,
         dst: Any,
@@ -106,7 +126,8 @@ class Stream(abc.ABC):
         device). ``src_devices[i]`` names the device holding ``srcs[i]`` (None: the dst's
         device); sources on other devices are read directly where the backend can (the
         host backend records a ``"peer_read"`` transfer from each to the dst's device).
-        ``op`` is one of ``REDUCE_OPS``.
+        ``op`` is one of ``REDUCE_OPS``; the dtype one of ``DTYPES``. More sources than
+        one kernel takes (``MAX_FUSED``) are folded in passes (``run_fold``).
 
         ``alpha != 1.0`` (``op="sum"``, floating dtypes) writes ``alpha * sum(srcs)`` in the
         same pass: alpha is rounded to the compute type and multiplies the finished sum, so
@@ -114,44 +135,78 @@ class Stream(abc.ABC):
         ``scale(dst, alpha)``; float16 is scaled before its one rounding (slightly more
         accurate than the two steps).
         """
+        self._reduce(check_reduce(self.device, dst, srcs, op, src_devices, dst_device, alpha))
 
-    @abc.abstractmethod
     def scale(self, x: Any, alpha: float) -> None:
-        """``x *= alpha``."""
+        """``x *= alpha`` (floating dtypes; alpha a finite real number)."""
+        self._scale(x, check_scale(self.device, x, alpha))
 
-    @abc.abstractmethod
     def sgd_update(
         self, w: Any, g: Any, v: Any, lr: float, momentum: float, weight_decay: float
     ) -> None:
-        """Caffe's SGD step in one pass: ``g += wd*w; v = momentum*v + lr*g; w -= v``."""
+        """Caffe's SGD step in one pass: ``g += wd*w; v = momentum*v + lr*g; w -= v``
+        (``w``, ``g``, ``v`` of one floating dtype and one size; finite hyperparameters)."""
+        self._sgd_update(check_sgd(self.device, w, g, v, lr, momentum, weight_decay))
 
-    @abc.abstractmethod
-    def call(self, fn: Any, *args: Any) -> None:
+    def call(self, fn: Callable[..., object], *args: Any) -> None:
         """Run ``fn(*args)`` in stream order.
 
         Host: on the stream's worker thread, after all earlier work. CUDA: now, with this
         stream current, so the array operations ``fn`` issues are enqueued on it.
         """
+        if not callable(fn):
+            raise TypeError(f"call needs a callable, got {fn!r}")
+        self._call(fn, args)
 
-    @abc.abstractmethod
     def record(self, event: Event | None = None) -> Event:
         """Record ``event`` (a new one when None) at the current end; return it."""
+        if event is None:
+            event = self.device.new_event()
+        event.record(self)
+        return event
 
     @abc.abstractmethod
     def wait_event(self, event: Event) -> None:
         """Make later work on this stream wait for ``event``; never blocks the caller."""
 
-    @abc.abstractmethod
     def synchronize(self, timeout: float | None = None) -> None:
         """Block until all enqueued work ran.
 
-        Raises ``CommTimeout`` after ``timeout`` seconds (None: the backend default) and
-        re-raises the error of a failed op (the stream stays failed).
+        Raises ``CommTimeout`` after ``timeout`` seconds (None: ``DEFAULT_TIMEOUT``; a
+        finite number >= 0 otherwise) and re-raises the error of a failed op (the stream
+        stays failed).
         """
+        self._synchronize(timeout_or_default(timeout))
 
     @abc.abstractmethod
     def query(self) -> bool:
         """True if all enqueued work ran (raises the error of a failed op)."""
+
+    # -- what a backend implements: the operations with their arguments checked ----------
+
+    @abc.abstractmethod
+    def _copy(self, c: CopyArgs) -> None:
+        """Enqueue a checked copy."""
+
+    @abc.abstractmethod
+    def _reduce(self, r: ReduceArgs) -> None:
+        """Enqueue a checked reduction (folded with ``run_fold`` beyond ``MAX_FUSED``)."""
+
+    @abc.abstractmethod
+    def _scale(self, x: Any, alpha: float) -> None:
+        """Enqueue a checked ``x *= alpha``."""
+
+    @abc.abstractmethod
+    def _sgd_update(self, a: SgdArgs) -> None:
+        """Enqueue a checked SGD step."""
+
+    @abc.abstractmethod
+    def _call(self, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
+        """Run ``fn(*args)`` in stream order (``fn`` is callable)."""
+
+    @abc.abstractmethod
+    def _synchronize(self, timeout: float) -> None:
+        """Block until all enqueued work ran, for at most ``timeout`` (checked) seconds."""
 
     # `with stream:` -- the per-thread current-stream stack lives on the device.
     def __enter__(self) -> Stream:
@@ -160,6 +215,19 @@ class Stream(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.device._pop_stream(self)
+
+
+class Runtime(Protocol):
+    """The backend object shared by the devices of one ``devices()`` call."""
+
+    name: str
+
+    @property
+    def devices(self) -> Sequence[Device]:
+        """The devices, in the order ``devices()`` returned them."""
+
+    def shutdown(self) -> None:
+        """Stop the backend's work: host workers exit, CUDA streams are waited for."""
 
 
 class Device(abc.ABC):
@@ -175,7 +243,7 @@ class Device(abc.ABC):
     index: int
     physical_id: int
     name: str
-    runtime: Any
+    runtime: Runtime
 
     def __init__(self) -> None:
         self._tls = threading.local()
@@ -184,7 +252,7 @@ class Device(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def xp(self) -> Any:
+    def xp(self) -> types.ModuleType:
         """The array module of this device (numpy or cupy)."""
 
     @property
@@ -219,9 +287,23 @@ class Device(abc.ABC):
         """A zero-copy view of a buffer on this device (numpy, CUDA array interface,
         DLPack); TypeError for a buffer that lives elsewhere."""
 
-    @abc.abstractmethod
     def check_array(self, arr: Any) -> None:
         """TypeError/ValueError unless ``arr`` is a C-contiguous array usable here."""
+        self._check_operand(arr, "the array")
+
+    @abc.abstractmethod
+    def _check_operand(
+        self, arr: Any, what: str, *, writable: bool = False, host_ok: bool = False
+    ) -> None:
+        """TypeError/ValueError, naming ``what``, unless ``arr`` is a C-contiguous array a
+        kernel on this device can use (``writable``: and write); ``host_ok``: or a numpy
+        array in host memory, which copies also take."""
+
+    def _same_backend(self, dev: object, what: str) -> Device | None:
+        """``dev`` if it is None or a device of this backend, else TypeError."""
+        if dev is None or isinstance(dev, type(self)):
+            return dev
+        raise TypeError(f"{what} must be a {self.backend} device or None, got {dev!r}")
 
     @abc.abstractmethod
     def from_host(self, host: Any, stream: Stream | None = None) -> Any:
@@ -251,9 +333,14 @@ class Device(abc.ABC):
     def new_event(self) -> Event:
         """A new (unrecorded, hence completed) event."""
 
-    @abc.abstractmethod
     def synchronize(self, timeout: float | None = None) -> None:
-        """Block until all work on all of this device's streams ran."""
+        """Block until all work on all of this device's streams ran (``timeout`` as in
+        ``Stream.synchronize``, for all of them together)."""
+        self._synchronize(timeout_or_default(timeout))
+
+    @abc.abstractmethod
+    def _synchronize(self, timeout: float) -> None:
+        """``synchronize`` with a checked timeout in seconds."""
 
     @abc.abstractmethod
     def can_access_peer(self, other: Device) -> bool:
@@ -381,10 +468,159 @@ def run_fold(
         launch(acc if p.into_scratch else dst, inputs, alpha if p.last else 1.0)
 
 
-def timeout_or_default(timeout: float | None) -> float:
-    """The effective timeout of a wait: ``timeout``, else ``DEFAULT_TIMEOUT``."""
-    if timeout is None:
-        return DEFAULT_TIMEOUT
-    if timeout < 0:
-        raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout!r}")
-    return float(timeout)
+def timeout_or_default(timeout: object) -> float:
+    """The effective timeout of a wait: ``timeout`` (a finite number >= 0), else
+    ``DEFAULT_TIMEOUT``."""
+    checked = check_timeout(timeout)
+    return DEFAULT_TIMEOUT if checked is None else checked
+
+
+# -- argument checks every backend shares (``Stream`` calls them before a backend sees the
+# -- arguments, so both refuse a bad call alike, before anything is enqueued) --------------
+
+
+class CopyArgs(NamedTuple):
+    """A checked ``Stream.copy``: ``src_device`` None means host memory or the stream's
+    own device; ``dst_device`` is the stream's device when the caller gave none."""
+
+    dst: Any
+    src: Any
+    src_device: Device | None
+    dst_device: Device
+
+
+class ReduceArgs(NamedTuple):
+    """A checked ``Stream.reduce``: one device per source (the dst's where none was
+    given), ``alpha`` a float (1.0 unless ``op`` is ``"sum"`` and the dtype floating)."""
+
+    dst: Any
+    srcs: list[Any]
+    op: str
+    src_devices: list[Device]
+    dst_device: Device
+    alpha: float
+
+
+class SgdArgs(NamedTuple):
+    """A checked ``sgd_update``: three arrays of one floating dtype and size, finite
+    hyperparameters."""
+
+    w: Any
+    g: Any
+    v: Any
+    lr: float
+    momentum: float
+    weight_decay: float
+
+
+def check_dtype(arr: Any, what: str, accepted: Sequence[np.dtype[Any]]) -> None:
+    """TypeError unless ``arr.dtype`` is one of ``accepted``."""
+    if arr.dtype not in accepted:
+        names = ", ".join(str(dt) for dt in accepted)
+        raise TypeError(f"{what} has dtype {arr.dtype}; accepted: {names}")
+
+
+def check_same(x: Any, ref: Any, name: str, ref_name: str) -> None:
+    """TypeError unless ``x`` has ``ref``'s dtype, ValueError unless its size (the kernel
+    wrappers' rule for operands that go together)."""
+    if x.dtype != ref.dtype:
+        raise TypeError(f"{name} has dtype {x.dtype} but {ref_name} has {ref.dtype}")
+    if x.size != ref.size:
+        raise ValueError(f"{name} has {x.size} elements but {ref_name} has {ref.size}")
+
+
+def check_copy(
+    device: Device, dst: Any, src: Any, src_device: object, dst_device: object
+) -> CopyArgs:
+    """The arguments of ``device``'s streams' ``copy``, checked."""
+    src_dev = device._same_backend(src_device, "src_device")
+    dst_dev = device._same_backend(dst_device, "dst_device")
+    (dst_dev or device)._check_operand(dst, "dst", writable=True, host_ok=dst_dev is None)
+    (src_dev or device)._check_operand(src, "src", host_ok=src_dev is None)
+    if dst.nbytes != src.nbytes:
+        raise ValueError(f"copy needs equal sizes: dst {dst.nbytes} B, src {src.nbytes} B")
+    return CopyArgs(dst, src, src_dev, dst_dev or device)
+
+
+def check_reduce(
+    device: Device,
+    dst: Any,
+    srcs: Iterable[Any],
+    op: object,
+    src_devices: Iterable[object] | None,
+    dst_device: object,
+    alpha: object,
+) -> ReduceArgs:
+    """The arguments of ``device``'s streams' ``reduce``, checked."""
+    if not isinstance(op, str) or op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {', '.join(REDUCE_OPS)}; got {op!r}")
+    a = check_real(alpha, "alpha")
+    if a != 1.0 and op != "sum":
+        raise ValueError(f"alpha != 1.0 needs op='sum'; got op={op!r}")
+    dst_dev = device._same_backend(dst_device, "dst_device") or device
+    dst_dev._check_operand(dst, "dst", writable=True)
+    check_dtype(dst, "dst", DTYPES if a == 1.0 else FLOAT_DTYPES)
+    srcs = list(srcs)
+    if not srcs:
+        raise ValueError("reduce needs at least one source")
+    if src_devices is None:
+        devs = [dst_dev] * len(srcs)
+    else:
+        given = list(src_devices)
+        if len(given) != len(srcs):
+            raise ValueError(f"src_devices has {len(given)} entries for {len(srcs)} sources")
+        devs = [
+            device._same_backend(d, f"src_devices[{i}]") or dst_dev for i, d in enumerate(given)
+        ]
+    for i, (s, d) in enumerate(zip(srcs, devs, strict=True)):
+        d._check_operand(s, f"srcs[{i}]")
+        if s.dtype != dst.dtype or s.size != dst.size:
+            raise ValueError(f"srcs[{i}] is {s.dtype}[{s.size}] but dst is {dst.dtype}[{dst.size}]")
+    return ReduceArgs(dst, srcs, op, devs, dst_dev, a)
+
+
+def check_scale(device: Device, x: Any, alpha: object) -> float:
+    """The arguments of ``scale`` on ``device``, checked; returns alpha as a float."""
+    device._check_operand(x, "x", writable=True)
+    check_dtype(x, "x", FLOAT_DTYPES)
+    return check_real(alpha, "alpha")
+
+
+def check_sgd(
+    device: Device, w: Any, g: Any, v: Any, lr: object, momentum: object, weight_decay: object
+) -> SgdArgs:
+    """The arguments of ``sgd_update`` on ``device``, checked."""
+    for arr, what in ((w, "w"), (g, "g"), (v, "v")):
+        device._check_operand(arr, what, writable=True)
+    if not (w.dtype == g.dtype == v.dtype and w.size == g.size == v.size):
+        raise ValueError("w, g and v must have one dtype and one size")
+    check_dtype(w, "w", FLOAT_DTYPES)
+    return SgdArgs(
+        w,
+        g,
+        v,
+        check_real(lr, "lr"),
+        check_real(momentum, "momentum"),
+        check_real(weight_decay, "weight_decay"),
+    )
+
+
+def check_host_out(out: object, nbytes: int) -> None:
+    """``to_host``'s ``out``: any writable C-contiguous numpy array of ``nbytes`` bytes (a
+    copy moves bytes, whatever the shapes and dtypes)."""
+    if (
+        not isinstance(out, np.ndarray)
+        or out.nbytes != nbytes
+        or not out.flags.c_contiguous
+        or not out.flags.writeable
+    ):
+        raise ValueError(f"out must be a writable C-contiguous numpy array of {nbytes} bytes")
+
+
+def as_shape(shape: object) -> tuple[int, ...]:
+    """An array shape: an integer or a sequence of integers, none negative."""
+    if is_int(shape):
+        return (check_int(shape, "shape", min=0),)
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable):
+        raise TypeError(f"shape must be an integer or a sequence of integers, got {shape!r}")
+    return tuple(check_int(n, f"shape[{i}]", min=0) for i, n in enumerate(shape))

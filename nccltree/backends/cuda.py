@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -17,9 +18,23 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
+from .. import _cuda_kernels as _k
 from .._errors import BackendUnavailable, CommError, CommTimeout
-from .base import REDUCE_OPS, Device, Event, Stream, run_fold, timeout_or_default
+from .._native import check_host_array, ranges_overlap
+from .._validate import check_int
+from .base import (
+    CopyArgs,
+    Device,
+    Event,
+    ReduceArgs,
+    SgdArgs,
+    Stream,
+    as_shape,
+    check_host_out,
+    run_fold,
+)
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred through unified addressing
 _PEER_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
@@ -41,21 +56,8 @@ class CudaError(CommError):
         self.device = device
 
 
-def _cupy() -> Any:
-    try:
-        import cupy
-    except Exception as exc:  # ImportError, or OSError for missing CUDA libraries
-        raise BackendUnavailable(
-            "the CUDA backend needs CuPy, which could not be imported "
-            f"({type(exc).__name__}: {exc}); install nccltree[cuda12] or nccltree[cuda13]"
-        ) from exc
-    return cupy
-
-
-def _kernels() -> Any:
-    from .. import _cuda_kernels
-
-    return _cuda_kernels
+# CuPy, imported on first use (a module global, so tests can replace it)
+_cupy = _k.import_cupy
 
 
 def gpu_count() -> int:
@@ -91,11 +93,11 @@ def _query_status(query: Callable[[int], int], ptr: int, pid: int, what: str) ->
     raise CudaError(f"{what} on GPU {pid} failed: {cause}", status, pid) from cause
 
 
-def _poll(done: Any, timeout: float | None, what: str) -> None:
-    """Wait for ``done()`` by polling: CUDA's blocking waits cannot be timed out."""
+def _poll(done: Callable[[], bool], limit: float, what: str) -> None:
+    """Wait for ``done()`` for at most ``limit`` seconds by polling: CUDA's blocking waits
+    cannot be timed out."""
     if done():
         return
-    limit = timeout_or_default(timeout)
     deadline = time.monotonic() + limit
     pause = 2e-5
     while not done():
@@ -177,7 +179,7 @@ class CudaEvent(Event):
             self._ev.record(stream._cs)
         self._error = stream._error
 
-    def synchronize(self, timeout: float | None = None) -> None:
+    def _synchronize(self, timeout: float) -> None:
         if self._ev is not None:
             _poll(self.query, timeout, f"event on GPU {self._pid}")
 
@@ -238,81 +240,29 @@ class CudaStream(Stream):
         with cp.cuda.Device(self.device.physical_id), self._cs:
             yield cp
 
-    def _pid(self, dev: Device | None, default: int) -> int:
-        if dev is None:
-            return default
-        if not isinstance(dev, CudaDevice):
-            raise TypeError(f"source and destination devices must be CUDA devices, got {dev!r}")
-        return dev.physical_id
-
-    def copy(
-        self,
-        dst: Any,
-        src: Any,
-        *,
-        src_device: Device | None = None,
-        dst_device: Device | None = None,
-    ) -> None:
-        dptr, dbytes = _ptr_nbytes(dst, "dst")
-        sptr, sbytes = _ptr_nbytes(src, "src")
-        if dbytes != sbytes:
-            raise ValueError(f"copy needs equal sizes: dst {dbytes} B, src {sbytes} B")
-        pid = self.device.physical_id
-        dpid = self._pid(dst_device, pid)
-        spid = self._pid(src_device, -1)  # -1: host memory or the stream's own GPU
+    def _copy(self, c: CopyArgs) -> None:
+        dst, src, nbytes = c.dst, c.src, c.dst.nbytes
+        dptr, sptr = _ptr(dst), _ptr(src)
+        dpid = c.dst_device.physical_id
+        # -1: host memory or the stream's own GPU
+        spid = -1 if c.src_device is None else c.src_device.physical_id
         with self._on() as cp:
-            if dbytes == 0:
+            if nbytes == 0:
                 return
             if spid >= 0 and spid != dpid:
-                cp.cuda.runtime.memcpyPeerAsync(dptr, dpid, sptr, spid, dbytes, self._cs.ptr)
+                cp.cuda.runtime.memcpyPeerAsync(dptr, dpid, sptr, spid, nbytes, self._cs.ptr)
             else:
-                cp.cuda.runtime.memcpyAsync(dptr, sptr, dbytes, _MEMCPY_DEFAULT, self._cs.ptr)
+                cp.cuda.runtime.memcpyAsync(dptr, sptr, nbytes, _MEMCPY_DEFAULT, self._cs.ptr)
 
-    def reduce(
-        self,
-        dst: Any,
-        srcs: Sequence[Any],
-        op: str = "sum",
-        *,
-        src_devices: Sequence[Device | None] | None = None,
-        dst_device: Device | None = None,
-        alpha: float = 1.0,
-    ) -> None:
-        if op not in REDUCE_OPS:
-            raise ValueError(f"op must be one of {', '.join(REDUCE_OPS)}; got {op!r}")
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.integer, np.floating)):
-            raise TypeError(f"alpha must be a real number, got {type(alpha).__name__}")
-        alpha = float(alpha)
+    def _reduce(self, r: ReduceArgs) -> None:
+        dst = r.dst
         pid = self.device.physical_id
-        dst_dev = dst_device or self.device
-        dpid = self._pid(dst_dev, pid)
-        dst_dev.check_array(dst)
-        if alpha != 1.0:
-            # checked before anything is enqueued (the kernel wrapper would refuse it later)
-            if op != "sum":
-                raise ValueError(f"alpha != 1.0 needs op='sum'; got op={op!r}")
-            if dst.dtype.kind != "f":
-                raise TypeError(f"alpha != 1.0 needs a floating dtype; dst has {dst.dtype}")
-        srcs = list(srcs)
-        if not srcs:
-            raise ValueError("reduce needs at least one source")
-        if src_devices is None:
-            src_devices = [None] * len(srcs)
-        src_devices = list(src_devices)
-        if len(src_devices) != len(srcs):
-            raise ValueError(f"src_devices has {len(src_devices)} entries for {len(srcs)} sources")
-        for i, (s, d) in enumerate(zip(srcs, src_devices, strict=True)):
-            (d or dst_dev).check_array(s)
-            if s.dtype != dst.dtype or s.size != dst.size:
-                raise ValueError(
-                    f"srcs[{i}] is {s.dtype}[{s.size}] but dst is {dst.dtype}[{dst.size}]"
-                )
-        k = _kernels()
+        dpid = r.dst_device.physical_id
         stream_ptr = self._cs.ptr
         with self._on() as cp:
             inputs = []
-            for s, d in zip(srcs, src_devices, strict=True):
-                spid = self._pid(d, dpid)
+            for s, d in zip(r.srcs, r.src_devices, strict=True):
+                spid = d.physical_id
                 if spid == pid or _enable_peer(pid, spid):
                     inputs.append(s)  # read in place (this GPU, or over peer access)
                 else:
@@ -330,42 +280,25 @@ class CudaStream(Stream):
             aliases = [i for i, s in enumerate(inputs) if _overlap(s, out)]
 
             def launch(o: Any, ins: list[Any], a: float) -> None:
-                k.reduce_n(o, ins, op, self._cs, alpha=a)
+                _k.reduce_n(o, ins, r.op, self._cs, alpha=a)
 
-            run_fold(out, inputs, alpha, aliases, launch, lambda: cp.empty(dst.shape, dst.dtype))
+            run_fold(out, inputs, r.alpha, aliases, launch, lambda: cp.empty(dst.shape, dst.dtype))
             if not direct and dst.nbytes:
                 cp.cuda.runtime.memcpyPeerAsync(
                     dst.data.ptr, dpid, out.data.ptr, pid, dst.nbytes, stream_ptr
                 )
 
-    def scale(self, x: Any, alpha: float) -> None:
-        self.device.check_array(x)
+    def _scale(self, x: Any, alpha: float) -> None:
         with self._on():
-            _kernels().scale(x, float(alpha), self._cs)
+            _k.scale(x, alpha, self._cs)
 
-    def sgd_update(
-        self, w: Any, g: Any, v: Any, lr: float, momentum: float, weight_decay: float
-    ) -> None:
-        for a in (w, g, v):
-            self.device.check_array(a)
-        if not (w.dtype == g.dtype == v.dtype and w.size == g.size == v.size):
-            raise ValueError("w, g and v must have one dtype and one size")
+    def _sgd_update(self, a: SgdArgs) -> None:
         with self._on():
-            _kernels().sgd_update(
-                w, g, v, float(lr), float(momentum), float(weight_decay), self._cs
-            )
+            _k.sgd_update(*a, stream=self._cs)
 
-    def call(self, fn: Any, *args: Any) -> None:
-        if not callable(fn):
-            raise TypeError(f"call needs a callable, got {fn!r}")
+    def _call(self, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
         with self._on():
             fn(*args)
-
-    def record(self, event: Event | None = None) -> Event:
-        if event is None:
-            event = CudaEvent()
-        event.record(self)
-        return event
 
     def wait_event(self, event: Event) -> None:
         if not isinstance(event, CudaEvent):
@@ -375,7 +308,7 @@ class CudaStream(Stream):
         with _cupy().cuda.Device(self.device.physical_id):
             self._cs.wait_event(event._ev)
 
-    def synchronize(self, timeout: float | None = None) -> None:
+    def _synchronize(self, timeout: float) -> None:
         _poll(self.query, timeout, repr(self))
 
     def query(self) -> bool:
@@ -393,30 +326,20 @@ class CudaStream(Stream):
 
 def _overlap(a: Any, b: Any) -> bool:
     """Whether two CuPy arrays share bytes (unified addressing: one address space)."""
-    if a.nbytes == 0 or b.nbytes == 0:
-        return False
-    pa, pb = a.data.ptr, b.data.ptr
-    return bool(pa < pb + b.nbytes and pb < pa + a.nbytes)
+    return ranges_overlap(a.data.ptr, a.nbytes, b.data.ptr, b.nbytes)
 
 
-def _ptr_nbytes(a: Any, what: str) -> tuple[int, int]:
-    """Device or host pointer and size of a C-contiguous CuPy or numpy array."""
-    if isinstance(a, np.ndarray):
-        if not a.flags.c_contiguous:
-            raise ValueError(f"{what} must be C-contiguous")
-        return a.ctypes.data, a.nbytes
-    cp = _cupy()
-    if isinstance(a, cp.ndarray):
-        if not a.flags.c_contiguous:
-            raise ValueError(f"{what} must be C-contiguous")
-        return a.data.ptr, a.nbytes
-    raise TypeError(f"{what} must be a cupy.ndarray or a numpy.ndarray, got {type(a)}")
+def _ptr(a: Any) -> int:
+    """The address of a checked copy operand: a numpy array in host memory or a CuPy
+    array (unified addressing: one address space)."""
+    return int(a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr)
 
 
 class CudaDevice(Device):
     """One logical device on a physical GPU."""
 
     backend = "cuda"
+    runtime: CudaRuntime
     threads = 1  # kernel launch configuration is the GPU's business, not a thread count
 
     def __init__(self, runtime: CudaRuntime, index: int, physical_id: int) -> None:
@@ -429,7 +352,7 @@ class CudaDevice(Device):
         self._lock = self._stream_lock  # the set of streams changes with stream creation
 
     @property
-    def xp(self) -> Any:
+    def xp(self) -> types.ModuleType:
         return _cupy()
 
     @contextmanager
@@ -498,7 +421,7 @@ class CudaDevice(Device):
             arr = cp.zeros(shape, dtype)
         return arr
 
-    def pinned_empty(self, shape: Any, dtype: Any = "float32") -> np.ndarray:
+    def pinned_empty(self, shape: object, dtype: npt.DTypeLike = "float32") -> np.ndarray:
         return pinned_empty(shape, dtype)
 
     def asarray(self, obj: Any) -> Any:
@@ -519,17 +442,23 @@ class CudaDevice(Device):
             raise TypeError(f"the buffer is on GPU {arr.device.id}, not on {self.name}")
         return arr
 
-    def check_array(self, arr: Any) -> None:
+    def _check_operand(
+        self, arr: Any, what: str, *, writable: bool = False, host_ok: bool = False
+    ) -> None:
+        if host_ok and isinstance(arr, np.ndarray):
+            check_host_array(arr, f"{what} (host memory)", writable=writable)
+            return
         cp = _cupy()
         if not isinstance(arr, cp.ndarray):
+            kinds = "a cupy.ndarray or a numpy.ndarray" if host_ok else "a cupy.ndarray"
             raise TypeError(
-                f"{self.name} takes cupy.ndarray buffers, got {type(arr).__module__}."
+                f"{what} must be {kinds} for {self.name}, got {type(arr).__module__}."
                 f"{type(arr).__name__}"
             )
         if arr.device.id != self.physical_id:
-            raise ValueError(f"the array is on GPU {arr.device.id}, not on {self.name}")
+            raise ValueError(f"{what} is on GPU {arr.device.id}, not on {self.name}")
         if not arr.flags.c_contiguous:
-            raise ValueError(f"{self.name}: the array must be C-contiguous")
+            raise ValueError(f"{what} must be C-contiguous")
 
     def from_host(self, host: Any, stream: Stream | None = None) -> Any:
         src = np.ascontiguousarray(host)
@@ -552,16 +481,8 @@ class CudaDevice(Device):
         self.check_array(arr)
         if out is None:
             out = pinned_empty(arr.shape, arr.dtype) if stream is not None else None
-        elif (
-            not isinstance(out, np.ndarray)
-            or out.nbytes != arr.nbytes
-            or not out.flags.c_contiguous
-            or not out.flags.writeable
-        ):
-            # a copy moves bytes: any shape and dtype of the right size will do
-            raise ValueError(
-                f"out must be a writable C-contiguous numpy array of {arr.nbytes} bytes"
-            )
+        else:
+            check_host_out(out, arr.nbytes)
         if stream is None:
             cp = _cupy()
             with cp.cuda.Device(self.physical_id):
@@ -574,8 +495,8 @@ class CudaDevice(Device):
         stream.copy(out, arr)
         return out
 
-    def synchronize(self, timeout: float | None = None) -> None:
-        deadline = time.monotonic() + timeout_or_default(timeout)
+    def _synchronize(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         with self._lock:
             streams = list(self._streams)
         cp = _cupy()
@@ -594,19 +515,17 @@ class CudaDevice(Device):
 
     def sum_into(self, dst: Any, src: Any) -> None:
         with self.activate():
-            _kernels().sum_into(dst, src, self._current())
+            _k.sum_into(dst, src, self._current())
 
     def scale(self, x: Any, alpha: float) -> None:
         with self.activate():
-            _kernels().scale(x, float(alpha), self._current())
+            _k.scale(x, alpha, self._current())
 
     def sgd_update(
         self, w: Any, g: Any, v: Any, lr: float, momentum: float, weight_decay: float
     ) -> None:
         with self.activate():
-            _kernels().sgd_update(
-                w, g, v, float(lr), float(momentum), float(weight_decay), self._current()
-            )
+            _k.sgd_update(w, g, v, lr, momentum, weight_decay, self._current())
 
 
 class _PinnedBlock:
@@ -636,16 +555,14 @@ def _free_host(rt: Any, ptr: int) -> None:
         warnings.warn(f"freeing page-locked memory failed: {exc}", RuntimeWarning, stacklevel=1)
 
 
-def pinned_empty(shape: Any, dtype: Any = "float32") -> np.ndarray:
+def pinned_empty(shape: object, dtype: npt.DTypeLike = "float32") -> np.ndarray:
     """A numpy array in page-locked memory of exactly its size (rounded up to one byte),
     unpinned and freed when the array and its views are gone."""
     dt = np.dtype(dtype)
-    shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
-    if any(n < 0 for n in shape):
-        raise ValueError(f"shape must not have negative sizes, got {shape}")
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    dims = as_shape(shape)
+    nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
     raw: np.ndarray = np.asarray(_PinnedBlock(max(nbytes, 1)))  # base: the block
-    return raw[:nbytes].view(dt).reshape(shape)
+    return raw[:nbytes].view(dt).reshape(dims)
 
 
 class CudaRuntime:
@@ -655,7 +572,7 @@ class CudaRuntime:
     name = "cuda"
 
     def __init__(self, physical_ids: Sequence[int]) -> None:
-        ids = [int(i) for i in physical_ids]
+        ids = [check_int(i, "a GPU ordinal", min=0) for i in physical_ids]
         if not ids:
             raise ValueError("the CUDA backend needs at least one GPU ordinal")
         self.devices: list[CudaDevice] = [CudaDevice(self, i, p) for i, p in enumerate(ids)]

@@ -14,21 +14,28 @@ import queue
 import random
 import threading
 import time
+import types
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
+from .. import _native
 from .._errors import CommTimeout, NcclTreeError
-from .._native import _array as _native_array
+from .._validate import check_int, check_real
 from .base import (
-    REDUCE_OPS,
+    CopyArgs,
     Device,
     Event,
+    ReduceArgs,
+    SgdArgs,
     Stream,
     Transfer,
+    as_shape,
+    check_host_out,
     run_fold,
     timeout_or_default,
 )
@@ -48,44 +55,21 @@ __all__ = [
     "record_transfers",
 ]
 
-# -- native kernels (loaded on first use so importing the backend stays cheap) -------------
-
-_native_mod: Any = None
-
-
-def _nat() -> Any:
-    global _native_mod
-    if _native_mod is None:
-        from .. import _native
-
-        _native_mod = _native
-    return _native_mod
-
-
 # -- aligned allocation ---------------------------------------------------------------------
 
 
-def aligned_empty(shape: Any, dtype: Any = "float32", alignment: int = ALIGNMENT) -> np.ndarray:
+def aligned_empty(
+    shape: object, dtype: npt.DTypeLike = "float32", alignment: int = ALIGNMENT
+) -> np.ndarray:
     """An uninitialised C-contiguous numpy array whose data starts on an ``alignment``
     boundary (plain pageable memory, never locked)."""
     dt = np.dtype(dtype)
-    shape = _as_shape(shape)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    dims = as_shape(shape)
+    alignment = check_int(alignment, "alignment", min=1)
+    nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
     raw = np.empty(nbytes + alignment, dtype=np.uint8)
     offset = (-raw.ctypes.data) % alignment
-    return raw[offset : offset + nbytes].view(dt).reshape(shape)
-
-
-def _as_shape(shape: Any) -> tuple[int, ...]:
-    if isinstance(shape, (int, np.integer)):
-        shape = (int(shape),)
-    try:
-        out = tuple(int(s) for s in shape)
-    except TypeError:
-        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
-    if any(s < 0 for s in out):
-        raise ValueError(f"shape must not have negative sizes, got {out}")
-    return out
+    return raw[offset : offset + nbytes].view(dt).reshape(dims)
 
 
 # -- transfer recording ---------------------------------------------------------------------
@@ -137,9 +121,7 @@ def _jitter_config() -> tuple[int, float] | None:
         raise ValueError(
             f"{JITTER_ENV} must be SEED or SEED:MAX_US (integers/microseconds), got {raw!r}"
         ) from None
-    if max_us < 0:
-        raise ValueError(f"{JITTER_ENV}: MAX_US must be >= 0, got {max_us}")
-    return seed, max_us * 1e-6
+    return seed, check_real(max_us, f"{JITTER_ENV}: MAX_US", min=0.0) * 1e-6
 
 
 # -- streams --------------------------------------------------------------------------------
@@ -147,6 +129,9 @@ def _jitter_config() -> tuple[int, float] | None:
 
 class _StreamShutdown(NcclTreeError):
     """The backend was shut down while work was pending or being waited for."""
+
+
+_Item = tuple[int, Callable[..., object], tuple[Any, ...]]  # (sequence number, fn, args)
 
 
 class _Core:
@@ -173,7 +158,7 @@ class _Core:
 
     def __init__(self, name: str, jitter: tuple[int, float] | None, rng_key: int) -> None:
         self.name = name
-        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.q: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.cv = threading.Condition(self.lock)
         self.enqueued = 0  # sequence number of the last op enqueued
@@ -184,13 +169,13 @@ class _Core:
         self.thread: threading.Thread | None = None
         self.closed = False
         if jitter is None:
-            self.rng = None
+            self.rng: random.Random | None = None
             self.jitter_max = 0.0
         else:
             self.rng = random.Random(jitter[0] * 1_000_003 + rng_key)
             self.jitter_max = jitter[1]
 
-    def enqueue(self, fn: Any, args: tuple) -> None:
+    def enqueue(self, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
         with self.lock:
             if self.closed:
                 raise _StreamShutdown(f"stream {self.name} is shut down")
@@ -203,11 +188,11 @@ class _Core:
                 )
                 self.thread.start()
 
-    def wait_for(self, seq: int, timeout: float | None) -> None:
-        """Block until op ``seq`` completed; re-raise a failure at or before it."""
+    def wait_for(self, seq: int, limit: float) -> None:
+        """Block until op ``seq`` completed, for at most ``limit`` seconds; re-raise a
+        failure at or before it."""
         if self.done >= seq:
             return
-        limit = timeout_or_default(timeout)
         deadline = time.monotonic() + limit
         with self.lock:
             self.waiters += 1
@@ -260,7 +245,7 @@ def _worker(core: _Core) -> None:
         seq, fn, args = item
         item = None  # drop references to finished work's buffers promptly
         if core.error is not None or core.closed:
-            fn = args = None  # a failed stream drops the rest of its queue (sticky error)
+            del fn, args  # a failed stream drops the rest of its queue (sticky error)
             continue
         if core.rng is not None:
             sleep(core.rng.random() * core.jitter_max)
@@ -276,14 +261,14 @@ def _worker(core: _Core) -> None:
                 core.done = seq
                 if core.waiters:
                     core.cv.notify_all()
-        fn = args = None
+        del fn, args
 
 
 _wait_timeout: float | None = None  # None: DEFAULT_TIMEOUT; tests may shorten it
 
 
 def _op_wait(core: _Core, seq: int) -> None:
-    core.wait_for(seq, _wait_timeout)
+    core.wait_for(seq, timeout_or_default(_wait_timeout))
 
 
 # Below this many bytes numpy's ufuncs beat a native call: the work is a few cache lines
@@ -294,34 +279,51 @@ SMALL_BYTES = 16 << 10
 _UFUNCS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
 
 
-def _op_copy(dev: HostDevice, dst: np.ndarray, src: np.ndarray, rec: tuple | None) -> None:
+def _op_copy(
+    dev: HostDevice, dst: np.ndarray, src: np.ndarray, rec: tuple[int, int] | None
+) -> None:
     if dst.nbytes <= SMALL_BYTES:
         np.copyto(dst, src)
     else:
-        _nat().copy(dst, src, nthreads=dev.threads)
+        _native.copy(dst, src, nthreads=dev.threads)
     if rec is not None:
         _record(rec[0], rec[1], dst.nbytes, "copy")
 
 
-def _op_reduce(
-    dev: HostDevice, dst: np.ndarray, srcs: list, op: str, reads: list, alpha: float = 1.0
-) -> None:
+def _copy_op(
+    dev: HostDevice, c: CopyArgs
+) -> tuple[HostDevice, np.ndarray, np.ndarray, tuple[int, int] | None]:
+    """The arguments of ``_op_copy`` for a checked copy."""
+    dst, src = c.dst, c.src
+    if dst.dtype != src.dtype or dst.size != src.size:
+        # a copy moves bytes: reinterpret both sides as flat byte arrays
+        dst, src = dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8)
+    # no src_device: host memory or this device, not a transfer between devices
+    s_idx, d_idx = None if c.src_device is None else c.src_device.index, c.dst_device.index
+    return dev, dst, src, (s_idx, d_idx) if s_idx is not None and s_idx != d_idx else None
+
+
+def _op_reduce(dev: HostDevice, r: ReduceArgs) -> None:
+    dst, srcs, op, alpha = r.dst, r.srcs, r.op, r.alpha
     if dst.nbytes <= SMALL_BYTES and dst.dtype != np.float16:
         _small_reduce(dst, srcs, _UFUNCS[op], alpha)
     else:
-        nat = _nat()
 
         def launch(out: np.ndarray, inputs: list[np.ndarray], a: float) -> None:
-            nat.reduce_n(out, inputs, op=op, nthreads=dev.threads, alpha=a)
+            _native.reduce_n(out, inputs, op=op, nthreads=dev.threads, alpha=a)
 
         # longer lists than one kernel takes fold in passes, in the order of the sources
         aliases = [i for i, s in enumerate(srcs) if np.may_share_memory(dst, s)]
         run_fold(dst, srcs, alpha, aliases, launch, lambda: aligned_empty(dst.shape, dst.dtype))
-    for src_index, dst_index, nbytes in reads:
-        _record(src_index, dst_index, nbytes, "peer_read")
+    d_idx = r.dst_device.index
+    for s, d in zip(srcs, r.src_devices, strict=True):
+        if d.index != d_idx:
+            _record(d.index, d_idx, s.nbytes, "peer_read")
 
 
-def _small_reduce(dst: np.ndarray, srcs: list, ufunc: Any, alpha: float = 1.0) -> None:
+def _small_reduce(
+    dst: np.ndarray, srcs: list[np.ndarray], ufunc: np.ufunc, alpha: float = 1.0
+) -> None:
     """``dst = ufunc(...ufunc(srcs[0], srcs[1])..., srcs[-1])`` with numpy, left to right.
 
     ``alpha != 1.0`` (a sum of floats) then multiplies by alpha rounded to the dtype, as
@@ -349,107 +351,12 @@ def _small_reduce(dst: np.ndarray, srcs: list, ufunc: Any, alpha: float = 1.0) -
         np.copyto(dst, acc)
 
 
-# -- argument checks, at enqueue time (so the worker fails only for unforeseeable reasons) --
-
-
-def _arr(a: Any, what: str, writable: bool = False) -> np.ndarray:
-    # the same check the kernel wrappers make (importing them does not load the library)
-    return _native_array(a, f"{what} (a host device's buffer)", writable=writable)
-
-
-def _index(dev: Device | None, default: int | None, what: str) -> int | None:
-    if dev is None:
-        return default
-    if not isinstance(dev, HostDevice):
-        raise TypeError(f"{what} must be a host device, got {dev!r}")
-    return dev.index
-
-
-def _dev_index(dev: Device | None, default: int, what: str) -> int:
-    """``_index`` with a device index as the default, so never None."""
-    index = _index(dev, default, what)
-    return default if index is None else index
-
-
-def _copy_args(
-    here: HostDevice, dst: Any, src: Any, src_device: Device | None, dst_device: Device | None
-) -> tuple:
-    _arr(dst, "dst", writable=True)
-    _arr(src, "src")
-    if dst.nbytes != src.nbytes:
-        raise ValueError(f"copy needs equal sizes: dst {dst.nbytes} B, src {src.nbytes} B")
-    if dst.dtype != src.dtype or dst.size != src.size:
-        # a copy moves bytes: reinterpret both sides as flat byte arrays
-        dst, src = dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8)
-    # src_device None means host memory or this device: not a transfer between devices
-    s_idx = _index(src_device, None, "src_device")
-    d_idx = _index(dst_device, here.index, "dst_device")
-    rec = (s_idx, d_idx) if s_idx is not None and s_idx != d_idx else None
-    return here, dst, src, rec
-
-
-def _reduce_args(
-    here: HostDevice,
-    dst: Any,
-    srcs: Sequence[Any],
-    op: str,
-    src_devices: Sequence[Device | None] | None,
-    dst_device: Device | None,
-    alpha: float = 1.0,
-) -> tuple:
-    if op not in REDUCE_OPS:
-        raise ValueError(f"op must be one of {', '.join(REDUCE_OPS)}; got {op!r}")
-    _arr(dst, "dst", writable=True)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.integer, np.floating)):
-        raise TypeError(f"alpha must be a real number, got {type(alpha).__name__}")
-    alpha = float(alpha)
-    if alpha != 1.0 and op != "sum":
-        raise ValueError(f"alpha != 1.0 needs op='sum'; got op={op!r}")
-    _check_dtype(dst, "dst", _nat().DTYPES if alpha == 1.0 else _nat().FLOAT_DTYPES)
-    srcs = list(srcs)
-    if not srcs:
-        raise ValueError("reduce needs at least one source")
-    for i, s in enumerate(srcs):
-        _arr(s, f"srcs[{i}]")
-        if s.dtype != dst.dtype or s.size != dst.size:
-            raise ValueError(f"srcs[{i}] is {s.dtype}[{s.size}] but dst is {dst.dtype}[{dst.size}]")
-    d_idx = _dev_index(dst_device, here.index, "dst_device")
-    reads: list[tuple[int, int, int]] = []
-    if src_devices is not None:
-        src_devices = list(src_devices)
-        if len(src_devices) != len(srcs):
-            raise ValueError(f"src_devices has {len(src_devices)} entries for {len(srcs)} sources")
-        for s, d in zip(srcs, src_devices, strict=True):
-            s_idx = _dev_index(d, d_idx, "src_devices entry")
-            if s_idx != d_idx:
-                reads.append((s_idx, d_idx, s.nbytes))
-    return here, dst, srcs, op, reads, alpha
-
-
-def _check_out(out: Any, nbytes: int) -> None:
-    """``to_host``'s ``out``: any writable C-contiguous numpy array of ``nbytes`` bytes (a
-    copy moves bytes, whatever the shapes and dtypes)."""
-    if (
-        not isinstance(out, np.ndarray)
-        or out.nbytes != nbytes
-        or not out.flags.c_contiguous
-        or not out.flags.writeable
-    ):
-        raise ValueError(f"out must be a writable C-contiguous numpy array of {nbytes} bytes")
-
-
 def _op_scale(dev: HostDevice, x: np.ndarray, alpha: float) -> None:
-    _nat().scale(x, alpha, nthreads=dev.threads)
+    _native.scale(x, alpha, nthreads=dev.threads)
 
 
-def _op_sgd(dev: HostDevice, w: Any, g: Any, v: Any, lr: float, mom: float, wd: float) -> None:
-    _nat().sgd_update(w, g, v, lr, mom, wd, nthreads=dev.threads)
-
-
-def _check_dtype(a: np.ndarray, what: str, accepted: Any) -> None:
-    if a.dtype not in accepted:
-        names = ", ".join(str(dt) for dt in accepted)
-        raise TypeError(f"{what} has dtype {a.dtype}; accepted: {names}")
+def _op_sgd(dev: HostDevice, a: SgdArgs) -> None:
+    _native.sgd_update(*a, nthreads=dev.threads)
 
 
 class HostEvent(Event):
@@ -468,7 +375,7 @@ class HostEvent(Event):
         with core.lock:
             self._core, self._seq = core, core.enqueued
 
-    def synchronize(self, timeout: float | None = None) -> None:
+    def _synchronize(self, timeout: float) -> None:
         if self._core is not None:
             self._core.wait_for(self._seq, timeout)
 
@@ -481,63 +388,33 @@ class HostStream(Stream):
 
     def __init__(self, device: HostDevice, serial: int) -> None:
         self.device: HostDevice = device
-        jitter = _jitter_config()
-        self._core = _Core(f"cpu{device.index}-s{serial}", jitter, device.index * 1009 + serial)
+        inline = serial < 0  # an _InlineStream: nothing queued, so nothing to delay
+        jitter = None if inline else _jitter_config()
+        name = f"cpu{device.index}-" + ("inline" if inline else f"s{serial}")
+        self._core = _Core(name, jitter, device.index * 1009 + serial)
+        #: how an op is issued: queued for the worker (``_InlineStream``: run now)
+        self._submit: Callable[[Callable[..., object], tuple[Any, ...]], None]
+        self._submit = self._core.enqueue
         # when the stream object goes away its worker drains the queue and exits
         weakref.finalize(self, _Core.retire, self._core)
 
     def __repr__(self) -> str:
-        return f"<HostStream {self._core.name}>"
+        return f"<{type(self).__name__} {self._core.name}>"
 
-    def copy(
-        self,
-        dst: Any,
-        src: Any,
-        *,
-        src_device: Device | None = None,
-        dst_device: Device | None = None,
-    ) -> None:
-        self._core.enqueue(_op_copy, _copy_args(self.device, dst, src, src_device, dst_device))
+    def _copy(self, c: CopyArgs) -> None:
+        self._submit(_op_copy, _copy_op(self.device, c))
 
-    def reduce(
-        self,
-        dst: Any,
-        srcs: Sequence[Any],
-        op: str = "sum",
-        *,
-        src_devices: Sequence[Device | None] | None = None,
-        dst_device: Device | None = None,
-        alpha: float = 1.0,
-    ) -> None:
-        args = _reduce_args(self.device, dst, srcs, op, src_devices, dst_device, alpha)
-        self._core.enqueue(_op_reduce, args)
+    def _reduce(self, r: ReduceArgs) -> None:
+        self._submit(_op_reduce, (self.device, r))
 
-    def scale(self, x: Any, alpha: float) -> None:
-        _arr(x, "x", writable=True)
-        _check_dtype(x, "x", _nat().FLOAT_DTYPES)
-        self._core.enqueue(_op_scale, (self.device, x, float(alpha)))
+    def _scale(self, x: Any, alpha: float) -> None:
+        self._submit(_op_scale, (self.device, x, alpha))
 
-    def sgd_update(
-        self, w: Any, g: Any, v: Any, lr: float, momentum: float, weight_decay: float
-    ) -> None:
-        for a, what in ((w, "w"), (g, "g"), (v, "v")):
-            _arr(a, what, writable=True)
-        if not (w.dtype == g.dtype == v.dtype and w.size == g.size == v.size):
-            raise ValueError("w, g and v must have one dtype and one size")
-        _check_dtype(w, "w", _nat().FLOAT_DTYPES)
-        args = (self.device, w, g, v, float(lr), float(momentum), float(weight_decay))
-        self._core.enqueue(_op_sgd, args)
+    def _sgd_update(self, a: SgdArgs) -> None:
+        self._submit(_op_sgd, (self.device, a))
 
-    def call(self, fn: Any, *args: Any) -> None:
-        if not callable(fn):
-            raise TypeError(f"call needs a callable, got {fn!r}")
-        self._core.enqueue(fn, args)
-
-    def record(self, event: Event | None = None) -> Event:
-        if event is None:
-            event = HostEvent()
-        event.record(self)
-        return event
+    def _call(self, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
+        self._submit(fn, args)
 
     def wait_event(self, event: Event) -> None:
         if not isinstance(event, HostEvent):
@@ -547,9 +424,9 @@ class HostStream(Stream):
         # passed costs nothing
         if core is None or core is self._core or core.done >= seq:
             return
-        self._core.enqueue(_op_wait, (core, seq))
+        self._submit(_op_wait, (core, seq))
 
-    def synchronize(self, timeout: float | None = None) -> None:
+    def _synchronize(self, timeout: float) -> None:
         core = self._core
         core.wait_for(core.enqueued, timeout)
 
@@ -558,10 +435,30 @@ class HostStream(Stream):
         return core.check(core.enqueued)
 
 
+def _run_now(fn: Callable[..., object], args: tuple[Any, ...]) -> None:
+    fn(*args)
+
+
+class _InlineStream(HostStream):
+    """A stream whose operations run at once, in the calling thread, checked and recorded
+    as on any stream (``HostDevice.copy_now`` / ``reduce_now``); a wait blocks the
+    caller. Nothing is ever queued, so it is always idle."""
+
+    def __init__(self, device: HostDevice) -> None:
+        super().__init__(device, -1)
+        self._submit = _run_now
+
+
 class HostDevice(Device):
-    """A virtual device: host memory plus worker-thread streams."""
+    """A virtual device: host memory plus worker-thread streams.
+
+    ``copy_now(dst, src, *, src_device=None, dst_device=None)`` and ``reduce_now(dst,
+    srcs, op="sum", *, src_devices=None, dst_device=None, alpha=1.0)`` are ``Stream.copy``
+    and ``Stream.reduce`` performed now, in the calling thread (recorded the same way).
+    """
 
     backend = "host"
+    runtime: HostRuntime
 
     def __init__(self, runtime: HostRuntime, index: int, threads: int) -> None:
         super().__init__()
@@ -573,6 +470,9 @@ class HostDevice(Device):
         self._serial = itertools.count()
         self._cores: weakref.WeakSet[_Core] = weakref.WeakSet()
         self._cores_lock = self._stream_lock  # the set of cores changes with the streams
+        inline = _InlineStream(self)
+        self.copy_now = inline.copy
+        self.reduce_now = inline.reduce
 
     @property
     def threads(self) -> int:
@@ -580,12 +480,10 @@ class HostDevice(Device):
 
     @threads.setter
     def threads(self, n: int) -> None:
-        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"threads must be an int >= 1, got {n!r}")
-        self._threads = int(n)
+        self._threads = check_int(n, "threads", min=1)
 
     @property
-    def xp(self) -> Any:
+    def xp(self) -> types.ModuleType:
         return np
 
     def _make_stream(self) -> HostStream:
@@ -598,19 +496,19 @@ class HostDevice(Device):
         return HostEvent()
 
     def empty(
-        self, shape: Any, dtype: Any = "float32", *, stream: Stream | None = None
+        self, shape: object, dtype: npt.DTypeLike = "float32", *, stream: Stream | None = None
     ) -> np.ndarray:
         # host memory is not handed out in any stream's order: ready for every stream
         return aligned_empty(shape, dtype)
 
     def zeros(
-        self, shape: Any, dtype: Any = "float32", *, stream: Stream | None = None
+        self, shape: object, dtype: npt.DTypeLike = "float32", *, stream: Stream | None = None
     ) -> np.ndarray:
         a = aligned_empty(shape, dtype)
         a.fill(0)
         return a
 
-    def pinned_empty(self, shape: Any, dtype: Any = "float32") -> np.ndarray:
+    def pinned_empty(self, shape: object, dtype: npt.DTypeLike = "float32") -> np.ndarray:
         return aligned_empty(shape, dtype)
 
     def asarray(self, obj: Any) -> np.ndarray:
@@ -633,38 +531,37 @@ class HostDevice(Device):
                 "an object with __array_interface__, the buffer protocol or DLPack"
             ) from None
 
-    def check_array(self, arr: Any) -> None:
-        if not isinstance(arr, np.ndarray):
-            raise TypeError(
-                f"{self.name} takes numpy.ndarray buffers, got {type(arr).__module__}."
-                f"{type(arr).__name__}"
-            )
-        if not arr.flags.c_contiguous:
-            raise ValueError(f"{self.name}: the array must be C-contiguous")
+    def _check_operand(
+        self, arr: Any, what: str, *, writable: bool = False, host_ok: bool = False
+    ) -> None:
+        # every host device's buffer is host memory: the kernel wrappers' own check
+        _native.check_host_array(arr, f"{what} (a host device's buffer)", writable=writable)
 
-    def from_host(self, host: Any, stream: Stream | None = None) -> np.ndarray:
+    def from_host(self, host: npt.ArrayLike, stream: Stream | None = None) -> np.ndarray:
         src = np.ascontiguousarray(host)
         out = aligned_empty(src.shape, src.dtype)
         if stream is None:
-            _nat().copy(out, src, nthreads=self.threads)
+            _native.copy(out, src, nthreads=self.threads)
         else:
             stream.copy(out, src)
         return out
 
-    def to_host(self, arr: Any, out: Any = None, stream: Stream | None = None) -> np.ndarray:
+    def to_host(
+        self, arr: Any, out: np.ndarray | None = None, stream: Stream | None = None
+    ) -> np.ndarray:
         self.check_array(arr)
         if out is None:
             out = aligned_empty(arr.shape, arr.dtype)
         else:
-            _check_out(out, arr.nbytes)
+            check_host_out(out, arr.nbytes)
         if stream is None:
             self.copy_now(out, arr)  # moves bytes, as the stream path does
         else:
             stream.copy(out, arr)
         return out
 
-    def synchronize(self, timeout: float | None = None) -> None:
-        deadline = time.monotonic() + timeout_or_default(timeout)
+    def _synchronize(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         with self._cores_lock:
             cores = list(self._cores)
         for core in cores:
@@ -674,40 +571,16 @@ class HostDevice(Device):
         # all virtual devices share one address space
         return isinstance(other, HostDevice)
 
-    def copy_now(
-        self,
-        dst: Any,
-        src: Any,
-        *,
-        src_device: Device | None = None,
-        dst_device: Device | None = None,
-    ) -> None:
-        """``Stream.copy`` performed now, in the calling thread (recorded the same way)."""
-        _op_copy(*_copy_args(self, dst, src, src_device, dst_device))
-
-    def reduce_now(
-        self,
-        dst: Any,
-        srcs: Sequence[Any],
-        op: str = "sum",
-        *,
-        src_devices: Sequence[Device | None] | None = None,
-        dst_device: Device | None = None,
-        alpha: float = 1.0,
-    ) -> None:
-        """``Stream.reduce`` performed now, in the calling thread (recorded the same way)."""
-        _op_reduce(*_reduce_args(self, dst, srcs, op, src_devices, dst_device, alpha))
-
     def sum_into(self, dst: Any, src: Any) -> None:
-        _nat().sum_into(dst, src, nthreads=self.threads)
+        _native.sum_into(dst, src, nthreads=self.threads)
 
     def scale(self, x: Any, alpha: float) -> None:
-        _nat().scale(x, alpha, nthreads=self.threads)
+        _native.scale(x, alpha, nthreads=self.threads)
 
     def sgd_update(
         self, w: Any, g: Any, v: Any, lr: float, momentum: float, weight_decay: float
     ) -> None:
-        _nat().sgd_update(w, g, v, lr, momentum, weight_decay, nthreads=self.threads)
+        _native.sgd_update(w, g, v, lr, momentum, weight_decay, nthreads=self.threads)
 
     def _close(self) -> None:
         with self._cores_lock:
@@ -722,8 +595,7 @@ class HostRuntime:
     name = "host"
 
     def __init__(self, n: int) -> None:
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"the host backend needs n >= 1 devices, got {n!r}")
+        n = check_int(n, "the number of host devices", min=1)
         threads = max(1, (os.cpu_count() or 1) // n)
         self.closed = False
         self.devices: list[HostDevice] = [HostDevice(self, i, threads) for i in range(n)]

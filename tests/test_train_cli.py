@@ -99,6 +99,15 @@ def test_strong_scaling_header_and_quiet(capsys):
         (["--resume", "/nonexistent/snap.npz"], "no snapshot at"),
         (["--hidden", "a,b"], "comma-separated integers"),
         (["--lr-policy", "step"], "needs gamma and stepsize"),
+        # the one argument rule: argparse's float takes "nan" and "inf"
+        (["--timeout", "nan"], "--timeout must be a number, got NaN"),
+        (["--timeout", "inf"], "--timeout must be finite"),
+        (["--timeout", "0"], "--timeout must be > 0"),
+        (["--lr", "nan"], "--lr must be a number, got NaN"),
+        (["--momentum", "inf"], "--momentum must be finite"),
+        (["--scale", "nan"], "--scale must be a number"),
+        (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        (["--blas-threads", "0"], "--blas-threads must be >= 1"),
     ],
 )
 def test_bad_arguments_exit_2(capsys, argv, message):

@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
+
+from .._validate import check_int
 
 PROG = "nccltree-data"
 
@@ -32,24 +34,20 @@ def _shape(text: str) -> tuple[int, ...]:
     return dims
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {text!r}")
-    return v
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            return check_int(int(text), "value", min=low)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}; got {text!r}") from None
+
+    return parse
 
 
-def _nonnegative(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = -1
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0; got {text!r}")
-    return v
+_positive = _int_at_least(1)
+_nonnegative = _int_at_least(0)
 
 
 def _writer_flags(p: argparse.ArgumentParser, *, datum_ok: bool = True) -> None:

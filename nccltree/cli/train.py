@@ -15,9 +15,14 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
+
+from .._validate import check_int, check_real
+
+if TYPE_CHECKING:
+    from ..parallel import DataParallel, Snapshot, StepInfo
 
 # Flag defaults live here rather than in argparse, so that a resumed run can tell the
 # flags given on its command line (they win) from those it takes from the snapshot.
@@ -256,6 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
 # -- configuration -------------------------------------------------------------------------
 
 
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
 def _int_list(text: str, what: str) -> list[int]:
     try:
         values = [int(v) for v in str(text).split(",") if v.strip()]
@@ -266,7 +275,9 @@ def _int_list(text: str, what: str) -> list[int]:
     return values
 
 
-def resolve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[dict, Any]:
+def resolve_config(
+    args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> tuple[dict[str, Any], Snapshot | None]:
     """Flags given > the snapshot's config (with --resume) > DEFAULTS."""
     from ..parallel import load_snapshot
 
@@ -289,24 +300,22 @@ def resolve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         cfg[key] = default if value is None else value
     try:
         _check_config(cfg)
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     return cfg, snap
 
 
-def _check_config(cfg: dict) -> None:
-    for key in ("synthetic", "batch_size"):
-        if cfg[key] < 1:
-            raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {cfg[key]}")
-    for key in ("iters", "eval_every", "snapshot_every"):
-        if cfg[key] < 0:
-            raise ValueError(f"--{key.replace('_', '-')} must be >= 0, got {cfg[key]}")
-    if cfg["classes"] is not None and cfg["classes"] < 2:
-        raise ValueError(f"--classes must be >= 2, got {cfg['classes']}")
-    if cfg["timeout"] <= 0:
-        raise ValueError(f"--timeout must be > 0, got {cfg['timeout']}")
-    if cfg["blas_threads"] is not None and cfg["blas_threads"] < 1:
-        raise ValueError(f"--blas-threads must be >= 1, got {cfg['blas_threads']}")
+def _check_config(cfg: dict[str, Any]) -> None:
+    """The one argument rule (``nccltree._validate``) over flags and a snapshot's config:
+    argparse's ``float`` takes "nan" and "inf", a snapshot may hold anything."""
+    ints = {"synthetic": 1, "batch_size": 1, "iters": 0, "eval_every": 0, "snapshot_every": 0}
+    for key, low in (*ints.items(), ("classes", 2), ("blas_threads", 1), ("seed", 0)):
+        if cfg[key] is not None:
+            cfg[key] = check_int(cfg[key], _flag(key), min=low)
+    cfg["timeout"] = check_real(cfg["timeout"], "--timeout", min=0.0, min_open=True)
+    for key in ("lr", "momentum", "weight_decay", "scale", "gamma", "power"):
+        if cfg[key] is not None:  # their ranges are the solver's and the reader's to judge
+            cfg[key] = check_real(cfg[key], _flag(key))
     if cfg["snapshot_every"] and not cfg["out"]:
         raise ValueError("--snapshot-every needs --out DIR (where snapshot.npz goes)")
     cfg["hidden"] = (
@@ -421,9 +430,9 @@ class Progress:
         self.total, self.every, self.quiet = total, max(1, every), quiet
         self._last_draw = 0.0
         self._open = False
-        self._window: list[tuple[int, float]] = []
+        self._window: list[tuple[int, float, float, float]] = []
 
-    def update(self, info: Any) -> None:
+    def update(self, info: StepInfo) -> None:
         if self.quiet:
             return
         # Averages over the last few iterations: the current speed rather than the run's
@@ -483,7 +492,14 @@ class Metrics:
 # -- the run -------------------------------------------------------------------------------
 
 
-def _print_header(cfg: dict, ds: Dataset, dp: Any, per_rank: int, snap: Any, out: TextIO) -> None:
+def _print_header(
+    cfg: dict[str, Any],
+    ds: Dataset,
+    dp: DataParallel,
+    per_rank: int,
+    snap: Snapshot | None,
+    out: TextIO,
+) -> None:
     n = dp.size
     p = dp.params[0]
     names = ", ".join(d.name for d in dp.devices)
@@ -510,7 +526,9 @@ def _print_header(cfg: dict, ds: Dataset, dp: Any, per_rank: int, snap: Any, out
     print("\n".join(lines), file=out, flush=True)
 
 
-def run(cfg: dict, snap: Any, out: TextIO, err: TextIO, target: float | None) -> int:
+def run(
+    cfg: dict[str, Any], snap: Snapshot | None, out: TextIO, err: TextIO, target: float | None
+) -> int:
     from ..backends import devices as make_devices
     from ..data import DataReader
     from ..models import build_model
@@ -572,7 +590,8 @@ def run(cfg: dict, snap: Any, out: TextIO, err: TextIO, target: float | None) ->
         config = {k: v for k, v in cfg.items() if k != "quiet"}
         state: dict[str, Any] = {"accuracy": None}
 
-        def do_eval(info: Any) -> None:
+        def do_eval(info: StepInfo) -> None:
+            assert ds.val is not None, "evaluated only with held-out data"
             acc, loss = evaluate(model, info.params, *ds.val)
             state["accuracy"] = acc
             metrics.write(event="eval", iter=info.iter, accuracy=acc, loss=loss)
@@ -580,7 +599,7 @@ def run(cfg: dict, snap: Any, out: TextIO, err: TextIO, target: float | None) ->
                 f"iter {info.iter}: held-out accuracy {100 * acc:.2f}%, loss {loss:.4f}"
             )
 
-        def on_step(info: Any) -> None:
+        def on_step(info: StepInfo) -> None:
             metrics.write(
                 event="train",
                 iter=info.iter,
@@ -641,7 +660,8 @@ def run(cfg: dict, snap: Any, out: TextIO, err: TextIO, target: float | None) ->
             state["accuracy"] = acc
         if outdir:
             final = os.path.join(outdir, "final.npz")
-            np.savez(final, **dp.state_dict())
+            # allow_pickle: the default, named so that the typed signature sees no clash
+            np.savez(final, allow_pickle=True, **dp.state_dict())
         summary = (
             f"done: {result.iter - result.start_iter} iterations in {result.elapsed_s:.1f} s, "
             f"{result.examples_per_s:,.0f} examples/s"

@@ -2,11 +2,14 @@
 
 It runs in the test suite (and so in CI) so that a wrong attribute on a typed object, such
 as reading ``.ptr`` from a nccltree ``Stream`` (which only the CUDA stream's CuPy stream
-has), fails before a GPU ever runs the line.
+has), fails before a GPU ever runs the line. The counts of ``Any`` and ``type: ignore`` in
+``nccltree/`` are a ratchet: they may only fall (tests/golden/typing_counts.json).
 """
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +17,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+TYPING_COUNTS = ROOT / "tests" / "golden" / "typing_counts.json"
+# what is counted, over every .py file under nccltree/ (comments and docstrings included:
+# the count is a ratchet, not a measure)
+TYPING_PATTERNS = {
+    "Any": re.compile(r"\bAny\b"),
+    "type: ignore": re.compile(r"#\s*type:\s*ignore"),
+}
 
 
 def _mypy(*args: str) -> subprocess.CompletedProcess[str]:
@@ -61,3 +71,42 @@ def test_nccl_engine_takes_typed_streams():
     hints = typing.get_type_hints(nccl.NcclEngine.launch)
     assert "Stream" in str(hints["streams"])
     assert typing.get_type_hints(nccl.stream_handle)["stream"].__name__ == "Stream"
+
+
+def typing_counts(package: Path = ROOT / "nccltree") -> dict[str, int]:
+    """How often each of TYPING_PATTERNS occurs in the package's sources."""
+    counts = dict.fromkeys(TYPING_PATTERNS, 0)
+    for path in sorted(package.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        for name, pattern in TYPING_PATTERNS.items():
+            counts[name] += len(pattern.findall(text))
+    return counts
+
+
+def test_typing_counts_only_fall():
+    # `Any` where a real type exists (Device, Stream, World, Tree, numpy arrays...) and
+    # `type: ignore` hide exactly the errors the type checker is there to find
+    ceiling = json.loads(TYPING_COUNTS.read_text())
+    now = typing_counts()
+    assert set(ceiling) == set(now), f"{TYPING_COUNTS} must hold exactly {sorted(now)}"
+    over = [f"{k}: {now[k]} > {ceiling[k]}" for k in now if now[k] > ceiling[k]]
+    assert not over, (
+        f"more {' and '.join(over)} in nccltree/ than the ceiling in {TYPING_COUNTS.name}: "
+        "use the real type (TYPE_CHECKING imports avoid import cycles) or fix the error "
+        "instead of raising the ceiling"
+    )
+    assert now == ceiling, (
+        f"the counts fell ({ceiling} -> {now}): well done; lower the ceiling to match, "
+        f"write {json.dumps(now)} into tests/golden/{TYPING_COUNTS.name}"
+    )
+
+
+def test_typing_counts_see_what_they_count(tmp_path):
+    # negative control: the patterns find the spellings in use and ignore look-alikes
+    (tmp_path / "a.py").write_text(
+        "from typing import Any\n"
+        "x: Any = 1  # type: ignore[assignment]\n"
+        "y = 2  #type:ignore\n"
+        "AnyStr = Company = 3\n"
+    )
+    assert typing_counts(tmp_path) == {"Any": 2, "type: ignore": 2}

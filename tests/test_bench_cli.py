@@ -147,7 +147,7 @@ def test_broken_algorithm_gives_wrong_count_and_exit_code(capsys):
         (["--algorithm", "tree,bogus"], "accepted: tree, ring"),
         (["-o", "avg"], "accepted: sum"),
         (["-d", "complex64"], "accepted: float16"),
-        (["-r", "5"], r"root must be a rank in \[0, 2\)"),
+        (["-r", "5"], r"root must be in \[0, 2\), got 5"),
         (["-n", "0"], "iters must be"),
         (["-e", "64Q"], "K, M, G"),
         (["--json", "/nonexistent-dir/x.json"], "does not exist"),

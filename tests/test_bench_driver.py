@@ -11,6 +11,7 @@ import pytest
 
 from nccltree.comm import World
 from nccltree.comm import bench as drv
+from nccltree.comm.collectives import COLLECTIVES
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 
@@ -49,22 +50,24 @@ class ReduceEverywhere(World):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_bus_factors_are_nccl_tests(n):
-    assert drv.SPECS["all_reduce"].bus_factor(n) == pytest.approx(2 * (n - 1) / n)
-    assert drv.SPECS["all_gather"].bus_factor(n) == pytest.approx((n - 1) / n)
-    assert drv.SPECS["reduce_scatter"].bus_factor(n) == pytest.approx((n - 1) / n)
-    assert drv.SPECS["broadcast"].bus_factor(n) == 1.0
-    assert drv.SPECS["reduce"].bus_factor(n) == 1.0
+    assert COLLECTIVES["all_reduce"].bus_factor(n) == pytest.approx(2 * (n - 1) / n)
+    assert COLLECTIVES["all_gather"].bus_factor(n) == pytest.approx((n - 1) / n)
+    assert COLLECTIVES["reduce_scatter"].bus_factor(n) == pytest.approx((n - 1) / n)
+    assert COLLECTIVES["broadcast"].bus_factor(n) == 1.0
+    assert COLLECTIVES["reduce"].bus_factor(n) == 1.0
 
 
 def test_byte_counts_follow_nccl_tests():
     # 64 B of float32 on 3 ranks: all_reduce moves 16 elements; all_gather gathers 5 per
     # rank, so S is the whole gathered array of 15; reduce_scatter splits 15 into 3 x 5
-    spec = drv.SPECS["all_reduce"]
-    assert (spec.in_count(16, 3), spec.out_count(16, 3), spec.nbytes(16, 3, 4)) == (16, 16, 64)
-    spec = drv.SPECS["all_gather"]
-    assert (spec.in_count(16, 3), spec.out_count(16, 3), spec.nbytes(16, 3, 4)) == (5, 15, 60)
-    spec = drv.SPECS["reduce_scatter"]
-    assert (spec.in_count(16, 3), spec.out_count(16, 3), spec.nbytes(16, 3, 4)) == (15, 5, 60)
+    def shape(name: str) -> tuple[int, int, int, int]:
+        c = COLLECTIVES[name]
+        count = c.count_for(16, 3)
+        return count, c.in_count(count, 3), c.out_count(count, 3), c.nbytes(count, 3, 4)
+
+    assert shape("all_reduce") == (16, 16, 16, 64)
+    assert shape("all_gather") == (5, 5, 15, 60)
+    assert shape("reduce_scatter") == (5, 15, 5, 60)
     assert drv.bandwidths(2_000_000, 0.001, 1.5) == pytest.approx((2.0, 3.0))
     assert drv.bandwidths(0, 0.0, 1.5) == (0.0, 0.0)
 
@@ -126,6 +129,23 @@ def test_reference_accumulates_in_float64():
     assert drv.reference("prod", ints).tolist() == [10, -3]
 
 
+def test_reference_with_the_kernels_rounding():
+    # float16 accumulated in float32 and rounded once: 2048 + 1 + 1 is 2050 in float16,
+    # while rounding after each add would stay at 2048 (float16's spacing there is 2)
+    xs = [np.full(2, v, np.float16) for v in (2048.0, 1.0, 1.0)]
+    got = drv.reference("sum", xs, rounding="kernel")
+    assert got.dtype == np.float16 and got.tolist() == [2050.0] * 2
+    # integers wrap in their own width
+    big = np.array([2**31 - 1], np.int32)
+    assert drv.reference("sum", [big, big], rounding="kernel").tolist() == [-2]
+    # a mean is the sum times 1/len rounded to the compute type, rounded to the dtype once
+    xs = [np.array([1.0, 2.0], np.float32), np.array([2.0, 2.0], np.float32)]
+    want = (np.float32(3.0) * np.float32(1 / 3)).astype(np.float32)
+    assert drv.reference("mean", [*xs, np.zeros(2, np.float32)], rounding="kernel")[0] == want
+    with pytest.raises(ValueError, match="unknown reduction op"):
+        drv.reference("avg", xs)
+
+
 def test_count_wrong():
     want = np.array([1.0, 2.0, 3.0, 7 / 3])
     got = np.array([1, 2, 3, 7 / 3], np.float16)  # 7/3 rounded to half: within tolerance
@@ -146,7 +166,7 @@ def test_every_collective_is_right_and_figures_are_consistent(make_devices, n):
     with drv.Benchmark(
         devs,
         ["tree", "ring", "direct"],
-        list(drv.SPECS),
+        list(COLLECTIVES),
         [0, 4, 60, 4100],
         iters=2,
         warmup=1,
@@ -156,11 +176,11 @@ def test_every_collective_is_right_and_figures_are_consistent(make_devices, n):
     assert len(recs) == bench.total == 5 * 4 * 3 * 2
     for r in recs:
         assert r.wrong == 0, r
-        assert r.busbw == pytest.approx(r.algbw * drv.SPECS[r.collective].bus_factor(n))
+        assert r.busbw == pytest.approx(r.algbw * COLLECTIVES[r.collective].bus_factor(n))
         assert r.algbw == pytest.approx(r.size / (r.time_us * 1e-6) / 1e9)
         assert r.time_us > 0 and r.ranks == n and r.machine["backend"] == devs[0].backend
         assert r.root == (n - 1 if r.collective in ("reduce", "broadcast") else -1)
-        assert r.op == ("sum" if drv.SPECS[r.collective].reduces else "none")
+        assert r.op == ("sum" if COLLECTIVES[r.collective].reduces else "none")
     assert {(r.placement, r.algorithm) for r in recs} == {
         (p, a) for p in drv.PLACEMENTS for a in ("tree", "ring", "direct")
     }
@@ -233,10 +253,14 @@ def test_check_zero_reports_no_wrong_column(host_devs):
     "kwargs,match",
     [
         ({"collectives": ["allscatter"]}, "accepted: all_reduce"),
-        ({"root": 2}, r"root must be a rank in \[0, 2\)"),
+        ({"root": 2}, r"root must be in \[0, 2\), got 2"),
+        ({"root": True}, "root must be an integer"),
+        ({"iters": 2.0}, "iters must be an integer"),
+        ({"timeout": float("nan")}, "timeout must be a number, got NaN"),
+        ({"timeout": float("inf")}, "timeout must be finite"),
         ({"op": "mean", "dtype": "int32"}, "floating-point"),
         ({"op": "avg"}, "accepted: sum"),
-        ({"iters": 0}, "iters must be an int >= 1"),
+        ({"iters": 0}, "iters must be >= 1, got 0"),
         ({"check": -1}, "check must be"),
         ({"sizes": ["12Q"]}, "accepted"),
         ({"dtype": "complex64"}, "accepted"),
@@ -247,6 +271,26 @@ def test_bad_arguments_fail_before_any_world_exists(host_devs, kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         drv.Benchmark(host_devs(2), world_factory=lambda d, a: made.append(a), **kwargs)
     assert made == []
+
+
+def test_numpy_integers_are_accepted(host_devs):
+    recs = drv.run_benchmark(
+        host_devs(2),
+        collectives=["broadcast"],
+        sizes=[np.int64(64)],
+        root=np.int64(1),
+        iters=np.int32(1),
+        warmup=np.int64(0),
+        check=np.uint8(1),
+    )
+    assert [(r.root, r.wrong, r.iters) for r in recs] == [(1, 0, 1)] * 2
+    assert type(recs[0].root) is int and type(recs[0].iters) is int
+
+
+def test_step_factor_must_be_a_finite_number_above_one():
+    for bad, err in ((float("nan"), ValueError), (float("inf"), ValueError), (True, TypeError)):
+        with pytest.raises(err, match="step factor"):
+            drv.size_range(8, 64, bad)
 
 
 def test_devices_from_a_spec_are_shut_down_by_close():

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import nccltree as nt
-from nccltree.comm._ops import numpy_reduce
+from nccltree.comm._ops import reference
+from nccltree.comm.collectives import COLLECTIVES
 
 ALGS = ("tree", "ring", "direct")
 DTYPES = ("float16", "float32", "float64", "int32", "int64")
@@ -42,20 +43,10 @@ def assert_close(got: np.ndarray, want: np.ndarray, dtype: str, what: str) -> No
 
 
 def expected(coll: str, xs: list[np.ndarray], op: str, root: int, r: int) -> np.ndarray | None:
-    n = len(xs)
-    if coll == "all_reduce":
-        return numpy_reduce(op, xs)
-    if coll == "reduce":
-        return numpy_reduce(op, xs) if r == root else None
-    if coll == "broadcast":
-        return xs[root].astype(np.float64 if xs[0].dtype.kind == "f" else np.int64)
-    if coll == "all_gather":
-        return np.concatenate(xs).astype(np.float64 if xs[0].dtype.kind == "f" else np.int64)
-    if coll == "reduce_scatter":
-        full = numpy_reduce(op, xs)
-        c = full.size // n
-        return full[r * c : (r + 1) * c]
-    raise AssertionError(coll)
+    """Rank ``r``'s expected result in float64 (int64), from the collectives table; None
+    where the rank's input must stay unchanged instead (reduce, off the root)."""
+    which, want = COLLECTIVES[coll].expected(xs, op, root)[r]
+    return None if which == "in" else want
 
 
 def run_driver(world, coll, xs, op, root, in_place):
@@ -112,9 +103,8 @@ def check_grid(world, sizes, dtypes=DTYPES, ops=OPS, colls=None, seed=0):
                 f"{world.algorithm} {coll} {op} {dtype} n={n} size={size} root={root} "
                 f"in_place={in_place}"
             )
-            for r in range(n):
-                want = expected(coll, originals, op, root, r)
-                if want is None:
+            for r, (which, want) in enumerate(COLLECTIVES[coll].expected(originals, op, root)):
+                if which == "in":
                     # reduce leaves non-root inputs unchanged
                     np.testing.assert_array_equal(work[r], originals[r], err_msg=what)
                     continue
@@ -223,7 +213,7 @@ def test_presets_tree(preset):
 def test_per_rank_calls(alg):
     n = 4
     xs = make_inputs(n, 1001, "float64", "sum", 5)
-    want = numpy_reduce("sum", xs)
+    want = reference("sum", xs)
 
     def body(comm, x):
         r = comm.rank
@@ -263,7 +253,7 @@ def test_async_work_and_explicit_streams():
     n = 3
     devs = nt.devices(f"cpu:{n}")
     xs = make_inputs(n, 50_000, "float32", "sum", 9)
-    want = numpy_reduce("sum", xs)
+    want = reference("sum", xs)
     with nt.World(devs, algorithm="tree") as w:
         work = [x.copy() for x in xs]
         h = w.all_reduce(work, async_op=True)
@@ -291,7 +281,7 @@ def test_auto_choice_and_plan_inspection():
         assert "direct" in w.plan("all_reduce", (1 << 18) + 1).description
         assert "direct" in w.plan("all_reduce", 1 << 20).description
         xs = make_inputs(4, 1 << 18, "float32", "sum", 1)
-        want = numpy_reduce("sum", xs)
+        want = reference("sum", xs)
         w.all_reduce(xs)
         np.testing.assert_allclose(xs[2], want, rtol=1e-5, atol=1e-5)
 

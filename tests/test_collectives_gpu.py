@@ -28,7 +28,7 @@ import pytest
 from test_collectives import DTYPES, OPS, assert_close, expected, make_inputs
 
 import nccltree as nt
-from nccltree.comm._ops import numpy_reduce
+from nccltree.comm._ops import reference
 
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter")
 # one element, an odd count (misaligned slices and tails), and a message of two GPU chunks
@@ -320,7 +320,7 @@ def test_logical_ranks_on_gpus(alg: str, dtype: str) -> None:
                     xs.append(cp.asarray(h))
             w.all_reduce(xs)
             bufs.sync()
-            want = numpy_reduce("sum", host)
+            want = reference("sum", host)
             for x in xs:
                 np.testing.assert_allclose(
                     cp.asnumpy(x).astype(np.float64),
@@ -379,19 +379,19 @@ def test_nccl_engine(coll: str) -> None:
         want: list[np.ndarray | None]
         if coll == "all_reduce":
             w.all_reduce(xs, outs=outs)
-            want = [numpy_reduce("sum", host)] * n
+            want = [reference("sum", host)] * n
         elif coll == "broadcast":
             w.broadcast(xs, root=1, outs=outs)
             want = [host[1]] * n
         elif coll == "reduce":
             w.reduce(xs, root=0, outs=outs)
-            want = [numpy_reduce("sum", host)] + [None] * (n - 1)
+            want = [reference("sum", host)] + [None] * (n - 1)
         elif coll == "all_gather":
             w.all_gather(xs, outs)
             want = [np.concatenate(host)] * n
         else:
             w.reduce_scatter(xs, outs)
-            full = numpy_reduce("sum", host)
+            full = reference("sum", host)
             want = [full[r * (count // n) : (r + 1) * (count // n)] for r in range(n)]
         bufs.sync()
         for r, want_r in enumerate(want):

@@ -14,18 +14,19 @@ import pytest
 
 from nccltree import BackendUnavailable, NativeError
 from nccltree import _native as nat
+from nccltree.comm._ops import reference as ops_reference
 
 DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
 FLOATS = [np.float16, np.float32, np.float64]
 SIZES = [0, 1, 7, 8, 1023, 4099, 300_001]
 BIG = max(SIZES)
-NP_OPS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+KERNEL_OPS = ("sum", "prod", "max", "min")
 
 
 @functools.cache
 def pool(dtype: type, op: str = "sum") -> tuple[np.ndarray, ...]:
     """Eight read-only source arrays of BIG + 1 elements (the +1 allows misaligned views)."""
-    rng = np.random.default_rng([DTYPES.index(dtype), list(NP_OPS).index(op)])
+    rng = np.random.default_rng([DTYPES.index(dtype), list(KERNEL_OPS).index(op)])
     out = []
     for _ in range(nat.MAX_SOURCES):
         if np.dtype(dtype).kind == "i":
@@ -42,14 +43,9 @@ def pool(dtype: type, op: str = "sum") -> tuple[np.ndarray, ...]:
     return tuple(out)
 
 
-def reference(op: str, srcs: list[np.ndarray]) -> np.ndarray:
-    """Left-to-right op, float16 accumulated in float32 and rounded once."""
-    wide = np.float32 if srcs[0].dtype == np.float16 else srcs[0].dtype
-    acc = srcs[0].astype(wide)
-    with np.errstate(over="ignore", invalid="ignore"):
-        for s in srcs[1:]:
-            acc = NP_OPS[op](acc, s.astype(wide))
-        return acc.astype(srcs[0].dtype)
+# the package's one numpy reference, with the kernels' rounding: left-to-right op in the
+# dtype, float16 accumulated in float32 and rounded once (test_cuda_kernels uses it too)
+reference = functools.partial(ops_reference, rounding="kernel")
 
 
 def assert_bitwise(got: np.ndarray, want: np.ndarray) -> None:
@@ -68,7 +64,7 @@ def assert_bitwise(got: np.ndarray, want: np.ndarray) -> None:
 
 @pytest.mark.parametrize("k", range(1, nat.MAX_SOURCES + 1))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("op", list(NP_OPS))
+@pytest.mark.parametrize("op", list(KERNEL_OPS))
 def test_reduce_n_matches_numpy(op: str, dtype: type, k: int) -> None:
     src = pool(dtype, op)
     for n in SIZES:
@@ -92,7 +88,7 @@ def test_sum_n_and_sum_into(dtype: type) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("op", list(NP_OPS))
+@pytest.mark.parametrize("op", list(KERNEL_OPS))
 def test_dst_may_be_a_source(op: str, dtype: type) -> None:
     src = pool(dtype, op)
     for n in (1, 1023, 4099, BIG):
@@ -256,7 +252,7 @@ def assert_guards_intact(buf: np.ndarray, dst: np.ndarray) -> None:
 
 @pytest.mark.parametrize("k", range(1, nat.MAX_SOURCES + 1))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("op", list(NP_OPS))
+@pytest.mark.parametrize("op", list(KERNEL_OPS))
 def test_large_reduce_matches_numpy(op: str, dtype: type, k: int) -> None:
     src = big_pool(dtype)
     base = stream_n(dtype)
@@ -287,7 +283,7 @@ def test_large_reduce_threads(dtype: type, nthreads: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("op", list(NP_OPS))
+@pytest.mark.parametrize("op", list(KERNEL_OPS))
 def test_large_reduce_in_place(op: str, dtype: type) -> None:
     # dst among the sources (first, middle, last) takes the plain path; same results
     src = big_pool(dtype)
@@ -400,10 +396,7 @@ def two_pass(srcs: list[np.ndarray], alpha: float, nthreads: int = 1) -> np.ndar
 
 def one_rounding(srcs: list[np.ndarray], alpha: float) -> np.ndarray:
     """float16: the float32 sum times float32(alpha), rounded to float16 once."""
-    acc = srcs[0].astype(np.float32)
-    for s in srcs[1:]:
-        acc = acc + s.astype(np.float32)
-    return (acc * np.float32(alpha)).astype(np.float16)
+    return reference("sum", srcs, alpha=alpha)
 
 
 @pytest.mark.parametrize("k", range(1, nat.MAX_SOURCES + 1))
@@ -500,7 +493,7 @@ def test_alpha_one_is_the_plain_reduce(monkeypatch) -> None:
     monkeypatch.setattr(lib, "nt_reduce_n_scaled", refuse)
     for dtype in DTYPES:
         srcs = [s[:1023] for s in pool(dtype)[:3]]
-        for op in NP_OPS:
+        for op in KERNEL_OPS:
             dst = np.empty(1023, dtype)
             nat.reduce_n(dst, srcs, op=op, alpha=1.0)
             assert_bitwise(dst, reference(op, srcs))

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from ..comm import bench as drv
+from ..comm.collectives import COLLECTIVES, collective_name
 
 COLLECTIVE_DEFAULTS = {
     "devices": "auto",
@@ -152,7 +153,7 @@ def _collectives_header(bench: drv.Benchmark, sizes: list[int], factor: float) -
         if len(sizes) > 1
         else human_bytes(sizes[0])
     )
-    op = bench.op if any(drv.SPECS[c].reduces for c in bench.collectives) else "none"
+    op = bench.op if any(COLLECTIVES[c].reduces for c in bench.collectives) else "none"
     return [
         "# nccltree-bench collectives",
         f"#   devices     {where}",
@@ -243,7 +244,6 @@ def _sizes(args: argparse.Namespace) -> list[int]:
 def make_benchmark(args: argparse.Namespace, world_factory: Any = None) -> drv.Benchmark:
     """Check every collectives flag and create the Worlds; nothing runs yet."""
     from ..comm import ALGORITHM_CHOICES
-    from ..comm._ops import collective_name
 
     sizes = _sizes(args)
     algorithms = _split(args.algorithm)

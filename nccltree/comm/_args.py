@@ -4,19 +4,31 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._validate import check_index
 from . import _ops
+from .collectives import COLLECTIVES, Collective
+
+if TYPE_CHECKING:
+    from ..backends.base import Device, Event, Stream
+
+# A device array: numpy on the host backend, CuPy on CUDA (whose type is not importable
+# without CuPy), so it stays Any.
+Array = Any
 
 
 @dataclass
 class Prepared:
+    """One collective call, checked: flat views per rank and the call's shape. ``count``
+    is NCCL's count (one rank's block for all_gather and reduce_scatter)."""
+
     collective: str
-    ins: list[Any]  # flat views
-    outs: list[Any]  # flat views (== ins where in place)
-    results: list[Any]  # what each rank gets back, in the caller's shapes
+    ins: list[Array]  # flat views
+    outs: list[Array]  # flat views (== ins where in place)
+    results: list[object]  # what each rank gets back, in the caller's shapes
     dtype: np.dtype
     count: int
     in_place: bool
@@ -31,25 +43,33 @@ class Prepared:
 
 @dataclass
 class Launched:
-    results: list[Any]
-    events: list[Any] | None
-    caller_streams: list[Any]
-    keepalive: Any
+    """A launched collective: each rank's result, its end event (None: finished already,
+    inline), the caller streams it is ordered against, and what must stay alive until the
+    events fire."""
+
+    results: list[object]
+    events: list[Event] | None
+    caller_streams: Sequence[Stream | None]
+    keepalive: object
 
 
 def prepare(
-    devices: Sequence[Any], collective: str, xs: Any, outs: Any, op: str, root: int
+    devices: Sequence[Device],
+    collective: str,
+    inputs: object,
+    outputs: object,
+    op: str,
+    root: object,
 ) -> Prepared:
     """Check every rank's arguments together (ValueError/TypeError naming the rank) and
     return flat views and the call's shape; nothing is written."""
+    coll = COLLECTIVES[collective]
     n = len(devices)
-    xs = _as_list(xs, "inputs", n)
-    outs = [None] * n if outs is None else _as_list(outs, "outputs", n)
-    if collective in ("reduce", "broadcast"):
-        if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not (0 <= root < n):
-            raise ValueError(f"root must be a rank in [0, {n}), got {root!r}")
-    root = int(root)
-    ins, outs_arr = [], []
+    xs = _as_list(inputs, "inputs", n)
+    outs = [None] * n if outputs is None else _as_list(outputs, "outputs", n)
+    at = check_index(root, "root", n) if coll.rooted else 0
+    ins: list[Array] = []
+    outs_arr: list[Array | None] = []
     for r in range(n):
         dev = devices[r]
         ins.append(_device_array(dev, xs[r], f"rank {r}: input"))
@@ -64,25 +84,27 @@ def prepare(
         if o is not None and o.dtype != dtype:
             raise TypeError(f"rank {r}: output dtype {o.dtype} differs from input {dtype}")
     dtype = _ops.check_dtype(dtype)
-    if collective in ("all_reduce", "reduce", "reduce_scatter"):
+    if coll.reduces:
         _ops.check_op(op, dtype)
-    count = ins[0].size
+    size = ins[0].size
     for r, x in enumerate(ins):
-        if x.size != count:
+        if x.size != size:
             raise ValueError(
-                f"size mismatch: rank 0 passes {count} elements, rank {r} passes {x.size}"
+                f"size mismatch: rank 0 passes {size} elements, rank {r} passes {x.size}"
             )
-    if collective == "all_gather" and any(o is None for o in outs_arr):
-        raise ValueError("all_gather needs an output array on every rank")
-    if collective == "reduce_scatter":
-        if any(o is None for o in outs_arr):
-            raise ValueError("reduce_scatter needs an output array on every rank")
-        if count % n:
-            raise ValueError(
-                f"reduce_scatter input of {count} elements does not split into {n} blocks"
-            )
-    want = {"all_gather": count * n, "reduce_scatter": count // n}.get(collective, count)
-    flat_in, flat_out, results, in_place = [], [], [], []
+    if not coll.one_buffer and any(o is None for o in outs_arr):
+        raise ValueError(f"{collective} needs an output array on every rank")
+    blocks = coll.in_count(1, n)
+    if size % blocks:
+        raise ValueError(
+            f"{collective} input of {size} elements does not split into {blocks} blocks"
+        )
+    count = size // blocks
+    want = coll.out_count(count, n)
+    flat_in: list[Array] = []
+    flat_out: list[Array] = []
+    results: list[object] = []
+    in_place: list[bool] = []
     for r in range(n):
         x, o = ins[r], outs_arr[r]
         fx = x.reshape(-1)
@@ -95,27 +117,25 @@ def prepare(
         if o.size != want:
             raise ValueError(f"rank {r}: {collective} output needs {want} elements, got {o.size}")
         fo = o.reshape(-1)
-        same = _in_place(collective, fx, fo, r, count, want)
+        same = _in_place(coll, fx, fo, r, count, n)
         flat_in.append(fx)
         # one object for one memory, so the executor can tell copies onto themselves
         flat_out.append(fx if same and fo.size == fx.size else fo)
         results.append(outs[r])
         in_place.append(same)
     all_in_place = all(in_place)
-    if collective in ("all_gather", "reduce_scatter") and any(in_place) != all_in_place:
+    if not coll.one_buffer and any(in_place) != all_in_place:
         raise ValueError(
             f"{collective}: either every rank or no rank may call in place "
             f"(in place: ranks {[r for r in range(n) if in_place[r]]})"
         )
-    if collective == "reduce_scatter":
-        count = want
-    if collective in ("reduce", "broadcast"):
-        # only the root's output matters for reduce; broadcast writes every rank's
-        all_in_place = in_place[root] if collective == "reduce" else all_in_place
-    return Prepared(collective, flat_in, flat_out, results, dtype, count, all_in_place, op, root)
+    if coll.root_output:
+        # only the root's output is written, so only its placement matters
+        all_in_place = in_place[at]
+    return Prepared(collective, flat_in, flat_out, results, dtype, count, all_in_place, op, at)
 
 
-def _as_list(xs: Any, what: str, n: int) -> list[Any]:
+def _as_list(xs: object, what: str, n: int) -> list[Any]:
     if not isinstance(xs, (list, tuple)):
         raise TypeError(f"{what} must be a list with one array per rank, got {type(xs).__name__}")
     if len(xs) != n:
@@ -123,7 +143,7 @@ def _as_list(xs: Any, what: str, n: int) -> list[Any]:
     return list(xs)
 
 
-def _device_array(dev: Any, obj: Any, what: str) -> Any:
+def _device_array(dev: Device, obj: object, what: str) -> Array:
     try:
         arr = dev.asarray(obj)
         dev.check_array(arr)
@@ -134,26 +154,21 @@ def _device_array(dev: Any, obj: Any, what: str) -> Any:
     return arr
 
 
-def _ptr(a: Any) -> int:
+def _ptr(a: Array) -> int:
     iface = getattr(a, "__array_interface__", None)
-    return iface["data"][0] if iface is not None else a.data.ptr
+    return int(iface["data"][0] if iface is not None else a.data.ptr)
 
 
-def _in_place(collective: str, x: Any, out: Any, rank: int, count: int, want: int) -> bool:
-    """Whether ``out`` is the in-place buffer for ``x`` (NCCL's rules); ValueError when
-    the two overlap in any other way."""
+def _in_place(coll: Collective, x: Array, out: Array, rank: int, count: int, n: int) -> bool:
+    """Whether ``out`` is the in-place buffer for ``x`` (NCCL's layouts, from the table);
+    ValueError when the two overlap in any other way."""
     px, po = _ptr(x), _ptr(out)
     item = x.dtype.itemsize
-    if collective == "all_gather":
-        exact = px == po + rank * count * item and x.size == count
-    elif collective == "reduce_scatter":
-        exact = po == px + rank * want * item
-    else:
-        exact = px == po
-    if exact:
+    off_in, off_out = coll.in_place(rank, count, n)
+    if px - off_in * item == po - off_out * item:
         return True
     if px < po + out.nbytes and po < px + x.nbytes and x.nbytes and out.nbytes:
         raise ValueError(
-            f"rank {rank}: input and output overlap but are not the in-place layout of {collective}"
+            f"rank {rank}: input and output overlap but are not the in-place layout of {coll.name}"
         )
     return False

@@ -1,6 +1,9 @@
-"""Reduction ops and dtypes, looked up in one table."""
+"""Reduction ops and dtypes, looked up in one table; the numpy reference of the ops."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 
@@ -9,21 +12,6 @@ import numpy as np
 OPS = {"sum": "sum", "mean": "sum", "max": "max", "min": "min", "prod": "prod"}
 
 DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64"))
-
-COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter")
-
-# Spellings accepted from users (nccl-tests and MPI write them without underscores).
-ALIASES = {
-    "allreduce": "all_reduce",
-    "all_reduce": "all_reduce",
-    "reduce": "reduce",
-    "broadcast": "broadcast",
-    "bcast": "broadcast",
-    "allgather": "all_gather",
-    "all_gather": "all_gather",
-    "reducescatter": "reduce_scatter",
-    "reduce_scatter": "reduce_scatter",
-}
 
 
 def check_op(op: str, dtype: np.dtype) -> str:
@@ -42,24 +30,55 @@ def check_dtype(dtype: np.dtype) -> np.dtype:
     return dtype
 
 
-def collective_name(name: str) -> str:
-    key = name.strip().lower().replace("-", "_")
-    if key not in ALIASES:
-        raise ValueError(
-            f"unknown collective {name!r}; accepted: {', '.join(COLLECTIVES)} "
-            "(also allreduce, allgather, reducescatter)"
-        )
-    return ALIASES[key]
+# the numpy ufunc of each op, for the reference
+_NP_OPS = {"sum": np.add, "mean": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
 
 
-def numpy_reduce(op: str, arrays: list[np.ndarray]) -> np.ndarray:
-    """Reference result in float64 (or int64), as tests and the benchmark check it."""
-    wide = [a.astype(np.float64 if a.dtype.kind == "f" else np.int64) for a in arrays]
-    if op in ("sum", "mean"):
-        out = np.sum(wide, axis=0)
-        return out / len(arrays) if op == "mean" else out
-    if op == "prod":
-        return np.prod(wide, axis=0)
-    if op == "max":
-        return np.max(wide, axis=0)
-    return np.min(wide, axis=0)
+def widen(a: np.ndarray) -> np.ndarray:
+    """``a`` in float64 (int64 for integers): what a reference compares in."""
+    return a.astype(np.float64 if a.dtype.kind == "f" else np.int64)
+
+
+def reference(
+    op: str,
+    arrays: Sequence[np.ndarray],
+    *,
+    rounding: Literal["wide", "kernel"] = "wide",
+    alpha: float = 1.0,
+) -> np.ndarray:
+    """``op`` over ``arrays``, left to right, one array at a time (so that 64 MiB per rank
+    needs no N-high stack in memory), then times ``alpha``; the one numpy reference of the
+    reduction ops.
+
+    ``rounding="wide"``: in float64 (int64 for integers) and returned so, ``mean`` divided
+    by the number of arrays: the value a collective's result is compared with, within a
+    tolerance (the benchmark's ``#wrong``, the collective tests).
+
+    ``rounding="kernel"``: as one fused kernel pass computes it, to compare bitwise: in the
+    arrays' dtype (integers wrap), float16 accumulated in float32; ``mean`` is the sum
+    times ``1/len(arrays)``, ``alpha`` is rounded to that compute type and multiplies the
+    finished sum; the result is rounded to the arrays' dtype once, at the end.
+    """
+    if op not in _NP_OPS:
+        raise ValueError(f"unknown reduction op {op!r}; accepted: {', '.join(OPS)}")
+    ufunc = _NP_OPS[op]
+    dtype = arrays[0].dtype
+    if rounding == "wide":
+        acc = widen(arrays[0])
+        for a in arrays[1:]:
+            ufunc(acc, a, out=acc, casting="unsafe")
+        if op == "mean":
+            acc = acc / len(arrays)
+        return acc if alpha == 1.0 else acc * alpha
+    if rounding != "kernel":
+        raise ValueError(f"unknown rounding {rounding!r}; accepted: wide, kernel")
+    wide = np.dtype(np.float32) if dtype == np.float16 else dtype
+    if op == "mean":
+        alpha = alpha / len(arrays)
+    with np.errstate(over="ignore", invalid="ignore"):
+        acc = arrays[0].astype(wide)
+        for a in arrays[1:]:
+            acc = ufunc(acc, a.astype(wide))
+        if alpha != 1.0:
+            acc = acc * wide.type(alpha)
+        return acc.astype(dtype)

@@ -8,21 +8,23 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._errors import CommError, CommTimeout, NcclTreeError, PeerFailure
-from ._args import Launched
+from ._args import Array, Launched
+from .collectives import COLLECTIVES
 from .work import Work
 
 if TYPE_CHECKING:
+    from ..backends.base import Device, Stream
     from .world import World
 
 
 @dataclass
 class _Call:
     collective: str
-    x: Any
-    out: Any
+    x: Array
+    out: Array
     op: str
     root: int
-    stream: Any
+    stream: Stream | None
     async_op: bool
 
 
@@ -43,21 +45,30 @@ class Comm:
         return self.world.size
 
     @property
-    def device(self) -> Any:
+    def device(self) -> Device:
         return self.world.devices[self.rank]
 
-    def _call(self, collective, x, out, op, root, stream, async_op):
+    def _call(
+        self,
+        collective: str,
+        x: Array,
+        out: Array,
+        op: str,
+        root: int,
+        stream: Stream | None,
+        async_op: bool,
+    ) -> Any:
         stream = self.world._caller_stream(self.rank, stream)
         call = _Call(collective, x, out, op, root, stream, async_op)
         return self.world._rendezvous.arrive(self.rank, call)
 
     def all_reduce(
         self,
-        x: Any,
+        x: Array,
         *,
-        out: Any = None,
+        out: Array = None,
         op: str = "sum",
-        stream: Any = None,
+        stream: Stream | None = None,
         async_op: bool = False,
     ) -> Any:
         """``op`` over every rank's ``x``; returns ``out`` (or ``x`` in place), or a Work."""
@@ -65,29 +76,43 @@ class Comm:
 
     def reduce(
         self,
-        x: Any,
+        x: Array,
         root: int = 0,
         *,
-        out: Any = None,
+        out: Array = None,
         op: str = "sum",
-        stream: Any = None,
+        stream: Stream | None = None,
         async_op: bool = False,
     ) -> Any:
         """``op`` over every rank's ``x`` at ``root``; other ranks' ``x`` stay unchanged."""
         return self._call("reduce", x, out, op, root, stream, async_op)
 
     def broadcast(
-        self, x: Any, root: int = 0, *, out: Any = None, stream: Any = None, async_op: bool = False
+        self,
+        x: Array,
+        root: int = 0,
+        *,
+        out: Array = None,
+        stream: Stream | None = None,
+        async_op: bool = False,
     ) -> Any:
         """Every rank gets the root's ``x``."""
         return self._call("broadcast", x, out, "sum", root, stream, async_op)
 
-    def all_gather(self, x: Any, out: Any, *, stream: Any = None, async_op: bool = False) -> Any:
+    def all_gather(
+        self, x: Array, out: Array, *, stream: Stream | None = None, async_op: bool = False
+    ) -> Any:
         """``out`` gets every rank's ``x``, rank i's at ``[i*x.size, (i+1)*x.size)``."""
         return self._call("all_gather", x, out, "sum", 0, stream, async_op)
 
     def reduce_scatter(
-        self, x: Any, out: Any, *, op: str = "sum", stream: Any = None, async_op: bool = False
+        self,
+        x: Array,
+        out: Array,
+        *,
+        op: str = "sum",
+        stream: Stream | None = None,
+        async_op: bool = False,
     ) -> Any:
         """``out`` gets block ``rank`` of ``op`` over every rank's ``x``."""
         return self._call("reduce_scatter", x, out, op, 0, stream, async_op)
@@ -194,7 +219,7 @@ class _Rendezvous:
         if launched is None:  # barrier
             return None
         call = p.calls[rank]
-        if call.async_op:
+        if call is not None and call.async_op:
             events = [launched.events[rank]] if launched.events else []
             return Work(
                 events,
@@ -230,8 +255,10 @@ class _Rendezvous:
 
 
 def _describe(c: _Call) -> str:
-    if c.collective in ("barrier", "all_gather", "broadcast"):
-        extra = f"root={c.root}" if c.collective == "broadcast" else ""
+    if c.collective == "barrier":
+        text = "barrier()"
     else:
-        extra = f"op={c.op}" + (f", root={c.root}" if c.collective == "reduce" else "")
-    return f"{c.collective}({extra}{', async' if c.async_op else ''})"
+        text = COLLECTIVES[c.collective].describe(c.op, c.root)
+    if c.async_op:
+        text = text[:-1] + ("async)" if text.endswith("()") else ", async)")
+    return text

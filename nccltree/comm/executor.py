@@ -11,9 +11,14 @@ so running them in sequence is one legal schedule of the same plan).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
+from ._args import Array
 from .plan import IN, OUT, STAGE, TMP, Buf, Plan, Step
+
+if TYPE_CHECKING:
+    from ..backends.base import Device, Event, Stream
+    from ..backends.host import HostDevice
 
 
 class Buffers:
@@ -23,17 +28,17 @@ class Buffers:
 
     def __init__(
         self,
-        ins: Sequence[Any],
-        outs: Sequence[Any],
-        tmps: Sequence[Any | None],
-        stages: Sequence[Any | None] | None = None,
-    ):
+        ins: Sequence[Array],
+        outs: Sequence[Array],
+        tmps: Sequence[Array | None],
+        stages: Sequence[Array | None] | None = None,
+    ) -> None:
         stages = stages if stages is not None else [None] * len(ins)
         self.arrays = [
             {IN: i, OUT: o, TMP: t, STAGE: g} for i, o, t, g in zip(ins, outs, tmps, stages)
         ]
 
-    def view(self, b: Buf) -> Any:
+    def view(self, b: Buf) -> Array:
         arr = self.arrays[b.rank][b.role]
         return arr[b.offset : b.offset + b.count]
 
@@ -46,49 +51,81 @@ class Buffers:
         )
 
 
-def _device_of(b: Buf, devices: Sequence[Any]) -> Any:
+def _device_of(b: Buf, devices: Sequence[Device]) -> Device | None:
     # staging memory is pinned host memory: no device holds it
     return None if b.role == STAGE else devices[b.rank]
+
+
+class _Target(Protocol):
+    """What the data steps are issued on: a stream, or :class:`_Now`."""
+
+    def copy(
+        self,
+        dst: Array,
+        src: Array,
+        *,
+        src_device: Device | None = None,
+        dst_device: Device | None = None,
+    ) -> None: ...
+
+    def reduce(
+        self,
+        dst: Array,
+        srcs: Sequence[Array],
+        op: str = "sum",
+        *,
+        src_devices: Sequence[Device | None] | None = None,
+        dst_device: Device | None = None,
+        alpha: float = 1.0,
+    ) -> None: ...
+
+    def scale(self, x: Array, alpha: float) -> None: ...
+
+
+def _issue(s: Step, st: _Target, bufs: Buffers, devices: Sequence[Device]) -> None:
+    """Issue one data step (copy, reduce, scale) on ``st``."""
+    view = bufs.view
+    dst = s.dst
+    assert dst is not None, s  # every data step writes a range
+    if s.kind == "copy":
+        if not bufs.same(dst, s.srcs[0]):
+            st.copy(
+                view(dst),
+                view(s.srcs[0]),
+                src_device=_device_of(s.srcs[0], devices),
+                dst_device=_device_of(dst, devices),
+            )
+    elif s.kind == "reduce":
+        st.reduce(
+            view(dst),
+            [view(b) for b in s.srcs],
+            s.op,
+            src_devices=[_device_of(b, devices) for b in s.srcs],
+            dst_device=devices[dst.rank],
+            alpha=s.alpha,
+        )
+    elif s.kind == "scale":
+        st.scale(view(dst), s.alpha)
+    else:  # pragma: no cover - plans are built by this package
+        raise AssertionError(f"unknown step kind {s.kind!r}")
 
 
 def enqueue(
     plan: Plan,
     bufs: Buffers,
-    streams: Sequence[Any],
-    devices: Sequence[Any],
-    events: Sequence[Any] | None,
-    steps: Sequence[Step] | None = None,
+    streams: Sequence[Stream],
+    devices: Sequence[Device],
+    events: Sequence[Event],
 ) -> None:
-    """Issue every step of ``plan`` (or ``steps``) on ``streams[step.rank]``."""
-    view = bufs.view
-    for s in plan.steps if steps is None else steps:
+    """Issue every step of ``plan`` on ``streams[step.rank]``."""
+    for s in plan.steps:
         st = streams[s.rank]
-        kind = s.kind
-        if kind == "record":
+        if s.kind == "record":
             st.record(events[s.event])
-        elif kind == "wait":
+        elif s.kind == "wait":
             st.wait_event(events[s.event])
-        elif kind == "copy":
-            if not bufs.same(s.dst, s.srcs[0]):
-                st.copy(
-                    view(s.dst),
-                    view(s.srcs[0]),
-                    src_device=_device_of(s.srcs[0], devices),
-                    dst_device=_device_of(s.dst, devices),
-                )
-        elif kind == "reduce":
-            st.reduce(
-                view(s.dst),
-                [view(b) for b in s.srcs],
-                s.op,
-                src_devices=[_device_of(b, devices) for b in s.srcs],
-                dst_device=devices[s.dst.rank],
-                alpha=s.alpha,
-            )
-        elif kind == "scale":
-            st.scale(view(s.dst), s.alpha)
-        else:  # pragma: no cover - plans are built by this package
-            raise AssertionError(f"unknown step kind {kind!r}")
+        else:
+            _issue(s, st, bufs, devices)
 
 
 class _Now:
@@ -96,11 +133,13 @@ class _Now:
 
     __slots__ = ("copy", "reduce", "scale")
 
-    def __init__(self, device: Any) -> None:
+    def __init__(self, device: HostDevice) -> None:
         self.copy, self.reduce, self.scale = device.copy_now, device.reduce_now, device.scale
 
 
-def run_inline(plan: Plan, bufs: Buffers, devices: Sequence[Any]) -> None:
+def run_inline(plan: Plan, bufs: Buffers, devices: Sequence[HostDevice]) -> None:
     """Perform ``plan`` now, in the calling thread (host backend only): its data steps in
     list order, which is a valid schedule, so the events are not needed."""
-    enqueue(plan, bufs, [_Now(d) for d in devices], devices, None, plan.data_steps())
+    now = [_Now(d) for d in devices]
+    for s in plan.data_steps():
+        _issue(s, now[s.rank], bufs, devices)

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import BackendUnavailable, CommError
 from ..backends.base import Device, Event, Stream
-from ._args import Launched, Prepared
+from ._args import Array, Launched, Prepared
+from .collectives import COLLECTIVES
 
 if TYPE_CHECKING:
     from ..backends.cuda import CudaDevice
@@ -72,7 +73,7 @@ def stream_handle(stream: Stream) -> int:
     return int(stream.cupy_stream.ptr)
 
 
-def _data_ptr(a: Any) -> int:
+def _data_ptr(a: Array) -> int:
     return int(a.data.ptr)
 
 
@@ -111,32 +112,31 @@ class NcclEngine:
 
     def _calls(
         self, prep: Prepared, handles: Sequence[int]
-    ) -> list[tuple[Callable[..., None], tuple[Any, ...]]]:
-        """Each rank's NCCL call as (bound method, arguments), all computed up front."""
+    ) -> list[tuple[Callable[..., None], tuple[object, ...]]]:
+        """Each rank's NCCL call as (bound method, arguments), all computed up front, in
+        the order the collectives table gives for the method."""
         nccl = self.nccl
+        coll = COLLECTIVES[prep.collective]
         try:
             dtype = getattr(nccl, _DTYPES[prep.dtype.name])
-            op = getattr(nccl, _OPS[prep.op]) if prep.op in _OPS else None
+            op = getattr(nccl, _OPS[prep.op]) if coll.reduces else None
         except (KeyError, AttributeError) as exc:
             raise BackendUnavailable(
                 f"this NCCL build has no {exc} ({prep.dtype}, op {prep.op!r})"
             ) from exc
-        count, root, coll = prep.count, prep.root, prep.collective
-        calls: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+        method, names = coll.nccl
+        calls: list[tuple[Callable[..., None], tuple[object, ...]]] = []
         for r, comm in enumerate(self.comms):
-            x, o, sp = _data_ptr(prep.ins[r]), _data_ptr(prep.outs[r]), handles[r]
-            if coll == "all_reduce":
-                calls.append((comm.allReduce, (x, o, count, dtype, op, sp)))
-            elif coll == "reduce":
-                calls.append((comm.reduce, (x, o, count, dtype, op, root, sp)))
-            elif coll == "broadcast":
-                calls.append((comm.broadcast, (x, o, count, dtype, root, sp)))
-            elif coll == "all_gather":
-                calls.append((comm.allGather, (x, o, count, dtype, sp)))
-            elif coll == "reduce_scatter":
-                calls.append((comm.reduceScatter, (x, o, count, dtype, op, sp)))
-            else:
-                raise ValueError(f"the nccl engine has no {coll!r}")
+            values = {
+                "send": _data_ptr(prep.ins[r]),
+                "recv": _data_ptr(prep.outs[r]),
+                "count": prep.count,
+                "dtype": dtype,
+                "op": op,
+                "root": prep.root,
+                "stream": handles[r],
+            }
+            calls.append((getattr(comm, method), tuple(values[k] for k in names)))
         return calls
 
     def launch(self, prep: Prepared, streams: Sequence[Stream | None]) -> Launched:

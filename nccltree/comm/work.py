@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from .._validate import check_timeout
+
+if TYPE_CHECKING:
+    from ..backends.base import Event, Stream
 
 
 class Work:
@@ -17,10 +22,10 @@ class Work:
 
     def __init__(
         self,
-        events: Sequence[Any],
-        caller_streams: Sequence[Any],
-        result: Any,
-        keepalive: Any,
+        events: Sequence[Event],
+        caller_streams: Sequence[Stream | None],
+        result: object,
+        keepalive: object,
         timeout: float,
         on_error: Callable[[BaseException], BaseException] | None = None,
     ) -> None:
@@ -32,7 +37,7 @@ class Work:
         self._on_error = on_error
         self._done = False
 
-    def wait(self, stream: Any | None = None) -> None:
+    def wait(self, stream: Stream | None = None) -> None:
         """Order the caller's stream (or ``stream``) after this collective."""
         for i, ev in enumerate(self._events):
             st = stream if stream is not None else self._caller_streams[i]
@@ -46,7 +51,9 @@ class Work:
         """Block until the collective finished (``CommTimeout`` after ``timeout``)."""
         if self._done:
             return
-        limit = self._timeout if timeout is None else timeout
+        limit = check_timeout(timeout)
+        if limit is None:
+            limit = self._timeout
         try:
             for ev in self._events:
                 ev.synchronize(limit)

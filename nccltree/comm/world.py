@@ -12,34 +12,31 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .._errors import CommError, CommTimeout, NcclTreeError, PeerFailure
-from . import _ops
-from ._args import Launched, Prepared, prepare
+from .._validate import check_index, check_int, check_real
+from . import auto
+from ._args import Array, Launched, Prepared, prepare
 from .algorithms import ALGORITHMS, build_plan
+from .collectives import collective_name
 from .comm import Comm, _Rendezvous
 from .executor import Buffers, enqueue, run_inline
 from .plan import Plan
 from .work import Work
 
 if TYPE_CHECKING:
+    from ..backends.base import Device, Event, Stream
+    from ..backends.host import HostDevice
+    from ..topology import Topology
+    from ..tree import Tree
     from .nccl import NcclEngine
     from .watchdog import Watchdog
 
 ALGORITHM_CHOICES = (*ALGORITHMS, "nccl", "auto")
-
-# "auto" thresholds (bytes per rank). Small messages are latency-bound: the tree has the
-# fewest dependent steps (log2 N) and on the host backend runs inline. Large messages are
-# bandwidth-bound: on fully connected devices with uniform links (one host, NVSwitch) the
-# direct algorithm moves the fewest bytes; otherwise the topology-aware tree keeps the
-# slow links for the few top-level transfers. NCCL, where usable, takes large messages on
-# GPUs. Host: the tree led direct up to 1 MiB per rank on 2 and 4 ranks, direct led from
-# 4 MiB (docs/benchmarks.md). GPUs: not measured yet.
-AUTO_TREE_BYTES = {"host": 1 << 20, "cuda": 64 << 10}
-AUTO_NCCL_BYTES = 256 << 10
 
 
 class World:
@@ -63,9 +60,9 @@ class World:
 
     def __init__(
         self,
-        devices: Sequence[Any] | str,
+        devices: Sequence[Device] | str,
         algorithm: str = "tree",
-        topology: Any = None,
+        topology: Topology | None = None,
         timeout: float = 60.0,
         *,
         chunk_bytes: int | None = None,
@@ -84,19 +81,15 @@ class World:
             raise ValueError(
                 f"unknown algorithm {algorithm!r}; accepted: {', '.join(ALGORITHM_CHOICES)}"
             )
-        if not timeout or timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.timeout = check_real(timeout, "timeout", min=0.0, min_open=True)
         if chunk_bytes is None:
             chunk_bytes = (16 << 20) if devices[0].backend == "host" else (1 << 20)
-        if chunk_bytes < 64:
-            raise ValueError(f"chunk_bytes must be at least 64, got {chunk_bytes}")
-        self.devices = devices
+        self.chunk_bytes = check_int(chunk_bytes, "chunk_bytes", min=64)
+        self.inline_bytes = check_int(inline_bytes, "inline_bytes", min=0)
+        self.devices: list[Device] = devices
         self.size = len(devices)
         self.backend = devices[0].backend
         self.algorithm = algorithm
-        self.timeout = float(timeout)
-        self.chunk_bytes = int(chunk_bytes)
-        self.inline_bytes = int(inline_bytes)
         if topology is None:
             from ..topology import Topology
 
@@ -104,9 +97,10 @@ class World:
         if topology.n != self.size:
             raise ValueError(f"topology has {topology.n} devices, the World {self.size}")
         self.topology = topology
-        self._trees: dict[int, Any] = {}
-        self._plans: dict[tuple, Plan] = {}
-        self._scratch: dict[tuple[int, str, bool], Any] = {}
+        self._topology_class = auto.topology_class(topology)
+        self._trees: dict[int, Tree] = {}
+        self._plans: dict[tuple[object, ...], Plan] = {}
+        self._scratch: dict[tuple[int, str, bool], Array] = {}
         self._streams = [d.new_stream() for d in devices]
         self._lock = threading.RLock()  # one collective is launched at a time
         self._failure: BaseException | None = None
@@ -180,11 +174,9 @@ class World:
     # -- per-rank side --------------------------------------------------------------------
     def comm(self, rank: int) -> Comm:
         """The per-rank face of ``rank`` (one thread per rank uses it)."""
-        if not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.size:
-            raise ValueError(f"rank must be in [0, {self.size}), got {rank!r}")
-        return self._comms[int(rank)]
+        return self._comms[check_index(rank, "rank", self.size)]
 
-    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    def run(self, fn: Callable[..., Any], *args: object) -> list[Any]:
         """Run ``fn(comm, *args)`` in a thread per rank; return each rank's result.
 
         The first exception aborts the World (every other rank's collectives raise
@@ -225,11 +217,11 @@ class World:
     # -- driver side ----------------------------------------------------------------------
     def all_reduce(
         self,
-        xs: Sequence[Any],
+        xs: Sequence[Array],
         op: str = "sum",
-        outs: Sequence[Any] | None = None,
+        outs: Sequence[Array] | None = None,
         *,
-        streams: Sequence[Any] | None = None,
+        streams: Sequence[Stream | None] | None = None,
         async_op: bool = False,
     ) -> Any:
         """Every rank gets ``op`` over all ranks' arrays; in place unless ``outs``."""
@@ -237,12 +229,12 @@ class World:
 
     def reduce(
         self,
-        xs: Sequence[Any],
+        xs: Sequence[Array],
         root: int = 0,
         op: str = "sum",
-        outs: Sequence[Any] | None = None,
+        outs: Sequence[Array] | None = None,
         *,
-        streams: Sequence[Any] | None = None,
+        streams: Sequence[Stream | None] | None = None,
         async_op: bool = False,
     ) -> Any:
         """The root gets ``op`` over all ranks' arrays; other inputs stay unchanged."""
@@ -250,11 +242,11 @@ class World:
 
     def broadcast(
         self,
-        xs: Sequence[Any],
+        xs: Sequence[Array],
         root: int = 0,
-        outs: Sequence[Any] | None = None,
+        outs: Sequence[Array] | None = None,
         *,
-        streams: Sequence[Any] | None = None,
+        streams: Sequence[Stream | None] | None = None,
         async_op: bool = False,
     ) -> Any:
         """Every rank gets the root's array."""
@@ -262,10 +254,10 @@ class World:
 
     def all_gather(
         self,
-        xs: Sequence[Any],
-        outs: Sequence[Any],
+        xs: Sequence[Array],
+        outs: Sequence[Array],
         *,
-        streams: Sequence[Any] | None = None,
+        streams: Sequence[Stream | None] | None = None,
         async_op: bool = False,
     ) -> Any:
         """``outs[r]`` holds every rank's array, rank i's at ``[i*x.size, (i+1)*x.size)``."""
@@ -273,11 +265,11 @@ class World:
 
     def reduce_scatter(
         self,
-        xs: Sequence[Any],
-        outs: Sequence[Any],
+        xs: Sequence[Array],
+        outs: Sequence[Array],
         op: str = "sum",
         *,
-        streams: Sequence[Any] | None = None,
+        streams: Sequence[Stream | None] | None = None,
         async_op: bool = False,
     ) -> Any:
         """``outs[r]`` gets block r of ``op`` over all ranks' arrays."""
@@ -291,16 +283,27 @@ class World:
         for st in self._streams:
             st.synchronize(self.timeout)
 
-    def _driver(self, collective, xs, outs, op, root, streams, async_op):
+    def _driver(
+        self,
+        collective: str,
+        xs: Sequence[Array],
+        outs: Sequence[Array] | None,
+        op: str,
+        root: int,
+        streams: Sequence[Stream | None] | None,
+        async_op: bool,
+    ) -> Any:
+        """Every driver-side collective: the caller streams, the launch, a Work or the
+        results."""
         self._check_usable()
         n = self.size
         if streams is None:
-            streams = [self._caller_stream(r, None) for r in range(n)]
+            callers = [self._caller_stream(r, None) for r in range(n)]
         else:
-            streams = list(streams)
-            if len(streams) != n:
-                raise ValueError(f"streams has {len(streams)} entries for {n} ranks")
-        launched = self._launch(collective, xs, outs, op, root, streams, async_op)
+            callers = list(streams)
+            if len(callers) != n:
+                raise ValueError(f"streams has {len(callers)} entries for {n} ranks")
+        launched = self._launch(collective, xs, outs, op, root, callers, async_op)
         if async_op:
             return Work(
                 launched.events or [],
@@ -312,7 +315,7 @@ class World:
             )
         return launched.results
 
-    def _caller_stream(self, rank: int, stream: Any) -> Any:
+    def _caller_stream(self, rank: int, stream: Stream | None) -> Stream | None:
         """The stream a rank's call is ordered against (None: the calling host thread)."""
         if stream is not None:
             return stream
@@ -323,7 +326,14 @@ class World:
 
     # -- the engine -----------------------------------------------------------------------
     def _launch(
-        self, collective: str, xs, outs, op: str, root: int, streams: list, async_op: bool
+        self,
+        collective: str,
+        xs: object,
+        outs: object,
+        op: str,
+        root: object,
+        streams: list[Stream | None],
+        async_op: bool,
     ) -> Launched:
         with self._lock:
             self._check_usable()
@@ -342,7 +352,8 @@ class World:
             bufs = Buffers(prep.ins, prep.outs, tmps, stages)
             if self._can_inline(prep, streams, async_op):
                 try:
-                    run_inline(plan, bufs, self.devices)
+                    # _can_inline checked these are host devices
+                    run_inline(plan, bufs, cast("list[HostDevice]", self.devices))
                 except (ValueError, TypeError):
                     raise
                 except BaseException as exc:
@@ -377,7 +388,7 @@ class World:
                             ev.synchronize(self.timeout)
             return Launched(prep.results, ends, list(streams), keep)
 
-    def _launch_nccl(self, prep: Prepared, streams: list) -> Launched:
+    def _launch_nccl(self, prep: Prepared, streams: list[Stream | None]) -> Launched:
         """NCCL on the caller streams; returns at once (stream-ordered, as every engine),
         with the watchdog holding the buffers and the deadline until the work completes."""
         try:
@@ -391,7 +402,7 @@ class World:
         )
         return launched
 
-    def _watch(self, what: str, events: list, keepalive: Any) -> None:
+    def _watch(self, what: str, events: list[Event], keepalive: object) -> None:
         if self._watchdog is None:
             from .watchdog import Watchdog
 
@@ -414,7 +425,7 @@ class World:
         self._abort(err)
         return err
 
-    def _can_inline(self, prep: Prepared, streams: list, async_op: bool) -> bool:
+    def _can_inline(self, prep: Prepared, streams: list[Stream | None], async_op: bool) -> bool:
         return (
             self.backend == "host"
             and not async_op
@@ -426,21 +437,10 @@ class World:
     def _choose(self, prep: Prepared) -> str:
         if self.algorithm != "auto":
             return self.algorithm
-        if self.backend == "cuda" and prep.nbytes >= AUTO_NCCL_BYTES and self._nccl_usable():
-            return "nccl"
-        if prep.nbytes <= AUTO_TREE_BYTES[self.backend]:
-            return "tree"
-        return "direct" if self._uniform_peer_topology() else "tree"
+        return auto.choose(self.backend, self._topology_class, prep.nbytes, self._usable)
 
-    def _uniform_peer_topology(self) -> bool:
-        topo = self.topology
-        links = {
-            (topo.link(i, j).kind, topo.link(i, j).p2p)
-            for i in range(self.size)
-            for j in range(self.size)
-            if i != j
-        }
-        return len(links) == 1 and next(iter(links))[1]
+    def _usable(self, algorithm: str) -> bool:
+        return algorithm != "nccl" or self._nccl_usable()
 
     def _nccl_usable(self) -> bool:
         if self._nccl_unusable is None:
@@ -458,8 +458,9 @@ class World:
             self._nccl = NcclEngine(self.devices)
         return self._nccl
 
-    def tree(self, root: int = 0) -> Any:
+    def tree(self, root: int = 0) -> Tree:
         """The tree the tree algorithm uses for collectives rooted at ``root``."""
+        root = check_index(root, "root", self.size)
         if root not in self._trees:
             from ..tree import build_tree
 
@@ -474,21 +475,20 @@ class World:
         op: str = "sum",
         root: int = 0,
         in_place: bool = False,
-        dtype: Any = np.float32,
+        dtype: DTypeLike = np.float32,
         algorithm: str | None = None,
     ) -> Plan:
         """The plan a call with these parameters runs (for inspection and tests)."""
-        dtype = np.dtype(dtype)
         prep = Prepared(
-            _ops.collective_name(collective),
+            collective_name(collective),
             [],
             [],
             [],
-            dtype,
-            int(count),
+            np.dtype(dtype),
+            check_int(count, "count", min=0),
             bool(in_place),
             op,
-            int(root),
+            check_index(root, "root", self.size),
         )
         alg = algorithm or self._choose(prep)
         if alg not in ALGORITHMS:
@@ -528,7 +528,9 @@ class World:
             self._plans[key] = plan
         return plan
 
-    def _scratch_for(self, rank: int, dtype: np.dtype, count: int, pinned: bool = False) -> Any:
+    def _scratch_for(
+        self, rank: int, dtype: np.dtype, count: int, pinned: bool = False
+    ) -> Array | None:
         """Rank ``rank``'s scratch (device memory) or staging (pinned host) buffer."""
         if count == 0:
             return None
@@ -546,5 +548,3 @@ class World:
                 buf = dev.empty((count,), dtype, stream=self._streams[rank])
             self._scratch[key] = buf
         return buf[:count]
-
-    # -- argument checks (every rank's, together, before anything is written) -------------

@@ -232,7 +232,8 @@ class _Rendezvous:
         return launched.results[rank]
 
     def _run(self, p: _Pending) -> Launched | None:
-        calls: list[_Call] = p.calls  # type: ignore[assignment]
+        calls = [c for c in p.calls if c is not None]
+        assert len(calls) == len(p.calls)  # the last rank to arrive runs it
         first = calls[0]
         for r, c in enumerate(calls):
             for field in ("collective", "op", "root", "async_op"):

@@ -10,8 +10,8 @@ so running them in sequence is one legal schedule of the same plan).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from ._args import Array
 from .plan import IN, OUT, STAGE, TMP, Buf, Plan, Step
@@ -56,33 +56,20 @@ def _device_of(b: Buf, devices: Sequence[Device]) -> Device | None:
     return None if b.role == STAGE else devices[b.rank]
 
 
-class _Target(Protocol):
-    """What the data steps are issued on: a stream, or :class:`_Now`."""
+class _Now:
+    """A stand-in stream that performs each operation at once, in the calling thread."""
 
-    def copy(
-        self,
-        dst: Array,
-        src: Array,
-        *,
-        src_device: Device | None = None,
-        dst_device: Device | None = None,
-    ) -> None: ...
+    __slots__ = ("copy", "reduce", "scale")
 
-    def reduce(
-        self,
-        dst: Array,
-        srcs: Sequence[Array],
-        op: str = "sum",
-        *,
-        src_devices: Sequence[Device | None] | None = None,
-        dst_device: Device | None = None,
-        alpha: float = 1.0,
-    ) -> None: ...
+    copy: Callable[..., None]
+    reduce: Callable[..., None]
+    scale: Callable[..., None]
 
-    def scale(self, x: Array, alpha: float) -> None: ...
+    def __init__(self, device: HostDevice) -> None:
+        self.copy, self.reduce, self.scale = device.copy_now, device.reduce_now, device.scale
 
 
-def _issue(s: Step, st: _Target, bufs: Buffers, devices: Sequence[Device]) -> None:
+def _issue(s: Step, st: Stream | _Now, bufs: Buffers, devices: Sequence[Device]) -> None:
     """Issue one data step (copy, reduce, scale) on ``st``."""
     view = bufs.view
     dst = s.dst
@@ -126,15 +113,6 @@ def enqueue(
             st.wait_event(events[s.event])
         else:
             _issue(s, st, bufs, devices)
-
-
-class _Now:
-    """A stand-in stream that performs each operation at once, in the calling thread."""
-
-    __slots__ = ("copy", "reduce", "scale")
-
-    def __init__(self, device: HostDevice) -> None:
-        self.copy, self.reduce, self.scale = device.copy_now, device.reduce_now, device.scale
 
 
 def run_inline(plan: Plan, bufs: Buffers, devices: Sequence[HostDevice]) -> None:

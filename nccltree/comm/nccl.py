@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from .._errors import BackendUnavailable, CommError
 from ..backends.base import Device, Event, Stream
@@ -90,7 +90,7 @@ class NcclEngine:
                 "or direct algorithm for logical ranks that share a GPU"
             )
         self.nccl = _nccl_module()
-        self.devices: list[CudaDevice] = list(devices)  # type: ignore[arg-type]
+        self.devices = cast("list[CudaDevice]", list(devices))  # all CUDA: checked above
         self._lock = threading.Lock()  # launch and close never overlap
         try:
             self.comms: list[Any] = list(self.nccl.NcclCommunicator.initAll(ids))

@@ -29,7 +29,7 @@ import numpy as np
 
 from ._errors import BackendUnavailable
 from ._validate import check_real
-from .backends.base import MAX_FUSED, REDUCE_OPS, check_dtype, check_same
+from .backends.base import MAX_FUSED, REDUCE_OPS, Array, check_dtype, check_same
 
 FATBIN = "nccltree_kernels.fatbin"
 SOURCE = "nccltree_kernels.cu"
@@ -291,7 +291,7 @@ def target(device_id: int) -> str | None:
 # ---- argument checks ----
 
 
-def _array(x: Any, name: str) -> Any:
+def _array(x: Array, name: str) -> Array:
     cp = _cupy()
     if not isinstance(x, cp.ndarray):
         raise TypeError(f"{name} must be a cupy.ndarray, got {type(x).__name__}")
@@ -300,12 +300,12 @@ def _array(x: Any, name: str) -> Any:
     return x
 
 
-def _suffix(x: Any, name: str, accepted: Mapping[np.dtype[Any], object]) -> str:
+def _suffix(x: Array, name: str, accepted: Mapping[np.dtype[Any], object]) -> str:
     check_dtype(x, name, tuple(accepted))
     return _SUFFIX[x.dtype]
 
 
-def _device_of(dst: Any, stream: Any) -> int:
+def _device_of(dst: Array, stream: Any) -> int:
     """The GPU that runs an operation: the stream's (a kernel must be launched on its
     stream's device; it may then store to a peer's ``dst`` over peer access), else
     ``dst``'s, whose current stream is used."""
@@ -313,7 +313,7 @@ def _device_of(dst: Any, stream: Any) -> int:
     return int(dev) if dev is not None and dev >= 0 else int(dst.device.id)
 
 
-def _launch(dst: Any, name: str, n: int, args: tuple[Any, ...], stream: Any) -> None:
+def _launch(dst: Array, name: str, n: int, args: tuple[Any, ...], stream: Any) -> None:
     cp = _cupy()
     vec = max(1, 16 // dst.itemsize)
     # The vector body covers at most n / vec vectors (less a head of fewer than vec
@@ -335,8 +335,8 @@ def _launch(dst: Any, name: str, n: int, args: tuple[Any, ...], stream: Any) -> 
 
 
 def reduce_n(
-    dst: Any, srcs: Sequence[Any], op: str = "sum", stream: Any = None, alpha: float = 1.0
-) -> Any:
+    dst: Array, srcs: Sequence[Array], op: str = "sum", stream: Any = None, alpha: float = 1.0
+) -> Array:
     """``dst = op(srcs[0], ..., srcs[k-1])``, 1 <= k <= 8, one kernel; returns ``dst``.
 
     Sources may live on peer GPUs (read over peer access); ``dst`` may be one of them.
@@ -371,7 +371,7 @@ def reduce_n(
     return dst
 
 
-def sum_into(dst: Any, src: Any, stream: Any = None) -> Any:
+def sum_into(dst: Array, src: Array, stream: Any = None) -> Array:
     """``dst += src``; returns ``dst``."""
     dst = _array(dst, "dst")
     suffix = _suffix(dst, "dst", _SUFFIX)
@@ -381,7 +381,7 @@ def sum_into(dst: Any, src: Any, stream: Any = None) -> Any:
     return dst
 
 
-def scale(x: Any, alpha: float, stream: Any = None) -> Any:
+def scale(x: Array, alpha: float, stream: Any = None) -> Array:
     """``x *= alpha`` for floating arrays; returns ``x``."""
     x = _array(x, "x")
     suffix = _suffix(x, "x", _SCALAR)
@@ -393,14 +393,14 @@ def scale(x: Any, alpha: float, stream: Any = None) -> Any:
 
 
 def sgd_update(
-    w: Any,
-    g: Any,
-    v: Any,
+    w: Array,
+    g: Array,
+    v: Array,
     lr: float,
     momentum: float,
     weight_decay: float,
     stream: Any = None,
-) -> Any:
+) -> Array:
     """Caffe's step in one kernel: ``g += wd*w; v = momentum*v + lr*g; w -= v``; returns w."""
     w = _array(w, "w")
     suffix = _suffix(w, "w", _SCALAR)
@@ -417,7 +417,7 @@ def sgd_update(
     return w
 
 
-def copy(dst: Any, src: Any, stream: Any = None) -> Any:
+def copy(dst: Array, src: Array, stream: Any = None) -> Array:
     """``dst[...] = src`` as one asynchronous device (or peer) copy; returns ``dst``."""
     dst = _array(dst, "dst")
     check_same(_array(src, "src"), dst, "src", "dst")

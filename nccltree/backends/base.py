@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import abc
 import threading
+import time
 import types
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, SupportsIndex, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from .._validate import check_int, check_real, check_timeout, is_int
 
@@ -33,6 +35,12 @@ DTYPES: tuple[np.dtype[Any], ...] = tuple(
     np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")
 )
 FLOAT_DTYPES: tuple[np.dtype[Any], ...] = tuple(dt for dt in DTYPES if dt.kind == "f")
+
+#: A device's array: ``numpy.ndarray`` on the host backend, ``cupy.ndarray`` on CUDA (CuPy
+#: ships no type information, hence ``Any``).
+Array = Any
+#: An array shape: an integer or a sequence of them (numpy integers included).
+ShapeLike = SupportsIndex | Sequence[SupportsIndex]
 
 #: Default timeout (seconds) of a wait when the caller passes ``timeout=None``: no wait is
 #: unbounded, so a lost event turns into an error instead of a hang.
@@ -95,8 +103,8 @@ class Stream(abc.ABC):
 
     def copy(
         self,
-        dst: Any,
-        src: Any,
+        dst: Array,
+        src: Array,
         *,
         src_device: Device | None = None,
         dst_device: Device | None = None,
@@ -112,8 +120,8 @@ class Stream(abc.ABC):
 
     def reduce(
         self,
-        dst: Any,
-        srcs: Sequence[Any],
+        dst: Array,
+        srcs: Sequence[Array],
         op: str = "sum",
         *,
         src_devices: Sequence[Device | None] | None = None,
@@ -137,18 +145,18 @@ class Stream(abc.ABC):
         """
         self._reduce(check_reduce(self.device, dst, srcs, op, src_devices, dst_device, alpha))
 
-    def scale(self, x: Any, alpha: float) -> None:
+    def scale(self, x: Array, alpha: float) -> None:
         """``x *= alpha`` (floating dtypes; alpha a finite real number)."""
         self._scale(x, check_scale(self.device, x, alpha))
 
     def sgd_update(
-        self, w: Any, g: Any, v: Any, lr: float, momentum: float, weight_decay: float
+        self, w: Array, g: Array, v: Array, lr: float, momentum: float, weight_decay: float
     ) -> None:
         """Caffe's SGD step in one pass: ``g += wd*w; v = momentum*v + lr*g; w -= v``
         (``w``, ``g``, ``v`` of one floating dtype and one size; finite hyperparameters)."""
         self._sgd_update(check_sgd(self.device, w, g, v, lr, momentum, weight_decay))
 
-    def call(self, fn: Callable[..., object], *args: Any) -> None:
+    def call(self, fn: Callable[..., object], *args: object) -> None:
         """Run ``fn(*args)`` in stream order.
 
         Host: on the stream's worker thread, after all earlier work. CUDA: now, with this
@@ -193,7 +201,7 @@ class Stream(abc.ABC):
         """Enqueue a checked reduction (folded with ``run_fold`` beyond ``MAX_FUSED``)."""
 
     @abc.abstractmethod
-    def _scale(self, x: Any, alpha: float) -> None:
+    def _scale(self, x: Array, alpha: float) -> None:
         """Enqueue a checked ``x *= alpha``."""
 
     @abc.abstractmethod
@@ -201,7 +209,7 @@ class Stream(abc.ABC):
         """Enqueue a checked SGD step."""
 
     @abc.abstractmethod
-    def _call(self, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
+    def _call(self, fn: Callable[..., object], args: tuple[object, ...]) -> None:
         """Run ``fn(*args)`` in stream order (``fn`` is callable)."""
 
     @abc.abstractmethod
@@ -265,7 +273,9 @@ class Device(abc.ABC):
         return self._default
 
     @abc.abstractmethod
-    def empty(self, shape: Any, dtype: Any = "float32", *, stream: Stream | None = None) -> Any:
+    def empty(
+        self, shape: ShapeLike, dtype: npt.DTypeLike = "float32", *, stream: Stream | None = None
+    ) -> Array:
         """An uninitialised C-contiguous array on this device.
 
         ``stream``: the stream of this device that uses the memory first. A GPU memory pool
@@ -278,22 +288,24 @@ class Device(abc.ABC):
         """
 
     @abc.abstractmethod
-    def zeros(self, shape: Any, dtype: Any = "float32", *, stream: Stream | None = None) -> Any:
+    def zeros(
+        self, shape: ShapeLike, dtype: npt.DTypeLike = "float32", *, stream: Stream | None = None
+    ) -> Array:
         """A zero-filled C-contiguous array on this device; ``stream`` as in ``empty``
         (on CUDA the zero fill runs on that stream, so it too is ready in its order)."""
 
     @abc.abstractmethod
-    def asarray(self, obj: Any) -> Any:
+    def asarray(self, obj: Array) -> Array:
         """A zero-copy view of a buffer on this device (numpy, CUDA array interface,
         DLPack); TypeError for a buffer that lives elsewhere."""
 
-    def check_array(self, arr: Any) -> None:
+    def check_array(self, arr: Array) -> None:
         """TypeError/ValueError unless ``arr`` is a C-contiguous array usable here."""
         self._check_operand(arr, "the array")
 
     @abc.abstractmethod
     def _check_operand(
-        self, arr: Any, what: str, *, writable: bool = False, host_ok: bool = False
+        self, arr: Array, what: str, *, writable: bool = False, host_ok: bool = False
     ) -> None:
         """TypeError/ValueError, naming ``what``, unless ``arr`` is a C-contiguous array a
         kernel on this device can use (``writable``: and write); ``host_ok``: or a numpy
@@ -306,7 +318,7 @@ class Device(abc.ABC):
         raise TypeError(f"{what} must be a {self.backend} device or None, got {dev!r}")
 
     @abc.abstractmethod
-    def from_host(self, host: Any, stream: Stream | None = None) -> Any:
+    def from_host(self, host: Array, stream: Stream | None = None) -> Array:
         """A new device array holding a copy of the host array ``host``.
 
         ``stream=None``: the copy is complete on return. With a stream the copy is enqueued
@@ -314,7 +326,7 @@ class Device(abc.ABC):
         """
 
     @abc.abstractmethod
-    def to_host(self, arr: Any, out: Any = None, stream: Stream | None = None) -> Any:
+    def to_host(self, arr: Array, out: Array = None, stream: Stream | None = None) -> Array:
         """Copy the device array ``arr`` to host memory (``out`` or a new numpy array).
 
         ``stream=None``: complete on return; else enqueued on ``stream``.
@@ -336,33 +348,36 @@ class Device(abc.ABC):
     def synchronize(self, timeout: float | None = None) -> None:
         """Block until all work on all of this device's streams ran (``timeout`` as in
         ``Stream.synchronize``, for all of them together)."""
-        self._synchronize(timeout_or_default(timeout))
+        deadline = time.monotonic() + timeout_or_default(timeout)
+        for wait in self._stream_waits():
+            wait(max(0.0, deadline - time.monotonic()))
 
     @abc.abstractmethod
-    def _synchronize(self, timeout: float) -> None:
-        """``synchronize`` with a checked timeout in seconds."""
+    def _stream_waits(self) -> list[Callable[[float], None]]:
+        """One wait per stream of this device, for the work enqueued on it so far, each
+        bounded by the seconds it is given."""
 
     @abc.abstractmethod
     def can_access_peer(self, other: Device) -> bool:
         """True if kernels on this device can read ``other``'s memory directly."""
 
     @abc.abstractmethod
-    def sum_into(self, dst: Any, src: Any) -> None:
+    def sum_into(self, dst: Array, src: Array) -> None:
         """``dst += src`` in the caller's order (host: now, in this thread; CUDA: on the
         thread's current stream)."""
 
     @abc.abstractmethod
-    def scale(self, x: Any, alpha: float) -> None:
+    def scale(self, x: Array, alpha: float) -> None:
         """``x *= alpha`` in the caller's order."""
 
     @abc.abstractmethod
     def sgd_update(
-        self, w: Any, g: Any, v: Any, lr: float, momentum: float, weight_decay: float
+        self, w: Array, g: Array, v: Array, lr: float, momentum: float, weight_decay: float
     ) -> None:
         """Caffe's fused SGD step in the caller's order."""
 
     @abc.abstractmethod
-    def pinned_empty(self, shape: Any, dtype: Any = "float32") -> Any:
+    def pinned_empty(self, shape: ShapeLike, dtype: npt.DTypeLike = "float32") -> Array:
         """A host numpy array for fast transfers to and from this device (page-locked on
         CUDA, 64-byte-aligned plain memory on host)."""
 
@@ -483,8 +498,8 @@ class CopyArgs(NamedTuple):
     """A checked ``Stream.copy``: ``src_device`` None means host memory or the stream's
     own device; ``dst_device`` is the stream's device when the caller gave none."""
 
-    dst: Any
-    src: Any
+    dst: Array
+    src: Array
     src_device: Device | None
     dst_device: Device
 
@@ -493,8 +508,8 @@ class ReduceArgs(NamedTuple):
     """A checked ``Stream.reduce``: one device per source (the dst's where none was
     given), ``alpha`` a float (1.0 unless ``op`` is ``"sum"`` and the dtype floating)."""
 
-    dst: Any
-    srcs: list[Any]
+    dst: Array
+    srcs: list[Array]
     op: str
     src_devices: list[Device]
     dst_device: Device
@@ -505,22 +520,22 @@ class SgdArgs(NamedTuple):
     """A checked ``sgd_update``: three arrays of one floating dtype and size, finite
     hyperparameters."""
 
-    w: Any
-    g: Any
-    v: Any
+    w: Array
+    g: Array
+    v: Array
     lr: float
     momentum: float
     weight_decay: float
 
 
-def check_dtype(arr: Any, what: str, accepted: Sequence[np.dtype[Any]]) -> None:
+def check_dtype(arr: Array, what: str, accepted: Sequence[np.dtype[Any]]) -> None:
     """TypeError unless ``arr.dtype`` is one of ``accepted``."""
     if arr.dtype not in accepted:
         names = ", ".join(str(dt) for dt in accepted)
         raise TypeError(f"{what} has dtype {arr.dtype}; accepted: {names}")
 
 
-def check_same(x: Any, ref: Any, name: str, ref_name: str) -> None:
+def check_same(x: Array, ref: Array, name: str, ref_name: str) -> None:
     """TypeError unless ``x`` has ``ref``'s dtype, ValueError unless its size (the kernel
     wrappers' rule for operands that go together)."""
     if x.dtype != ref.dtype:
@@ -530,7 +545,7 @@ def check_same(x: Any, ref: Any, name: str, ref_name: str) -> None:
 
 
 def check_copy(
-    device: Device, dst: Any, src: Any, src_device: object, dst_device: object
+    device: Device, dst: Array, src: Array, src_device: object, dst_device: object
 ) -> CopyArgs:
     """The arguments of ``device``'s streams' ``copy``, checked."""
     src_dev = device._same_backend(src_device, "src_device")
@@ -544,8 +559,8 @@ def check_copy(
 
 def check_reduce(
     device: Device,
-    dst: Any,
-    srcs: Iterable[Any],
+    dst: Array,
+    srcs: Iterable[Array],
     op: object,
     src_devices: Iterable[object] | None,
     dst_device: object,
@@ -579,7 +594,7 @@ def check_reduce(
     return ReduceArgs(dst, srcs, op, devs, dst_dev, a)
 
 
-def check_scale(device: Device, x: Any, alpha: object) -> float:
+def check_scale(device: Device, x: Array, alpha: object) -> float:
     """The arguments of ``scale`` on ``device``, checked; returns alpha as a float."""
     device._check_operand(x, "x", writable=True)
     check_dtype(x, "x", FLOAT_DTYPES)
@@ -587,7 +602,7 @@ def check_scale(device: Device, x: Any, alpha: object) -> float:
 
 
 def check_sgd(
-    device: Device, w: Any, g: Any, v: Any, lr: object, momentum: object, weight_decay: object
+    device: Device, w: Array, g: Array, v: Array, lr: object, momentum: object, weight_decay: object
 ) -> SgdArgs:
     """The arguments of ``sgd_update`` on ``device``, checked."""
     for arr, what in ((w, "w"), (g, "g"), (v, "v")):

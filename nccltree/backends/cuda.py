@@ -25,11 +25,13 @@ from .._errors import BackendUnavailable, CommError, CommTimeout
 from .._native import check_host_array, ranges_overlap
 from .._validate import check_int
 from .base import (
+    Array,
     CopyArgs,
     Device,
     Event,
     ReduceArgs,
     SgdArgs,
+    ShapeLike,
     Stream,
     as_shape,
     check_host_out,
@@ -279,7 +281,7 @@ class CudaStream(Stream):
             out = dst if direct else cp.empty(dst.shape, dst.dtype)
             aliases = [i for i, s in enumerate(inputs) if _overlap(s, out)]
 
-            def launch(o: Any, ins: list[Any], a: float) -> None:
+            def launch(o: Array, ins: list[Array], a: float) -> None:
                 _k.reduce_n(o, ins, r.op, self._cs, alpha=a)
 
             run_fold(out, inputs, r.alpha, aliases, launch, lambda: cp.empty(dst.shape, dst.dtype))
@@ -288,7 +290,7 @@ class CudaStream(Stream):
                     dst.data.ptr, dpid, out.data.ptr, pid, dst.nbytes, stream_ptr
                 )
 
-    def _scale(self, x: Any, alpha: float) -> None:
+    def _scale(self, x: Array, alpha: float) -> None:
         with self._on():
             _k.scale(x, alpha, self._cs)
 
@@ -296,7 +298,7 @@ class CudaStream(Stream):
         with self._on():
             _k.sgd_update(*a, stream=self._cs)
 
-    def _call(self, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
+    def _call(self, fn: Callable[..., object], args: tuple[object, ...]) -> None:
         with self._on():
             fn(*args)
 
@@ -324,12 +326,12 @@ class CudaStream(Stream):
             raise
 
 
-def _overlap(a: Any, b: Any) -> bool:
+def _overlap(a: Array, b: Array) -> bool:
     """Whether two CuPy arrays share bytes (unified addressing: one address space)."""
     return ranges_overlap(a.data.ptr, a.nbytes, b.data.ptr, b.nbytes)
 
 
-def _ptr(a: Any) -> int:
+def _ptr(a: Array) -> int:
     """The address of a checked copy operand: a numpy array in host memory or a CuPy
     array (unified addressing: one address space)."""
     return int(a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr)
@@ -411,20 +413,24 @@ class CudaDevice(Device):
             # no stream named: make the memory safe for every stream
             CudaStream(self, cp.cuda.get_current_stream()).synchronize()
 
-    def empty(self, shape: Any, dtype: Any = "float32", *, stream: Stream | None = None) -> Any:
+    def empty(
+        self, shape: ShapeLike, dtype: npt.DTypeLike = "float32", *, stream: Stream | None = None
+    ) -> Array:
         with self._allocating(stream) as cp:
             arr = cp.empty(shape, dtype)
         return arr
 
-    def zeros(self, shape: Any, dtype: Any = "float32", *, stream: Stream | None = None) -> Any:
+    def zeros(
+        self, shape: ShapeLike, dtype: npt.DTypeLike = "float32", *, stream: Stream | None = None
+    ) -> Array:
         with self._allocating(stream) as cp:
             arr = cp.zeros(shape, dtype)
         return arr
 
-    def pinned_empty(self, shape: object, dtype: npt.DTypeLike = "float32") -> np.ndarray:
+    def pinned_empty(self, shape: ShapeLike, dtype: npt.DTypeLike = "float32") -> np.ndarray:
         return pinned_empty(shape, dtype)
 
-    def asarray(self, obj: Any) -> Any:
+    def asarray(self, obj: Any) -> Array:
         cp = _cupy()
         if isinstance(obj, np.ndarray) or not (
             hasattr(obj, "__cuda_array_interface__") or hasattr(obj, "__dlpack__")
@@ -443,7 +449,7 @@ class CudaDevice(Device):
         return arr
 
     def _check_operand(
-        self, arr: Any, what: str, *, writable: bool = False, host_ok: bool = False
+        self, arr: object, what: str, *, writable: bool = False, host_ok: bool = False
     ) -> None:
         if host_ok and isinstance(arr, np.ndarray):
             check_host_array(arr, f"{what} (host memory)", writable=writable)
@@ -460,7 +466,7 @@ class CudaDevice(Device):
         if not arr.flags.c_contiguous:
             raise ValueError(f"{what} must be C-contiguous")
 
-    def from_host(self, host: Any, stream: Stream | None = None) -> Any:
+    def from_host(self, host: npt.ArrayLike, stream: Stream | None = None) -> Array:
         src = np.ascontiguousarray(host)
         if stream is None:
             cp = _cupy()
@@ -477,33 +483,33 @@ class CudaDevice(Device):
         stream.copy(out, src)
         return out
 
-    def to_host(self, arr: Any, out: Any = None, stream: Stream | None = None) -> np.ndarray:
+    def to_host(
+        self, arr: Array, out: np.ndarray | None = None, stream: Stream | None = None
+    ) -> np.ndarray:
         self.check_array(arr)
-        if out is None:
-            out = pinned_empty(arr.shape, arr.dtype) if stream is not None else None
-        else:
+        if out is not None:
             check_host_out(out, arr.nbytes)
-        if stream is None:
-            cp = _cupy()
-            with cp.cuda.Device(self.physical_id):
-                if out is None:
-                    return arr.get()  # blocking, on the current stream
-                cur = CudaStream(self, cp.cuda.get_current_stream())
-                cur.copy(out, arr)
-                cur.synchronize()
+        if stream is not None:
+            if out is None:
+                out = pinned_empty(arr.shape, arr.dtype)
+            stream.copy(out, arr)
             return out
-        stream.copy(out, arr)
+        cp = _cupy()
+        with cp.cuda.Device(self.physical_id):
+            if out is None:
+                return np.asarray(arr.get())  # blocking, on the current stream
+            cur = CudaStream(self, cp.cuda.get_current_stream())
+            cur.copy(out, arr)
+            cur.synchronize()
         return out
 
-    def _synchronize(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+    def _stream_waits(self) -> list[Callable[[float], None]]:
         with self._lock:
             streams = list(self._streams)
         cp = _cupy()
         with cp.cuda.Device(self.physical_id):
             streams.append(CudaStream(self, cp.cuda.get_current_stream()))
-        for s in streams:
-            s.synchronize(max(0.0, deadline - time.monotonic()))
+        return [s._synchronize for s in streams]
 
     def can_access_peer(self, other: Device) -> bool:
         if not isinstance(other, CudaDevice):
@@ -513,16 +519,16 @@ class CudaDevice(Device):
     def _current(self) -> Any:
         return _cupy().cuda.get_current_stream()
 
-    def sum_into(self, dst: Any, src: Any) -> None:
+    def sum_into(self, dst: Array, src: Array) -> None:
         with self.activate():
             _k.sum_into(dst, src, self._current())
 
-    def scale(self, x: Any, alpha: float) -> None:
+    def scale(self, x: Array, alpha: float) -> None:
         with self.activate():
             _k.scale(x, alpha, self._current())
 
     def sgd_update(
-        self, w: Any, g: Any, v: Any, lr: float, momentum: float, weight_decay: float
+        self, w: Array, g: Array, v: Array, lr: float, momentum: float, weight_decay: float
     ) -> None:
         with self.activate():
             _k.sgd_update(w, g, v, lr, momentum, weight_decay, self._current())
@@ -555,7 +561,7 @@ def _free_host(rt: Any, ptr: int) -> None:
         warnings.warn(f"freeing page-locked memory failed: {exc}", RuntimeWarning, stacklevel=1)
 
 
-def pinned_empty(shape: object, dtype: npt.DTypeLike = "float32") -> np.ndarray:
+def pinned_empty(shape: ShapeLike, dtype: npt.DTypeLike = "float32") -> np.ndarray:
     """A numpy array in page-locked memory of exactly its size (rounded up to one byte),
     unpinned and freed when the array and its views are gone."""
     dt = np.dtype(dtype)

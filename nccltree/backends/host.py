@@ -8,6 +8,7 @@ stream's worker finished every op enqueued before it was recorded.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import queue
@@ -32,6 +33,7 @@ from .base import (
     Event,
     ReduceArgs,
     SgdArgs,
+    ShapeLike,
     Stream,
     Transfer,
     as_shape,
@@ -131,7 +133,7 @@ class _StreamShutdown(NcclTreeError):
     """The backend was shut down while work was pending or being waited for."""
 
 
-_Item = tuple[int, Callable[..., object], tuple[Any, ...]]  # (sequence number, fn, args)
+_Item = tuple[int, Callable[..., object], tuple[object, ...]]  # (sequence number, fn, args)
 
 
 class _Core:
@@ -175,7 +177,7 @@ class _Core:
             self.rng = random.Random(jitter[0] * 1_000_003 + rng_key)
             self.jitter_max = jitter[1]
 
-    def enqueue(self, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
+    def enqueue(self, fn: Callable[..., object], args: tuple[object, ...]) -> None:
         with self.lock:
             if self.closed:
                 raise _StreamShutdown(f"stream {self.name} is shut down")
@@ -393,7 +395,7 @@ class HostStream(Stream):
         name = f"cpu{device.index}-" + ("inline" if inline else f"s{serial}")
         self._core = _Core(name, jitter, device.index * 1009 + serial)
         #: how an op is issued: queued for the worker (``_InlineStream``: run now)
-        self._submit: Callable[[Callable[..., object], tuple[Any, ...]], None]
+        self._submit: Callable[[Callable[..., object], tuple[object, ...]], None]
         self._submit = self._core.enqueue
         # when the stream object goes away its worker drains the queue and exits
         weakref.finalize(self, _Core.retire, self._core)
@@ -407,13 +409,13 @@ class HostStream(Stream):
     def _reduce(self, r: ReduceArgs) -> None:
         self._submit(_op_reduce, (self.device, r))
 
-    def _scale(self, x: Any, alpha: float) -> None:
+    def _scale(self, x: np.ndarray, alpha: float) -> None:
         self._submit(_op_scale, (self.device, x, alpha))
 
     def _sgd_update(self, a: SgdArgs) -> None:
         self._submit(_op_sgd, (self.device, a))
 
-    def _call(self, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
+    def _call(self, fn: Callable[..., object], args: tuple[object, ...]) -> None:
         self._submit(fn, args)
 
     def wait_event(self, event: Event) -> None:
@@ -435,7 +437,7 @@ class HostStream(Stream):
         return core.check(core.enqueued)
 
 
-def _run_now(fn: Callable[..., object], args: tuple[Any, ...]) -> None:
+def _run_now(fn: Callable[..., object], args: tuple[object, ...]) -> None:
     fn(*args)
 
 
@@ -496,19 +498,19 @@ class HostDevice(Device):
         return HostEvent()
 
     def empty(
-        self, shape: object, dtype: npt.DTypeLike = "float32", *, stream: Stream | None = None
+        self, shape: ShapeLike, dtype: npt.DTypeLike = "float32", *, stream: Stream | None = None
     ) -> np.ndarray:
         # host memory is not handed out in any stream's order: ready for every stream
         return aligned_empty(shape, dtype)
 
     def zeros(
-        self, shape: object, dtype: npt.DTypeLike = "float32", *, stream: Stream | None = None
+        self, shape: ShapeLike, dtype: npt.DTypeLike = "float32", *, stream: Stream | None = None
     ) -> np.ndarray:
         a = aligned_empty(shape, dtype)
         a.fill(0)
         return a
 
-    def pinned_empty(self, shape: object, dtype: npt.DTypeLike = "float32") -> np.ndarray:
+    def pinned_empty(self, shape: ShapeLike, dtype: npt.DTypeLike = "float32") -> np.ndarray:
         return aligned_empty(shape, dtype)
 
     def asarray(self, obj: Any) -> np.ndarray:
@@ -532,7 +534,7 @@ class HostDevice(Device):
             ) from None
 
     def _check_operand(
-        self, arr: Any, what: str, *, writable: bool = False, host_ok: bool = False
+        self, arr: object, what: str, *, writable: bool = False, host_ok: bool = False
     ) -> None:
         # every host device's buffer is host memory: the kernel wrappers' own check
         _native.check_host_array(arr, f"{what} (a host device's buffer)", writable=writable)
@@ -547,7 +549,7 @@ class HostDevice(Device):
         return out
 
     def to_host(
-        self, arr: Any, out: np.ndarray | None = None, stream: Stream | None = None
+        self, arr: np.ndarray, out: np.ndarray | None = None, stream: Stream | None = None
     ) -> np.ndarray:
         self.check_array(arr)
         if out is None:
@@ -560,25 +562,30 @@ class HostDevice(Device):
             stream.copy(out, arr)
         return out
 
-    def _synchronize(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+    def _stream_waits(self) -> list[Callable[[float], None]]:
+        # the cores, not the streams: a dropped stream's worker may still have work
         with self._cores_lock:
             cores = list(self._cores)
-        for core in cores:
-            core.wait_for(core.enqueued, max(0.0, deadline - time.monotonic()))
+        return [functools.partial(core.wait_for, core.enqueued) for core in cores]
 
     def can_access_peer(self, other: Device) -> bool:
         # all virtual devices share one address space
         return isinstance(other, HostDevice)
 
-    def sum_into(self, dst: Any, src: Any) -> None:
+    def sum_into(self, dst: np.ndarray, src: np.ndarray) -> None:
         _native.sum_into(dst, src, nthreads=self.threads)
 
-    def scale(self, x: Any, alpha: float) -> None:
+    def scale(self, x: np.ndarray, alpha: float) -> None:
         _native.scale(x, alpha, nthreads=self.threads)
 
     def sgd_update(
-        self, w: Any, g: Any, v: Any, lr: float, momentum: float, weight_decay: float
+        self,
+        w: np.ndarray,
+        g: np.ndarray,
+        v: np.ndarray,
+        lr: float,
+        momentum: float,
+        weight_decay: float,
     ) -> None:
         _native.sgd_update(w, g, v, lr, momentum, weight_decay, nthreads=self.threads)
 

@@ -295,6 +295,12 @@ def test_now_variants_share_the_stream_checks() -> None:
             d0.copy_now(b, a, src_device=d1)
         assert [t.kind for t in log] == ["peer_read", "copy"]
         assert (a == 1.5).all() and (b == 1.5).all()
+        s = d0.inline_stream  # a whole stream: scale, sgd_update, events, all at once
+        s.scale(a, 2)
+        ev = s.record()
+        s.wait_event(ev)
+        s.synchronize(0)
+        assert ev.query() and s.query() and (a == 3).all()
     finally:
         d0.runtime.shutdown()
 

@@ -454,9 +454,9 @@ class _InlineStream(HostStream):
 class HostDevice(Device):
     """A virtual device: host memory plus worker-thread streams.
 
-    ``copy_now(dst, src, *, src_device=None, dst_device=None)`` and ``reduce_now(dst,
-    srcs, op="sum", *, src_devices=None, dst_device=None, alpha=1.0)`` are ``Stream.copy``
-    and ``Stream.reduce`` performed now, in the calling thread (recorded the same way).
+    ``inline_stream`` is a stream whose operations run now, in the calling thread (checked
+    and recorded the same way); ``copy_now`` and ``reduce_now`` are its ``copy`` and
+    ``reduce``.
     """
 
     backend = "host"
@@ -472,9 +472,11 @@ class HostDevice(Device):
         self._serial = itertools.count()
         self._cores: weakref.WeakSet[_Core] = weakref.WeakSet()
         self._cores_lock = self._stream_lock  # the set of cores changes with the streams
-        inline = _InlineStream(self)
-        self.copy_now = inline.copy
-        self.reduce_now = inline.reduce
+        #: a stream whose operations run at once in the calling thread (what the engine
+        #: uses to perform a plan inline); ``copy_now``/``reduce_now`` are its copy/reduce
+        self.inline_stream: Stream = _InlineStream(self)
+        self.copy_now = self.inline_stream.copy
+        self.reduce_now = self.inline_stream.reduce
 
     @property
     def threads(self) -> int:

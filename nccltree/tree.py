@@ -509,22 +509,28 @@ def _improve(levels: list[Level], cost: list[list[int]], n: int, root: int | Non
         for c in range(n):
             if par[c] >= 0:
                 kids[par[c]].append(c)
-        improved = (
-            _try_relabel(par, lev, kids, cost, n, root)
-            or _try_repair(par, lev, cost, n)
-            or _try_turn(par, lev, kids, cost, n, root)
-        )
+        search = _Search(par, lev, kids, cost, n, root)
+        improved = _try_relabel(search) or _try_repair(search) or _try_turn(search)
     return [tuple(sorted((par[c], c) for c in range(n) if lev[c] == k)) for k in range(len(levels))]
 
 
-def _try_relabel(
-    par: list[int],
-    lev: list[int],
-    kids: list[list[int]],
-    cost: list[list[int]],
-    n: int,
-    root: int | None,
-) -> bool:
+@dataclass(frozen=True)
+class _Search:
+    """The tree the local search edits in place: parent and level of every rank (-1 for
+    the root), the children lists of this round, the costs, the rank count and the root
+    that must stay (None: any)."""
+
+    par: list[int]
+    lev: list[int]
+    kids: list[list[int]]
+    cost: list[list[int]]
+    n: int
+    root: int | None
+
+
+def _try_relabel(s: _Search) -> bool:
+    par, lev, kids, cost, n, root = s.par, s.lev, s.kids, s.cost, s.n, s.root
+
     def near(x: int) -> list[int]:
         return ([par[x]] if par[x] >= 0 else []) + kids[x]
 
@@ -547,7 +553,8 @@ def _try_relabel(
     return False
 
 
-def _try_repair(par: list[int], lev: list[int], cost: list[list[int]], n: int) -> bool:
+def _try_repair(s: _Search) -> bool:
+    par, lev, cost, n = s.par, s.lev, s.cost, s.n
     for x in range(n):
         for y in range(x + 1, n):
             px, py = par[x], par[y]
@@ -559,14 +566,8 @@ def _try_repair(par: list[int], lev: list[int], cost: list[list[int]], n: int) -
     return False
 
 
-def _try_turn(
-    par: list[int],
-    lev: list[int],
-    kids: list[list[int]],
-    cost: list[list[int]],
-    n: int,
-    root: int | None,
-) -> bool:
+def _try_turn(s: _Search) -> bool:
+    par, lev, kids, cost, n, root = s.par, s.lev, s.kids, s.cost, s.n, s.root
     for c in range(n):
         p = par[c]
         if p < 0 or p == root:

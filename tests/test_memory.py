@@ -183,7 +183,9 @@ def test_pool_arguments_follow_the_one_rule():
         pool.alloc((2.5,))
     with pytest.raises(TypeError, match="shape must be an integer or a sequence"):
         pool.alloc(None)
-    with pytest.raises(TypeError, match="shape must be an integer or a sequence of integers, got True"):
+    with pytest.raises(
+        TypeError, match="shape must be an integer or a sequence of integers, got True"
+    ):
         pool.alloc(True)
     with pytest.raises(ValueError, match=r"shape\[1\] must be >= 0, got -1"):
         pool.alloc((2, -1))

@@ -14,23 +14,28 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, SupportsIndex, TypeAlias
+from typing import Any
 
 import numpy as np
 from numpy.typing import DTypeLike
 
 from ._errors import BackendUnavailable
 from ._validate import check_int, is_int
-from .backends.base import Device, Stream
+from .backends.base import Device, ShapeLike, Stream
 from .backends.host import aligned_empty
 
-#: what a shape argument may be: a size or a sequence of sizes (numpy integers too)
-ShapeLike: TypeAlias = SupportsIndex | Sequence[SupportsIndex]
-
-__all__ = ["PinnedPool", "PoolStats", "SyncedMemory", "check_shape", "pinned_empty", "size_class"]
+__all__ = [
+    "PinnedPool",
+    "PoolStats",
+    "ShapeLike",
+    "SyncedMemory",
+    "check_shape",
+    "pinned_empty",
+    "size_class",
+]
 
 
 def check_shape(shape: object, name: str = "shape", *, min: int = 0) -> tuple[int, ...]:

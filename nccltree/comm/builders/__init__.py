@@ -14,7 +14,7 @@ from ._base import (
     PlanRequest,
     builds,
     finish_mean,
-    reduce_chunk,
+    reduce_final,
     reduce_many,
 )
 
@@ -26,7 +26,7 @@ __all__ = [
     "builds",
     "direct",
     "finish_mean",
-    "reduce_chunk",
+    "reduce_final",
     "reduce_many",
     "ring",
     "tree",

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ...backends.base import MAX_FUSED
+from ...backends.base import MAX_FUSED, fold_schedule
 from .._ops import OPS
 from ..plan import IN, OUT, Buf, Plan, PlanBuilder
 
@@ -89,15 +89,15 @@ def builds(algorithm: str, collective: str) -> Callable[[Builder], Builder]:
 
 
 def reduce_many(b: PlanBuilder, rank: int, dst: Buf, srcs: list[Buf], op: str) -> None:
-    """dst = op(srcs) in passes of at most MAX_FAN_IN sources, in a fixed order."""
+    """dst = op(srcs) in passes of at most MAX_FAN_IN sources, in a fixed order: the
+    backends' fold (:func:`~nccltree.backends.base.fold_schedule`)."""
     if dst in srcs[MAX_FAN_IN:]:
-        # The accumulator must not be overwritten before it is read.
+        # A later pass would read dst after the first one overwrote it; rather than a
+        # scratch accumulator (as a backend folds), the plan sums dst first.
         srcs = [dst] + [s for s in srcs if s != dst]
-    b.reduce(rank, dst, srcs[:MAX_FAN_IN], op)
-    rest = srcs[MAX_FAN_IN:]
-    while rest:
-        b.reduce(rank, dst, [dst, *rest[: MAX_FAN_IN - 1]], op)
-        rest = rest[MAX_FAN_IN - 1 :]
+    for p in fold_schedule(len(srcs), max_fused=MAX_FAN_IN):
+        inputs = [srcs[i] for i in p.sources]
+        b.reduce(rank, dst, [dst, *inputs] if p.accumulate else inputs, op)
 
 
 def finish_mean(b: PlanBuilder, rank: int, buf: Buf, op: str, size: int) -> None:
@@ -108,7 +108,7 @@ def finish_mean(b: PlanBuilder, rank: int, buf: Buf, op: str, size: int) -> None
         b.scale(rank, buf, 1.0 / size)
 
 
-def reduce_chunk(b: PlanBuilder, req: PlanRequest, rank: int, dst: Buf, srcs: list[Buf]) -> None:
+def reduce_final(b: PlanBuilder, req: PlanRequest, rank: int, dst: Buf, srcs: list[Buf]) -> None:
     """dst = the request's op over srcs, finished (a mean scaled): a rank's final sum."""
     reduce_many(b, rank, dst, srcs, req.kernel_op)
     finish_mean(b, rank, dst, req.op, req.size)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..plan import IN, OUT, Buf, Plan, PlanBuilder, chunked, split
-from ._base import PlanRequest, builds, reduce_chunk
+from ._base import PlanRequest, builds, reduce_final
 
 
 def _slices(req: PlanRequest) -> Iterator[tuple[int, int, int]]:
@@ -32,7 +32,7 @@ def direct_all_reduce(req: PlanRequest) -> Plan:
     )
     for r, off, c in _slices(req):
         mine = Buf(r, role, off, c)
-        reduce_chunk(b, req, r, mine, _inputs(req, off, c))
+        reduce_final(b, req, r, mine, _inputs(req, off, c))
         # Write the chunk to every peer right away (staggered so the ranks do not all hit
         # the same destination at once).
         for i in range(1, n):
@@ -52,7 +52,7 @@ def direct_reduce(req: PlanRequest) -> Plan:
         align=req.align,
     )
     for r, off, c in _slices(req):
-        reduce_chunk(b, req, r, Buf(root, req.res_role, off, c), _inputs(req, off, c))
+        reduce_final(b, req, r, Buf(root, req.res_role, off, c), _inputs(req, off, c))
     return b.build()
 
 
@@ -94,5 +94,5 @@ def direct_reduce_scatter(req: PlanRequest) -> Plan:
     for r in range(n):
         dst = req.scatter_output(r)
         for o, c in chunked(count, req.chunk):
-            reduce_chunk(b, req, r, dst.sub(o, c), _inputs(req, r * count + o, c))
+            reduce_final(b, req, r, dst.sub(o, c), _inputs(req, r * count + o, c))
     return b.build()

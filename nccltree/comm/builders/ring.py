@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..plan import IN, OUT, Buf, Plan, PlanBuilder, chunked, split
-from ._base import PlanRequest, builds, reduce_chunk
+from ._base import PlanRequest, builds, reduce_final
 
 
 def _ring_reduce_scatter(
@@ -36,7 +36,7 @@ def _ring_reduce_scatter(
                 prev = src(p) if s == 0 else acc(p)
                 srcs = [prev.sub(off + o, c), src(r).sub(off + o, c)]
                 if last:
-                    reduce_chunk(b, req, r, final(r).sub(off + o, c), srcs)
+                    reduce_final(b, req, r, final(r).sub(off + o, c), srcs)
                 else:
                     b.reduce(r, acc(r).sub(off + o, c), srcs, req.kernel_op)
                 ev[(r, s, i)] = b.signal(r)

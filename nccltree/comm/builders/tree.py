@@ -107,7 +107,7 @@ class _TreePlan:
         self.ready: dict[tuple[int, int], int] = {}
         self.landing: dict[tuple[int, int], Buf] = {}
 
-    def reduce_chunk(
+    def reduce_up(
         self,
         part: Callable[[int], Buf],
         own: Callable[[int], Buf],
@@ -215,7 +215,7 @@ def tree_all_reduce(req: PlanRequest) -> Plan:
 
     def up(i: int) -> None:
         off, c = pieces[i]
-        tp.reduce_chunk(part, own, i, off, c, res(tree.root))
+        tp.reduce_up(part, own, i, off, c, res(tree.root))
 
     def down(i: int) -> None:
         tp.send_down(res, res, _same_for_all([pieces[i]]), len(pieces) > 1)
@@ -249,7 +249,7 @@ def tree_reduce(req: PlanRequest) -> Plan:
         return partials.get(r, own(r))
 
     for i, (off, c) in enumerate(chunked(count, req.chunk)):
-        tp.reduce_chunk(part, own, i, off, c, part(root))
+        tp.reduce_up(part, own, i, off, c, part(root))
     return b.build()
 
 
@@ -334,7 +334,7 @@ def tree_reduce_scatter(req: PlanRequest) -> Plan:
         return partials.get(r, own(r))
 
     for i, (off, c) in enumerate(chunked(total, req.chunk)):
-        tp.reduce_chunk(part, own, i, off, c, part(root))
+        tp.reduce_up(part, own, i, off, c, part(root))
     done = b.signal(root)
     for r in range(n):
         dst = req.scatter_output(r)

@@ -5,10 +5,10 @@ per (algorithm, collective) with :func:`~nccltree.comm.builders.builds`;
 :func:`build_plan` checks the arguments, makes the request and calls the builder. One
 module per algorithm in :mod:`nccltree.comm.builders`:
 
-* :mod:`~nccltree.comm.builders.tree` — reduce up a topology-aware tree, broadcast down it, chunked and staged
+* ``tree`` — reduce up a topology-aware tree, broadcast down it, chunked and staged
   through pinned memory across links without peer access;
-* :mod:`~nccltree.comm.builders.ring` — reduce-scatter then all-gather around the ring;
-* :mod:`~nccltree.comm.builders.direct` — every rank reduces its 1/N slice reading all peers, then writes it to
+* ``ring`` — reduce-scatter then all-gather around the ring;
+* ``direct`` — every rank reduces its 1/N slice reading all peers, then writes it to
   every peer.
 
 Conventions shared by every builder:

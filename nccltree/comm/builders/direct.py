@@ -21,8 +21,15 @@ def _inputs(req: PlanRequest, off: int, c: int) -> list[Buf]:
     return [Buf(q, IN, off, c) for q in range(req.size)]
 
 
+def _peers(r: int, n: int) -> list[int]:
+    """The ranks after ``r`` in ring order, so that ranks writing to every peer at once
+    start at different destinations."""
+    return [(r + i) % n for i in range(1, n)]
+
+
 @builds("direct", "all_reduce")
 def direct_all_reduce(req: PlanRequest) -> Plan:
+    """Rank r reduces slice r of every input into its result, then writes it to every peer."""
     n, role = req.size, req.res_role
     b = PlanBuilder(
         n,
@@ -33,10 +40,8 @@ def direct_all_reduce(req: PlanRequest) -> Plan:
     for r, off, c in _slices(req):
         mine = Buf(r, role, off, c)
         reduce_final(b, req, r, mine, _inputs(req, off, c))
-        # Write the chunk to every peer right away (staggered so the ranks do not all hit
-        # the same destination at once).
-        for i in range(1, n):
-            q = (r + i) % n
+        # write the chunk to every peer right away
+        for q in _peers(r, n):
             b.copy(r, Buf(q, role, off, c), mine)
     return b.build()
 
@@ -75,20 +80,19 @@ def direct_broadcast(req: PlanRequest) -> Plan:
 
 @builds("direct", "all_gather")
 def direct_all_gather(req: PlanRequest) -> Plan:
+    """Every rank writes its block into every rank's output (its own too, unless in place)."""
     n, count = req.size, req.count
     b = PlanBuilder(n, f"direct all_gather count={count}", align=req.align)
     for r in range(n):
         src = req.gather_input(r)
-        for i in range(n):
-            q = (r + i) % n
-            if q == r and req.in_place:
-                continue
+        for q in ([] if req.in_place else [r]) + _peers(r, n):
             b.copy(r, Buf(q, OUT, r * count, count), src)
     return b.build()
 
 
 @builds("direct", "reduce_scatter")
 def direct_reduce_scatter(req: PlanRequest) -> Plan:
+    """Rank r reduces block r of every input straight into its result."""
     n, count = req.size, req.count
     b = PlanBuilder(n, f"direct reduce_scatter {req.op} count={count}", align=req.align)
     for r in range(n):

@@ -52,6 +52,7 @@ def _one_rank(b: PlanBuilder, req: PlanRequest, dst: Buf) -> Plan:
 
 @builds("ring", "all_reduce")
 def ring_all_reduce(req: PlanRequest) -> Plan:
+    """Ring reduce-scatter into the results, then a ring all-gather of the finished segments."""
     n, count = req.size, req.count
     b = PlanBuilder(
         n, f"ring all_reduce {req.op} count={count}", same_buffer=req.in_place, align=req.align
@@ -133,6 +134,7 @@ def ring_broadcast(req: PlanRequest) -> Plan:
 
 @builds("ring", "all_gather")
 def ring_all_gather(req: PlanRequest) -> Plan:
+    """At step t rank r copies from rank r-1 the block that rank got at step t-1."""
     n, count = req.size, req.count
     b = PlanBuilder(n, f"ring all_gather count={count}", align=req.align)
 
@@ -157,6 +159,7 @@ def ring_all_gather(req: PlanRequest) -> Plan:
 
 @builds("ring", "reduce_scatter")
 def ring_reduce_scatter(req: PlanRequest) -> Plan:
+    """Ring reduce-scatter over the ranks' blocks through scratch; rank r finishes block r."""
     n, count = req.size, req.count
     b = PlanBuilder(n, f"ring reduce_scatter {req.op} count={count}", align=req.align)
     total = n * count

@@ -193,6 +193,7 @@ def _interleave(
 
 @builds("tree", "all_reduce")
 def tree_all_reduce(req: PlanRequest) -> Plan:
+    """Reduce up the tree rooted at rank 0, send the result down; the chunks interleaved."""
     tree = req.tree()
     n, count, role = tree.n, req.count, req.res_role
     b = PlanBuilder(

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Iterable
 
 import numpy as np
 
-__all__ = ["check_index", "check_int", "check_real", "check_timeout", "is_int"]
+__all__ = ["check_index", "check_int", "check_real", "check_shape", "check_timeout", "is_int"]
 
 
 def is_int(value: object) -> bool:
@@ -67,6 +68,19 @@ def check_real(
     if low_bad or (max is not None and v > max):
         raise ValueError(f"{name} must be {_range(min, max, min_open)}, got {v:g}")
     return v
+
+
+def check_shape(shape: object, name: str = "shape", *, min: int = 0) -> tuple[int, ...]:
+    """``shape`` (an integer or a sequence of integers, each >= ``min``) as a tuple of
+    ``int``."""
+    if is_int(shape):
+        return (check_int(shape, name, min=min),)
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable):
+        raise TypeError(
+            f"{name} must be an integer or a sequence of integers, got {shape!r} "
+            f"({type(shape).__name__})"
+        )
+    return tuple(check_int(d, f"{name}[{i}]", min=min) for i, d in enumerate(shape))
 
 
 def check_timeout(value: object, name: str = "timeout") -> float | None:

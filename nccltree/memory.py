@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +23,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from ._errors import BackendUnavailable
-from ._validate import check_int, is_int
+from ._validate import check_int, check_shape
 from .backends.base import Device, ShapeLike, Stream
 from .backends.host import aligned_empty
 
@@ -32,24 +32,9 @@ __all__ = [
     "PoolStats",
     "ShapeLike",
     "SyncedMemory",
-    "check_shape",
     "pinned_empty",
     "size_class",
 ]
-
-
-def check_shape(shape: object, name: str = "shape", *, min: int = 0) -> tuple[int, ...]:
-    """``shape`` (an integer or a sequence of integers, each >= ``min``) as a tuple of
-    ``int``: the one rule of ``nccltree._validate`` applied to every size (numpy integers
-    accepted, bool and floats refused)."""
-    if is_int(shape):
-        return (check_int(shape, name, min=min),)
-    if isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable):
-        raise TypeError(
-            f"{name} must be an integer or a sequence of integers, got {shape!r} "
-            f"({type(shape).__name__})"
-        )
-    return tuple(check_int(d, f"{name}[{i}]", min=min) for i, d in enumerate(shape))
 
 
 _gpu_usable: bool | None = None

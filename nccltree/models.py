@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import DTypeLike
 
-from ._validate import check_int
-from .memory import ShapeLike, check_shape
+from ._validate import check_int, check_shape
+from .memory import ShapeLike
 from .params import FlatParams
 
 if TYPE_CHECKING:

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import DTypeLike
 
-from .memory import ShapeLike, check_shape
+from ._validate import check_shape
+from .memory import ShapeLike
 
 if TYPE_CHECKING:
     from .backends.base import Device

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Protocol, SupportsIndex, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from .._validate import check_int, check_real, check_timeout, is_int
+from .._validate import check_real, check_shape, check_timeout
 
 #: Reduction operators every backend's ``Stream.reduce`` accepts.
 REDUCE_OPS = ("sum", "prod", "max", "min")
@@ -634,8 +634,4 @@ def check_host_out(out: object, nbytes: int) -> None:
 
 def as_shape(shape: object) -> tuple[int, ...]:
     """An array shape: an integer or a sequence of integers, none negative."""
-    if is_int(shape):
-        return (check_int(shape, "shape", min=0),)
-    if isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable):
-        raise TypeError(f"shape must be an integer or a sequence of integers, got {shape!r}")
-    return tuple(check_int(n, f"shape[{i}]", min=0) for i, n in enumerate(shape))
+    return check_shape(shape)

@@ -340,7 +340,9 @@ def run_collectives(
 # -- train --------------------------------------------------------------------------------
 
 
-def _train_dataset(args: argparse.Namespace, stack: contextlib.ExitStack):
+def _train_dataset(
+    args: argparse.Namespace, stack: contextlib.ExitStack
+) -> tuple[str, tuple[int, ...], int]:
     """(LMDB path, example shape, classes) of the data the trainer reads."""
     from .. import data as ntdata
 
@@ -354,7 +356,9 @@ def _train_dataset(args: argparse.Namespace, stack: contextlib.ExitStack):
     return path, (args.features,), 10
 
 
-def train_point(spec: str, scaling: str, args: argparse.Namespace, dataset) -> dict:
+def train_point(
+    spec: str, scaling: str, args: argparse.Namespace, dataset: tuple[str, tuple[int, ...], int]
+) -> dict[str, object]:
     """Train ``args.warmup + args.iters`` iterations on ``spec``; figures over the timed
     iterations (those after the warm-up), as the root sees them."""
     from ..backends import devices as make_devices

@@ -6,8 +6,8 @@ from math import prod
 
 import numpy as np
 
-from .._validate import check_int
-from ..memory import ShapeLike, check_shape
+from .._validate import check_int, check_shape
+from ..memory import ShapeLike
 
 SPLITS = ("train", "test")
 

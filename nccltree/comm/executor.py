@@ -10,7 +10,7 @@ so running them in sequence is one legal schedule of the same plan).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ._args import Array
@@ -56,20 +56,7 @@ def _device_of(b: Buf, devices: Sequence[Device]) -> Device | None:
     return None if b.role == STAGE else devices[b.rank]
 
 
-class _Now:
-    """A stand-in stream that performs each operation at once, in the calling thread."""
-
-    __slots__ = ("copy", "reduce", "scale")
-
-    copy: Callable[..., None]
-    reduce: Callable[..., None]
-    scale: Callable[..., None]
-
-    def __init__(self, device: HostDevice) -> None:
-        self.copy, self.reduce, self.scale = device.copy_now, device.reduce_now, device.scale
-
-
-def _issue(s: Step, st: Stream | _Now, bufs: Buffers, devices: Sequence[Device]) -> None:
+def _issue(s: Step, st: Stream, bufs: Buffers, devices: Sequence[Device]) -> None:
     """Issue one data step (copy, reduce, scale) on ``st``."""
     view = bufs.view
     dst = s.dst
@@ -118,6 +105,6 @@ def enqueue(
 def run_inline(plan: Plan, bufs: Buffers, devices: Sequence[HostDevice]) -> None:
     """Perform ``plan`` now, in the calling thread (host backend only): its data steps in
     list order, which is a valid schedule, so the events are not needed."""
-    now = [_Now(d) for d in devices]
+    now = [d.inline_stream for d in devices]  # streams that perform each op at once
     for s in plan.data_steps():
         _issue(s, now[s.rank], bufs, devices)

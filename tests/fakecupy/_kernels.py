@@ -19,10 +19,12 @@ from typing import Any
 
 import numpy as np
 
+from nccltree.backends.base import MAX_FUSED
+
 from . import _core
 
 MAGIC = b"\x7fFAKECUDA\n"
-NT_MAX_SOURCES = 8
+NT_MAX_SOURCES = MAX_FUSED  # the one limit; the fake reads the same pointer struct
 
 _TYPES: dict[str, np.dtype[Any]] = {
     "f16": np.dtype(np.float16),

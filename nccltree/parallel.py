@@ -7,59 +7,72 @@ and its own data stream (one shared reader dealing records round-robin to the ra
 step. Threads are enough for the host backend: numpy releases the GIL inside BLAS, so the
 ranks' forward and backward passes run on separate cores.
 
-Two update modes hook into the solvers' callbacks, as in Caffe:
+The solver owns the training loop (:meth:`~nccltree.solver.SGD.iteration`: ``on_start``,
+gradients, ``on_gradients_ready``, update); for each ``fit`` the driver registers a sync
+callback with every rank's solver, as Caffe's P2PSync does with
+``solver_->add_callback(this)``, and runs the solver's iterations. Two update modes:
 
-* ``allreduce`` -- ``on_gradients_ready`` averages ``params.grad`` over the ranks with one
-  collective over the flat buffer; every rank applies the same update.
-* ``root`` -- Caffe's P2PSync: ``on_gradients_ready`` sums the gradients at the root, which
-  scales them by ``1/N`` and updates; ``on_start`` of the next iteration broadcasts the
-  root's parameters. Both modes compute the same parameters.
+* ``allreduce`` (:class:`AllReduceSync`) -- ``on_gradients_ready`` averages ``params.grad``
+  over the ranks with one collective over the flat buffer; every rank applies the same
+  update.
+* ``root`` (:class:`RootSync`) -- Caffe's P2PSync: ``on_gradients_ready`` sums the gradients
+  at the root, which scales them by ``1/N`` and alone updates; ``on_start`` of the next
+  iteration broadcasts the root's parameters. Both modes compute the same parameters.
 
 With the round-robin data rule, N ranks with batch ``b`` each see exactly the records of one
 rank with batch ``N*b``, so weak-scaling training is the 1-device computation with the larger
-batch, up to floating-point summation order.
+batch, up to floating-point summation order. Snapshots are :mod:`nccltree.snapshot`'s.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import threading
 import time
-import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import DTypeLike
 
 from ._errors import NcclTreeError, PeerFailure
 from ._validate import check_int, check_real
+from .data.source import BatchSource, RankBatch
 from .models import Model
 from .params import FlatParams
+from .snapshot import SNAPSHOT_FORMAT, Snapshot, load_snapshot, save_snapshot
 from .solver import SGD, Callback
 
 if TYPE_CHECKING:
     from .backends.base import Device
     from .comm import Comm, World
 
+__all__ = [
+    "SCALING_MODES",
+    "SNAPSHOT_FORMAT",
+    "UPDATE_MODES",
+    "AllReduceSync",
+    "BatchSource",
+    "DataParallel",
+    "FitResult",
+    "RankFailure",
+    "RootSync",
+    "Snapshot",
+    "StepInfo",
+    "Sync",
+    "evaluate",
+    "load_snapshot",
+    "per_rank_batch",
+    "save_snapshot",
+]
+
 UPDATE_MODES = ("allreduce", "root")
 SCALING_MODES = ("weak", "strong")
-SNAPSHOT_FORMAT = "nccltree-snapshot-1"
 
 # How often a rank waiting for data looks at the stop flag (seconds).
 _DATA_POLL_S = 0.5
-
-
-class BatchSource(Protocol):
-    """What :meth:`DataParallel.fit` reads batches from (a :class:`~nccltree.DataReader`):
-    ``next_batch(rank, timeout=)`` returns a batch that unpacks as ``x, y`` and is a
-    context manager that releases it. Optional attributes: ``ranks``, ``start``,
-    ``round_size`` and the batch's ``position``."""
-
-    def next_batch(self, rank: int = 0, timeout: float | None = None) -> Any: ...
 
 
 class RankFailure(NcclTreeError):
@@ -89,7 +102,7 @@ def per_rank_batch(batch_size: int, ranks: int, scaling: str = "weak") -> int:
     return batch_size // ranks
 
 
-# -- results and snapshots ---------------------------------------------------------------
+# -- results -------------------------------------------------------------------------------
 
 
 @dataclass
@@ -101,7 +114,7 @@ class StepInfo:
     lr: float  # the learning rate this iteration used
     examples: int  # examples in this iteration, over all ranks
     step_s: float  # wall time of this iteration on the root
-    comm_s: float  # of which inside collectives
+    comm_s: float  # of which inside the sync callback (its collectives)
     elapsed_s: float  # since fit started
     position: int | None  # data position where the next iteration starts
     params: FlatParams  # the root's parameters (read-only use, in the root's thread)
@@ -129,74 +142,9 @@ class FitResult:
 
     @property
     def comm_fraction(self) -> float:
-        """Time inside collectives over step time, averaged over ranks."""
+        """Time inside the sync callbacks (collectives) over step time, all ranks."""
         total = sum(self.rank_step_s)
         return sum(self.rank_comm_s) / total if total > 0 else 0.0
-
-
-@dataclass
-class Snapshot:
-    """A training state as :func:`load_snapshot` returns it."""
-
-    params: dict[str, np.ndarray]
-    iter: int
-    history: np.ndarray
-    position: int | None
-    config: dict[str, Any]
-
-
-def save_snapshot(
-    path: str | os.PathLike,
-    params: Mapping[str, np.ndarray],
-    solver_state: Mapping[str, Any],
-    position: int | None,
-    config: Mapping[str, Any] | None = None,
-) -> None:
-    """Write a snapshot atomically: a temporary file in the same directory, then
-    ``os.replace``, so an interrupted write never destroys the previous snapshot.
-
-    The models have no random state of their own (initialisation is seeded, data order is
-    fixed by the position), so parameters, solver state and position are the whole state.
-    """
-    path = os.fspath(path)
-    arrays: dict[str, Any] = {f"param/{k}": np.asarray(v) for k, v in params.items()}
-    arrays["solver/iter"] = np.int64(solver_state["iter"])
-    arrays["solver/history"] = np.asarray(solver_state["history"])
-    arrays["data/position"] = np.int64(-1 if position is None else position)
-    arrays["meta/format"] = np.str_(SNAPSHOT_FORMAT)
-    arrays["meta/config"] = np.str_(json.dumps(dict(config or {}), sort_keys=True))
-    tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def load_snapshot(path: str | os.PathLike) -> Snapshot:
-    """Read a snapshot written by :func:`save_snapshot` (ValueError if it is not one)."""
-    path = os.fspath(path)
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except (OSError, EOFError, ValueError, zipfile.BadZipFile) as exc:
-        raise ValueError(f"cannot read snapshot {path}: {exc}") from None
-    fmt = arrays.get("meta/format")
-    if fmt is None or str(fmt) != SNAPSHOT_FORMAT:
-        raise ValueError(f"{path} is not an nccltree snapshot ({SNAPSHOT_FORMAT})")
-    params = {k[len("param/") :]: v for k, v in arrays.items() if k.startswith("param/")}
-    pos = int(arrays["data/position"])
-    return Snapshot(
-        params,
-        int(arrays["solver/iter"]),
-        arrays["solver/history"],
-        None if pos < 0 else pos,
-        json.loads(str(arrays["meta/config"])),
-    )
 
 
 # -- evaluation --------------------------------------------------------------------------
@@ -227,45 +175,59 @@ def evaluate(
 # -- the synchronisation callbacks ---------------------------------------------------------
 
 
-class _Timed:
-    def __init__(self) -> None:
-        self.comm_s = 0.0
+class Sync(Callback):
+    """A solver callback that keeps one rank's replica in step with the others through
+    ``comm``. The driver registers one with each rank's solver for a ``fit``, calls
+    :meth:`begin` before the first iteration and :meth:`finish` after the last; the
+    solver times its hooks (:attr:`~nccltree.solver.SGD.callback_s`). ``updates`` says
+    whether this rank's solver applies the update itself."""
 
-    def _timed(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
-        t0 = time.perf_counter()
-        fn(*args, **kw)
-        self.comm_s += time.perf_counter() - t0
-
-
-class AllReduceSync(Callback, _Timed):
-    """``on_gradients_ready``: average the flat gradient buffer over all ranks."""
+    updates = True
 
     def __init__(self, comm: Comm, params: FlatParams) -> None:
-        _Timed.__init__(self)
         self.comm, self.params = comm, params
 
+    def begin(self) -> None:
+        """Before the first iteration of a ``fit``."""
+
+    def finish(self) -> None:
+        """After the last iteration of a ``fit`` (not after a failure or a stop)."""
+
+
+class AllReduceSync(Sync):
+    """``on_gradients_ready``: average the flat gradient buffer over all ranks. The
+    replicas are made equal once, at :meth:`begin`; equal updates keep them so."""
+
+    def begin(self) -> None:
+        self.comm.broadcast(self.params.data, root=0)
+
     def on_gradients_ready(self) -> None:
-        self._timed(self.comm.all_reduce, self.params.grad, op="mean")
+        self.comm.all_reduce(self.params.grad, op="mean")
 
 
-class RootSync(Callback, _Timed):
+class RootSync(Sync):
     """Caffe's P2PSync: gradients summed at the root, which alone updates; the root's
-    parameters are broadcast at the start of the next iteration."""
+    parameters are broadcast at the start of the next iteration, and at :meth:`finish`."""
 
     def __init__(self, comm: Comm, params: FlatParams, root: int = 0) -> None:
-        _Timed.__init__(self)
-        self.comm, self.params, self.root = comm, params, root
+        super().__init__(comm, params)
+        self.root = root
+        self.updates = comm.rank == root
 
     def on_start(self) -> None:
-        self._timed(self.comm.broadcast, self.params.data, root=self.root)
+        self.comm.broadcast(self.params.data, root=self.root)
 
     def on_gradients_ready(self) -> None:
-        self._timed(self.comm.reduce, self.params.grad, root=self.root)
+        self.comm.reduce(self.params.grad, root=self.root)
         if self.comm.rank == self.root:
             # each rank's loss is a mean over its batch: the sum of N means needs 1/N
             device = self.params.device
             assert device is not None, "DataParallel's parameters live on a device"
             device.scale(self.params.grad, 1.0 / self.comm.size)
+
+    def finish(self) -> None:
+        # the last update lives on the root only: share it so every replica ends equal
+        self.comm.broadcast(self.params.data, root=self.root)
 
 
 # -- the driver ----------------------------------------------------------------------------
@@ -276,9 +238,18 @@ class _Stopped(Exception):
 
 
 class _Run:
-    """State shared by the rank threads of one ``fit`` call."""
+    """One ``fit`` call: what it was asked to do, and the state its rank threads share."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(
+        self,
+        data: BatchSource,
+        iters: int,
+        on_step: Callable[[StepInfo], None] | None,
+        result: FitResult,
+        size: int,
+    ) -> None:
+        self.data, self.iters, self.on_step, self.result = data, iters, on_step, result
+        self.t_start = time.perf_counter()
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.errors: list[tuple[int, BaseException]] = []
@@ -387,7 +358,9 @@ class DataParallel:
         """The root's parameters, by name, as host arrays."""
         return self.params[0].state_dict()
 
-    def snapshot(self, path: str | os.PathLike, config: Mapping[str, Any] | None = None) -> None:
+    def snapshot(
+        self, path: str | os.PathLike[str], config: Mapping[str, Any] | None = None
+    ) -> None:
         """Save the root's state (parameters, solver, data position) to ``path``.
 
         Call it between iterations: from ``fit``'s ``on_step`` (the root's thread) or when
@@ -398,7 +371,7 @@ class DataParallel:
         )
         self.last_snapshot = os.fspath(path)
 
-    def restore(self, snap: Snapshot | str | os.PathLike) -> Snapshot:
+    def restore(self, snap: Snapshot | str | os.PathLike[str]) -> Snapshot:
         """Load a snapshot (or a path to one) into every rank; returns it.
 
         The next ``fit`` continues at ``snap.iter``; create its reader with
@@ -407,7 +380,7 @@ class DataParallel:
         if not isinstance(snap, Snapshot):
             snap = load_snapshot(snap)
         self.params[0].load(snap.params)  # checks names and shapes before writing
-        state = {"iter": snap.iter, "history": snap.history}
+        state = snap.solver_state()
         for p, s in zip(self.params[1:], self.solvers[1:], strict=True):
             p.copy_from(self.params[0])
             s.load_state_dict(state)
@@ -455,10 +428,10 @@ class DataParallel:
         """Train until the solvers have done ``iters`` iterations in all (Caffe's
         ``max_iter``: a restored driver continues from its snapshot's iteration).
 
-        ``data`` serves every rank: ``data.next_batch(rank)`` returns a batch that unpacks
-        as ``x, y`` and is handed back with ``release()`` (a
-        :class:`~nccltree.data.DataReader` with ``ranks=size``). ``on_step(info)`` runs in
-        the root's thread after every iteration (progress, evaluation, snapshots).
+        ``data`` is a :class:`~nccltree.data.BatchSource` serving every rank (a
+        :class:`~nccltree.data.DataReader` with ``ranks=size``, or a
+        :class:`~nccltree.data.MemorySource`). ``on_step(info)`` runs in the root's thread
+        after every iteration (progress, evaluation, snapshots).
 
         A rank that raises ends the run: every rank stops and :class:`RankFailure` names
         the rank, with its error as the cause. Ctrl-C stops every rank promptly and
@@ -466,10 +439,16 @@ class DataParallel:
         ``FitResult.stopped`` set.
         """
         iters = check_int(iters, "iters", min=0)
-        ranks = getattr(data, "ranks", self.size)
-        if ranks != self.size:
-            raise ValueError(f"the data serve {ranks} ranks, the driver has {self.size} devices")
-        start = getattr(data, "start", None)
+        if not isinstance(data, BatchSource):
+            raise TypeError(
+                "data must be a BatchSource (ranks, start, round_size, next_batch), "
+                f"got {type(data).__name__}"
+            )
+        if data.ranks != self.size:
+            raise ValueError(
+                f"the data serve {data.ranks} ranks, the driver has {self.size} devices"
+            )
+        start = data.start
         if self._restored and start is not None and start != self.position:
             raise ValueError(
                 f"the data start at position {start}, but the restored state continues at "
@@ -487,12 +466,15 @@ class DataParallel:
         )
         if iters <= self.iter:
             return result
+        if not self.comm_enabled:
+            # no communication: every replica starts from the root's initial parameters
+            for p in self.params[1:]:
+                p.copy_from(self.params[0])
         world = self.world() if self.comm_enabled or self.size > 1 else None
-        run = self._run = _Run(self.size)
-        t_start = time.perf_counter()
+        run = self._run = _Run(data, iters, on_step, result, self.size)
         try:
             with _blas_limit(self._blas_threads()):
-                self._launch(world, run, data, int(iters), on_step, result, t_start)
+                self._launch(world, run)
         except KeyboardInterrupt:
             self.stop()
             with run.done:
@@ -500,7 +482,7 @@ class DataParallel:
             raise
         finally:
             self._run = None
-            result.elapsed_s = time.perf_counter() - t_start
+            result.elapsed_s = time.perf_counter() - run.t_start
             result.iter = self.iter
             result.position = self.position
         return result
@@ -510,21 +492,14 @@ class DataParallel:
             return self.blas_threads
         return max(1, (os.cpu_count() or 1) // self.size)
 
-    def _launch(
-        self,
-        world: World | None,
-        run: _Run,
-        data: BatchSource,
-        iters: int,
-        on_step: Callable[[StepInfo], None] | None,
-        result: FitResult,
-        t_start: float,
-    ) -> None:
-        def body(comm: Comm | _NoComm) -> None:
-            r = comm.rank
+    def _launch(self, world: World | None, run: _Run) -> None:
+        """Run every rank's loop in its own thread (one thread without a World) and turn
+        the first rank's error into :class:`RankFailure`."""
+
+        def body(rank: int, comm: Comm | None) -> None:
             try:
-                with self.devices[r].activate():
-                    self._rank_loop(comm, r, run, data, iters, on_step, result, t_start)
+                with self.devices[rank].activate():
+                    self._rank_loop(rank, comm, run)
             except _Stopped:
                 pass
             except BaseException as exc:
@@ -532,7 +507,7 @@ class DataParallel:
                     return  # a consequence of stop(): released from a collective
                 if not isinstance(exc, PeerFailure):
                     with run.lock:
-                        run.errors.append((r, exc))
+                        run.errors.append((rank, exc))
                 raise
             finally:
                 with run.done:
@@ -541,9 +516,9 @@ class DataParallel:
 
         try:
             if world is not None:
-                world.run(body)
+                world.run(lambda comm: body(comm.rank, comm))
             else:
-                body(_NoComm(0, 1))
+                body(0, None)
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt):
                 raise
@@ -554,99 +529,93 @@ class DataParallel:
         if run.errors:  # an error swallowed on the way (cannot happen with world.run)
             rank, err = run.errors[0]
             raise RankFailure(rank, self.size, err) from err
-        result.stopped = run.stop.is_set()
+        run.result.stopped = run.stop.is_set()
 
-    def _rank_loop(
-        self,
-        comm: Comm | _NoComm,
-        r: int,
-        run: _Run,
-        data: BatchSource,
-        iters: int,
-        on_step: Callable[[StepInfo], None] | None,
-        result: FitResult,
-        t_start: float,
-    ) -> None:
-        params, solver, model = self.params[r], self.solvers[r], self.model
-        sync: AllReduceSync | RootSync | None = None
+    def _make_sync(self, comm: Comm | None, params: FlatParams) -> Sync | None:
+        """The rank's sync callback for the update mode; None without communication."""
+        if not self.comm_enabled:
+            return None
+        assert comm is not None, "communication is on: every rank has a Comm"
+        if self.update_mode == "root":
+            return RootSync(comm, params)
+        return AllReduceSync(comm, params)
+
+    def _rank_loop(self, rank: int, comm: Comm | None, run: _Run) -> None:
+        """One rank's training: register the sync callback with the rank's solver, then
+        run the solver's iterations until ``run.iters``."""
+        solver = self.solvers[rank]
+        sync = self._make_sync(comm, self.params[rank])
+        if sync is None:
+            while solver.iter < run.iters:
+                self._iteration(rank, run, update=True)
+            return
+        sync.begin()
+        solver.add_callback(sync)
+        try:
+            while solver.iter < run.iters:
+                self._iteration(rank, run, update=sync.updates)
+        finally:
+            solver.remove_callback(sync)
+        sync.finish()
+
+    def _iteration(self, rank: int, run: _Run, *, update: bool) -> None:
+        """One iteration of one rank (``solver.iteration`` over its next batch); the root
+        then records it and calls ``on_step``."""
+        if run.stop.is_set():
+            raise _Stopped
+        params, solver = self.params[rank], self.solvers[rank]
+        it, comm_before = solver.iter, solver.callback_s
+        t0 = time.perf_counter()
+        with _next_batch(run.data, rank, run) as batch:
+            x, y = batch
+            n_local, batch_pos = len(y), batch.position
+            lr = solver.learning_rate()
+
+            def gradients() -> float:
+                loss = self.model.loss_and_grad(params, x, y)
+                batch.release()  # the reader may refill the buffer during communication
+                run.losses[rank][it % 2] = loss
+                if self.grad_hook is not None:
+                    self.grad_hook(rank, it, params)
+                return loss
+
+            loss = solver.iteration(gradients, update=update)
+        step_s = time.perf_counter() - t0
+        comm_s = solver.callback_s - comm_before
+        result = run.result
+        result.rank_comm_s[rank] += comm_s
+        result.rank_step_s[rank] += step_s
+        if rank != 0:
+            return
+        round_size = run.data.round_size
         if self.comm_enabled:
-            assert not isinstance(comm, _NoComm), "communication is on: a real Comm"
-            sync = (
-                RootSync(comm, params)
-                if self.update_mode == "root"
-                else AllReduceSync(comm, params)
-            )
-            # allreduce mode: make the replicas equal once; root mode does it every on_start
-            if self.update_mode == "allreduce":
-                comm.broadcast(params.data, root=0)
-        elif r != 0:
-            params.copy_from(self.params[0])
-        updates = not self.root_updates or r == 0
-        callbacks = [sync] if sync is not None else []
-        round_size = getattr(data, "round_size", None)
-        comm_before = 0.0
-        while solver.iter < iters:
-            if run.stop.is_set():
-                raise _Stopped
-            it = solver.iter
-            t0 = time.perf_counter()
-            batch = _next_batch(data, r, run)
-            with batch:
-                x, y = batch
-                n_local = len(y)
-                batch_pos = getattr(batch, "position", None)
-                lr = solver.learning_rate()
-                for cb in callbacks:
-                    cb.on_start()
-                loss = model.loss_and_grad(params, x, y)
-            run.losses[r][it % 2] = loss
-            if self.grad_hook is not None:
-                self.grad_hook(r, it, params)
-            for cb in callbacks:
-                cb.on_gradients_ready()
-            if updates:
-                solver.step()
-            else:
-                solver.iter += 1  # the root updates; this replica is refreshed at on_start
-            step_s = time.perf_counter() - t0
-            comm_s = (sync.comm_s if sync is not None else 0.0) - comm_before
-            comm_before += comm_s
-            result.rank_comm_s[r] += comm_s
-            result.rank_step_s[r] += step_s
-            if r != 0:
-                continue
-            if self.comm_enabled:
-                mean_loss = math.fsum(run.losses[k][it % 2] for k in range(self.size)) / self.size
-                examples = round_size if round_size is not None else n_local * self.size
-            else:
-                mean_loss, examples = loss, n_local * self.size
-            if batch_pos is not None and round_size is not None:
-                self.position = batch_pos + round_size
-            result.losses.append(mean_loss)
-            result.step_times.append(step_s)
-            result.comm_times.append(comm_s)
-            result.examples += examples
-            if on_step is not None:
-                on_step(
-                    StepInfo(
-                        solver.iter,
-                        mean_loss,
-                        lr,
-                        examples,
-                        step_s,
-                        comm_s,
-                        time.perf_counter() - t_start,
-                        self.position,
-                        params,
-                    )
+            mean_loss = math.fsum(run.losses[k][it % 2] for k in range(self.size)) / self.size
+            examples = round_size
+        else:
+            mean_loss, examples = loss, n_local * self.size
+        if batch_pos is not None:
+            self.position = batch_pos + round_size
+        result.losses.append(mean_loss)
+        result.step_times.append(step_s)
+        result.comm_times.append(comm_s)
+        result.examples += examples
+        if run.on_step is not None:
+            run.on_step(
+                StepInfo(
+                    solver.iter,
+                    mean_loss,
+                    lr,
+                    examples,
+                    step_s,
+                    comm_s,
+                    time.perf_counter() - run.t_start,
+                    self.position,
+                    params,
                 )
-        if self.root_updates:
-            # the last update lives on the root only: share it so every replica ends equal
-            assert sync is not None and not isinstance(comm, _NoComm)
-            sync._timed(comm.broadcast, params.data, root=0)
+            )
 
 
-def _next_batch(data: BatchSource, rank: int, run: _Run) -> Any:
+def _next_batch(data: BatchSource, rank: int, run: _Run) -> RankBatch:
     """The rank's next batch, looking at the stop flag while it waits."""
     while True:
         try:
@@ -654,13 +623,6 @@ def _next_batch(data: BatchSource, rank: int, run: _Run) -> Any:
         except TimeoutError:
             if run.stop.is_set():
                 raise _Stopped from None
-
-
-class _NoComm:
-    """Stands in for a Comm when communication is off."""
-
-    def __init__(self, rank: int, size: int) -> None:
-        self.rank, self.size = rank, size
 
 
 class _blas_limit:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -40,7 +41,12 @@ _POLICY_NEEDS: dict[str, tuple[str, ...]] = {
 
 @runtime_checkable
 class SolverCallback(Protocol):
-    """What the solver calls around each iteration (Caffe's ``Solver::Callback``)."""
+    """What the solver calls around each iteration (Caffe's ``Solver::Callback``).
+
+    A data-parallel driver registers one per rank with :meth:`SGD.add_callback` (as Caffe's
+    ``P2PSync`` does with ``solver_->add_callback(this)``) and then runs
+    :meth:`SGD.iteration`: the solver owns the loop, the callback the communication.
+    """
 
     def on_start(self) -> None:
         """Before the forward/backward pass of an iteration."""
@@ -81,7 +87,7 @@ class SGD:
 
     A policy's parameters are required (ValueError names the missing ones); parameters
     it does not use are ignored. ``callbacks`` are SolverCallback objects, run in order
-    by :meth:`iteration`.
+    by :meth:`iteration`; :attr:`callback_s` is the time spent inside them.
     """
 
     def __init__(
@@ -134,6 +140,9 @@ class SGD:
 
         self.iter = 0
         self.history = self._zeros_like_data()
+        # Seconds spent inside the callbacks' hooks, over the solver's life: for a
+        # synchronising callback, the time its rank spends communicating.
+        self.callback_s = 0.0
         self._callbacks: list[SolverCallback] = []
         for cb in callbacks:
             self.add_callback(cb)
@@ -225,24 +234,54 @@ class SGD:
                 )
         self._callbacks.append(callback)
 
+    def remove_callback(self, callback: SolverCallback) -> None:
+        """Remove a callback added before (ValueError if it is not registered)."""
+        for i, cb in enumerate(self._callbacks):
+            if cb is callback:
+                del self._callbacks[i]
+                return
+        raise ValueError(f"{callback!r} is not a callback of this solver")
+
     @property
     def callbacks(self) -> tuple[SolverCallback, ...]:
         return tuple(self._callbacks)
 
-    def iteration(self, compute_grads: Callable[[], Any]) -> Any:
-        """One training iteration, as Caffe's ``Solver::Step`` body.
+    def iteration(self, compute_grads: Callable[[], T], *, update: bool = True) -> T:
+        """One training iteration, as Caffe's ``Solver::Step`` body: the one loop.
 
         Runs every callback's ``on_start``, then ``compute_grads()`` (which fills
         ``params.grad`` and returns the loss), every callback's ``on_gradients_ready``, then
-        :meth:`step`. Returns what ``compute_grads`` returned.
+        :meth:`step`. Returns what ``compute_grads`` returned. The time inside the hooks is
+        added to :attr:`callback_s`.
+
+        ``update=False`` advances :attr:`iter` without touching the parameters: for a
+        replica whose parameters come from elsewhere (the non-root ranks of a root-update
+        sync, which its next ``on_start`` refreshes).
+
+        Gradient readiness finer than the whole buffer (per parameter or bucket, to overlap
+        communication with the backward pass) belongs here too: ``compute_grads`` would
+        announce ready parameters to the solver, which passes them to the callbacks that
+        take them, inside this same iteration.
         """
-        for cb in self._callbacks:
-            cb.on_start()
+        self._call_timed([cb.on_start for cb in self._callbacks])
         loss = compute_grads()
-        for cb in self._callbacks:
-            cb.on_gradients_ready()
-        self.step()
+        self._call_timed([cb.on_gradients_ready for cb in self._callbacks])
+        if update:
+            self.step()
+        else:
+            self.iter += 1
         return loss
+
+    def _call_timed(self, hooks: list[Callable[[], None]]) -> None:
+        """Call the callbacks' ``hooks`` in order, timing them into :attr:`callback_s`."""
+        if not hooks:
+            return
+        t0 = time.perf_counter()
+        try:
+            for hook in hooks:
+                hook()
+        finally:
+            self.callback_s += time.perf_counter() - t0
 
     # -- state ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -3,6 +3,8 @@
 ``write_lmdb`` turns arrays into a database of nccltree records (``format.py``);
 Caffe ``Datum`` databases are read too (``datum.py``). ``DataReader`` deals records
 round-robin to ranks from one reader thread and one cursor, into reused batch buffers.
+``BatchSource`` is what a training driver reads from (``source.py``): ``DataReader``
+implements it, and so does ``MemorySource`` (batches held in memory).
 """
 
 from __future__ import annotations
@@ -13,13 +15,17 @@ from .errors import DataError, EndOfData, ReaderClosed
 from .format import RecordLayout, decode_record, encode_record
 from .lmdb_io import Database, db_info, open_db, write_lmdb
 from .reader import Batch, DataReader
+from .source import BatchSource, MemorySource, RankBatch
 
 __all__ = [
     "Batch",
+    "BatchSource",
     "DataError",
     "DataReader",
     "Database",
     "EndOfData",
+    "MemorySource",
+    "RankBatch",
     "ReaderClosed",
     "RecordLayout",
     "db_info",

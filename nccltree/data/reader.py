@@ -26,7 +26,8 @@ __all__ = ["Batch", "DataReader"]
 
 
 class DataReader:
-    """Feed ``ranks`` consumers from one LMDB database through one cursor.
+    """Feed ``ranks`` consumers from one LMDB database through one cursor (a
+    :class:`~nccltree.data.BatchSource`, whose batches are :class:`Batch` objects).
 
     **The round-robin rule.** Record ``g`` of the endless sequence (the database in key
     order, wrapping at its end; with ``shuffle=seed`` each epoch's records in a seeded

@@ -1,0 +1,133 @@
+"""Training snapshots: the file format, its atomic write, its reading and its checks.
+
+A snapshot is one ``.npz`` file (format ``nccltree-snapshot-1``)::
+
+    param/<name>     each parameter, by name (Caffe/PyTorch layouts)
+    solver/iter      int64: iterations completed
+    solver/history   the momentum history, flat, in the parameters' dtype
+    data/position    int64: where the data continue (-1: unknown)
+    meta/format      the string nccltree-snapshot-1
+    meta/config      JSON: the configuration of the run that wrote it
+
+The models have no random state of their own (initialisation is seeded, data order follows
+from the position), so parameters, solver state and position are the whole training state:
+a run resumed from a snapshot ends with bitwise the parameters of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+SNAPSHOT_FORMAT = "nccltree-snapshot-1"
+
+_PARAM = "param/"
+_ITER, _HISTORY = "solver/iter", "solver/history"
+_POSITION = "data/position"
+_FORMAT, _CONFIG = "meta/format", "meta/config"
+
+
+@dataclass
+class Snapshot:
+    """A training state as :func:`load_snapshot` returns it."""
+
+    params: dict[str, np.ndarray]
+    iter: int
+    history: np.ndarray
+    position: int | None
+    config: dict[str, Any]
+
+    def solver_state(self) -> dict[str, Any]:
+        """The solver's part, as :meth:`nccltree.SGD.load_state_dict` takes it."""
+        return {"iter": self.iter, "history": self.history}
+
+
+def save_snapshot(
+    path: str | os.PathLike[str],
+    params: Mapping[str, np.ndarray],
+    solver_state: Mapping[str, Any],
+    position: int | None,
+    config: Mapping[str, Any] | None = None,
+) -> None:
+    """Write a snapshot atomically: a temporary file in the same directory, flushed to
+    disk, then ``os.replace``. A process killed at any point (even ``kill -9``) leaves
+    either the previous snapshot or the new one, never a partial file.
+
+    ``solver_state`` is :meth:`nccltree.SGD.state_dict` output; ``config`` must be
+    JSON-able.
+    """
+    path = os.fspath(path)
+    arrays: dict[str, Any] = {f"{_PARAM}{k}": np.asarray(v) for k, v in params.items()}
+    arrays[_ITER] = np.int64(solver_state["iter"])
+    arrays[_HISTORY] = np.asarray(solver_state["history"])
+    arrays[_POSITION] = np.int64(-1 if position is None else position)
+    arrays[_FORMAT] = np.str_(SNAPSHOT_FORMAT)
+    arrays[_CONFIG] = np.str_(json.dumps(dict(config or {}), sort_keys=True))
+    # unique per writer, so two threads or processes never share a temporary
+    tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_snapshot(path: str | os.PathLike[str]) -> Snapshot:
+    """Read a snapshot written by :func:`save_snapshot`.
+
+    ValueError when the file cannot be read, is not a snapshot, or lacks or mangles one of
+    its entries (the message names the file and the entry).
+    """
+    path = os.fspath(path)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except (OSError, EOFError, ValueError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"cannot read snapshot {path}: {exc}") from None
+    fmt = arrays.get(_FORMAT)
+    if fmt is None or str(fmt) != SNAPSHOT_FORMAT:
+        raise ValueError(f"{path} is not an nccltree snapshot ({SNAPSHOT_FORMAT})")
+    position = _integer(arrays, _POSITION, path, min=-1)
+    return Snapshot(
+        {k[len(_PARAM) :]: v for k, v in arrays.items() if k.startswith(_PARAM)},
+        _integer(arrays, _ITER, path, min=0),
+        _entry(arrays, _HISTORY, path),
+        None if position < 0 else position,
+        _config(arrays, path),
+    )
+
+
+def _entry(arrays: Mapping[str, np.ndarray], key: str, path: str) -> np.ndarray:
+    try:
+        return arrays[key]
+    except KeyError:
+        raise ValueError(f"snapshot {path} has no {key}") from None
+
+
+def _integer(arrays: Mapping[str, np.ndarray], key: str, path: str, *, min: int) -> int:
+    value = _entry(arrays, key, path)
+    if value.shape != () or value.dtype.kind not in "iu" or int(value) < min:
+        raise ValueError(f"snapshot {path}: {key} must be an integer >= {min}, got {value!r}")
+    return int(value)
+
+
+def _config(arrays: Mapping[str, np.ndarray], path: str) -> dict[str, Any]:
+    text = str(_entry(arrays, _CONFIG, path))
+    try:
+        config = json.loads(text)
+    except ValueError:
+        config = None
+    if not isinstance(config, dict):
+        raise ValueError(f"snapshot {path}: {_CONFIG} must be a JSON object, got {text!r}")
+    return config

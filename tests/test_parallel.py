@@ -4,21 +4,22 @@ resumable bitwise, and a failing rank ends the run with its error."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
 import nccltree as nt
+from nccltree.data import BatchSource, MemorySource
 from nccltree.models import build_model
 from nccltree.parallel import (
+    AllReduceSync,
     DataParallel,
     RankFailure,
+    RootSync,
     evaluate,
     load_snapshot,
     per_rank_batch,
-    save_snapshot,
 )
+from nccltree.solver import Callback
 
 FEATURES, CLASSES, HIDDEN = 16, 4, (24,)
 ITERS = 24
@@ -194,27 +195,6 @@ def test_restore_checks_the_reader_position(host_devs, db, tmp_path):
         other.restore(path)
 
 
-def test_snapshot_write_is_atomic(tmp_path, monkeypatch):
-    path = str(tmp_path / "s.npz")
-    params = {"w": np.arange(4, dtype=np.float32)}
-    save_snapshot(path, params, {"iter": 3, "history": np.zeros(4, np.float32)}, 48)
-
-    def broken_savez(f, **arrays):
-        f.write(b"partial")
-        raise OSError("disk full")
-
-    monkeypatch.setattr(np, "savez", broken_savez)
-    with pytest.raises(OSError, match="disk full"):
-        save_snapshot(path, params, {"iter": 9, "history": np.ones(4, np.float32)}, 99)
-    monkeypatch.undo()
-    snap = load_snapshot(path)  # the previous snapshot is intact
-    assert snap.iter == 3 and snap.position == 48
-    assert os.listdir(tmp_path) == ["s.npz"]  # no temporary left behind
-    (tmp_path / "bad.npz").write_bytes(b"not a snapshot")
-    with pytest.raises(ValueError, match="cannot read snapshot"):
-        load_snapshot(str(tmp_path / "bad.npz"))
-
-
 @pytest.mark.parametrize("update_mode", ["allreduce", "root"])
 def test_a_failing_rank_ends_the_run_with_its_error(host_devs, db, update_mode):
     seen = []
@@ -326,3 +306,103 @@ def test_equivalence_with_gradients_on_the_streams(host_devs, db, update_mode):
         assert_replicas_equal(dp)
         results.append(dp.state_dict())
     assert rel_diff(results[1], results[0]) < RTOL
+
+
+class Counter(Callback):
+    """Counts the solver's hooks and checks their order."""
+
+    def __init__(self) -> None:
+        self.starts = self.readies = 0
+
+    def on_start(self) -> None:
+        assert self.starts == self.readies
+        self.starts += 1
+
+    def on_gradients_ready(self) -> None:
+        self.readies += 1
+        assert self.starts == self.readies
+
+
+@pytest.mark.parametrize(
+    ("update_mode", "comm", "sync"),
+    [("allreduce", True, AllReduceSync), ("root", True, RootSync), ("allreduce", False, None)],
+)
+def test_the_driver_registers_its_sync_with_each_solver(host_devs, db, update_mode, comm, sync):
+    seen: dict[int, list[tuple[type, ...]]] = {}
+
+    def look(rank, it, params):  # runs inside the solver's iteration, before the sync
+        seen.setdefault(rank, []).append(tuple(type(c) for c in dp.solvers[rank].callbacks))
+
+    dp = DataParallel(
+        model(), host_devs(3), update_mode=update_mode, comm=comm, grad_hook=look, **SOLVER
+    )
+    counters = [Counter() for _ in dp.solvers]
+    for solver, counter in zip(dp.solvers, counters):
+        solver.add_callback(counter)
+    with dp, nt.DataReader(db, 8, 3) as reader:
+        result = dp.fit(reader, 6)
+    expected = (Counter,) if sync is None else (Counter, sync)
+    assert seen == {r: [expected] * 6 for r in range(3)}
+    # the user's callbacks ran in the same loop, once per iteration on every rank
+    assert [(c.starts, c.readies) for c in counters] == [(6, 6)] * 3
+    # the sync is registered for the fit only; the driver's timing is the solvers'
+    assert [s.callbacks for s in dp.solvers] == [(c,) for c in counters]
+    assert result.rank_comm_s == pytest.approx([s.callback_s for s in dp.solvers])
+    assert sum(result.comm_times) == pytest.approx(dp.solvers[0].callback_s)
+
+
+def test_root_mode_updates_on_the_root_only(host_devs, db):
+    dp, _ = train(host_devs, db, 3, 8, iters=5, update_mode="root")
+    assert np.any(dp.solvers[0].history != 0)
+    for solver in dp.solvers[1:]:  # the others only count iterations
+        assert solver.iter == 5 and not np.any(solver.history)
+    assert_replicas_equal(dp)
+
+
+def round_robin_batches(ranks: int, batch: int, rounds: int) -> list[list[tuple]]:
+    """The DataReader's deal of the test database, held in memory: rank r's batch i is
+    records i*N*B + r, + N, + 2N, ... (N ranks, B per rank)."""
+    x, y = nt.data.synthetic(1024, shape=(FEATURES,), classes=CLASSES, seed=3)
+    out: list[list[tuple]] = [[] for _ in range(ranks)]
+    for i in range(rounds):
+        for r in range(ranks):
+            idx = i * ranks * batch + r + ranks * np.arange(batch)
+            out[r].append((x[idx], y[idx]))
+    return out
+
+
+@pytest.mark.parametrize("update_mode", ["allreduce", "root"])
+def test_a_memory_source_trains_as_the_reader_does(host_devs, db, update_mode):
+    """Any BatchSource drives fit: batches held in memory in the reader's order give
+    bitwise the reader's result (the source is not positioned, so no position)."""
+    by_reader, ref = train(host_devs, db, 2, 8, iters=6, update_mode=update_mode)
+    source = MemorySource(round_robin_batches(2, 8, 6))
+    assert isinstance(source, BatchSource) and source.ranks == 2 and source.round_size == 16
+    dp = DataParallel(model(), host_devs(2), update_mode=update_mode, **SOLVER)
+    with dp:
+        result = dp.fit(source, 6)
+    assert result.losses == ref.losses and result.examples == ref.examples
+    for name, value in by_reader.state_dict().items():
+        assert np.array_equal(value, dp.state_dict()[name]), name
+    assert result.position is None and ref.position == 6 * 16
+
+
+def test_fit_takes_a_batch_source(host_devs, db):
+    with nt.DataReader(db, 8, 2) as reader:
+        assert isinstance(reader, BatchSource)
+
+    class NoStart:  # what a hand-written source without the whole protocol looks like
+        ranks, round_size = 2, 16
+
+        def next_batch(self, rank=0, timeout=None):
+            raise AssertionError("not reached")
+
+    dp = DataParallel(model(), host_devs(2), **SOLVER)
+    with dp, pytest.raises(TypeError, match=r"BatchSource \(ranks, start, round_size"):
+        dp.fit(NoStart(), 2)
+    with pytest.raises(ValueError, match="at least one batch for every rank"):
+        MemorySource([[]])
+    source = MemorySource(round_robin_batches(2, 4, 1))
+    assert source.next_batch(1) is source.next_batch(1)  # one batch, cycled
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
+        source.next_batch(2)

@@ -335,3 +335,55 @@ def test_unused_policy_parameters_are_ignored():
     sgd = nt.SGD(nt.FlatParams({"a": (1,)}), lr=0.1, gamma=0.5, stepsize=3, power=2.0)
     sgd.iter = 10
     assert sgd.learning_rate() == 0.1
+
+
+def test_iteration_without_update_only_counts():
+    p = nt.FlatParams({"a": (3,)}, dtype=np.float32)
+    p.data[...] = 1.0
+    sgd = nt.SGD(p, lr=0.5, momentum=0.9)
+    log: list = []
+    sgd.add_callback(Recorder("A", log, p, [sgd]))
+
+    def compute():
+        p.grad[...] = 2.0
+        return 1.0
+
+    assert sgd.iteration(compute, update=False) == 1.0
+    assert sgd.iter == 1 and np.all(p.data == 1.0) and not np.any(sgd.history)
+    assert [entry[1] for entry in log] == ["start", "ready"]  # the hooks still run
+    sgd.iteration(compute)
+    assert sgd.iter == 2 and np.all(p.data == 0.0)
+
+
+def test_remove_callback():
+    sgd = nt.SGD(nt.FlatParams({"a": (1,)}), lr=0.1)
+    a, b = Callback(), Callback()
+    sgd.add_callback(a)
+    sgd.add_callback(b)
+    sgd.remove_callback(a)
+    assert sgd.callbacks == (b,)
+    with pytest.raises(ValueError, match="is not a callback of this solver"):
+        sgd.remove_callback(a)
+
+
+def test_the_solver_times_its_callbacks():
+    import time
+
+    p = nt.FlatParams({"a": (1,)})
+    sgd = nt.SGD(p, lr=0.1)
+    sgd.iteration(lambda: 0.0)
+    assert sgd.callback_s == 0.0  # no callbacks, nothing measured
+
+    class Slow(Callback):
+        def on_start(self):
+            time.sleep(0.02)
+
+        def on_gradients_ready(self):
+            time.sleep(0.03)
+            raise RuntimeError("hook failed")
+
+    sgd.add_callback(Slow())
+    with pytest.raises(RuntimeError, match="hook failed"):
+        sgd.iteration(lambda: 0.0)
+    assert sgd.callback_s >= 0.05  # both hooks, the failing one included
+    assert sgd.iter == 1  # no update after a failed hook

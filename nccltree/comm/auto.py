@@ -10,6 +10,8 @@ steps (log2 N) and on the host backend runs inline; large messages are bandwidth
 and on fully connected devices with uniform links (one host, NVSwitch) the direct
 algorithm moves the fewest bytes, while elsewhere the topology-aware tree keeps the slow
 links for the few top-level transfers. NCCL, where usable, takes large messages on GPUs.
+The host thresholds follow measurements (see
+docs/performance.md#algorithm-choice-per-size-auto); the GPU ones are not measured yet.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ _NCCL = Rule(
     "NCCL's kernels beat the hand-built copy plans once the message is bandwidth-bound",
     min_bytes=256 << 10,
 )
+# measured: see docs/performance.md#algorithm-choice-per-size-auto
 _HOST_TREE = Rule(
     "tree",
     "measured on the host backend: the tree led direct up to 1 MiB per rank on 2 and 4 "

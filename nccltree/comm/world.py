@@ -52,10 +52,9 @@ class World:
     ``chunk_bytes`` is the unit of pipelining: tree and ring cut messages into chunks of
     this size, direct cuts each rank's slice. Default: 1 MiB on GPUs (as NCCL pipelines);
     16 MiB on the host backend, where every stream operation is a hand-off between Python
-    threads costing tens of microseconds, so fewer, larger pieces win (measured: tree on
-    cpu:4 at 64 MiB takes 64 ms with 1 MiB chunks, 50 ms with 16 MiB). On the host
-    backend synchronous calls of at most ``inline_bytes`` per rank run in the calling
-    thread.
+    threads, so fewer, larger pieces win (measured: see
+    docs/performance.md#chunk-size-on-the-host-backend). On the host backend synchronous
+    calls of at most ``inline_bytes`` per rank run in the calling thread.
     """
 
     def __init__(

@@ -11,7 +11,7 @@ efficiencies, as one Markdown table.
 from __future__ import annotations
 
 import pytest
-from train_table import Case, MemoryData, make_driver
+from train_table import Case, memory_data, training
 
 BATCH, STEPS = 256, 10
 CASES = [Case(1, True), Case(1, False), Case(2, True), Case(2, False)]
@@ -19,20 +19,17 @@ CASES = [Case(1, True), Case(1, False), Case(2, True), Case(2, False)]
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_train_steps(benchmark, case: Case) -> None:
-    dp = make_driver(case)
-    data = MemoryData(case.ranks, BATCH)
-    dp.fit(data, 3)  # warm-up: threads, plans and BLAS buffers exist before timing
     results = []
+    with training(case, BATCH) as t:
+        dp = t.driver
+        data = memory_data(case.ranks, BATCH)
+        dp.fit(data, 3)  # warm-up: threads, plans and BLAS buffers exist before timing
 
-    def steps() -> None:
-        results.append(dp.fit(data, dp.iter + STEPS))
+        def steps() -> None:
+            results.append(dp.fit(data, dp.iter + STEPS))
 
-    try:
         benchmark.group = "train step, weak scaling"
         benchmark.pedantic(steps, rounds=5, warmup_rounds=1)
-    finally:
-        dp.close()
-        dp.devices[0].runtime.shutdown()
     last = results[-1]
     benchmark.extra_info["examples_per_round"] = BATCH * case.ranks * STEPS
     benchmark.extra_info["comm_fraction"] = last.comm_fraction

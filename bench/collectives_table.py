@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nccltree.backends import devices as make_devices
+from nccltree.cli._common import open_devices
 from nccltree.comm.bench import Benchmark, bandwidths, machine_description, parse_size
 
 ALGORITHMS = ("tree", "ring", "direct")
@@ -165,11 +165,10 @@ def summarise(n: int, run: dict, maxbytes: int) -> dict:
     """The issue's three ratios from one rank count's measurements."""
     recs = run["records"]
     copy_bw = run["copy"]["bandwidth"] * 1e9
-    devs = make_devices(f"cpu:{n}")
     from nccltree.comm import World
 
     bounds = []
-    with World(devs, algorithm="tree") as w:
+    with open_devices(f"cpu:{n}") as devs, World(devs, algorithm="tree") as w:
         for r in recs:
             if r["size"] != maxbytes:
                 continue
@@ -193,7 +192,6 @@ def summarise(n: int, run: dict, maxbytes: int) -> dict:
                     "ratio": r["time_us"] / bound_us,
                 }
             )
-    devs[0].runtime.shutdown()
     out = {"bounds": bounds}
     mpi_rows = {row["size"]: row for row in run["mpi"].get("rows", [])}
     big = [r for r in recs if r["size"] == maxbytes]
@@ -227,26 +225,26 @@ def summarise(n: int, run: dict, maxbytes: int) -> dict:
 
 
 def measure(n: int, sizes: list[int], log) -> dict:
-    devs = make_devices(f"cpu:{n}")
-    copy_before = copy_bandwidth(sizes[-1])
     records = []
     groups: dict[tuple[int, int], list[int]] = {}
     for s in sizes:
         groups.setdefault(iters_for(s), []).append(s)
-    for (iters, warmup), group in groups.items():
-        log(f"cpu:{n}: tree/ring/direct at {len(group)} size(s), {iters} iterations")
-        with Benchmark(
-            devs,
-            ALGORITHMS,
-            ["all_reduce"],
-            group,
-            iters=iters,
-            warmup=warmup,
-            devices_label=f"cpu:{n}",
-        ) as bench:
-            records.extend(r.as_dict() for r in bench)
-    copy_after = copy_bandwidth(sizes[-1])
-    devs[0].runtime.shutdown()
+    with open_devices(f"cpu:{n}") as devs:
+        machine = machine_description(devs)
+        copy_before = copy_bandwidth(sizes[-1])
+        for (iters, warmup), group in groups.items():
+            log(f"cpu:{n}: tree/ring/direct at {len(group)} size(s), {iters} iterations")
+            with Benchmark(
+                devs,
+                ALGORITHMS,
+                ["all_reduce"],
+                group,
+                iters=iters,
+                warmup=warmup,
+                devices_label=f"cpu:{n}",
+            ) as bench:
+                records.extend(r.as_dict() for r in bench)
+        copy_after = copy_bandwidth(sizes[-1])
     samples = copy_before["samples_us"] + copy_after["samples_us"]
     t = statistics.median(samples) / 1e6
     copy = {
@@ -263,6 +261,7 @@ def measure(n: int, sizes: list[int], log) -> dict:
     mpi = run_mpi(n, sizes)
     return {
         "ranks": n,
+        "machine": machine,
         "records": records,
         "copy": copy,
         "numpy": numpy_rows,
@@ -290,13 +289,11 @@ def main(argv: list[str] | None = None) -> int:
         run = measure(n, sizes, log)
         run["summary"] = summarise(n, run, maxbytes)
         runs[str(n)] = run
-    one = make_devices("cpu:1")
-    machine = machine_description(one)
-    one[0].runtime.shutdown()
     payload = {
         "tool": "bench/collectives_table.py",
         "command": "python bench/collectives_table.py " + " ".join(argv or sys.argv[1:]),
-        "machine": machine,
+        # the devices of the largest rank count measured (each run carries its own)
+        "machine": max(runs.values(), key=lambda r: r["ranks"])["machine"],
         "load_average": {"before": load_before, "after": os.getloadavg()},
         "sizes": sizes,
         "dtype": "float32",

@@ -20,6 +20,7 @@ import numpy as np
 from kernels_table import LR, MOMENTUM, WEIGHT_DECAY, numpy_sgd, numpy_sum4
 
 from nccltree import _native as nat
+from nccltree.cli._common import markdown_table
 
 
 def jobs(mib: int) -> dict[str, tuple[int, Callable[[int], None], Callable[[], None]]]:
@@ -96,8 +97,7 @@ def main() -> None:
         "GB/s = (bytes read + written) / time"
     )
     print()
-    print("| case | code | median ms | GB/s | vs numpy | F16C vs portable |")
-    print("|---|---|---:|---:|---:|---:|")
+    rows = []
     for (name, label), ts in times.items():
         med = statistics.median(ts)
         ref = statistics.median(times[(name, "numpy")])
@@ -106,7 +106,9 @@ def main() -> None:
         if label.startswith("F16C"):
             portable = statistics.median(times[(name, label.replace("F16C", "portable"))])
             speedup = f"{portable / med:.1f}x"
-        print(f"| {name} | {label} | {med * 1e3:.2f} | {gbs:.2f} | {ref / med:.1f}x | {speedup} |")
+        rows.append([name, label, f"{med * 1e3:.2f}", f"{gbs:.2f}", f"{ref / med:.1f}x", speedup])
+    header = ["case", "code", "median ms", "GB/s", "vs numpy", "F16C vs portable"]
+    print("\n".join(markdown_table(header, rows, "llrrrr")))
 
 
 if __name__ == "__main__":

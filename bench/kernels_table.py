@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nccltree import _native as nat
+from nccltree.cli._common import markdown_table
 
 LR, MOMENTUM, WEIGHT_DECAY = 0.01, 0.9, 5e-4
 
@@ -129,19 +130,26 @@ def table(mib: int = 64, threads: int = 2, repeat: int = 15) -> str:
     gbs = {c.name: c.nbytes / statistics.median(samples[c.name]) / 1e9 for c in cases}
     copy_best = max(gbs[c.name] for c in cases if c.group == "copy")
     numpy_of = {c.group: gbs[c.name] for c in cases if not c.name.startswith(("nt_", "np.copyto"))}
-    lines = [
-        f"float32, {mib} MiB per array, median of {repeat}; GB/s = (bytes read + written) / time",
-        "",
-        "| case | kernel | median ms | GB/s | vs best copy | vs numpy |",
-        "|---|---|---:|---:|---:|---:|",
-    ]
+    rows = []
     for c in cases:
         med = statistics.median(samples[c.name]) * 1e3
         vs_numpy = f"{gbs[c.name] / numpy_of[c.group]:.2f}x" if c.group in numpy_of else ""
-        lines.append(
-            f"| {c.group} | {c.name} | {med:.2f} | {gbs[c.name]:.2f} | "
-            f"{gbs[c.name] / copy_best:.0%} | {vs_numpy} |"
+        rows.append(
+            [
+                c.group,
+                c.name,
+                f"{med:.2f}",
+                f"{gbs[c.name]:.2f}",
+                f"{gbs[c.name] / copy_best:.0%}",
+                vs_numpy,
+            ]
         )
+    header = ["case", "kernel", "median ms", "GB/s", "vs best copy", "vs numpy"]
+    lines = [
+        f"float32, {mib} MiB per array, median of {repeat}; GB/s = (bytes read + written) / time",
+        "",
+        *markdown_table(header, rows, "llrrrr"),
+    ]
     return "\n".join(lines)
 
 

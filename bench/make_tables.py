@@ -14,29 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable, Sequence
 
-
-def human_bytes(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
+from nccltree.cli._common import human_bytes
+from nccltree.cli._common import markdown_table as md_table
 
 
 def fmt_us(us: float) -> str:
     return f"{us:.1f}" if us < 1000 else f"{us:,.0f}"
-
-
-def md_table(
-    header: Sequence[str], rows: Iterable[Sequence[object]], align: str | None = None
-) -> list[str]:
-    """Markdown table; ``align`` has an ``l`` or ``r`` per column (default: first left)."""
-    align = align or "l" + "r" * (len(header) - 1)
-    sep = ["---:" if a == "r" else ":---" for a in align]
-    out = ["| " + " | ".join(header) + " |", "| " + " | ".join(sep) + " |"]
-    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return out
 
 
 def _verdict(ok: bool) -> str:

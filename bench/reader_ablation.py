@@ -28,6 +28,7 @@ from unittest import mock
 
 from reader_table import BATCH_SIZE, DB_BYTES, make_db
 
+from nccltree.cli._common import human_bytes, markdown_table
 from nccltree.data import decode, pipeline
 from nccltree.data.throughput import cursor_rate, reader_rate
 
@@ -65,8 +66,8 @@ def main() -> None:
     ap.add_argument("--db-mb", type=int, default=DB_BYTES >> 20, help="database size in MiB")
     args = ap.parse_args()
     ranks_list = [int(r) for r in args.ranks.split(",")]
-    print("| record | ranks | " + " | ".join(v[0] for v in VARIANTS) + " |")
-    print("|---:|---:|" + "---:|" * len(VARIANTS))
+    header = ["record", "ranks", *(v[0] for v in VARIANTS)]
+    rows: list[list[object]] = []
     with tempfile.TemporaryDirectory(prefix="nccltree-bench-") as tmp:
         for size in (int(s) for s in args.sizes.split(",")):
             path = make_db(tmp, size, args.db_mb << 20)
@@ -87,8 +88,8 @@ def main() -> None:
                         f"{100 * statistics.median(xs):.0f}% "
                         f"({100 * min(xs):.0f}–{100 * max(xs):.0f})"
                     )
-                label = f"{size // 1024} KB" if size % 1024 == 0 else f"{size} B"
-                print(f"| {label} | {ranks} | " + " | ".join(cells) + " |")
+                rows.append([human_bytes(size), ranks, *cells])
+    print("\n".join(markdown_table(header, rows, "r" * len(header))))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nccltree.cli._common import human_bytes, markdown_table
 from nccltree.data import write_lmdb
 from nccltree.data.format import RecordLayout
 from nccltree.data.throughput import cursor_rate, reader_rate
@@ -79,21 +80,32 @@ def measure(path: Path, batch_size: int, ranks_list: list[int], repeat: int) -> 
 
 
 def table(rows: list[dict]) -> str:
-    lines = [
-        "| record | batch | ranks | bare loop rec/s | bare MB/s | reader rec/s | reader MB/s | "
-        "records vs bare | bytes vs bare |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    header = [
+        "record",
+        "batch",
+        "ranks",
+        "bare loop rec/s",
+        "bare MB/s",
+        "reader rec/s",
+        "reader MB/s",
+        "records vs bare",
+        "bytes vs bare",
     ]
-    for r in rows:
-        size = r["record_bytes"]
-        label = f"{size // 1024} KB" if size % 1024 == 0 else f"{size} B"
-        lines.append(
-            f"| {label} | {r['batch_size']} | {r['ranks']} | {r['bare_records_per_s']:,.0f} | "
-            f"{r['bare_mb_per_s']:,.0f} | {r['reader_records_per_s']:,.0f} | "
-            f"{r['reader_mb_per_s']:,.0f} | {100 * r['record_ratio']:.0f}% | "
-            f"{100 * r['byte_ratio']:.0f}% |"
-        )
-    return "\n".join(lines)
+    cells = [
+        [
+            human_bytes(r["record_bytes"]),
+            r["batch_size"],
+            r["ranks"],
+            f"{r['bare_records_per_s']:,.0f}",
+            f"{r['bare_mb_per_s']:,.0f}",
+            f"{r['reader_records_per_s']:,.0f}",
+            f"{r['reader_mb_per_s']:,.0f}",
+            f"{100 * r['record_ratio']:.0f}%",
+            f"{100 * r['byte_ratio']:.0f}%",
+        ]
+        for r in rows
+    ]
+    return "\n".join(markdown_table(header, cells, "r" * len(header)))
 
 
 def main() -> None:

@@ -20,48 +20,34 @@ serves them (``nccltree.data.throughput.reader_rate``, same batch and ranks).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import os
 import statistics
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 import nccltree as nt
-from nccltree.models import build_model
-from nccltree.parallel import DataParallel
+from nccltree.cli._common import markdown_table
+from nccltree.cli._training import DriverConfig, SolverConfig, Training, build_training
+from nccltree.data import MemorySource
 
 FEATURES, HIDDEN, CLASSES = 512, (1024, 1024), 10
-SOLVER = {"lr": 0.01, "momentum": 0.9, "weight_decay": 5e-4}
+SOLVER = SolverConfig(lr=0.01, momentum=0.9, weight_decay=5e-4)
 
 
-class _Batch:
-    def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
-        self.x, self.y = x, y
-
-    def __iter__(self):
-        return iter((self.x, self.y))
-
-    def release(self) -> None:
-        pass
-
-    def __enter__(self) -> _Batch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
-class MemoryData:
-    """Batches held in memory, cycled per rank: feeds the driver with no I/O at all."""
-
-    def __init__(self, ranks: int, batch: int, distinct: int = 4, seed: int = 0) -> None:
-        rng = np.random.default_rng(seed)
-        self.ranks, self.round_size = ranks, ranks * batch
-        self._batches = [
+def memory_data(ranks: int, batch: int, distinct: int = 4, seed: int = 0) -> MemorySource:
+    """``distinct`` random batches per rank held in memory, cycled: feeds the driver with
+    no I/O at all."""
+    rng = np.random.default_rng(seed)
+    return MemorySource(
+        [
             [
-                _Batch(
+                (
                     rng.standard_normal((batch, FEATURES), dtype=np.float32),
                     rng.integers(0, CLASSES, batch),
                 )
@@ -69,12 +55,7 @@ class MemoryData:
             ]
             for _ in range(ranks)
         ]
-        self._next = [0] * ranks
-
-    def next_batch(self, rank: int, timeout: float | None = None) -> _Batch:
-        i = self._next[rank]
-        self._next[rank] = i + 1
-        return self._batches[rank][i % len(self._batches[rank])]
+    )
 
 
 @dataclass
@@ -89,28 +70,29 @@ class Case:
         return f"cpu:{self.ranks}, comm {'on' if self.comm else 'off'}{blas}"
 
 
-def make_driver(case: Case, algorithm: str = "tree") -> DataParallel:
-    model = build_model("mlp", (FEATURES,), CLASSES, hidden=HIDDEN)
-    return DataParallel(
-        model,
-        nt.devices(f"cpu:{case.ranks}"),
+@contextlib.contextmanager
+def training(case: Case, batch: int, algorithm: str = "tree") -> Iterator[Training]:
+    """The MLP's driver on ``cpu:{case.ranks}``, ``batch`` per rank (fed by memory_data)."""
+    cfg = DriverConfig(
+        devices=f"cpu:{case.ranks}",
+        model="mlp",
+        batch_size=batch,
+        hidden=HIDDEN,
         comm=case.comm,
         algorithm=algorithm,
         blas_threads=case.blas_threads,
-        **SOLVER,
+        solver=SOLVER,
     )
+    with build_training(cfg, (FEATURES,), CLASSES) as t:
+        yield t
 
 
 def measure(case: Case, batch: int, iters: int, warmup: int, algorithm: str = "tree") -> dict:
     """One run: examples/s and the communication fraction over ``iters`` timed steps."""
-    dp = make_driver(case, algorithm)
-    try:
-        data = MemoryData(case.ranks, batch)
-        dp.fit(data, warmup)
-        res = dp.fit(data, warmup + iters)
-    finally:
-        dp.close()
-        dp.devices[0].runtime.shutdown()
+    with training(case, batch, algorithm) as t:
+        data = memory_data(case.ranks, batch)
+        t.driver.fit(data, warmup)
+        res = t.driver.fit(data, warmup + iters)
     return {
         "examples_per_s": res.examples_per_s,
         "comm_fraction": res.comm_fraction,
@@ -157,33 +139,22 @@ def scaling_table(
 
 def consumption_table(iters: int = 400) -> list[dict[str, Any]]:
     """The default trainer's record consumption vs the DataReader's serving rate."""
-    from nccltree.cli.train import DEFAULTS, SYNTHETIC_CLASSES, SYNTHETIC_FEATURES
+    from nccltree.cli.train import SYNTHETIC_CLASSES, SYNTHETIC_FEATURES, TrainConfig
     from nccltree.data.throughput import reader_rate
 
-    batch, ranks = DEFAULTS["batch_size"], 2
+    ranks = 2
+    cfg = dataclasses.replace(TrainConfig(), devices=f"cpu:{ranks}")
+    batch = cfg.batch_size
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "train")
         x, y = nt.data.synthetic(
-            DEFAULTS["synthetic"], shape=(SYNTHETIC_FEATURES,), classes=SYNTHETIC_CLASSES
+            cfg.synthetic, shape=(SYNTHETIC_FEATURES,), classes=SYNTHETIC_CLASSES
         )
         nt.data.write_lmdb(path, x, y)
-        model = build_model(
-            "mlp", (SYNTHETIC_FEATURES,), SYNTHETIC_CLASSES, hidden=(int(DEFAULTS["hidden"]),)
-        )
-        dp = DataParallel(
-            model,
-            nt.devices(f"cpu:{ranks}"),
-            lr=DEFAULTS["lr"],
-            momentum=DEFAULTS["momentum"],
-            weight_decay=DEFAULTS["weight_decay"],
-        )
-        try:
-            with nt.DataReader(path, batch, ranks, log_on_wait=None) as reader:
-                dp.fit(reader, 50)
-                res = dp.fit(reader, 50 + iters)
-        finally:
-            dp.close()
-            dp.devices[0].runtime.shutdown()
+        with build_training(cfg.driver(), (SYNTHETIC_FEATURES,), SYNTHETIC_CLASSES, data=path) as t:
+            assert t.reader is not None
+            t.driver.fit(t.reader, 50)
+            res = t.driver.fit(t.reader, 50 + iters)
         served = reader_rate(path, batch, ranks, passes=3, log_on_wait=None)
     trainer = res.examples_per_s
     return [
@@ -198,16 +169,17 @@ def consumption_table(iters: int = 400) -> list[dict[str, Any]]:
 
 
 def _markdown(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
-    head = "| " + " | ".join(h for h, _, _ in columns) + " |"
-    rule = "|" + "|".join("---:" if f else "---" for _, _, f in columns) + "|"
-    lines = [head, rule]
-    for r in rows:
-        cells = []
-        for _, key, fmt in columns:
-            v = r[key]
-            cells.append("–" if v is None else (format(v, fmt) if fmt else str(v)))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    """``rows`` as a Markdown table; a column is (header, key, format spec), right-aligned
+    when it has a format; None shows as a dash."""
+    cells = [
+        [
+            "–" if r[key] is None else format(r[key], fmt) if fmt else str(r[key])
+            for _, key, fmt in columns
+        ]
+        for r in rows
+    ]
+    align = "".join("r" if fmt else "l" for _, _, fmt in columns)
+    return "\n".join(markdown_table([h for h, _, _ in columns], cells, align))
 
 
 def main(argv: list[str] | None = None) -> None:

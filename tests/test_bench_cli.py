@@ -129,7 +129,7 @@ def test_broken_algorithm_gives_wrong_count_and_exit_code(capsys):
         ["collectives", "--devices", "cpu:2", *TINY], capsys, world_factory=factory
     )
     assert made == ["tree"]
-    assert code == 1
+    assert code == 3  # wrong results: worse than a crash, and told apart from one
     wrong = [int(row[9]) + int(row[13]) for row in table_rows(out)]
     assert wrong and all(w > 0 for w in wrong)
     assert "FAILED" in out and "wrong element" in err
@@ -227,17 +227,17 @@ def test_progress_line():
             return True
 
     tty = Tty()
-    p = cli.Progress(3, quiet=False, stream=tty)
+    p = cli.SweepProgress(3, quiet=False, stream=tty)
     p.step("a")
     p.step("b")
     p.clear()
     assert "\r\x1b[2K[1/3] a" in tty.getvalue() and "[2/3] b" in tty.getvalue()
     plain = io.StringIO()
-    p = cli.Progress(2, quiet=False, stream=plain, every_s=0.0)
+    p = cli.SweepProgress(2, quiet=False, stream=plain, every_s=0.0)
     p.step("x")
     assert plain.getvalue().startswith("[1/2] x")
     quiet = io.StringIO()
-    p = cli.Progress(2, quiet=True, stream=quiet, every_s=0.0)
+    p = cli.SweepProgress(2, quiet=True, stream=quiet, every_s=0.0)
     p.step("x")
     assert quiet.getvalue() == ""
 

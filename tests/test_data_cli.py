@@ -148,8 +148,10 @@ def test_convert_and_info(tmp_path, capsys):
 
 def test_convert_errors(tmp_path, capsys):
     np.savez(tmp_path / "in.npz", data=np.zeros((2, 2)), labels=np.zeros(2, int))
-    assert main(["convert", str(tmp_path / "in.npz"), str(tmp_path / "db")]) == 1
+    # the input does not hold what the flags name: a usage error, nothing written
+    assert main(["convert", str(tmp_path / "in.npz"), str(tmp_path / "db")]) == 2
     assert "no array named X, y" in capsys.readouterr().err
+    assert not (tmp_path / "db").exists()
     assert (
         main(
             [
@@ -179,8 +181,9 @@ def test_convert_errors(tmp_path, capsys):
         == 1
     )
     assert "overwrite" in capsys.readouterr().err
-    assert main(["info", str(tmp_path / "missing")]) == 1
+    assert main(["info", str(tmp_path / "missing")]) == 2
     assert "no LMDB database" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "missing.npz"), str(tmp_path / "db2")]) == 2
 
 
 def test_make_synthetic(tmp_path, capsys):
@@ -216,5 +219,6 @@ def test_make_synthetic(tmp_path, capsys):
 def test_make_digits_without_scikit_learn(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "sklearn", None)
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
-    assert main(["make", "digits", str(tmp_path / "d")]) == 1
+    # an optional package this machine lacks: a usage error, as --plot without matplotlib
+    assert main(["make", "digits", str(tmp_path / "d")]) == 2
     assert "scikit-learn" in capsys.readouterr().err

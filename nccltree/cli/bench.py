@@ -3,7 +3,8 @@
 ``collectives`` runs the library's benchmark driver (:mod:`nccltree.comm.bench`) over a
 size sweep and prints an nccl-tests style table; ``train`` measures the reference
 trainer's examples/s over device sets; ``topo`` prints a topology matrix and its tree.
-This module parses, calls the library and prints.
+This module parses, calls the library and prints; the exit statuses are those of
+:mod:`nccltree.cli._common` (3: a collective computed a wrong element).
 """
 
 from __future__ import annotations
@@ -21,6 +22,18 @@ from typing import Any, TextIO
 
 from ..comm import bench as drv
 from ..comm.collectives import COLLECTIVES, collective_name
+from ._common import (
+    EX_OK,
+    EX_WRONG,
+    EXIT_STATUS_EPILOG,
+    Progress,
+    UsageError,
+    checking,
+    human_bytes,
+    open_devices,
+    run_main,
+)
+from ._training import DriverConfig, SolverConfig, build_training
 
 COLLECTIVE_DEFAULTS = {
     "devices": "auto",
@@ -42,20 +55,8 @@ PLOT_MISSING = (
 )
 
 
-class UsageError(ValueError):
-    """A flag is wrong; the message says what is accepted."""
-
-
 def _split(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
-
-
-def human_bytes(n: int) -> str:
-    """``8 B``, ``64 KiB``, ``64 MiB``: exact binary units where they fit."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
 
 
 def _require_matplotlib() -> None:
@@ -65,37 +66,23 @@ def _require_matplotlib() -> None:
         raise UsageError(PLOT_MISSING) from None
 
 
-class Progress:
-    """A progress line on stderr for long sweeps: redrawn in place on a terminal, a line
-    every ``every_s`` seconds otherwise; nothing when quiet."""
+class SweepProgress(Progress):
+    """Progress over a sweep of ``total`` measurements: ``[i/total] what (elapsed)``,
+    redrawn in place on a terminal, a line every ``every_s`` seconds otherwise."""
 
     def __init__(self, total: int, quiet: bool, stream: TextIO, every_s: float = 30.0) -> None:
-        self.total, self.quiet, self.stream = total, quiet, stream
-        self.tty = stream.isatty()
-        self.every_s = every_s
+        super().__init__(stream, quiet)
+        self.total, self.every_s = total, every_s
         self.done = 0
-        self.t0 = self._last = time.monotonic()
-        self._open = False
+        self.t0 = self._last_line = time.monotonic()
 
     def step(self, what: str) -> None:
         self.done += 1
-        if self.quiet:
-            return
         now = time.monotonic()
-        line = f"[{self.done}/{self.total}] {what}  ({now - self.t0:.0f} s)"
-        if self.tty:
-            self.stream.write("\r\x1b[2K" + line)
-            self.stream.flush()
-            self._open = True
-        elif now - self._last >= self.every_s:
-            print(line, file=self.stream, flush=True)
-            self._last = now
-
-    def clear(self) -> None:
-        if self._open:
-            self.stream.write("\r\x1b[2K")
-            self.stream.flush()
-            self._open = False
+        log = now - self._last_line >= self.every_s
+        if log:
+            self._last_line = now
+        self.show(f"[{self.done}/{self.total}] {what}  ({now - self.t0:.0f} s)", log=log)
 
 
 # -- collectives --------------------------------------------------------------------------
@@ -285,7 +272,7 @@ def run_collectives(
     sizes = bench.sizes
     if not quiet:
         print("\n".join(_collectives_header(bench, sizes, args.stepfactor)), file=out, flush=True)
-    progress = Progress(bench.total, quiet, err)
+    progress = SweepProgress(bench.total, quiet, err)
     records: list[drv.BenchRecord] = []
     group: list[drv.BenchRecord] = []
     current = None
@@ -333,8 +320,8 @@ def run_collectives(
     wrong = sum(r.wrong or 0 for r in records)
     if wrong:
         print(f"nccltree-bench: {wrong} wrong element(s) in the results", file=err, flush=True)
-        return 1
-    return 0
+        return EX_WRONG
+    return EX_OK
 
 
 # -- train --------------------------------------------------------------------------------
@@ -360,43 +347,28 @@ def train_point(
     spec: str, scaling: str, args: argparse.Namespace, dataset: tuple[str, tuple[int, ...], int]
 ) -> dict[str, object]:
     """Train ``args.warmup + args.iters`` iterations on ``spec``; figures over the timed
-    iterations (those after the warm-up), as the root sees them."""
-    from ..backends import devices as make_devices
-    from ..data import DataReader
-    from ..models import build_model
-    from ..parallel import DataParallel, per_rank_batch
+    iterations (those after the warm-up), as the root sees them, and the machine and
+    devices they were measured on."""
+    from ..parallel import StepInfo
 
     path, shape, classes = dataset
-    devs = make_devices(spec)
-    n = len(devs)
-    per_rank = per_rank_batch(args.batch_size, n, scaling)
-    hidden = tuple(int(h) for h in _split(args.hidden))
-    kw = {"hidden": hidden} if args.model == "mlp" else {}
-    model = build_model(args.model, shape, classes, **kw)
-    steps: list[Any] = []
-    with contextlib.ExitStack() as stack:
-        if devs[0].backend == "host":
-            stack.callback(devs[0].runtime.shutdown)
-        dp = stack.enter_context(
-            DataParallel(
-                model,
-                devs,
-                algorithm=args.algorithm,
-                blas_threads=args.blas_threads,
-                lr=0.01,
-                momentum=0.9,
-            )
-        )
-        reader = stack.enter_context(
-            DataReader(
-                path,
-                per_rank,
-                n,
-                device=devs if devs[0].backend != "host" else None,
-                log_on_wait=None,
-            )
-        )
-        dp.fit(reader, args.warmup + args.iters, on_step=steps.append)
+    cfg = DriverConfig(
+        devices=spec,
+        model=args.model,
+        batch_size=args.batch_size,
+        scaling=scaling,
+        hidden=tuple(int(h) for h in _split(args.hidden)),
+        algorithm=args.algorithm,
+        blas_threads=args.blas_threads,
+        solver=SolverConfig(lr=0.01, momentum=0.9),
+    )
+    steps: list[StepInfo] = []
+    with build_training(cfg, shape, classes, data=path) as t:
+        assert t.reader is not None, "build_training makes a reader when given data"
+        t.driver.fit(t.reader, args.warmup + args.iters, on_step=steps.append)
+        machine = drv.machine_description(t.devices)
+        backend = t.devices[0].backend
+    n, per_rank = t.ranks, t.per_rank_batch
     timed = steps[args.warmup :]
     t0 = steps[args.warmup - 1].elapsed_s if args.warmup else 0.0
     secs = timed[-1].elapsed_s - t0
@@ -410,10 +382,11 @@ def train_point(
         "iters": len(timed),
         "examples_per_s": sum(s.examples for s in timed) / secs if secs > 0 else 0.0,
         "comm_fraction": sum(s.comm_s for s in timed) / step_s if step_s > 0 else 0.0,
-        "backend": devs[0].backend,
+        "backend": backend,
         "algorithm": args.algorithm,
         "model": args.model,
         "blas_threads": args.blas_threads,  # None: the trainer's default ("auto")
+        "machine": machine,
     }
 
 
@@ -486,7 +459,6 @@ def plot_train(path: str, points: Sequence[dict]) -> None:
 
 def check_train_args(args: argparse.Namespace) -> None:
     """Every train flag, before the first device set trains."""
-    from ..backends import devices as make_devices
     from ..comm import ALGORITHM_CHOICES
     from ..models import MODELS
     from ..parallel import per_rank_batch
@@ -514,11 +486,9 @@ def check_train_args(args: argparse.Namespace) -> None:
             f"--hidden takes comma-separated layer widths, got {args.hidden!r}"
         ) from None
     for spec in args.devices:
-        devs = make_devices(spec)
-        if devs[0].backend == "host":
-            devs[0].runtime.shutdown()
-        for mode in args.scaling:
-            per_rank_batch(args.batch_size, len(devs), mode)
+        with open_devices(spec) as devs:
+            for mode in args.scaling:
+                per_rank_batch(args.batch_size, len(devs), mode)
     if args.plot:
         _require_matplotlib()
     if args.data and not os.path.exists(args.data):
@@ -526,11 +496,9 @@ def check_train_args(args: argparse.Namespace) -> None:
 
 
 def run_train(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from ..backends import devices as make_devices
-
-    points = []
+    points: list[dict[str, Any]] = []
     total = len(args.devices) * len(args.scaling)
-    progress = Progress(total, args.quiet, err, every_s=0.0)
+    progress = SweepProgress(total, args.quiet, err, every_s=0.0)
     with contextlib.ExitStack() as stack:
         dataset = _train_dataset(args, stack)
         for spec in args.devices:
@@ -548,7 +516,6 @@ def run_train(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         )
         print("\n".join(train_table(points)), file=out, flush=True)
     if args.json:
-        one = make_devices("cpu:1")
         config = {
             k: getattr(args, k)
             for k in (
@@ -572,13 +539,14 @@ def run_train(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 "tool": "nccltree-bench train",
                 "config": config,
                 "points": points,
-                "machine": drv.machine_description(one),
+                # the devices measured: those of the largest device set (each point
+                # carries its own set's description)
+                "machine": max(points, key=lambda p: int(p["ranks"]))["machine"],
             },
         )
-        one[0].runtime.shutdown()
     if args.plot:
         plot_train(args.plot, points)
-    return 0
+    return EX_OK
 
 
 # -- topo ---------------------------------------------------------------------------------
@@ -623,12 +591,8 @@ def resolve_topology(args: argparse.Namespace) -> tuple[Any, str, Any]:
         with open(args.smi, encoding="utf-8") as f:
             topo, where = Topology.from_smi(f.read()), f"parsed from {args.smi}"
     else:
-        from ..backends import devices as make_devices
-
-        devs = make_devices(args.devices)
-        topo, where = Topology.detect(devs), f"detected on {args.devices}"
-        if devs[0].backend == "host":
-            devs[0].runtime.shutdown()
+        with open_devices(args.devices) as devs:
+            topo, where = Topology.detect(devs), f"detected on {args.devices}"
     if args.root is not None and not 0 <= args.root < topo.n:
         raise UsageError(f"--root must be a rank in [0, {topo.n}), got {args.root}")
     return topo, where, build_tree(topo, root=args.root)
@@ -642,7 +606,7 @@ def run_topo(topo: Any, where: str, tree: Any, args: argparse.Namespace, out: Te
     if args.dot:
         with open(args.dot, "w", encoding="utf-8") as f:
             f.write(topology_dot(topo, tree))
-    return 0
+    return EX_OK
 
 
 # -- parser and entry point ---------------------------------------------------------------
@@ -652,6 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="nccltree-bench",
         description="Collective and training benchmarks, and the topology the tree uses.",
+        epilog=EXIT_STATUS_EPILOG,
     )
     sub = p.add_subparsers(dest="command", metavar="{collectives,train,topo}")
     sub.required = True
@@ -662,7 +627,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time collectives over a size sweep and check every result. Figures "
         "mean what nccl-tests' mean: algbw = size / time, busbw = algbw x 2(n-1)/n "
         "(all_reduce), (n-1)/n (all_gather, reduce_scatter), 1 (broadcast, reduce); "
-        "GB = 1e9 bytes. Exit status 1 if any element was wrong.",
+        f"GB = 1e9 bytes. Exit status {EX_WRONG} if any element was wrong.",
+        epilog=EXIT_STATUS_EPILOG,
     )
     c.add_argument(
         "--devices",
@@ -760,6 +726,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the reference model on each device set and report examples/s, "
         "speedup and efficiency over the first set, and the fraction of step time spent "
         "in communication.",
+        epilog=EXIT_STATUS_EPILOG,
     )
     t.add_argument(
         "--devices",
@@ -841,6 +808,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the detected topology (or a preset, or one "
         "parsed from `nvidia-smi topo -m` output) and the tree build_tree "
         "makes of it.",
+        epilog=EXIT_STATUS_EPILOG,
     )
     src = g.add_mutually_exclusive_group()
     src.add_argument(
@@ -877,38 +845,24 @@ def main(argv: list[str] | None = None, *, world_factory: Any = None) -> int:
     ``world_factory(devices, algorithm)`` replaces how the collectives benchmark makes
     the World of each algorithm (tests inject a deliberately broken one).
     """
-    from .._errors import NcclTreeError
 
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, or a flag argparse itself rejects
-        return int(exc.code or 0)
-    sub = f"nccltree-bench {args.command}"
-    try:
+    def body(args: argparse.Namespace) -> int:
         # first every flag is checked (and Worlds created): errors here run nothing
-        try:
+        with checking():
             if args.command == "collectives":
                 bench = make_benchmark(args, world_factory)
             elif args.command == "train":
                 check_train_args(args)
             else:
                 topo, where, tree = resolve_topology(args)
-        except (ValueError, TypeError, NcclTreeError, OSError) as exc:
-            print(f"{sub}: error: {exc}", file=sys.stderr, flush=True)
-            return 2
         if args.command == "collectives":
             with bench:
                 return run_collectives(bench, args, sys.stdout, sys.stderr)
         if args.command == "train":
             return run_train(args, sys.stdout, sys.stderr)
         return run_topo(topo, where, tree, args, sys.stdout)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr, flush=True)
-        return 130
-    except (NcclTreeError, OSError) as exc:
-        print(f"{sub}: error: {exc}", file=sys.stderr, flush=True)
-        return 1
+
+    return run_main(build_parser(), argv, body, prog=lambda a: f"nccltree-bench {a.command}")
 
 
 if __name__ == "__main__":

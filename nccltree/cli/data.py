@@ -4,18 +4,25 @@ nccltree-data convert IN.npz OUT_DB        arrays X and y of an .npz file -> LMD
 nccltree-data info DB                      records, format, shape, dtype, labels, size
 nccltree-data make synthetic OUT_DB ...    a seeded learnable task of any size
 nccltree-data make digits OUT_DB           scikit-learn's 8x8 digits (needs scikit-learn)
+
+Exit statuses as in :mod:`nccltree.cli._common`: 2 when an input does not exist or does not
+hold what the flags name, or a dataset cannot be made (nothing is written then); 1 when
+reading or writing a database fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from .._validate import check_int
+from ._common import EX_OK, EXIT_STATUS_EPILOG, checking, run_main
 
 PROG = "nccltree-data"
 
@@ -71,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Build and inspect LMDB record databases for nccltree's DataReader.",
+        epilog=EXIT_STATUS_EPILOG,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -150,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _convert(args: argparse.Namespace) -> int:
     from ..data import write_lmdb
 
-    with np.load(args.in_npz, allow_pickle=False) as f:
+    with checking(), np.load(args.in_npz, allow_pickle=False) as f:
         missing = [k for k in (args.x_name, args.y_name) if k not in f.files]
         if missing:
             raise ValueError(
@@ -162,31 +170,35 @@ def _convert(args: argparse.Namespace) -> int:
     print(
         f"wrote {n} {args.format} records of shape {tuple(x.shape[1:])} {x.dtype} to {args.out_db}"
     )
-    return 0
+    return EX_OK
 
 
 def _make(args: argparse.Namespace) -> int:
     from ..data import digits, synthetic, write_lmdb
 
-    if args.dataset == "synthetic":
-        x, y = synthetic(args.n, args.shape, args.classes, args.seed, split=args.split)
-    else:
-        x, y = digits(args.split)
+    with checking():  # scikit-learn missing, a task its arguments cannot make
+        if args.dataset == "synthetic":
+            x, y = synthetic(args.n, args.shape, args.classes, args.seed, split=args.split)
+        else:
+            x, y = digits(args.split)
     n = write_lmdb(args.out_db, x, y, format=args.format, overwrite=args.overwrite)
     print(
         f"wrote {n} {args.dataset} records of shape {tuple(x.shape[1:])} {x.dtype} "
         f"({int(y.max()) + 1} classes) to {args.out_db}"
     )
-    return 0
+    return EX_OK
 
 
 def _info(args: argparse.Namespace) -> int:
     from ..data import db_info
 
+    with checking():
+        if not os.path.exists(args.db):
+            raise FileNotFoundError(errno.ENOENT, "no LMDB database at this path", args.db)
     info = db_info(args.db, args.format)
     if args.json:
         print(json.dumps(info))
-        return 0
+        return EX_OK
     rows = [
         ("path", info["path"]),
         ("records", str(info["records"])),
@@ -200,22 +212,17 @@ def _info(args: argparse.Namespace) -> int:
     ]
     for name, value in rows:
         print(f"{name:<10} {value}")
-    return 0
+    return EX_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (0 success, 1 failure, 2 usage)."""
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # --help and usage errors: hand the status back to the caller
-        return int(e.code or 0)
-    run = {"convert": _convert, "info": _info, "make": _make}[args.command]
-    try:
-        return run(args)
-    except (OSError, ValueError, TypeError, ImportError) as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
+    """Run the command line; returns the exit status (see ``--help``)."""
+    commands: dict[str, Callable[[argparse.Namespace], int]] = {
+        "convert": _convert,
+        "info": _info,
+        "make": _make,
+    }
+    return run_main(build_parser(), argv, lambda args: commands[args.command](args))
 
 
 if __name__ == "__main__":

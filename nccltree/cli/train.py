@@ -2,62 +2,47 @@
 
 With no arguments it trains an MLP on a built-in synthetic task on the default devices
 (every GPU, else two virtual CPU devices) and reports the held-out accuracy it reached.
-The work is done by :class:`nccltree.parallel.DataParallel`; this module parses, prepares
-the data, and prints.
+The work is done by :class:`nccltree.parallel.DataParallel`, set up by
+:func:`nccltree.cli._training.build_training`; this module parses, prepares the data,
+and prints.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
 import tempfile
-import time
-from typing import TYPE_CHECKING, Any, TextIO
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TextIO
 
 import numpy as np
 
 from .._validate import check_int, check_real
+from ._common import (
+    EX_FAILURE,
+    EX_INTERRUPTED,
+    EX_OK,
+    EX_WRONG,
+    EXIT_STATUS_EPILOG,
+    Progress,
+    UsageError,
+    checking,
+    report_error,
+    run_main,
+)
+from ._training import DriverConfig, SolverConfig, Training, build_training
 
 if TYPE_CHECKING:
-    from ..parallel import DataParallel, Snapshot, StepInfo
+    from ..parallel import StepInfo
+    from ..params import FlatParams
+    from ..snapshot import Snapshot
 
-# Flag defaults live here rather than in argparse, so that a resumed run can tell the
-# flags given on its command line (they win) from those it takes from the snapshot.
-DEFAULTS: dict[str, Any] = {
-    "devices": "auto",
-    "data": None,
-    "val_data": None,
-    "synthetic": 8192,
-    "classes": None,
-    "scale": None,
-    "model": "mlp",
-    "hidden": "256",
-    "batch_size": 32,
-    "scaling": "weak",
-    "iters": 500,
-    "lr": 0.05,
-    "momentum": 0.9,
-    "weight_decay": 5e-4,
-    "lr_policy": "fixed",
-    "gamma": None,
-    "power": None,
-    "stepsize": None,
-    "stepvalue": None,
-    "max_iter": None,
-    "algorithm": "tree",
-    "update_mode": "allreduce",
-    "seed": 0,
-    "shuffle": False,
-    "out": None,
-    "eval_every": 100,
-    "snapshot_every": 0,
-    "timeout": 60.0,
-    "blas_threads": None,
-}
-
+PROG = "nccltree-train"
 # The built-in task: nccltree.data.synthetic's defaults, a held-out quarter, and the
 # accuracy the default MLP is expected to pass (its docstring measures about 94%).
 SYNTHETIC_FEATURES = 64
@@ -66,9 +51,191 @@ SYNTHETIC_TARGET = 90.0
 SNAPSHOT_NAME = "snapshot.npz"
 
 
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run is made of, as the flags name it (``--batch-size`` is
+    ``batch_size``). A snapshot stores it (:meth:`as_dict`), so a resumed run takes the
+    flags not given on its command line from the run it continues.
+
+    The defaults live here rather than in argparse, so that a resumed run can tell the
+    flags given on its command line (they win) from those it takes from the snapshot.
+    """
+
+    devices: str = "auto"
+    data: str | None = None
+    val_data: str | None = None
+    synthetic: int = 8192
+    classes: int | None = None
+    scale: float | None = None
+    model: str = "mlp"
+    hidden: tuple[int, ...] = (256,)
+    batch_size: int = 32
+    scaling: str = "weak"
+    iters: int = 500
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    lr_policy: str = "fixed"
+    gamma: float | None = None
+    power: float | None = None
+    stepsize: int | None = None
+    stepvalue: tuple[int, ...] | None = None
+    max_iter: int | None = None
+    algorithm: str = "tree"
+    update_mode: str = "allreduce"
+    seed: int = 0
+    shuffle: bool = False
+    out: str | None = None
+    eval_every: int = 100
+    snapshot_every: int = 0
+    timeout: float = 60.0
+    blas_threads: int | None = None
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def checked(cls, values: Mapping[str, object]) -> TrainConfig:
+        """The configuration of ``values`` (a missing or None value takes the default),
+        checked by the one argument rule (``nccltree._validate``): argparse's ``float``
+        takes "nan" and "inf", a snapshot may hold anything."""
+        d = cls()
+
+        def get(name: str) -> object:
+            value = values.get(name)
+            return getattr(d, name) if value is None else value
+
+        def opt_int(name: str, low: int | None = None) -> int | None:
+            value = get(name)
+            return None if value is None else check_int(value, _flag(name), min=low)
+
+        def opt_real(name: str) -> float | None:
+            # their ranges are the solver's and the reader's to judge
+            value = get(name)
+            return None if value is None else check_real(value, _flag(name))
+
+        synthetic = check_int(get("synthetic"), "--synthetic", min=1)
+        batch_size = check_int(get("batch_size"), "--batch-size", min=1)
+        iters = check_int(get("iters"), "--iters", min=0)
+        eval_every = check_int(get("eval_every"), "--eval-every", min=0)
+        snapshot_every = check_int(get("snapshot_every"), "--snapshot-every", min=0)
+        classes = opt_int("classes", 2)
+        blas_threads = opt_int("blas_threads", 1)
+        seed = check_int(get("seed"), "--seed", min=0)
+        timeout = check_real(get("timeout"), "--timeout", min=0.0, min_open=True)
+        lr, momentum, weight_decay = (
+            check_real(get(k), _flag(k)) for k in ("lr", "momentum", "weight_decay")
+        )
+        scale, gamma, power = opt_real("scale"), opt_real("gamma"), opt_real("power")
+        out = get("out")
+        if snapshot_every and not out:
+            raise ValueError("--snapshot-every needs --out DIR (where snapshot.npz goes)")
+        hidden = _int_tuple(get("hidden"), "--hidden")
+        stepvalue = get("stepvalue")
+        stepvalues = None if stepvalue is None else _int_tuple(stepvalue, "--stepvalue")
+        paths = {}
+        for key in ("data", "val_data"):
+            path = get(key)
+            if path is not None:
+                if not os.path.exists(str(path)):
+                    raise ValueError(f"{_flag(key)}: no database at {path}")
+                path = os.path.abspath(str(path))
+            paths[key] = path
+        return cls(
+            devices=str(get("devices")),
+            data=_opt_str(paths["data"]),
+            val_data=_opt_str(paths["val_data"]),
+            synthetic=synthetic,
+            classes=classes,
+            scale=scale,
+            model=str(get("model")),
+            hidden=hidden,
+            batch_size=batch_size,
+            scaling=str(get("scaling")),
+            iters=iters,
+            lr=lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            lr_policy=str(get("lr_policy")),
+            gamma=gamma,
+            power=power,
+            stepsize=opt_int("stepsize"),
+            stepvalue=stepvalues,
+            max_iter=opt_int("max_iter"),
+            algorithm=str(get("algorithm")),
+            update_mode=str(get("update_mode")),
+            seed=seed,
+            shuffle=bool(get("shuffle")),
+            out=None if out is None else os.path.abspath(str(out)),
+            eval_every=eval_every,
+            snapshot_every=snapshot_every,
+            timeout=timeout,
+            blas_threads=blas_threads,
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        """The configuration as JSON takes it (the snapshot's and metrics.jsonl's record)."""
+        return {
+            k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()
+        }
+
+    def driver(self) -> DriverConfig:
+        """What :func:`build_training` needs of it."""
+        return DriverConfig(
+            devices=self.devices,
+            model=self.model,
+            batch_size=self.batch_size,
+            hidden=self.hidden,
+            scaling=self.scaling,
+            algorithm=self.algorithm,
+            update_mode=self.update_mode,
+            seed=self.seed,
+            timeout=self.timeout,
+            blas_threads=self.blas_threads,
+            solver=SolverConfig(
+                lr=self.lr,
+                momentum=self.momentum,
+                weight_decay=self.weight_decay,
+                lr_policy=self.lr_policy,
+                gamma=self.gamma,
+                power=self.power,
+                stepsize=self.stepsize,
+                stepvalue=self.stepvalue,
+                max_iter=self.max_iter,
+            ),
+        )
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _opt_str(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+def _int_tuple(value: object, what: str) -> tuple[int, ...]:
+    """Comma-separated integers (a flag) or a sequence of them (a snapshot's config)."""
+    if not isinstance(value, str):
+        if isinstance(value, (list, tuple)):
+            return tuple(check_int(v, what) for v in value)
+        raise TypeError(f"{what} must list integers, got {value!r}")
+    try:
+        values = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers, got {value!r}") from None
+    if not values:
+        raise ValueError(f"{what} must list at least one integer")
+    return values
+
+
 def _d(key: str) -> str:
-    value = DEFAULTS[key]
-    return "none" if value is None else str(value)
+    """A flag's default as its help shows it."""
+    value = getattr(TrainConfig(), key)
+    if value is None:
+        return "none"
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
             "collectives. With no arguments: an MLP on a built-in synthetic task (no download), "
             "on every GPU or else two virtual CPU devices, reporting the held-out accuracy."
         ),
-        epilog="Exit status: 0 success, 1 the run failed, 2 bad arguments, 130 interrupted.",
+        epilog=EXIT_STATUS_EPILOG,
     )
     g = p.add_argument_group("devices and communication")
     g.add_argument(
@@ -250,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--target-accuracy",
         type=float,
         metavar="PCT",
-        help="exit with status 1 if the final held-out accuracy is below PCT "
+        help=f"exit with status {EX_WRONG} if the final held-out accuracy is below PCT "
         f"(default: report against {SYNTHETIC_TARGET:g}%% for the built-in "
         "task, without failing)",
     )
@@ -258,28 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# -- configuration -------------------------------------------------------------------------
-
-
-def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
-def _int_list(text: str, what: str) -> list[int]:
-    try:
-        values = [int(v) for v in str(text).split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
-    if not values:
-        raise ValueError(f"{what} must list at least one integer")
-    return values
-
-
-def resolve_config(
-    args: argparse.Namespace, parser: argparse.ArgumentParser
-) -> tuple[dict[str, Any], Snapshot | None]:
-    """Flags given > the snapshot's config (with --resume) > DEFAULTS."""
-    from ..parallel import load_snapshot
+def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Snapshot | None]:
+    """Flags given > the snapshot's config (with --resume) > the defaults."""
+    from ..snapshot import load_snapshot
 
     snap = None
     if args.resume:
@@ -287,77 +435,40 @@ def resolve_config(
         if os.path.isdir(path):
             path = os.path.join(path, SNAPSHOT_NAME)
         if not os.path.isfile(path):
-            parser.error(f"--resume: no snapshot at {path}")
+            raise UsageError(f"--resume: no snapshot at {path}")
         try:
             snap = load_snapshot(path)
         except ValueError as exc:
-            parser.error(f"--resume: {exc}")
-    cfg = {}
-    for key, default in DEFAULTS.items():
-        value = getattr(args, key)
-        if value is None and snap is not None:
-            value = snap.config.get(key)
-        cfg[key] = default if value is None else value
-    try:
-        _check_config(cfg)
-    except (TypeError, ValueError) as exc:
-        parser.error(str(exc))
+            raise UsageError(f"--resume: {exc}") from exc
+    saved = snap.config if snap is not None else {}
+    values = {k: getattr(args, k) for k in TrainConfig.names()}
+    with checking():
+        cfg = TrainConfig.checked({k: saved.get(k) if v is None else v for k, v in values.items()})
     return cfg, snap
-
-
-def _check_config(cfg: dict[str, Any]) -> None:
-    """The one argument rule (``nccltree._validate``) over flags and a snapshot's config:
-    argparse's ``float`` takes "nan" and "inf", a snapshot may hold anything."""
-    ints = {"synthetic": 1, "batch_size": 1, "iters": 0, "eval_every": 0, "snapshot_every": 0}
-    for key, low in (*ints.items(), ("classes", 2), ("blas_threads", 1), ("seed", 0)):
-        if cfg[key] is not None:
-            cfg[key] = check_int(cfg[key], _flag(key), min=low)
-    cfg["timeout"] = check_real(cfg["timeout"], "--timeout", min=0.0, min_open=True)
-    for key in ("lr", "momentum", "weight_decay", "scale", "gamma", "power"):
-        if cfg[key] is not None:  # their ranges are the solver's and the reader's to judge
-            cfg[key] = check_real(cfg[key], _flag(key))
-    if cfg["snapshot_every"] and not cfg["out"]:
-        raise ValueError("--snapshot-every needs --out DIR (where snapshot.npz goes)")
-    cfg["hidden"] = (
-        _int_list(cfg["hidden"], "--hidden") if isinstance(cfg["hidden"], str) else cfg["hidden"]
-    )
-    if isinstance(cfg["stepvalue"], str):
-        cfg["stepvalue"] = _int_list(cfg["stepvalue"], "--stepvalue")
-    for key in ("data", "val_data"):
-        if cfg[key] is not None:
-            if not os.path.exists(cfg[key]):
-                raise ValueError(f"--{key.replace('_', '-')}: no database at {cfg[key]}")
-            cfg[key] = os.path.abspath(cfg[key])
-    if cfg["out"] is not None:
-        cfg["out"] = os.path.abspath(cfg["out"])
 
 
 # -- data ----------------------------------------------------------------------------------
 
 
+@dataclass
 class Dataset:
     """Where the training records are and what the held-out arrays are."""
 
-    def __init__(
-        self,
-        train_path: str,
-        val: tuple[np.ndarray, np.ndarray] | None,
-        shape: tuple[int, ...],
-        classes: int,
-        description: str,
-    ) -> None:
-        self.train_path, self.val = train_path, val
-        self.shape, self.classes, self.description = shape, classes, description
+    train_path: str
+    val: tuple[np.ndarray, np.ndarray] | None
+    shape: tuple[int, ...]
+    classes: int
+    description: str
 
 
-def _synthetic(cfg: dict, stack: contextlib.ExitStack) -> Dataset:
+def _synthetic(cfg: TrainConfig, stack: contextlib.ExitStack) -> Dataset:
     from .. import data as ntdata
 
-    n = cfg["synthetic"]
+    n = cfg.synthetic
     n_val = max(1, n // 4)
-    shape = (1, 8, 8) if cfg["model"] == "cnn" else (SYNTHETIC_FEATURES,)
-    if cfg["out"]:
-        root = os.path.join(cfg["out"], "data")
+    shape = (1, 8, 8) if cfg.model == "cnn" else (SYNTHETIC_FEATURES,)
+    if cfg.out:
+        root = os.path.join(cfg.out, "data")
         where = f"cached in {root}"
     else:
         root = stack.enter_context(tempfile.TemporaryDirectory(prefix="nccltree-train-"))
@@ -395,41 +506,38 @@ def _read_all(path: str, scale: float | None) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(xs), np.concatenate(ys)
 
 
-def load_dataset(cfg: dict, stack: contextlib.ExitStack) -> Dataset:
+def load_dataset(cfg: TrainConfig, stack: contextlib.ExitStack) -> Dataset:
     """The training database and held-out arrays the configuration names."""
     from ..data import db_info
 
-    if cfg["data"] is None:
+    if cfg.data is None:
         ds = _synthetic(cfg, stack)
-        if cfg["val_data"] is not None:
-            ds.val = _read_all(cfg["val_data"], cfg["scale"])
+        if cfg.val_data is not None:
+            ds.val = _read_all(cfg.val_data, cfg.scale)
         return ds
-    info = db_info(cfg["data"])
-    classes = cfg["classes"] or info["label_max"] + 1
-    val = _read_all(cfg["val_data"], cfg["scale"]) if cfg["val_data"] else None
+    info = db_info(cfg.data)
+    classes = cfg.classes or info["label_max"] + 1
+    val = _read_all(cfg.val_data, cfg.scale) if cfg.val_data else None
     desc = (
-        f"{cfg['data']}: {info['records']} {info['format']} records of shape "
+        f"{cfg.data}: {info['records']} {info['format']} records of shape "
         f"{tuple(info['shape'])} {info['dtype']}, {classes} classes"
-        + (f"; held-out {cfg['val_data']} ({len(val[1])} records)" if val else "")
+        + (f"; held-out {cfg.val_data} ({len(val[1])} records)" if val else "")
     )
-    return Dataset(cfg["data"], val, tuple(info["shape"]), classes, desc)
+    return Dataset(cfg.data, val, tuple(info["shape"]), classes, desc)
 
 
 # -- progress and metrics ------------------------------------------------------------------
 
 
-class Progress:
-    """The root's progress line on stderr: refreshed in place on a terminal, a line every
-    ``every`` iterations otherwise; other messages are printed without breaking it."""
+class TrainProgress(Progress):
+    """The root's progress line: refreshed in place on a terminal (at most ten times a
+    second), a line every ``every`` iterations otherwise."""
 
     WINDOW = 20
 
     def __init__(self, total: int, every: int, quiet: bool, stream: TextIO | None = None) -> None:
-        self.stream = stream if stream is not None else sys.stderr
-        self.tty = self.stream.isatty()
-        self.total, self.every, self.quiet = total, max(1, every), quiet
-        self._last_draw = 0.0
-        self._open = False
+        super().__init__(stream if stream is not None else sys.stderr, quiet, redraw_s=0.1)
+        self.total, self.every = total, max(1, every)
         self._window: list[tuple[int, float, float, float]] = []
 
     def update(self, info: StepInfo) -> None:
@@ -447,31 +555,7 @@ class Progress:
             f"iter {info.iter:>{len(str(self.total))}}/{self.total}  loss {loss:.4f}  "
             f"lr {info.lr:.4g}  {rate:,.0f} examples/s{comm}"
         )
-        now = time.monotonic()
-        last = info.iter >= self.total
-        if self.tty:
-            if last or now - self._last_draw >= 0.1:
-                self.stream.write("\r\x1b[2K" + line)
-                self.stream.flush()
-                self._open, self._last_draw = True, now
-            if last:
-                self.finish()
-        elif last or info.iter % self.every == 0:
-            print(line, file=self.stream, flush=True)
-
-    def message(self, text: str) -> None:
-        if self.quiet:
-            return
-        if self._open:
-            self.stream.write("\r\x1b[2K")
-        print(text, file=self.stream, flush=True)
-        self._open = False
-
-    def finish(self) -> None:
-        if self._open:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._open = False
+        self.show(line, log=info.iter % self.every == 0, last=info.iter >= self.total)
 
 
 class Metrics:
@@ -480,7 +564,7 @@ class Metrics:
     def __init__(self, path: str | None) -> None:
         self.file = open(path, "a", encoding="utf-8") if path else None
 
-    def write(self, **record: Any) -> None:
+    def write(self, **record: object) -> None:
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
 
@@ -493,154 +577,131 @@ class Metrics:
 
 
 def _print_header(
-    cfg: dict[str, Any],
-    ds: Dataset,
-    dp: DataParallel,
-    per_rank: int,
-    snap: Snapshot | None,
-    out: TextIO,
+    cfg: TrainConfig, ds: Dataset, t: Training, snap: Snapshot | None, out: TextIO
 ) -> None:
-    n = dp.size
+    dp, n, per_rank = t.driver, t.ranks, t.per_rank_batch
     p = dp.params[0]
-    names = ", ".join(d.name for d in dp.devices)
+    names = ", ".join(d.name for d in t.devices)
     effective = per_rank * n
-    policy = cfg["lr_policy"]
     lines = [
         "nccltree-train",
         f"  data       {ds.description}",
-        f"  model      {dp.model!r}: {p.count:,} parameters, {p.dtype}",
-        f"  devices    {cfg['devices']} -> {names} ({n} rank{'s' if n > 1 else ''})",
-        f"  algorithm  {cfg['algorithm']}, update mode {cfg['update_mode']}",
-        f"  scaling    {cfg['scaling']}: batch {per_rank} per rank, effective batch {effective}"
+        f"  model      {t.model!r}: {p.count:,} parameters, {p.dtype}",
+        f"  devices    {cfg.devices} -> {names} ({n} rank{'s' if n > 1 else ''})",
+        f"  algorithm  {cfg.algorithm}, update mode {cfg.update_mode}",
+        f"  scaling    {cfg.scaling}: batch {per_rank} per rank, effective batch {effective}"
         + (
-            f" (global batch {cfg['batch_size']} split across {n} ranks)"
-            if cfg["scaling"] == "strong"
+            f" (global batch {cfg.batch_size} split across {n} ranks)"
+            if cfg.scaling == "strong"
             else ""
         ),
-        f"  solver     learning rate {dp.solvers[0].learning_rate():g} (policy {policy}), "
-        f"momentum {cfg['momentum']:g}, weight decay {cfg['weight_decay']:g}, "
-        f"{cfg['iters']} iterations",
+        f"  solver     learning rate {dp.solvers[0].learning_rate():g} "
+        f"(policy {cfg.lr_policy}), momentum {cfg.momentum:g}, weight decay "
+        f"{cfg.weight_decay:g}, {cfg.iters} iterations",
     ]
     if snap is not None:
         lines.append(f"  resumed    at iteration {snap.iter}, data position {snap.position}")
     print("\n".join(lines), file=out, flush=True)
 
 
-def run(
-    cfg: dict[str, Any], snap: Snapshot | None, out: TextIO, err: TextIO, target: float | None
-) -> int:
-    from ..backends import devices as make_devices
-    from ..data import DataReader
-    from ..models import build_model
-    from ..parallel import DataParallel, RankFailure, evaluate, per_rank_batch
+class _Outputs:
+    """What happens after every iteration, in the root's thread: the metrics line, the
+    progress line, evaluations on the held-out set and snapshots."""
 
-    quiet = cfg["quiet"]
-    devs = make_devices(cfg["devices"])
-    n = len(devs)
-    per_rank = per_rank_batch(cfg["batch_size"], n, cfg["scaling"])
-    with contextlib.ExitStack() as stack:
-        if devs[0].backend == "host":
-            stack.callback(devs[0].runtime.shutdown)
-        ds = load_dataset(cfg, stack)
-        kw = {"hidden": tuple(cfg["hidden"])} if cfg["model"] == "mlp" else {}
-        model = build_model(cfg["model"], ds.shape, ds.classes, **kw)
-        policy = {
-            k: cfg[k]
-            for k in ("gamma", "power", "stepsize", "stepvalue", "max_iter")
-            if cfg[k] is not None
-        }
-        dp = stack.enter_context(
-            DataParallel(
-                model,
-                devs,
-                algorithm=cfg["algorithm"],
-                update_mode=cfg["update_mode"],
-                seed=cfg["seed"],
-                timeout=cfg["timeout"],
-                blas_threads=cfg["blas_threads"],
-                lr=cfg["lr"],
-                momentum=cfg["momentum"],
-                weight_decay=cfg["weight_decay"],
-                lr_policy=cfg["lr_policy"],
-                **policy,
-            )
-        )
-        start = 0
-        if snap is not None:
-            dp.restore(snap)
-            start = snap.position or 0
-        if not quiet:
-            _print_header(cfg, ds, dp, per_rank, snap, out)
-        outdir = cfg["out"]
-        if outdir:
-            os.makedirs(outdir, exist_ok=True)
-        metrics = Metrics(os.path.join(outdir, "metrics.jsonl") if outdir else None)
-        stack.callback(metrics.close)
-        metrics.write(
-            event="config",
-            **{k: v for k, v in cfg.items() if k != "quiet"},
-            ranks=n,
-            per_rank_batch=per_rank,
-            start_iter=dp.iter,
-        )
-        iters = cfg["iters"]
-        every = max(1, iters // 10)
-        progress = Progress(iters, every, quiet, err)
-        snap_path = os.path.join(outdir, SNAPSHOT_NAME) if outdir else None
-        config = {k: v for k, v in cfg.items() if k != "quiet"}
-        state: dict[str, Any] = {"accuracy": None}
+    def __init__(
+        self, cfg: TrainConfig, ds: Dataset, t: Training, metrics: Metrics, progress: TrainProgress
+    ) -> None:
+        self.cfg, self.ds, self.t = cfg, ds, t
+        self.metrics, self.progress = metrics, progress
+        self.snapshot_path = os.path.join(cfg.out, SNAPSHOT_NAME) if cfg.out else None
+        self.accuracy: float | None = None
 
-        def do_eval(info: StepInfo) -> None:
-            assert ds.val is not None, "evaluated only with held-out data"
-            acc, loss = evaluate(model, info.params, *ds.val)
-            state["accuracy"] = acc
-            metrics.write(event="eval", iter=info.iter, accuracy=acc, loss=loss)
-            progress.message(
+    def _due(self, every: int, it: int) -> bool:
+        return it >= self.cfg.iters or (every > 0 and it % every == 0)
+
+    def on_step(self, info: StepInfo) -> None:
+        self.metrics.write(
+            event="train",
+            iter=info.iter,
+            loss=info.loss,
+            lr=info.lr,
+            examples=info.examples,
+            step_s=info.step_s,
+            comm_s=info.comm_s,
+            elapsed_s=info.elapsed_s,
+        )
+        self.progress.update(info)
+        if self.ds.val is not None and self._due(self.cfg.eval_every, info.iter):
+            acc, loss = self.evaluate(info.params)
+            self.metrics.write(event="eval", iter=info.iter, accuracy=acc, loss=loss)
+            self.progress.message(
                 f"iter {info.iter}: held-out accuracy {100 * acc:.2f}%, loss {loss:.4f}"
             )
-
-        def on_step(info: StepInfo) -> None:
-            metrics.write(
-                event="train",
-                iter=info.iter,
-                loss=info.loss,
-                lr=info.lr,
-                examples=info.examples,
-                step_s=info.step_s,
-                comm_s=info.comm_s,
-                elapsed_s=info.elapsed_s,
-            )
-            progress.update(info)
-            last = info.iter >= iters
-            if ds.val is not None and (
-                last or (cfg["eval_every"] and info.iter % cfg["eval_every"] == 0)
-            ):
-                do_eval(info)
-            if (
-                snap_path
-                and cfg["snapshot_every"]
-                and (last or info.iter % cfg["snapshot_every"] == 0)
-            ):
-                dp.snapshot(snap_path, config)
-                metrics.write(
-                    event="snapshot", iter=info.iter, path=snap_path, position=info.position
+        if self.snapshot_path and self.cfg.snapshot_every:
+            if self._due(self.cfg.snapshot_every, info.iter):
+                self.t.driver.snapshot(self.snapshot_path, self.cfg.as_dict())
+                self.metrics.write(
+                    event="snapshot",
+                    iter=info.iter,
+                    path=self.snapshot_path,
+                    position=info.position,
                 )
 
-        shuffle = cfg["seed"] if cfg["shuffle"] else None
-        reader = stack.enter_context(
-            DataReader(
-                ds.train_path,
-                per_rank,
-                n,
-                start=start,
-                shuffle=shuffle,
-                scale=cfg["scale"],
-                device=devs if devs[0].backend != "host" else None,
-                log_on_wait=None,
+    def evaluate(self, params: FlatParams) -> tuple[float, float]:
+        """Accuracy and loss of ``params`` on the held-out set; the accuracy is kept."""
+        from ..parallel import evaluate
+
+        assert self.ds.val is not None, "evaluated only with held-out data"
+        acc, loss = evaluate(self.t.model, params, *self.ds.val)
+        self.accuracy = acc
+        return acc, loss
+
+
+def run(
+    cfg: TrainConfig,
+    snap: Snapshot | None,
+    out: TextIO,
+    err: TextIO,
+    *,
+    quiet: bool = False,
+    target: float | None = None,
+) -> int:
+    """Train as ``cfg`` says (continuing ``snap``); returns the exit status."""
+    from ..parallel import RankFailure
+
+    with contextlib.ExitStack() as stack:
+        with checking():  # everything before the first iteration: an error is a usage error
+            ds = load_dataset(cfg, stack)
+            t = stack.enter_context(
+                build_training(
+                    cfg.driver(),
+                    ds.shape,
+                    ds.classes,
+                    data=ds.train_path,
+                    shuffle=cfg.seed if cfg.shuffle else None,
+                    scale=cfg.scale,
+                    resume=snap,
+                )
             )
+            if cfg.out:
+                os.makedirs(cfg.out, exist_ok=True)
+            metrics = Metrics(os.path.join(cfg.out, "metrics.jsonl") if cfg.out else None)
+            stack.callback(metrics.close)
+        dp = t.driver
+        if not quiet:
+            _print_header(cfg, ds, t, snap, out)
+        metrics.write(
+            event="config",
+            **cfg.as_dict(),
+            ranks=t.ranks,
+            per_rank_batch=t.per_rank_batch,
+            start_iter=dp.iter,
         )
+        progress = TrainProgress(cfg.iters, max(1, cfg.iters // 10), quiet, err)
+        outputs = _Outputs(cfg, ds, t, metrics, progress)
+        assert t.reader is not None, "build_training makes a reader when given data"
         try:
-            result = dp.fit(reader, iters, on_step=on_step)
+            result = dp.fit(t.reader, cfg.iters, on_step=outputs.on_step)
         except KeyboardInterrupt:
             progress.finish()
             where = (
@@ -649,17 +710,16 @@ def run(
                 else "; no snapshot was written"
             )
             print(f"interrupted at iteration {dp.iter}{where}", file=err, flush=True)
-            return 130
+            return EX_INTERRUPTED
         except RankFailure as exc:
             progress.finish()
-            print(f"nccltree-train: error: {exc}", file=err, flush=True)
-            return 1
+            report_error(PROG, exc, err)
+            return EX_FAILURE
         progress.finish()
-        if ds.val is not None and state["accuracy"] is None:  # nothing trained: still report
-            acc, _ = evaluate(model, dp.params[0], *ds.val)
-            state["accuracy"] = acc
-        if outdir:
-            final = os.path.join(outdir, "final.npz")
+        if ds.val is not None and outputs.accuracy is None:  # nothing trained: still report
+            outputs.evaluate(dp.params[0])
+        if cfg.out:
+            final = os.path.join(cfg.out, "final.npz")
             # allow_pickle: the default, named so that the typed signature sees no clash
             np.savez(final, allow_pickle=True, **dp.state_dict())
         summary = (
@@ -672,66 +732,47 @@ def run(
             iter=result.iter,
             elapsed_s=result.elapsed_s,
             examples_per_s=result.examples_per_s,
-            accuracy=state["accuracy"],
+            accuracy=outputs.accuracy,
         )
         if not quiet:
             print(summary, file=out)
-            if outdir:
+            if cfg.out:
                 print(
-                    f"wrote {os.path.join(outdir, 'final.npz')} and "
-                    f"{os.path.join(outdir, 'metrics.jsonl')}",
+                    f"wrote {os.path.join(cfg.out, 'final.npz')} and "
+                    f"{os.path.join(cfg.out, 'metrics.jsonl')}",
                     file=out,
                 )
-        return _report_accuracy(state["accuracy"], target, cfg, out)
+        return _report_accuracy(outputs.accuracy, target, cfg, out)
 
 
-def _report_accuracy(acc: float | None, target: float | None, cfg: dict, out: TextIO) -> int:
+def _report_accuracy(acc: float | None, target: float | None, cfg: TrainConfig, out: TextIO) -> int:
+    """Print the held-out accuracy against the target; a missed ``--target-accuracy`` (or
+    none to compare with it) is a wrong result."""
     if acc is None:
         print("no held-out set: pass --val-data DB to measure accuracy", file=out, flush=True)
-        return 0 if target is None else 1
+        return EX_OK if target is None else EX_WRONG
     shown = target
-    if shown is None and cfg["data"] is None and cfg["model"] == "mlp":
+    if shown is None and cfg.data is None and cfg.model == "mlp":
         shown = SYNTHETIC_TARGET
     pct = 100 * acc
     if shown is None:
-        print(f"reached {pct:.2f}% accuracy on the held-out set", file=out, flush=True)
+        text = f"reached {pct:.2f}% accuracy on the held-out set"
     elif pct >= shown:
-        print(
-            f"reached {pct:.2f}% accuracy on the held-out set (target {shown:g}%)",
-            file=out,
-            flush=True,
-        )
+        text = f"reached {pct:.2f}% accuracy on the held-out set (target {shown:g}%)"
     else:
-        print(
-            f"reached {pct:.2f}% accuracy on the held-out set, below the target {shown:g}%",
-            file=out,
-            flush=True,
-        )
-        return 1 if target is not None else 0
-    return 0
+        text = f"reached {pct:.2f}% accuracy on the held-out set, below the target {shown:g}%"
+    print(text, file=out, flush=True)
+    return EX_WRONG if target is not None and pct < target else EX_OK
+
+
+def _train(args: argparse.Namespace) -> int:
+    cfg, snap = resolve_config(args)
+    return run(cfg, snap, sys.stdout, sys.stderr, quiet=args.quiet, target=args.target_accuracy)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``nccltree-train``; returns the exit status."""
-    from .._errors import NcclTreeError
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    cfg, snap = resolve_config(args, parser)
-    cfg["quiet"] = args.quiet
-    try:
-        return run(cfg, snap, sys.stdout, sys.stderr, args.target_accuracy)
-    except KeyboardInterrupt:  # before training started (while preparing the data)
-        print("interrupted", file=sys.stderr, flush=True)
-        return 130
-    except (NcclTreeError, OSError) as exc:  # a backend, database or file problem
-        print(f"nccltree-train: error: {exc}", file=sys.stderr, flush=True)
-        return 1
-    except (ValueError, TypeError) as exc:
-        # configuration the parser cannot check alone: an uneven strong split, an unknown
-        # device, a model that does not fit the data, a snapshot of another model
-        parser.error(str(exc))
-    return 1
+    return run_main(build_parser(), argv, _train, show_usage=True)
 
 
 if __name__ == "__main__":

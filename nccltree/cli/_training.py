@@ -1,0 +1,151 @@
+"""The one way the command lines and benchmarks set up data-parallel training.
+
+``nccltree-train``, ``nccltree-bench train`` and ``bench/train_table.py`` all describe a run
+with a :class:`DriverConfig` and get the devices, the model, the
+:class:`~nccltree.parallel.DataParallel` driver and (given a database) the
+:class:`~nccltree.data.DataReader` from :func:`build_training`, which also releases them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ._common import open_devices
+
+if TYPE_CHECKING:
+    from ..backends.base import Device
+    from ..data import DataReader
+    from ..models import Model
+    from ..parallel import DataParallel
+    from ..snapshot import Snapshot
+
+
+@dataclass(frozen=True)
+class SolverConfig:
+    """Every rank's SGD (:class:`nccltree.solver.SGD`): Caffe's rule and LR policies."""
+
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    lr_policy: str = "fixed"
+    gamma: float | None = None
+    power: float | None = None
+    stepsize: int | None = None
+    stepvalue: tuple[int, ...] | None = None
+    max_iter: int | None = None
+
+
+@dataclass(frozen=True)
+class DriverConfig:
+    """Devices, model and driver of one data-parallel run.
+
+    ``batch_size`` is per rank (``scaling="weak"``) or global (``"strong"``), as
+    :func:`nccltree.parallel.per_rank_batch` reads it; ``hidden`` is the MLP's layer
+    widths (other models ignore it); ``comm=False`` turns communication off (a control).
+    """
+
+    devices: str
+    model: str
+    batch_size: int
+    solver: SolverConfig
+    hidden: tuple[int, ...] = (256,)
+    scaling: str = "weak"
+    algorithm: str = "tree"
+    update_mode: str = "allreduce"
+    comm: bool = True
+    seed: int = 0
+    timeout: float = 60.0
+    blas_threads: int | None = None
+
+
+@dataclass
+class Training:
+    """What :func:`build_training` made; valid inside its ``with`` block."""
+
+    devices: list[Device]
+    model: Model
+    driver: DataParallel
+    per_rank_batch: int
+    reader: DataReader | None = None
+
+    @property
+    def ranks(self) -> int:
+        return len(self.devices)
+
+
+@contextlib.contextmanager
+def build_training(
+    cfg: DriverConfig,
+    shape: tuple[int, ...],
+    classes: int,
+    *,
+    data: str | None = None,
+    shuffle: int | None = None,
+    scale: float | None = None,
+    resume: Snapshot | None = None,
+) -> Iterator[Training]:
+    """Make the devices of ``cfg.devices``, the model for examples of ``shape`` and
+    ``classes``, the driver (restored from ``resume`` if given) and, when ``data`` names a
+    database, the reader that serves its ranks from where the driver continues (with
+    ``shuffle`` seed and input ``scale``); everything is closed, and the host runtime
+    stopped, when the block ends.
+
+    Batches go straight to the devices' memory on GPUs; on virtual CPU devices they stay
+    the reader's host arrays.
+    """
+    from ..data import DataReader
+    from ..models import build_model
+    from ..parallel import DataParallel, per_rank_batch
+
+    with contextlib.ExitStack() as stack:
+        devs = stack.enter_context(open_devices(cfg.devices))
+        per_rank = per_rank_batch(cfg.batch_size, len(devs), cfg.scaling)
+        model = (
+            build_model(cfg.model, shape, classes, hidden=cfg.hidden)
+            if cfg.model == "mlp"
+            else build_model(cfg.model, shape, classes)
+        )
+        s = cfg.solver
+        dp = stack.enter_context(
+            DataParallel(
+                model,
+                devs,
+                algorithm=cfg.algorithm,
+                update_mode=cfg.update_mode,
+                comm=cfg.comm,
+                seed=cfg.seed,
+                timeout=cfg.timeout,
+                blas_threads=cfg.blas_threads,
+                lr=s.lr,
+                momentum=s.momentum,
+                weight_decay=s.weight_decay,
+                lr_policy=s.lr_policy,
+                gamma=s.gamma,
+                power=s.power,
+                stepsize=s.stepsize,
+                stepvalue=s.stepvalue,
+                max_iter=s.max_iter,
+            )
+        )
+        start = 0
+        if resume is not None:
+            dp.restore(resume)
+            start = resume.position or 0
+        reader = None
+        if data is not None:
+            reader = stack.enter_context(
+                DataReader(
+                    data,
+                    per_rank,
+                    len(devs),
+                    start=start,
+                    shuffle=shuffle,
+                    scale=scale,
+                    device=devs if devs[0].backend != "host" else None,
+                    log_on_wait=None,
+                )
+            )
+        yield Training(devs, model, dp, per_rank, reader)

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from ..comm import bench as drv
 from ..comm.collectives import COLLECTIVES, collective_name
@@ -34,6 +34,10 @@ from ._common import (
     run_main,
 )
 from ._training import DriverConfig, SolverConfig, build_training
+
+if TYPE_CHECKING:
+    from ..topology import Topology
+    from ..tree import Tree
 
 COLLECTIVE_DEFAULTS = {
     "devices": "auto",
@@ -228,7 +232,9 @@ def _sizes(args: argparse.Namespace) -> list[int]:
     return drv.size_range(lo, hi, args.stepfactor)
 
 
-def make_benchmark(args: argparse.Namespace, world_factory: Any = None) -> drv.Benchmark:
+def make_benchmark(
+    args: argparse.Namespace, world_factory: drv.WorldFactory | None = None
+) -> drv.Benchmark:
     """Check every collectives flag and create the Worlds; nothing runs yet."""
     from ..comm import ALGORITHM_CHOICES
 
@@ -496,7 +502,7 @@ def check_train_args(args: argparse.Namespace) -> None:
 
 
 def run_train(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    points: list[dict[str, Any]] = []
+    points: list[dict] = []
     total = len(args.devices) * len(args.scaling)
     progress = SweepProgress(total, args.quiet, err, every_s=0.0)
     with contextlib.ExitStack() as stack:
@@ -552,7 +558,7 @@ def run_train(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 # -- topo ---------------------------------------------------------------------------------
 
 
-def topology_dot(topo: Any, tree: Any) -> str:
+def topology_dot(topo: Topology, tree: Tree) -> str:
     """Graphviz: every link labelled with its kind; the tree's edges bold, pointing from
     parent to child."""
     tree_edges = {(p, c): lvl for p, c, lvl in tree.edges}
@@ -580,7 +586,7 @@ def topology_dot(topo: Any, tree: Any) -> str:
     return "\n".join(lines) + "\n"
 
 
-def resolve_topology(args: argparse.Namespace) -> tuple[Any, str, Any]:
+def resolve_topology(args: argparse.Namespace) -> tuple[Topology, str, Tree]:
     """(topology, where it came from, its tree) for the topo flags."""
     from ..topology import Topology
     from ..tree import build_tree
@@ -598,7 +604,7 @@ def resolve_topology(args: argparse.Namespace) -> tuple[Any, str, Any]:
     return topo, where, build_tree(topo, root=args.root)
 
 
-def run_topo(topo: Any, where: str, tree: Any, args: argparse.Namespace, out: TextIO) -> int:
+def run_topo(topo: Topology, where: str, tree: Tree, args: argparse.Namespace, out: TextIO) -> int:
     print(f"# topology ({where}, {topo.n} devices)", file=out)
     print(str(topo), file=out)
     print("", file=out)
@@ -839,7 +845,7 @@ def _blas_threads(text: str) -> int | None:
         ) from None
 
 
-def main(argv: list[str] | None = None, *, world_factory: Any = None) -> int:
+def main(argv: list[str] | None = None, *, world_factory: drv.WorldFactory | None = None) -> int:
     """Entry point of ``nccltree-bench``; returns the exit status.
 
     ``world_factory(devices, algorithm)`` replaces how the collectives benchmark makes

@@ -17,7 +17,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TextIO
 
 import numpy as np
@@ -51,11 +51,16 @@ SYNTHETIC_TARGET = 90.0
 SNAPSHOT_NAME = "snapshot.npz"
 
 
+def _default_solver() -> SolverConfig:
+    return SolverConfig(lr=0.05, momentum=0.9, weight_decay=5e-4)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything a run is made of, as the flags name it (``--batch-size`` is
-    ``batch_size``). A snapshot stores it (:meth:`as_dict`), so a resumed run takes the
-    flags not given on its command line from the run it continues.
+    ``batch_size``; the solver's flags are ``solver``'s fields). A snapshot stores it
+    flat (:meth:`as_dict`), so a resumed run takes the flags not given on its command line
+    from the run it continues.
 
     The defaults live here rather than in argparse, so that a resumed run can tell the
     flags given on its command line (they win) from those it takes from the snapshot.
@@ -72,15 +77,7 @@ class TrainConfig:
     batch_size: int = 32
     scaling: str = "weak"
     iters: int = 500
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    lr_policy: str = "fixed"
-    gamma: float | None = None
-    power: float | None = None
-    stepsize: int | None = None
-    stepvalue: tuple[int, ...] | None = None
-    max_iter: int | None = None
+    solver: SolverConfig = field(default_factory=_default_solver)
     algorithm: str = "tree"
     update_mode: str = "allreduce"
     seed: int = 0
@@ -91,20 +88,26 @@ class TrainConfig:
     timeout: float = 60.0
     blas_threads: int | None = None
 
-    @classmethod
-    def names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
+    def as_dict(self) -> dict[str, object]:
+        """The configuration, flat, as JSON takes it (the snapshot's and metrics.jsonl's
+        record): a key per flag."""
+        flat: dict[str, object] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            parts = dataclasses.asdict(value) if f.name == "solver" else {f.name: value}
+            flat.update({k: list(v) if isinstance(v, tuple) else v for k, v in parts.items()})
+        return flat
 
     @classmethod
     def checked(cls, values: Mapping[str, object]) -> TrainConfig:
-        """The configuration of ``values`` (a missing or None value takes the default),
-        checked by the one argument rule (``nccltree._validate``): argparse's ``float``
-        takes "nan" and "inf", a snapshot may hold anything."""
-        d = cls()
+        """The configuration of ``values`` (flat, as :meth:`as_dict`; a missing or None
+        value takes the default), checked by the one argument rule (``nccltree._validate``):
+        argparse's ``float`` takes "nan" and "inf", a snapshot may hold anything."""
+        defaults = cls().as_dict()
 
         def get(name: str) -> object:
             value = values.get(name)
-            return getattr(d, name) if value is None else value
+            return defaults[name] if value is None else value
 
         def opt_int(name: str, low: int | None = None) -> int | None:
             value = get(name)
@@ -115,13 +118,9 @@ class TrainConfig:
             value = get(name)
             return None if value is None else check_real(value, _flag(name))
 
-        synthetic = check_int(get("synthetic"), "--synthetic", min=1)
-        batch_size = check_int(get("batch_size"), "--batch-size", min=1)
-        iters = check_int(get("iters"), "--iters", min=0)
-        eval_every = check_int(get("eval_every"), "--eval-every", min=0)
-        snapshot_every = check_int(get("snapshot_every"), "--snapshot-every", min=0)
-        classes = opt_int("classes", 2)
-        blas_threads = opt_int("blas_threads", 1)
+        ints = {"synthetic": 1, "batch_size": 1, "iters": 0, "eval_every": 0, "snapshot_every": 0}
+        counts = {k: check_int(get(k), _flag(k), min=low) for k, low in ints.items()}
+        classes, blas_threads = opt_int("classes", 2), opt_int("blas_threads", 1)
         seed = check_int(get("seed"), "--seed", min=0)
         timeout = check_real(get("timeout"), "--timeout", min=0.0, min_open=True)
         lr, momentum, weight_decay = (
@@ -129,31 +128,11 @@ class TrainConfig:
         )
         scale, gamma, power = opt_real("scale"), opt_real("gamma"), opt_real("power")
         out = get("out")
-        if snapshot_every and not out:
+        if counts["snapshot_every"] and not out:
             raise ValueError("--snapshot-every needs --out DIR (where snapshot.npz goes)")
         hidden = _int_tuple(get("hidden"), "--hidden")
         stepvalue = get("stepvalue")
-        stepvalues = None if stepvalue is None else _int_tuple(stepvalue, "--stepvalue")
-        paths = {}
-        for key in ("data", "val_data"):
-            path = get(key)
-            if path is not None:
-                if not os.path.exists(str(path)):
-                    raise ValueError(f"{_flag(key)}: no database at {path}")
-                path = os.path.abspath(str(path))
-            paths[key] = path
-        return cls(
-            devices=str(get("devices")),
-            data=_opt_str(paths["data"]),
-            val_data=_opt_str(paths["val_data"]),
-            synthetic=synthetic,
-            classes=classes,
-            scale=scale,
-            model=str(get("model")),
-            hidden=hidden,
-            batch_size=batch_size,
-            scaling=str(get("scaling")),
-            iters=iters,
+        solver = SolverConfig(
             lr=lr,
             momentum=momentum,
             weight_decay=weight_decay,
@@ -161,24 +140,29 @@ class TrainConfig:
             gamma=gamma,
             power=power,
             stepsize=opt_int("stepsize"),
-            stepvalue=stepvalues,
+            stepvalue=None if stepvalue is None else _int_tuple(stepvalue, "--stepvalue"),
             max_iter=opt_int("max_iter"),
+        )
+        data, val_data = (_database(get(k), _flag(k)) for k in ("data", "val_data"))
+        return cls(
+            devices=str(get("devices")),
+            data=data,
+            val_data=val_data,
+            classes=classes,
+            scale=scale,
+            model=str(get("model")),
+            hidden=hidden,
+            scaling=str(get("scaling")),
+            solver=solver,
             algorithm=str(get("algorithm")),
             update_mode=str(get("update_mode")),
             seed=seed,
             shuffle=bool(get("shuffle")),
             out=None if out is None else os.path.abspath(str(out)),
-            eval_every=eval_every,
-            snapshot_every=snapshot_every,
             timeout=timeout,
             blas_threads=blas_threads,
+            **counts,
         )
-
-    def as_dict(self) -> dict[str, object]:
-        """The configuration as JSON takes it (the snapshot's and metrics.jsonl's record)."""
-        return {
-            k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()
-        }
 
     def driver(self) -> DriverConfig:
         """What :func:`build_training` needs of it."""
@@ -193,26 +177,21 @@ class TrainConfig:
             seed=self.seed,
             timeout=self.timeout,
             blas_threads=self.blas_threads,
-            solver=SolverConfig(
-                lr=self.lr,
-                momentum=self.momentum,
-                weight_decay=self.weight_decay,
-                lr_policy=self.lr_policy,
-                gamma=self.gamma,
-                power=self.power,
-                stepsize=self.stepsize,
-                stepvalue=self.stepvalue,
-                max_iter=self.max_iter,
-            ),
+            solver=self.solver,
         )
+
+
+def _database(path: object, flag: str) -> str | None:
+    """A database flag's path, made absolute; a usage error if there is nothing there."""
+    if path is None:
+        return None
+    if not os.path.exists(str(path)):
+        raise ValueError(f"{flag}: no database at {path}")
+    return os.path.abspath(str(path))
 
 
 def _flag(key: str) -> str:
     return "--" + key.replace("_", "-")
-
-
-def _opt_str(value: object) -> str | None:
-    return None if value is None else str(value)
 
 
 def _int_tuple(value: object, what: str) -> tuple[int, ...]:
@@ -232,10 +211,10 @@ def _int_tuple(value: object, what: str) -> tuple[int, ...]:
 
 def _d(key: str) -> str:
     """A flag's default as its help shows it."""
-    value = getattr(TrainConfig(), key)
+    value = TrainConfig().as_dict()[key]
     if value is None:
         return "none"
-    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -441,7 +420,7 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Snapshot | No
         except ValueError as exc:
             raise UsageError(f"--resume: {exc}") from exc
     saved = snap.config if snap is not None else {}
-    values = {k: getattr(args, k) for k in TrainConfig.names()}
+    values = {k: getattr(args, k) for k in TrainConfig().as_dict()}
     with checking():
         cfg = TrainConfig.checked({k: saved.get(k) if v is None else v for k, v in values.items()})
     return cfg, snap
@@ -596,8 +575,8 @@ def _print_header(
             else ""
         ),
         f"  solver     learning rate {dp.solvers[0].learning_rate():g} "
-        f"(policy {cfg.lr_policy}), momentum {cfg.momentum:g}, weight decay "
-        f"{cfg.weight_decay:g}, {cfg.iters} iterations",
+        f"(policy {cfg.solver.lr_policy}), momentum {cfg.solver.momentum:g}, weight decay "
+        f"{cfg.solver.weight_decay:g}, {cfg.iters} iterations",
     ]
     if snap is not None:
         lines.append(f"  resumed    at iteration {snap.iter}, data position {snap.position}")

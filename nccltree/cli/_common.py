@@ -3,18 +3,18 @@ the host-runtime guard and the formatting of sizes and Markdown tables.
 
 Exit statuses (every ``--help`` epilog prints :data:`EXIT_STATUS_EPILOG`):
 
-* ``0`` (:data:`EX_OK`): success.
-* ``1`` (:data:`EX_FAILURE`): the work started and failed -- a rank raised, a collective
+* ``0`` (``ExitStatus.OK``): success.
+* ``1`` (``ExitStatus.FAILURE``): the work started and failed -- a rank raised, a collective
   timed out, a file or database could not be read or written.
-* ``2`` (:data:`EX_USAGE`): the command cannot run as given, found before any work starts
+* ``2`` (``ExitStatus.USAGE``): the command cannot run as given, found before any work starts
   -- argparse's own errors and every check of the flags against the library and this
   machine (a bad value, an unknown device, a backend or optional package this machine
   lacks, a path that does not exist, a batch that does not split across the ranks).
   Nothing ran: change the command and run it again.
-* ``3`` (:data:`EX_WRONG`): the work finished but its results fail their check -- a
+* ``3`` (``ExitStatus.WRONG``): the work finished but its results fail their check -- a
   benchmark's ``#wrong`` column is not zero, the held-out accuracy is below
   ``--target-accuracy``.
-* ``130`` (:data:`EX_INTERRUPTED`): interrupted by Ctrl-C (SIGINT), 128 + 2 as the shell
+* ``130`` (``ExitStatus.INTERRUPTED``): interrupted by Ctrl-C (SIGINT), 128 + 2 as the shell
   reports a process killed by that signal.
 
 ``2`` is argparse's status for a bad flag, kept for every error of the same kind, so that a
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import enum
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -37,11 +38,16 @@ from .._errors import NcclTreeError
 if TYPE_CHECKING:
     from ..backends.base import Device
 
-EX_OK = 0
-EX_FAILURE = 1
-EX_USAGE = 2
-EX_WRONG = 3
-EX_INTERRUPTED = 130
+
+class ExitStatus(enum.IntEnum):
+    """The exit statuses of every nccltree command line (see the module's docstring)."""
+
+    OK = 0
+    FAILURE = 1
+    USAGE = 2
+    WRONG = 3
+    INTERRUPTED = 130
+
 
 EXIT_STATUS_EPILOG = (
     "Exit status: 0 success; 1 the run failed; 2 bad usage (nothing ran: a flag, or what it "
@@ -88,7 +94,9 @@ def run_main(
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0), or a flag argparse itself rejects (2)
         code = exc.code
-        return code if isinstance(code, int) else EX_OK if code is None else EX_USAGE
+        return (
+            code if isinstance(code, int) else ExitStatus.OK if code is None else ExitStatus.USAGE
+        )
     name = prog(args) if prog is not None else parser.prog
     try:
         return body(args)
@@ -96,13 +104,13 @@ def run_main(
         if show_usage:
             parser.print_usage(sys.stderr)
         report_error(name, exc)
-        return EX_USAGE
+        return ExitStatus.USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
-        return EX_INTERRUPTED
+        return ExitStatus.INTERRUPTED
     except ERRORS as exc:
         report_error(name, exc)
-        return EX_FAILURE
+        return ExitStatus.FAILURE
 
 
 def report_error(prog: str, exc: BaseException | str, stream: TextIO | None = None) -> None:

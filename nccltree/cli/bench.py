@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING, TextIO
 from ..comm import bench as drv
 from ..comm.collectives import COLLECTIVES, collective_name
 from ._common import (
-    EX_OK,
-    EX_WRONG,
     EXIT_STATUS_EPILOG,
+    ExitStatus,
     Progress,
     UsageError,
     checking,
@@ -326,8 +325,8 @@ def run_collectives(
     wrong = sum(r.wrong or 0 for r in records)
     if wrong:
         print(f"nccltree-bench: {wrong} wrong element(s) in the results", file=err, flush=True)
-        return EX_WRONG
-    return EX_OK
+        return ExitStatus.WRONG
+    return ExitStatus.OK
 
 
 # -- train --------------------------------------------------------------------------------
@@ -552,7 +551,7 @@ def run_train(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         )
     if args.plot:
         plot_train(args.plot, points)
-    return EX_OK
+    return ExitStatus.OK
 
 
 # -- topo ---------------------------------------------------------------------------------
@@ -612,7 +611,7 @@ def run_topo(topo: Topology, where: str, tree: Tree, args: argparse.Namespace, o
     if args.dot:
         with open(args.dot, "w", encoding="utf-8") as f:
             f.write(topology_dot(topo, tree))
-    return EX_OK
+    return ExitStatus.OK
 
 
 # -- parser and entry point ---------------------------------------------------------------
@@ -633,7 +632,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time collectives over a size sweep and check every result. Figures "
         "mean what nccl-tests' mean: algbw = size / time, busbw = algbw x 2(n-1)/n "
         "(all_reduce), (n-1)/n (all_gather, reduce_scatter), 1 (broadcast, reduce); "
-        f"GB = 1e9 bytes. Exit status {EX_WRONG} if any element was wrong.",
+        f"GB = 1e9 bytes. Exit status {int(ExitStatus.WRONG)} if any element was wrong.",
         epilog=EXIT_STATUS_EPILOG,
     )
     c.add_argument(

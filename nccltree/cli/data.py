@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from .._validate import check_int
-from ._common import EX_OK, EXIT_STATUS_EPILOG, checking, run_main
+from ._common import EXIT_STATUS_EPILOG, ExitStatus, checking, run_main
 
 PROG = "nccltree-data"
 
@@ -170,7 +170,7 @@ def _convert(args: argparse.Namespace) -> int:
     print(
         f"wrote {n} {args.format} records of shape {tuple(x.shape[1:])} {x.dtype} to {args.out_db}"
     )
-    return EX_OK
+    return ExitStatus.OK
 
 
 def _make(args: argparse.Namespace) -> int:
@@ -186,7 +186,7 @@ def _make(args: argparse.Namespace) -> int:
         f"wrote {n} {args.dataset} records of shape {tuple(x.shape[1:])} {x.dtype} "
         f"({int(y.max()) + 1} classes) to {args.out_db}"
     )
-    return EX_OK
+    return ExitStatus.OK
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -198,7 +198,7 @@ def _info(args: argparse.Namespace) -> int:
     info = db_info(args.db, args.format)
     if args.json:
         print(json.dumps(info))
-        return EX_OK
+        return ExitStatus.OK
     rows = [
         ("path", info["path"]),
         ("records", str(info["records"])),
@@ -212,7 +212,7 @@ def _info(args: argparse.Namespace) -> int:
     ]
     for name, value in rows:
         print(f"{name:<10} {value}")
-    return EX_OK
+    return ExitStatus.OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:

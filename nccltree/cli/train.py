@@ -24,11 +24,8 @@ import numpy as np
 
 from .._validate import check_int, check_real
 from ._common import (
-    EX_FAILURE,
-    EX_INTERRUPTED,
-    EX_OK,
-    EX_WRONG,
     EXIT_STATUS_EPILOG,
+    ExitStatus,
     Progress,
     UsageError,
     checking,
@@ -396,8 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--target-accuracy",
         type=float,
         metavar="PCT",
-        help=f"exit with status {EX_WRONG} if the final held-out accuracy is below PCT "
-        f"(default: report against {SYNTHETIC_TARGET:g}%% for the built-in "
+        help=f"exit with status {int(ExitStatus.WRONG)} if the final held-out accuracy is "
+        f"below PCT (default: report against {SYNTHETIC_TARGET:g}%% for the built-in "
         "task, without failing)",
     )
     g.add_argument("--quiet", action="store_true", help="print only the result and errors")
@@ -689,11 +686,11 @@ def run(
                 else "; no snapshot was written"
             )
             print(f"interrupted at iteration {dp.iter}{where}", file=err, flush=True)
-            return EX_INTERRUPTED
+            return ExitStatus.INTERRUPTED
         except RankFailure as exc:
             progress.finish()
             report_error(PROG, exc, err)
-            return EX_FAILURE
+            return ExitStatus.FAILURE
         progress.finish()
         if ds.val is not None and outputs.accuracy is None:  # nothing trained: still report
             outputs.evaluate(dp.params[0])
@@ -729,7 +726,7 @@ def _report_accuracy(acc: float | None, target: float | None, cfg: TrainConfig, 
     none to compare with it) is a wrong result."""
     if acc is None:
         print("no held-out set: pass --val-data DB to measure accuracy", file=out, flush=True)
-        return EX_OK if target is None else EX_WRONG
+        return ExitStatus.OK if target is None else ExitStatus.WRONG
     shown = target
     if shown is None and cfg.data is None and cfg.model == "mlp":
         shown = SYNTHETIC_TARGET
@@ -741,7 +738,7 @@ def _report_accuracy(acc: float | None, target: float | None, cfg: TrainConfig, 
     else:
         text = f"reached {pct:.2f}% accuracy on the held-out set, below the target {shown:g}%"
     print(text, file=out, flush=True)
-    return EX_WRONG if target is not None and pct < target else EX_OK
+    return ExitStatus.WRONG if target is not None and pct < target else ExitStatus.OK
 
 
 def _train(args: argparse.Namespace) -> int:

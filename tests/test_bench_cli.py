@@ -313,6 +313,20 @@ def test_train_table_and_json(tmp_path, capsys):
     assert weak2["efficiency"] == pytest.approx(weak2["speedup"] / 2)
 
 
+def test_train_json_describes_the_devices_measured(tmp_path, capsys):
+    js = tmp_path / "t.json"
+    code, _, err = run(
+        [*TRAIN, "--devices", "cpu:1", "cpu:3", "--quiet", "--json", str(js)], capsys
+    )
+    assert code == 0, err
+    data = json.loads(js.read_text())
+    one, three = (p["machine"] for p in data["points"])
+    assert one["device_names"] == ["cpu:0"]
+    assert three["device_names"] == ["cpu:0", "cpu:1", "cpu:2"]
+    # the top level describes the largest set measured, not a throw-away cpu:1
+    assert data["machine"] == three and data["machine"]["backend"] == "host"
+
+
 def test_train_bad_flags_fail_before_training(capsys):
     code, out, err = run([*TRAIN, "--devices", "cpu:1", "cpu:3", "--scaling", "strong"], capsys)
     assert code == 2 and out == "" and "split evenly" in err

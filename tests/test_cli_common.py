@@ -1,0 +1,249 @@
+"""The command lines' one exit-status convention, each status from each command line, and
+the shared pieces behind it (progress line, host-runtime guard, tables)."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import nccltree as nt
+from nccltree._errors import CommError
+from nccltree.cli import _common
+from nccltree.cli import bench as bench_cli
+from nccltree.cli import data as data_cli
+from nccltree.cli import train as train_cli
+from nccltree.cli._common import ExitStatus
+from nccltree.comm import World
+from nccltree.models import Model
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = ["--devices", "cpu:2", "--synthetic", "256", "--eval-every", "0", "--iters", "3"]
+BENCH = [
+    "collectives",
+    "--devices",
+    "cpu:2",
+    "-b",
+    "8",
+    "-e",
+    "64",
+    "-f",
+    "8",
+    "-n",
+    "1",
+    "-w",
+    "0",
+]
+
+
+def test_the_statuses():
+    assert [int(s) for s in ExitStatus] == [0, 1, 2, 3, 130]
+    assert ExitStatus.INTERRUPTED == 128 + signal.SIGINT
+
+
+@pytest.mark.parametrize(
+    "parser",
+    [
+        train_cli.build_parser(),
+        bench_cli.build_parser(),
+        data_cli.build_parser(),
+        *(
+            action.choices[name]
+            for action in bench_cli.build_parser()._subparsers._group_actions
+            for name in ("collectives", "train", "topo")
+        ),
+    ],
+    ids=lambda p: p.prog,
+)
+def test_every_help_documents_the_statuses(parser):
+    text = " ".join(parser.format_help().split())
+    assert " ".join(_common.EXIT_STATUS_EPILOG.split()) in text
+
+
+# -- nccltree-train --------------------------------------------------------------------------
+
+
+def test_train_statuses(capsys, monkeypatch, tmp_path):
+    assert train_cli.main([*TRAIN, "--quiet"]) == ExitStatus.OK
+    capsys.readouterr()
+    # usage: a bad flag (argparse's), a value the library refuses, a device this machine
+    # lacks -- and nothing ran
+    for argv in (
+        ["--model", "rnn"],
+        ["--batch-size", "3", "--scaling", "strong"],
+        ["--devices", "gpu:99"],
+    ):
+        assert train_cli.main([*TRAIN, *argv]) == ExitStatus.USAGE
+        out, err = capsys.readouterr()
+        assert out == "" and "nccltree-train: error:" in err
+    # wrong results: a missed --target-accuracy
+    assert train_cli.main([*TRAIN, "--quiet", "--target-accuracy", "101"]) == ExitStatus.WRONG
+    assert "below the target 101%" in capsys.readouterr().out
+    # a failure once the run started: a rank raises
+    original = Model.loss_and_grad
+
+    def failing(self, params, x, y):
+        if params.device.index == 1:
+            raise FloatingPointError("injected")
+        return original(self, params, x, y)
+
+    monkeypatch.setattr(Model, "loss_and_grad", failing)
+    assert train_cli.main([*TRAIN, "--timeout", "20"]) == ExitStatus.FAILURE
+    assert "nccltree-train: error: rank 1 of 2 failed" in capsys.readouterr().err
+
+
+def test_train_interrupted_in_a_subprocess(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "nccltree.cli.train", *TRAIN[:-1], "10000000"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:  # the header is printed when training starts
+            if proc.stdout.readline().startswith("  solver"):
+                break
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == ExitStatus.INTERRUPTED, err
+    assert "interrupted at iteration" in err
+
+
+# -- nccltree-bench --------------------------------------------------------------------------
+
+
+class _OffByOne(World):
+    def all_reduce(self, xs, op="sum", outs=None, **kw):
+        res = super().all_reduce(xs, op=op, outs=outs, **kw)
+        res[-1][...] += 1
+        return res
+
+
+class _Failing(World):
+    def all_reduce(self, xs, op="sum", outs=None, **kw):
+        raise CommError("injected: the link went down")
+
+
+class _Interrupted(World):
+    def all_reduce(self, xs, op="sum", outs=None, **kw):
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize(
+    "world, argv, status, message",
+    [
+        (World, [], ExitStatus.OK, None),
+        (World, ["-f", "1"], ExitStatus.USAGE, "nccltree-bench collectives: error:"),
+        (World, ["--devices", "gpu:99"], ExitStatus.USAGE, "nccltree-bench collectives: error:"),
+        (_Failing, [], ExitStatus.FAILURE, "injected: the link went down"),
+        (_OffByOne, [], ExitStatus.WRONG, "wrong element"),
+        (_Interrupted, [], ExitStatus.INTERRUPTED, "interrupted"),
+    ],
+    ids=["ok", "usage", "no-such-device", "failure", "wrong", "interrupted"],
+)
+def test_bench_statuses(capsys, world, argv, status, message):
+    def factory(devices, algorithm):
+        return world(devices, algorithm=algorithm)
+
+    assert bench_cli.main([*BENCH, "--quiet", *argv], world_factory=factory) == status
+    err = capsys.readouterr().err
+    if message is not None:
+        assert message in err
+    else:
+        assert err == ""
+
+
+def test_bench_argparse_statuses(capsys):
+    assert bench_cli.main(["collectives", "-n", "many"]) == ExitStatus.USAGE
+    assert bench_cli.main(["topo", "--help"]) == ExitStatus.OK
+    assert bench_cli.main(["topo", "--preset", "dgx1"]) == ExitStatus.OK
+    assert bench_cli.main(["topo", "--smi", "/nonexistent/topo.txt"]) == ExitStatus.USAGE
+    capsys.readouterr()
+
+
+# -- nccltree-data ---------------------------------------------------------------------------
+
+
+def test_data_statuses(capsys, monkeypatch, tmp_path):
+    db = str(tmp_path / "db")
+    assert data_cli.main(["make", "synthetic", db, "--n", "8"]) == ExitStatus.OK
+    assert data_cli.main(["make", "synthetic", db, "--n", "0"]) == ExitStatus.USAGE
+    assert data_cli.main(["info", str(tmp_path / "missing")]) == ExitStatus.USAGE
+    # a database that cannot be written: an existing one without --overwrite
+    assert data_cli.main(["make", "synthetic", db, "--n", "8"]) == ExitStatus.FAILURE
+    assert "overwrite" in capsys.readouterr().err
+
+    def interrupted(*args, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(nt.data, "db_info", interrupted)
+    assert data_cli.main(["info", db]) == ExitStatus.INTERRUPTED
+    assert "interrupted" in capsys.readouterr().err
+
+
+# -- the shared pieces -----------------------------------------------------------------------
+
+
+def test_checking_turns_errors_into_usage_errors():
+    with pytest.raises(_common.UsageError, match="bad value") as ei:
+        with _common.checking():
+            raise ValueError("bad value")
+    assert isinstance(ei.value.__cause__, ValueError)
+    with pytest.raises(KeyboardInterrupt), _common.checking():
+        raise KeyboardInterrupt
+    with pytest.raises(RuntimeError), _common.checking():  # a bug keeps its traceback
+        raise RuntimeError("bug")
+
+
+def test_open_devices_stops_the_host_runtime_however_the_block_ends():
+    with pytest.raises(RuntimeError), _common.open_devices("cpu:2") as devs:
+        assert len(devs) == 2 and not devs[0].runtime.closed
+        raise RuntimeError("the block fails")
+    assert devs[0].runtime.closed
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_line():
+    tty = _Tty()
+    p = _common.Progress(tty, quiet=False)
+    p.show("a", log=False)
+    p.message("note")
+    p.show("b", log=False, last=True)
+    assert tty.getvalue() == "\r\x1b[2Ka\r\x1b[2Knote\n\r\x1b[2Kb\n"
+    plain = io.StringIO()
+    p = _common.Progress(plain, quiet=False)
+    p.show("skipped", log=False)
+    p.show("kept", log=True)
+    p.show("last", log=False, last=True)
+    p.finish()
+    assert plain.getvalue() == "kept\nlast\n"
+    quiet = io.StringIO()
+    p = _common.Progress(quiet, quiet=True)
+    p.show("x", log=True, last=True)
+    p.message("y")
+    assert quiet.getvalue() == ""
+
+
+def test_tables():
+    assert _common.human_bytes(3 << 10) == "3 KiB" and _common.human_bytes(3000) == "3000 B"
+    assert _common.markdown_table(["a", "b"], [[1, "x"]]) == [
+        "| a | b |",
+        "| :--- | ---: |",
+        "| 1 | x |",
+    ]
+    with pytest.raises(ValueError, match="align"):
+        _common.markdown_table(["a", "b"], [], "l")

@@ -162,7 +162,7 @@ def run_mpi(n: int, sizes: list[int]) -> dict:
 
 
 def summarise(n: int, run: dict, maxbytes: int) -> dict:
-    """The issue's three ratios from one rank count's measurements."""
+    """The three target ratios (bound, MPI, barrier) from one rank count's measurements."""
     recs = run["records"]
     copy_bw = run["copy"]["bandwidth"] * 1e9
     from nccltree.comm import World

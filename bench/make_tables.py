@@ -27,7 +27,7 @@ def _verdict(ok: bool) -> str:
     return "met" if ok else "**missed**"
 
 
-# -- the issue-3 comparison ---------------------------------------------------------------
+# -- the all_reduce comparison --------------------------------------------------------------
 
 
 def comparison_tables(d: dict) -> list[str]:
@@ -95,7 +95,9 @@ def targets_tables(d: dict) -> list[str]:
                     f"{b['bound_us'] / 1e3:.2f}",
                     f"{b['time_us'] / 1e3:.2f}",
                     f"{b['ratio']:.2f}",
-                    _verdict(b["ratio"] <= t["bound_ratio_max"]),
+                    # the bound here divides by one core's np.copyto rate, not by the
+                    # library's own multi-threaded copy rate: no "met" against it
+                    "within, vs np.copyto" if b["ratio"] <= t["bound_ratio_max"] else "**over**",
                 ]
             )
     copies = ", ".join(

@@ -52,8 +52,8 @@
 #define NT_STREAM_MIN_REDUCE_BYTES ((int64_t)1 << 20)
 #define NT_STREAM_MIN_COPY_BYTES ((int64_t)2 << 20)
 /* Streaming stores go out a whole cache line at a time, computed into an L1-resident
-   tile.  A small tile keeps the source loads and the stores interleaved; 256 bytes ran a
-   2-source sum about 10% faster than 1 KiB and no slower with 8 sources. */
+   tile.  A small tile keeps the source loads and the stores interleaved (the tile sizes
+   compared: docs/performance.md, "Native kernels"). */
 #define NT_LINE_BYTES 64
 #define NT_TILE_BYTES 256
 

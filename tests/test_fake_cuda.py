@@ -301,7 +301,7 @@ def _subnormal_case() -> tuple[np.ndarray, np.ndarray]:
 def test_float32_subnormals_kept_on_both_module_origins(
     gpus: Any, fake_cupy: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, origin: str
 ) -> None:
-    """Issue 10 defect 3: the module from the fatbin and the one compiled at run time keep
+    """The module from the fatbin and the one compiled at run time keep
     float32 subnormals (no -ftz=true); a fake fatbin is put on the package path for the
     first (wiring check, not GPU verification)."""
     import fakecupy
@@ -337,7 +337,7 @@ def test_fatbin_without_an_image_for_the_gpu_falls_back_to_source(
 
 
 def test_raw_module_from_code_flushes_subnormals(fake_cupy: Any) -> None:
-    """The trap defect 3 avoids: CuPy's RawModule(code=) appends -ftz=true (the fake
+    """The trap the NVRTC call avoids: CuPy's RawModule(code=) appends -ftz=true (the fake
     reproduces it, so a regression to that path is caught)."""
     import cupy as cp
 
@@ -350,11 +350,11 @@ def test_raw_module_from_code_flushes_subnormals(fake_cupy: Any) -> None:
     assert got[0] == 0.0 and (a + b)[0] != 0.0
 
 
-# -- the defects of issue 10, through the public API ---------------------------------------
+# -- the CUDA paths' known traps, through the public API -------------------------------------
 
 
 def test_failed_stream_raises_at_once(fake_cupy: Any) -> None:
-    """Issue 10 defect 2: a failed op raises its CUDA error at once, not a timeout (wiring
+    """A failed op raises its CUDA error at once, not a timeout (wiring
     check, not GPU verification). The device is not shut down: its failed stream would
     (rightly) raise there too."""
     (d0,) = nt.devices("gpu:0")
@@ -372,7 +372,7 @@ def test_failed_stream_raises_at_once(fake_cupy: Any) -> None:
 
 
 def test_from_host_allocates_on_the_stream_that_writes(gpus: Any, fake_cupy: Any) -> None:
-    """Issue 10 defect 5: memory is allocated in the pool arena of the stream that writes it
+    """Memory is allocated in the pool arena of the stream that writes it
     (wiring check, not GPU verification)."""
     (d0,) = gpus("gpu:0")
     s = d0.new_stream()
@@ -400,7 +400,7 @@ def test_synced_memory_on_a_gpu(gpus: Any, fake_cupy: Any) -> None:
 
 
 def test_pinned_memory_is_page_locked_and_trim_unpins(gpus: Any, fake_cupy: Any) -> None:
-    """Issue 10 defect 6: pinned buffers are exactly their size, page-locked through
+    """Pinned buffers are exactly their size, page-locked through
     cudaHostAlloc, and PinnedPool.trim() unpins them (wiring check, not GPU
     verification)."""
     gpus("gpu:0")
@@ -426,7 +426,7 @@ def test_pinned_memory_is_page_locked_and_trim_unpins(gpus: Any, fake_cupy: Any)
 
 
 def test_reduce_into_peer_buffer_stores_directly(gpus: Any, fake_cupy: Any) -> None:
-    """Issue 10 defect 8: with peer access, reducing into a peer's buffer launches one
+    """With peer access, reducing into a peer's buffer launches one
     kernel writing it, with no temporary and no copy (wiring check, not GPU
     verification)."""
     d0, d1 = gpus("gpu:0,1")
@@ -450,7 +450,7 @@ def test_reduce_into_peer_buffer_stores_directly(gpus: Any, fake_cupy: Any) -> N
     "fake_cupy", [{"n_gpus": 3, "peer": True}], indirect=True
 )  # fmt: skip
 def test_peer_access_error_means_no_peer_access(gpus: Any, fake_cupy: Any) -> None:
-    """Issue 10 defect 9: cudaErrorTooManyPeers records the pair as having no peer access
+    """CudaErrorTooManyPeers records the pair as having no peer access
     instead of failing device creation (wiring check, not GPU verification)."""
     fake_cupy.set_peer_error(0, 2, 711)
     with pytest.warns(RuntimeWarning, match="peer access"):
@@ -466,7 +466,7 @@ def test_peer_access_error_means_no_peer_access(gpus: Any, fake_cupy: Any) -> No
 
 @pytest.mark.parametrize("k", [8, 9, 11])
 def test_reduce_many_sources_into_a_late_source(gpus: Any, k: int) -> None:
-    """Issue 10 defect 11: more than 8 sources with dst == srcs[k], k >= 8 (wiring check,
+    """More than 8 sources with dst == srcs[k], k >= 8 (wiring check,
     not GPU verification)."""
     (d0,) = gpus("gpu:0")
     host = [_data(40, np.float32, 30 + j) for j in range(12)]
@@ -478,7 +478,7 @@ def test_reduce_many_sources_into_a_late_source(gpus: Any, k: int) -> None:
 
 
 def test_to_host_out_of_any_shape_without_stream(gpus: Any) -> None:
-    """Issue 10 defect 12: to_host(out=) takes any writable buffer of the same size, with
+    """To_host(out=) takes any writable buffer of the same size, with
     or without a stream (wiring check, not GPU verification)."""
     (d0,) = gpus("gpu:0")
     x = d0.from_host(np.arange(12, dtype=np.float32).reshape(3, 4))

@@ -772,7 +772,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="BLAS threads per rank, or 'auto' for the trainer's default (cores // "
         "ranks). Default 1, so every device set gets the same per-rank compute "
         "and the speedups compare like with like (on a 2-core machine two BLAS "
-        "threads on small matrices make 1 rank about 4x slower)",
+        "threads on small matrices make 1 rank several times slower)",
     )
     t.add_argument(
         "--iters",

@@ -50,7 +50,7 @@ _NCCL = Rule(
 _HOST_TREE = Rule(
     "tree",
     "measured on the host backend: the tree led direct up to 1 MiB per rank on 2 and 4 "
-    "ranks, direct led from 4 MiB (docs/benchmarks.md); inline up to 256 KiB",
+    "ranks, direct led from 4 MiB (docs/performance.md#algorithm-choice-per-size-auto); inline up to 256 KiB",
     max_bytes=1 << 20,
 )
 _CUDA_TREE = Rule(

@@ -43,7 +43,7 @@ from .data.source import BatchSource, RankBatch
 from .models import Model
 from .params import FlatParams
 from .snapshot import SNAPSHOT_FORMAT, Snapshot, load_snapshot, save_snapshot
-from .solver import SGD, Callback
+from .solver import SGD, Callback, Diverged
 
 if TYPE_CHECKING:
     from .backends.base import Device
@@ -56,6 +56,7 @@ __all__ = [
     "AllReduceSync",
     "BatchSource",
     "DataParallel",
+    "Diverged",
     "FitResult",
     "RankFailure",
     "RootSync",
@@ -274,6 +275,11 @@ class DataParallel:
 
     ``grad_hook(rank, iteration, params)`` runs on every rank after the backward pass and
     before communication (tests inject faults with it).
+
+    Every rank's solver checks that its loss and the gradient it applies are finite (see
+    :class:`~nccltree.solver.SGD`'s ``check_finite``, which may be passed here): a
+    diverging run ends with a :class:`RankFailure` whose cause is :class:`Diverged`, raised
+    before the update, so the root still holds the last good state.
     """
 
     def __init__(
@@ -333,6 +339,7 @@ class DataParallel:
         self.last_snapshot: str | None = None
         self._world: World | None = None
         self._run: _Run | None = None
+        self._busy_ranks = 0  # rank threads of the last fit that had not stopped
         self._restored = False
 
     # -- properties and state -------------------------------------------------------------
@@ -340,6 +347,12 @@ class DataParallel:
     def iter(self) -> int:
         """Iterations completed (the root solver's iteration counter)."""
         return self.solvers[0].iter
+
+    @property
+    def idle(self) -> bool:
+        """No rank thread runs, so the root's state may be read or snapshotted (false only
+        after an interrupted ``fit`` whose ranks did not stop within the timeout)."""
+        return self._run is None and self._busy_ranks == 0
 
     @property
     def root_updates(self) -> bool:
@@ -481,6 +494,8 @@ class DataParallel:
                 run.done.wait_for(lambda: run.alive == 0, timeout=self.timeout)
             raise
         finally:
+            with run.lock:
+                self._busy_ranks = run.alive
             self._run = None
             result.elapsed_s = time.perf_counter() - run.t_start
             result.iter = self.iter

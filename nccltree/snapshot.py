@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import zipfile
 from collections.abc import Mapping
@@ -70,6 +71,19 @@ def save_snapshot(
     arrays[_POSITION] = np.int64(-1 if position is None else position)
     arrays[_FORMAT] = np.str_(SNAPSHOT_FORMAT)
     arrays[_CONFIG] = np.str_(json.dumps(dict(config or {}), sort_keys=True))
+    save_arrays(path, arrays)
+
+
+# A temporary of save_arrays: the target's name, ".tmp", the writer's process id and thread.
+_TMP = re.compile(r"^(?P<target>.+)\.tmp(?P<pid>\d+)\.\d+$")
+
+
+def save_arrays(path: str | os.PathLike[str], arrays: Mapping[str, Any]) -> None:
+    """``np.savez(path, **arrays)`` atomically: a temporary file in the same directory,
+    flushed to disk, then ``os.replace``. A process killed at any point (even ``kill -9``)
+    leaves either the previous file or the new one, never a partial file; the temporary
+    of a killed writer is removed by :func:`remove_stale_temporaries`."""
+    path = os.fspath(path)
     # unique per writer, so two threads or processes never share a temporary
     tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
     try:
@@ -83,6 +97,42 @@ def save_snapshot(
             os.unlink(tmp)
 
 
+def remove_stale_temporaries(directory: str | os.PathLike[str]) -> list[str]:
+    """Remove the temporaries :func:`save_arrays` left in ``directory`` when its writer
+    was killed (files ``NAME.tmpPID.TID`` whose process no longer runs); those of a
+    writer still running are kept. Returns the paths removed."""
+    directory = os.fspath(directory)
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = _TMP.match(name)
+        if m is None or process_alive(int(m["pid"])):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            os.unlink(path)
+        except OSError:
+            continue  # gone already, or not ours to remove
+        removed.append(path)
+    return removed
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (this process always does)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # it exists, owned by someone else
+    return True
+
+
 def load_snapshot(path: str | os.PathLike[str]) -> Snapshot:
     """Read a snapshot written by :func:`save_snapshot`.
 
@@ -90,10 +140,25 @@ def load_snapshot(path: str | os.PathLike[str]) -> Snapshot:
     its entries (the message names the file and the entry).
     """
     path = os.fspath(path)
+    not_snapshot = f"{path} is not an nccltree snapshot ({SNAPSHOT_FORMAT})"
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ValueError(f"cannot read snapshot {path}: {exc.strerror}") from None
+    if not magic:
+        raise ValueError(f"{not_snapshot}: the file is empty")
+    if not magic.startswith(b"PK"):  # an .npz is a zip archive
+        what = "a single .npy array" if magic == b"\x93NUM" else "not an .npz archive"
+        raise ValueError(f"{not_snapshot}: {what}")
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
-    except (OSError, EOFError, ValueError, zipfile.BadZipFile) as exc:
+    except ValueError as exc:
+        if "pickled" not in str(exc):
+            raise ValueError(f"cannot read snapshot {path}: {exc}") from None
+        raise ValueError(f"{not_snapshot}: it holds Python objects") from None
+    except (OSError, EOFError, zipfile.BadZipFile) as exc:
         raise ValueError(f"cannot read snapshot {path}: {exc}") from None
     fmt = arrays.get(_FORMAT)
     if fmt is None or str(fmt) != SNAPSHOT_FORMAT:

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import bisect
 import math
+import numbers
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
+from ._errors import NcclTreeError
 from ._validate import check_int, check_real
 from .params import FlatParams
 
@@ -37,6 +39,19 @@ _POLICY_NEEDS: dict[str, tuple[str, ...]] = {
     "poly": ("power", "max_iter"),
     "sigmoid": ("gamma", "stepsize"),
 }
+
+
+class Diverged(NcclTreeError):
+    """Training diverged: the loss, or the gradient an update would apply, is not finite.
+    Raised by :meth:`SGD.iteration` before the update, so the parameters and the solver
+    state are still those of :attr:`iter` (0-based: ``iter + 1`` is the iteration that
+    diverged)."""
+
+    def __init__(self, iter: int, what: str) -> None:
+        super().__init__(
+            f"training diverged at iteration {iter + 1}: {what}; the update was not applied"
+        )
+        self.iter = iter
 
 
 @runtime_checkable
@@ -88,6 +103,11 @@ class SGD:
     A policy's parameters are required (ValueError names the missing ones); parameters
     it does not use are ignored. ``callbacks`` are SolverCallback objects, run in order
     by :meth:`iteration`; :attr:`callback_s` is the time spent inside them.
+
+    ``check_finite`` (default on): :meth:`iteration` raises :class:`Diverged` when the
+    loss is not finite (before the callbacks, so before any communication) or when the
+    gradient it is about to apply is not (after them, before the update). A NaN would
+    otherwise spread silently through every later step.
     """
 
     def __init__(
@@ -104,6 +124,7 @@ class SGD:
         stepvalue: Sequence[int] | None = None,
         max_iter: int | None = None,
         callbacks: Iterable[SolverCallback] = (),
+        check_finite: bool = True,
     ) -> None:
         if not isinstance(params, FlatParams):
             raise TypeError(f"params must be a FlatParams, got {type(params).__name__}")
@@ -138,6 +159,7 @@ class SGD:
         self.max_iter = None if max_iter is None else check_int(max_iter, "max_iter", min=1)
         self.stepvalue = None if stepvalue is None else self._check_stepvalue(stepvalue)
 
+        self.check_finite = bool(check_finite)
         self.iter = 0
         self.history = self._zeros_like_data()
         # Seconds spent inside the callbacks' hooks, over the solver's life: for a
@@ -262,11 +284,18 @@ class SGD:
         communication with the backward pass) belongs here too: ``compute_grads`` would
         announce ready parameters to the solver, which passes them to the callbacks that
         take them, inside this same iteration.
+
+        With :attr:`check_finite`, a loss (a real number) or a gradient to apply that is
+        not finite raises :class:`Diverged` before anything is updated.
         """
         self._call_timed([cb.on_start for cb in self._callbacks])
         loss = compute_grads()
+        if self.check_finite and isinstance(loss, numbers.Real) and not math.isfinite(loss):
+            raise Diverged(self.iter, f"the loss is {float(loss)}")
         self._call_timed([cb.on_gradients_ready for cb in self._callbacks])
         if update:
+            if self.check_finite and not bool(np.isfinite(self.params.grad).all()):
+                raise Diverged(self.iter, "the gradient holds values that are not finite")
             self.step()
         else:
             self.iter += 1

@@ -101,7 +101,7 @@ def test_train_interrupted(capsys, monkeypatch):
 
     monkeypatch.setattr(DataParallel, "fit", interrupted)
     assert train_cli.main(TRAIN) == ExitStatus.INTERRUPTED
-    assert "interrupted at iteration 0; no snapshot was written" in capsys.readouterr().err
+    assert "interrupted (SIGINT) at iteration 0; no snapshot was written" in capsys.readouterr().err
 
 
 # -- nccltree-bench --------------------------------------------------------------------------

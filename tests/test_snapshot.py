@@ -157,7 +157,7 @@ def test_a_damaged_snapshot_is_refused_by_name(tmp_path, override, match):
 
 def test_a_file_that_is_no_snapshot_is_refused(tmp_path):
     (tmp_path / "bad.npz").write_bytes(b"not a snapshot")
-    with pytest.raises(ValueError, match="cannot read snapshot"):
+    with pytest.raises(ValueError, match="is not an nccltree snapshot"):
         load_snapshot(str(tmp_path / "bad.npz"))
     with pytest.raises(ValueError, match="cannot read snapshot"):
         load_snapshot(tmp_path / "missing.npz")

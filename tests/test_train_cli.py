@@ -225,9 +225,10 @@ def test_ctrl_c_stops_promptly_and_keeps_the_snapshot(tmp_path):
             proc.kill()
             proc.wait()
     assert proc.returncode == 130, err
-    assert "interrupted at iteration" in err and str(snap_path) in err
+    # the iteration reached is snapshotted, and the message names what the snapshot holds
     snap = load_snapshot(snap_path)
-    assert snap.iter > 0 and snap.iter % 20 == 0
+    assert snap.iter > 0
+    assert f"interrupted (SIGINT) at iteration {snap.iter}; the snapshot {snap_path} " in err
     assert not [p for p in os.listdir(out_dir) if ".tmp" in p]
 
 

@@ -13,16 +13,21 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
+import re
+import shutil
+import signal
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TextIO
 
 import numpy as np
 
 from .._validate import check_int, check_real
+from ..snapshot import load_snapshot, save_arrays
 from ._common import (
     EXIT_STATUS_EPILOG,
     ExitStatus,
@@ -46,6 +51,17 @@ SYNTHETIC_FEATURES = 64
 SYNTHETIC_CLASSES = 10
 SYNTHETIC_TARGET = 90.0
 SNAPSHOT_NAME = "snapshot.npz"
+FINAL_NAME = "final.npz"
+METRICS_NAME = "metrics.jsonl"
+# What makes a --out directory hold a run (the built-in data cache alone does not).
+RUN_FILES = (METRICS_NAME, FINAL_NAME, SNAPSHOT_NAME)
+# SIGTERM (what Slurm, Kubernetes and systemd send first) ends a run as Ctrl-C does, with
+# the status a shell reports for a process that SIGTERM killed: a job manager sees the
+# termination it asked for, and a script can tell it from Ctrl-C (130).
+TERMINATED = 128 + int(signal.SIGTERM)
+EPILOG = EXIT_STATUS_EPILOG + " 143 terminated (SIGTERM); both write a snapshot with --out."
+# The built-in data cache's temporaries: the writer's process id after the prefix.
+_CACHE_TMP = re.compile(r"^\.tmp-(?:(?P<pid>\d+)-)?")
 
 
 def _default_solver() -> SolverConfig:
@@ -222,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
             "collectives. With no arguments: an MLP on a built-in synthetic task (no download), "
             "on every GPU or else two virtual CPU devices, reporting the held-out accuracy."
         ),
-        epilog=EXIT_STATUS_EPILOG,
+        epilog=EPILOG,
     )
     g = p.add_argument_group("devices and communication")
     g.add_argument(
@@ -367,7 +383,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         metavar="DIR",
         help="write metrics.jsonl, final.npz (parameters by name) and snapshots "
-        "here; the built-in data are cached here too (default: none)",
+        "here; the built-in data are cached here too. A directory holding a previous run "
+        "is refused unless --resume or --overwrite (default: none)",
+    )
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run held in --out (its metrics.jsonl, final.npz, snapshot.npz) "
+        "instead of refusing it",
     )
     g.add_argument(
         "--eval-every",
@@ -387,7 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         metavar="PATH",
         help="continue from a snapshot (a file, or a --out directory holding "
-        "snapshot.npz); flags not given are taken from the snapshot",
+        "snapshot.npz); flags not given are taken from the snapshot; records of "
+        "metrics.jsonl after the snapshot's iteration are dropped",
     )
     g.add_argument(
         "--target-accuracy",
@@ -403,9 +427,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Snapshot | None]:
     """Flags given > the snapshot's config (with --resume) > the defaults."""
-    from ..snapshot import load_snapshot
-
     snap = None
+    if args.resume and args.overwrite:
+        raise UsageError("--resume continues a run and --overwrite replaces one: give one")
+    if args.target_accuracy is not None:
+        with checking():
+            check_real(args.target_accuracy, "--target-accuracy")
     if args.resume:
         path = args.resume
         if os.path.isdir(path):
@@ -450,16 +477,17 @@ def _synthetic(cfg: TrainConfig, stack: contextlib.ExitStack) -> Dataset:
         root = stack.enter_context(tempfile.TemporaryDirectory(prefix="nccltree-train-"))
         where = "in a temporary LMDB"
     path = os.path.join(root, f"synthetic-{SYNTHETIC_FEATURES}x{SYNTHETIC_CLASSES}-{n}")
+    if cfg.out:
+        _remove_stale_cache_temporaries(root)
     if not os.path.exists(path):
         os.makedirs(root, exist_ok=True)
         x, y = ntdata.synthetic(n, shape=(SYNTHETIC_FEATURES,), classes=SYNTHETIC_CLASSES)
-        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
-        ntdata.write_lmdb(tmp, x, y)
+        # the writer's process id in the name: a later run removes it if this one is killed
+        tmp = tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-", dir=root)
         try:
+            ntdata.write_lmdb(tmp, x, y)
             os.replace(tmp, path)  # complete databases only: a concurrent writer loses
-        except OSError:
-            import shutil
-
+        finally:
             shutil.rmtree(tmp, ignore_errors=True)
     xv, yv = ntdata.synthetic(
         n_val, shape=(SYNTHETIC_FEATURES,), classes=SYNTHETIC_CLASSES, split="test"
@@ -469,6 +497,65 @@ def _synthetic(cfg: TrainConfig, stack: contextlib.ExitStack) -> Dataset:
         f"{SYNTHETIC_FEATURES} features, {SYNTHETIC_CLASSES} classes ({where})"
     )
     return Dataset(path, (xv.reshape(n_val, *shape), yv), shape, SYNTHETIC_CLASSES, desc)
+
+
+def _remove_stale_cache_temporaries(root: str) -> None:
+    """Remove the half-written databases that killed runs left in the data cache (those
+    of a writer still running are kept)."""
+    from ..snapshot import process_alive
+
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        m = _CACHE_TMP.match(name)
+        if m is not None and not (m["pid"] and process_alive(int(m["pid"]))):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _record_key(path: str, index: int) -> str:
+    """The key of record ``index`` (in key order) of the database at ``path``."""
+    from ..data import open_db
+    from ..data.format import keyname
+
+    with open_db(path) as db, db.env.begin() as txn:
+        for i, key in enumerate(txn.cursor().iternext(values=False)):
+            if i == index:
+                return keyname(key)
+    return "?"
+
+
+def _check_labels(labels: np.ndarray, classes: int, flag: str, path: str | None) -> None:
+    """Every label must be a class index, in ``[0, classes)``: -1 would silently train
+    as the last class, one too large would fail only in the middle of training. The
+    message names the first record that is not."""
+    bad = np.flatnonzero((labels < 0) | (labels >= classes))
+    if bad.size == 0:
+        return
+    i = int(bad[0])
+    where = f"record {i}" + (f" (key {_record_key(path, i)})" if path else "")
+    more = f" and {bad.size - 1} more" if bad.size > 1 else ""
+    raise ValueError(
+        f"{flag}: {where}{more} has label {int(labels[i])}, outside the {classes} classes "
+        f"0..{classes - 1}" + ("" if flag == "--val-data" else "; see --classes")
+    )
+
+
+def _held_out(
+    path: str, scale: float | None, shape: tuple[int, ...], classes: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The held-out arrays of ``path``, checked against the training records before any
+    training: the same example size (then taken in the training shape) and labels within
+    the classes."""
+    x, y = _read_all(path, scale)
+    if math.prod(x.shape[1:]) != math.prod(shape):
+        raise ValueError(
+            f"--val-data: {path} holds records of shape {tuple(x.shape[1:])}, but the "
+            f"training records have shape {shape}"
+        )
+    _check_labels(y, classes, "--val-data", path)
+    return x.reshape(len(x), *shape), y
 
 
 def _read_all(path: str, scale: float | None) -> tuple[np.ndarray, np.ndarray]:
@@ -484,22 +571,23 @@ def _read_all(path: str, scale: float | None) -> tuple[np.ndarray, np.ndarray]:
 
 def load_dataset(cfg: TrainConfig, stack: contextlib.ExitStack) -> Dataset:
     """The training database and held-out arrays the configuration names."""
-    from ..data import db_info
+    from ..data import open_db
 
     if cfg.data is None:
         ds = _synthetic(cfg, stack)
         if cfg.val_data is not None:
-            ds.val = _read_all(cfg.val_data, cfg.scale)
+            ds.val = _held_out(cfg.val_data, cfg.scale, ds.shape, ds.classes)
         return ds
-    info = db_info(cfg.data)
-    classes = cfg.classes or info["label_max"] + 1
-    val = _read_all(cfg.val_data, cfg.scale) if cfg.val_data else None
-    desc = (
-        f"{cfg.data}: {info['records']} {info['format']} records of shape "
-        f"{tuple(info['shape'])} {info['dtype']}, {classes} classes"
-        + (f"; held-out {cfg.val_data} ({len(val[1])} records)" if val else "")
+    with open_db(cfg.data) as db:  # one pass over the labels, before any training
+        labels = db.labels()
+        records, fmt, shape, dtype = len(db), db.format, db.shape, db.dtype.name
+    classes = cfg.classes or int(labels.max()) + 1
+    _check_labels(labels, classes, "--data", cfg.data)
+    val = _held_out(cfg.val_data, cfg.scale, shape, classes) if cfg.val_data else None
+    desc = f"{cfg.data}: {records} {fmt} records of shape {shape} {dtype}, {classes} classes" + (
+        f"; held-out {cfg.val_data} ({len(val[1])} records)" if val else ""
     )
-    return Dataset(cfg.data, val, tuple(info["shape"]), classes, desc)
+    return Dataset(cfg.data, val, shape, classes, desc)
 
 
 # -- progress and metrics ------------------------------------------------------------------
@@ -535,18 +623,59 @@ class TrainProgress(Progress):
 
 
 class Metrics:
-    """JSON lines in DIR/metrics.jsonl (appended to when a run resumes)."""
+    """JSON lines in DIR/metrics.jsonl (appended to when a run resumes).
+
+    Strict JSON: a number that is not finite (a diverging loss) is written as null, since
+    JSON has no NaN or Infinity.
+    """
 
     def __init__(self, path: str | None) -> None:
         self.file = open(path, "a", encoding="utf-8") if path else None
 
     def write(self, **record: object) -> None:
         if self.file is not None:
-            self.file.write(json.dumps(record) + "\n")
+            clean = {k: _finite_or_none(v) for k, v in record.items()}
+            self.file.write(json.dumps(clean, allow_nan=False) + "\n")
+            self.file.flush()
+
+    @staticmethod
+    def truncate(path: str, after: int) -> None:
+        """Drop the records of iterations after ``after`` (those a resumed run computes
+        again, whose snapshot was never written) and a line a killed run left unfinished;
+        the file is replaced atomically."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = f.readlines()
+        except FileNotFoundError:
+            return
+        kept = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # cut short by a kill
+            it = record.get("iter") if isinstance(record, dict) else None
+            if not line.endswith("\n") or (isinstance(it, int) and it > after):
+                continue
+            kept.append(line)
+        if kept == lines:
+            return
+        tmp = f"{path}.tmp{os.getpid()}.0"  # a killed writer's is removed as a snapshot's
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+
+
+def _finite_or_none(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 # -- the run -------------------------------------------------------------------------------
@@ -590,6 +719,7 @@ class _Outputs:
         self.cfg, self.ds, self.t = cfg, ds, t
         self.metrics, self.progress = metrics, progress
         self.snapshot_path = os.path.join(cfg.out, SNAPSHOT_NAME) if cfg.out else None
+        self.snapshot_iter: int | None = None  # the iteration the snapshot file holds
         self.accuracy: float | None = None
 
     def _due(self, every: int, it: int) -> bool:
@@ -615,13 +745,23 @@ class _Outputs:
             )
         if self.snapshot_path and self.cfg.snapshot_every:
             if self._due(self.cfg.snapshot_every, info.iter):
-                self.t.driver.snapshot(self.snapshot_path, self.cfg.as_dict())
-                self.metrics.write(
-                    event="snapshot",
-                    iter=info.iter,
-                    path=self.snapshot_path,
-                    position=info.position,
-                )
+                self.snapshot()
+
+    def snapshot(self) -> None:
+        """Snapshot the driver's state (between iterations) and record it."""
+        assert self.snapshot_path is not None, "snapshots need --out"
+        dp = self.t.driver
+        dp.snapshot(self.snapshot_path, self.cfg.as_dict())
+        self.snapshot_iter = dp.iter
+        self.metrics.write(
+            event="snapshot", iter=dp.iter, path=self.snapshot_path, position=dp.position
+        )
+
+    def last_snapshot(self) -> str:
+        """Where the last good state is, for a message."""
+        if self.snapshot_iter is None:
+            return "no snapshot was written"
+        return f"the snapshot {self.snapshot_path} holds iteration {self.snapshot_iter}"
 
     def evaluate(self, params: FlatParams) -> tuple[float, float]:
         """Accuracy and loss of ``params`` on the held-out set; the accuracy is kept."""
@@ -641,12 +781,19 @@ def run(
     *,
     quiet: bool = False,
     target: float | None = None,
+    overwrite: bool = False,
 ) -> int:
-    """Train as ``cfg`` says (continuing ``snap``); returns the exit status."""
-    from ..parallel import RankFailure
+    """Train as ``cfg`` says (continuing ``snap``); returns the exit status.
+
+    ``overwrite`` replaces a run held in ``cfg.out``, which is refused otherwise (unless
+    continuing ``snap``).
+    """
+    from ..parallel import Diverged, RankFailure
 
     with contextlib.ExitStack() as stack:
         with checking():  # everything before the first iteration: an error is a usage error
+            if cfg.out:
+                _check_out(cfg.out, resuming=snap is not None, overwrite=overwrite)
             ds = load_dataset(cfg, stack)
             t = stack.enter_context(
                 build_training(
@@ -660,8 +807,8 @@ def run(
                 )
             )
             if cfg.out:
-                os.makedirs(cfg.out, exist_ok=True)
-            metrics = Metrics(os.path.join(cfg.out, "metrics.jsonl") if cfg.out else None)
+                _prepare_out(cfg.out, snap, overwrite=overwrite)
+            metrics = Metrics(os.path.join(cfg.out, METRICS_NAME) if cfg.out else None)
             stack.callback(metrics.close)
         dp = t.driver
         if not quiet:
@@ -675,29 +822,33 @@ def run(
         )
         progress = TrainProgress(cfg.iters, max(1, cfg.iters // 10), quiet, err)
         outputs = _Outputs(cfg, ds, t, metrics, progress)
+        if snap is not None and outputs.snapshot_path and os.path.exists(outputs.snapshot_path):
+            with contextlib.suppress(ValueError):
+                outputs.snapshot_iter = load_snapshot(outputs.snapshot_path).iter
         assert t.reader is not None, "build_training makes a reader when given data"
         try:
             result = dp.fit(t.reader, cfg.iters, on_step=outputs.on_step)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             progress.finish()
-            where = (
-                f"; the last snapshot is {dp.last_snapshot}"
-                if dp.last_snapshot
-                else "; no snapshot was written"
-            )
-            print(f"interrupted at iteration {dp.iter}{where}", file=err, flush=True)
-            return ExitStatus.INTERRUPTED
+            return _interrupted(exc, outputs, err)
         except RankFailure as exc:
             progress.finish()
-            report_error(PROG, exc, err)
+            if isinstance(exc.error, Diverged):
+                metrics.write(event="diverged", iter=exc.error.iter + 1, message=str(exc.error))
+                report_error(
+                    PROG,
+                    f"{exc.error} (rank {exc.rank}); {outputs.last_snapshot()}; a lower --lr "
+                    "may help",
+                    err,
+                )
+            else:
+                report_error(PROG, exc, err)
             return ExitStatus.FAILURE
         progress.finish()
         if ds.val is not None and outputs.accuracy is None:  # nothing trained: still report
             outputs.evaluate(dp.params[0])
         if cfg.out:
-            final = os.path.join(cfg.out, "final.npz")
-            # allow_pickle: the default, named so that the typed signature sees no clash
-            np.savez(final, allow_pickle=True, **dp.state_dict())
+            save_arrays(os.path.join(cfg.out, FINAL_NAME), dp.state_dict())
         summary = (
             f"done: {result.iter - result.start_iter} iterations in {result.elapsed_s:.1f} s, "
             f"{result.examples_per_s:,.0f} examples/s"
@@ -721,6 +872,82 @@ def run(
         return _report_accuracy(outputs.accuracy, target, cfg, out)
 
 
+def _check_out(out: str, *, resuming: bool, overwrite: bool) -> None:
+    """``--out`` must be (or become) a directory, and one holding a previous run is
+    refused unless the run continues it or replaces it."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out: {out} exists and is not a directory")
+    parent = os.path.dirname(out)
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if parent and not os.path.isdir(parent):
+        raise ValueError(f"--out: cannot create {out}: {parent} is not a directory")
+    held = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
+    if held and not (resuming or overwrite):
+        resume = f"continue it with --resume {out}, " if SNAPSHOT_NAME in held else ""
+        raise ValueError(
+            f"--out: {out} already holds a run ({', '.join(held)}); {resume}replace it "
+            "with --overwrite, or choose another directory"
+        )
+
+
+def _prepare_out(out: str, snap: Snapshot | None, *, overwrite: bool) -> None:
+    """Create ``--out``, remove what killed runs left there, and the previous run's files
+    with ``overwrite``; a resumed run drops the metrics of iterations after its snapshot
+    (they are computed again)."""
+    from ..snapshot import remove_stale_temporaries
+
+    os.makedirs(out, exist_ok=True)
+    remove_stale_temporaries(out)
+    if overwrite:
+        for name in RUN_FILES:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(out, name))
+    if snap is not None:
+        Metrics.truncate(os.path.join(out, METRICS_NAME), snap.iter)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread to stop a run as Ctrl-C does."""
+
+
+@contextlib.contextmanager
+def _sigterm_stops() -> Iterator[None]:
+    """Inside, SIGTERM raises :class:`Terminated` (in the main thread only, where Python
+    runs signal handlers; elsewhere nothing changes)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupted(exc: KeyboardInterrupt, outputs: _Outputs, err: TextIO) -> int:
+    """After Ctrl-C or SIGTERM stopped ``fit``: snapshot the iteration reached (with
+    --out, when every rank has stopped), say which iteration the snapshot holds, and
+    return the exit status."""
+    dp = outputs.t.driver
+    name = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
+    if outputs.snapshot_path and dp.idle:
+        outputs.snapshot()
+    outputs.metrics.write(event="interrupted", iter=dp.iter, signal=name)
+    print(
+        f"interrupted ({name}) at iteration {dp.iter}; {outputs.last_snapshot()}",
+        file=err,
+        flush=True,
+    )
+    return TERMINATED if isinstance(exc, Terminated) else ExitStatus.INTERRUPTED
+
+
 def _report_accuracy(acc: float | None, target: float | None, cfg: TrainConfig, out: TextIO) -> int:
     """Print the held-out accuracy against the target; a missed ``--target-accuracy`` (or
     none to compare with it) is a wrong result."""
@@ -742,8 +969,21 @@ def _report_accuracy(acc: float | None, target: float | None, cfg: TrainConfig, 
 
 
 def _train(args: argparse.Namespace) -> int:
-    cfg, snap = resolve_config(args)
-    return run(cfg, snap, sys.stdout, sys.stderr, quiet=args.quiet, target=args.target_accuracy)
+    try:
+        with _sigterm_stops():
+            cfg, snap = resolve_config(args)
+            return run(
+                cfg,
+                snap,
+                sys.stdout,
+                sys.stderr,
+                quiet=args.quiet,
+                target=args.target_accuracy,
+                overwrite=args.overwrite,
+            )
+    except Terminated:  # before or after training: nothing to snapshot
+        print("terminated (SIGTERM)", file=sys.stderr, flush=True)
+        return TERMINATED
 
 
 def main(argv: list[str] | None = None) -> int:

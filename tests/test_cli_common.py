@@ -164,8 +164,8 @@ def test_data_statuses(capsys, monkeypatch, tmp_path):
     assert data_cli.main(["make", "synthetic", db, "--n", "8"]) == ExitStatus.OK
     assert data_cli.main(["make", "synthetic", db, "--n", "0"]) == ExitStatus.USAGE
     assert data_cli.main(["info", str(tmp_path / "missing")]) == ExitStatus.USAGE
-    # a database that cannot be written: an existing one without --overwrite
-    assert data_cli.main(["make", "synthetic", db, "--n", "8"]) == ExitStatus.FAILURE
+    # an existing database without --overwrite: refused before anything is made or written
+    assert data_cli.main(["make", "synthetic", db, "--n", "8"]) == ExitStatus.USAGE
     assert "overwrite" in capsys.readouterr().err
 
     def interrupted(*args, **kw):

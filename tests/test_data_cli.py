@@ -178,9 +178,9 @@ def test_convert_errors(tmp_path, capsys):
                 "labels",
             ]
         )
-        == 1
+        == 2
     )
-    assert "overwrite" in capsys.readouterr().err
+    assert "--overwrite replaces it" in capsys.readouterr().err
     assert main(["info", str(tmp_path / "missing")]) == 2
     assert "no LMDB database" in capsys.readouterr().err
     assert main(["convert", str(tmp_path / "missing.npz"), str(tmp_path / "db2")]) == 2

@@ -1,19 +1,23 @@
 """``nccltree-data``: build and inspect record databases.
 
 nccltree-data convert IN.npz OUT_DB        arrays X and y of an .npz file -> LMDB
-nccltree-data info DB                      records, format, shape, dtype, labels, size
+nccltree-data info DB [--verify]           records, format, shape, dtype, labels, size;
+                                           --verify reads every record, lists the bad ones
 nccltree-data make synthetic OUT_DB ...    a seeded learnable task of any size
 nccltree-data make digits OUT_DB           scikit-learn's 8x8 digits (needs scikit-learn)
 
 Exit statuses as in :mod:`nccltree.cli._common`: 2 when an input does not exist or does not
-hold what the flags name, or a dataset cannot be made (nothing is written then); 1 when
-reading or writing a database fails.
+hold what the flags name, the output is already there (without ``--overwrite``) or a
+dataset cannot be made (nothing is written then); 1 when reading or writing a database
+fails; 3 when ``info --verify`` finds bad records.
+
+Databases are written all or nothing: a killed ``convert`` or ``make`` leaves no partial
+database, and the next run to the same path removes what the killed one left.
 """
 
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import os
 import sys
@@ -59,14 +63,22 @@ _nonnegative = _int_at_least(0)
 
 def _writer_flags(p: argparse.ArgumentParser, *, datum_ok: bool = True) -> None:
     p.add_argument("out_db", metavar="OUT_DB", help="LMDB environment directory to create")
-    choices = ["nccltree", "datum"] if datum_ok else ["nccltree"]
-    p.add_argument(
-        "--format",
-        choices=choices,
-        default="nccltree",
-        help="record format: nccltree records (any shape and dtype; the default) or Caffe "
-        "Datum (uint8 or float32, C x H x W) for Caffe tools",
-    )
+    if datum_ok:
+        p.add_argument(
+            "--format",
+            choices=["nccltree", "datum"],
+            default="nccltree",
+            help="record format: nccltree records (any shape and dtype; the default) or "
+            "Caffe Datum (uint8 or float32, C x H x W, int32 labels) for Caffe tools",
+        )
+    else:
+        p.add_argument(
+            "--format",
+            choices=["nccltree"],
+            default="nccltree",
+            help="record format: nccltree records only (float32 records; for Caffe "
+            "Datums, save the arrays to an .npz and use convert --format datum)",
+        )
     p.add_argument(
         "--overwrite",
         action="store_true",
@@ -103,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
         "info",
         help="describe a database",
         description="Print a database's record count, format, record shape and dtype, label "
-        "range and size on disk (reads every label once).",
+        "range and size on disk (reads every label once). With --verify, read and decode "
+        "every record as the reader would and list each bad one (exit status 3 if any).",
     )
     p.add_argument("db", metavar="DB", help="LMDB environment directory (or data file)")
     p.add_argument(
@@ -113,6 +126,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="record format; auto (default) detects it from the first record",
     )
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="read and decode every record; list each one the reader would refuse (does "
+        "not decode, or another shape or dtype) and exit with status 3 if there is any",
+    )
+    color = p.add_mutually_exclusive_group()
+    color.add_argument(
+        "--force-color",
+        action="store_true",
+        help="decode encoded Datum images as 3 channels (BGR), as Caffe's force_color",
+    )
+    color.add_argument(
+        "--force-gray",
+        action="store_true",
+        help="decode encoded Datum images as 1 channel, as Caffe's force_gray (default: "
+        "each image keeps its channels, as Caffe's default decoding)",
+    )
 
     make = sub.add_parser(
         "make",
@@ -155,17 +186,54 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _convert(args: argparse.Namespace) -> int:
-    from ..data import write_lmdb
+def _check_out(args: argparse.Namespace) -> None:
+    """The output can be written (checked before anything is read or made)."""
+    from ..data.lmdb_io import check_target
 
-    with checking(), np.load(args.in_npz, allow_pickle=False) as f:
-        missing = [k for k in (args.x_name, args.y_name) if k not in f.files]
+    check_target(args.out_db, args.overwrite, flag="--overwrite")
+
+
+def _load_npz(path: str, x_name: str, y_name: str) -> tuple[np.ndarray, np.ndarray]:
+    """The two arrays of an .npz file, or a ValueError saying what the file is instead."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path!r} is a directory, not an .npz file")
+    try:
+        loaded = np.load(path, allow_pickle=False)
+    except ValueError:  # numpy's reason names pickles: the file is not numpy's at all
+        raise ValueError(
+            f"{path} is not a numpy .npz file (save one with numpy.savez(path, X=..., y=...))"
+        ) from None
+    if isinstance(loaded, np.ndarray):
+        raise ValueError(
+            f"{path} is a .npy file holding one array; convert needs an .npz holding the "
+            f"records and the labels (numpy.savez(path, {x_name}=..., {y_name}=...))"
+        )
+    with loaded as f:
+        missing = [k for k in (x_name, y_name) if k not in f.files]
         if missing:
             raise ValueError(
-                f"{args.in_npz} has no array named {', '.join(missing)}; it holds: "
+                f"{path} has no array named {', '.join(missing)}; it holds: "
                 f"{', '.join(f.files) or 'nothing'} (choose with --x / --y)"
             )
-        x, y = f[args.x_name], f[args.y_name]
+        out = []
+        for name in (x_name, y_name):
+            try:
+                out.append(f[name])
+            except ValueError:  # an object array: numpy's reason names pickles
+                raise ValueError(
+                    f"array {name!r} of {path} holds Python objects; convert needs numeric arrays"
+                ) from None
+    return out[0], out[1]
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from ..data import write_lmdb
+    from ..data.lmdb_io import check_arrays
+
+    with checking():
+        _check_out(args)
+        x, y = _load_npz(args.in_npz, args.x_name, args.y_name)
+        check_arrays(x, y, args.format)
     n = write_lmdb(args.out_db, x, y, format=args.format, overwrite=args.overwrite)
     print(
         f"wrote {n} {args.format} records of shape {tuple(x.shape[1:])} {x.dtype} to {args.out_db}"
@@ -177,6 +245,7 @@ def _make(args: argparse.Namespace) -> int:
     from ..data import digits, synthetic, write_lmdb
 
     with checking():  # scikit-learn missing, a task its arguments cannot make
+        _check_out(args)
         if args.dataset == "synthetic":
             x, y = synthetic(args.n, args.shape, args.classes, args.seed, split=args.split)
         else:
@@ -194,8 +263,11 @@ def _info(args: argparse.Namespace) -> int:
 
     with checking():
         if not os.path.exists(args.db):
-            raise FileNotFoundError(errno.ENOENT, "no LMDB database at this path", args.db)
-    info = db_info(args.db, args.format)
+            raise FileNotFoundError(f"no LMDB database at {args.db!r}")
+    force = {"force_color": args.force_color, "force_gray": args.force_gray}
+    if args.verify:
+        return _verify(args, force)
+    info = db_info(args.db, args.format, **force)
     if args.json:
         print(json.dumps(info))
         return ExitStatus.OK
@@ -213,6 +285,25 @@ def _info(args: argparse.Namespace) -> int:
     for name, value in rows:
         print(f"{name:<10} {value}")
     return ExitStatus.OK
+
+
+def _verify(args: argparse.Namespace, force: dict[str, bool]) -> int:
+    from ..data.lmdb_io import verify_db
+
+    report = verify_db(args.db, args.format, **force)
+    bad = report["bad"]
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for b in bad:
+            print(f"bad record {b['key']} (number {b['number']} in key order): {b['reason']}")
+        shape = " x ".join(map(str, report["shape"] or [])) or "none"
+        print(
+            f"verified {report['records']} {report['format'] or 'unknown'} records of shape "
+            f"{shape} {report['dtype'] or ''}: "
+            + (f"{len(bad)} bad" if bad else "all good").rstrip()
+        )
+    return ExitStatus.WRONG if bad else ExitStatus.OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import struct
+from typing import Any
 
 import numpy as np
 
@@ -45,10 +46,26 @@ def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
             raise ValueError("varint longer than 10 bytes")
 
 
+INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
+
+
 def _int32(v: int) -> int:
-    # Negative int32 values travel as 64-bit two's complement varints.
-    v &= 0xFFFFFFFFFFFFFFFF
-    return v - (1 << 64) if v >= 1 << 63 else v
+    # Negative int32 values travel as 64-bit two's complement varints; a protobuf reader
+    # keeps the low 32 bits of a longer one, and so does this one (Caffe sees the same).
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def check_label(label: int, where: str = "a Datum") -> int:
+    """``label`` as an int32, or ValueError: Caffe's ``Datum.label`` is an int32 field, and
+    a protobuf reader would see another value for anything outside it."""
+    label = int(label)
+    if not INT32_MIN <= label <= INT32_MAX:
+        raise ValueError(
+            f"{where} has label {label}, outside int32 ({INT32_MIN} .. {INT32_MAX}); "
+            "a Caffe Datum's label is an int32 field, so Caffe would read another value"
+        )
+    return label
 
 
 class DatumFields:
@@ -126,27 +143,50 @@ def _float_run(mv: memoryview, tag_pos: int, out: list[np.ndarray]) -> int:
     return tag_pos + 5 * n
 
 
-def decode_datum(buf: bytes | memoryview, key: bytes | str = b"?") -> tuple[np.ndarray, int]:
+# How encoded images are decoded, as Caffe's data layer does it (data_transformer.cpp):
+# "native" by default (DecodeDatumToCVMatNative: cv::imdecode(..., IMREAD_UNCHANGED), so
+# an image keeps its own channels: 1 gray, 3 BGR, 4 BGRA), "color" with force_color
+# (IMREAD_COLOR: always 3, BGR) and "gray" with force_gray (IMREAD_GRAYSCALE: always 1).
+IMAGE_MODES = ("native", "color", "gray")
+
+
+def image_mode(force_color: bool = False, force_gray: bool = False) -> str:
+    """The decoding of encoded Datums that Caffe's ``force_color`` / ``force_gray`` ask for."""
+    if force_color and force_gray:
+        raise ValueError("force_color and force_gray exclude each other (as in Caffe)")
+    return "color" if force_color else "gray" if force_gray else "native"
+
+
+def decode_datum(
+    buf: bytes | memoryview,
+    key: bytes | str = b"?",
+    *,
+    force_color: bool = False,
+    force_gray: bool = False,
+) -> tuple[np.ndarray, int]:
     """Decode one Datum into ``(array, label)``.
 
     Unencoded ``data`` gives uint8 C×H×W (a zero-copy view of ``buf``); ``float_data``
     gives float32 C×H×W; ``encoded`` data (a JPEG/PNG file) is decoded with Pillow to
-    uint8 C×H×W, colour channels in BGR order as Caffe's OpenCV decoding gives them (so
-    an encoded and an unencoded database of the same images read the same). A record
-    that does not decode raises DataError naming ``key``.
+    uint8 C×H×W as Caffe's data layer decodes it with OpenCV: by default with the image's
+    own channels (1 gray; 3 colour, BGR; 4 with alpha, BGRA), with ``force_color`` as 3
+    BGR channels, with ``force_gray`` as 1 channel (the two flags apply to encoded
+    Datums only, as in Caffe). A record that does not decode raises DataError naming
+    ``key``.
     """
+    mode = image_mode(force_color, force_gray)
     try:
-        return _decode(buf)
+        return _decode(buf, mode)
     except ValueError as e:
         raise DataError(f"record {keyname(key)}: {e}") from None
 
 
-def _decode(buf: bytes | memoryview) -> tuple[np.ndarray, int]:
+def _decode(buf: bytes | memoryview, mode: str = "native") -> tuple[np.ndarray, int]:
     f = parse_datum(buf)
     if f.encoded:
         if f.data is None:
             raise ValueError("an encoded Datum without data")
-        return _decode_image(f.data), f.label
+        return _decode_image(f.data, mode), f.label
     shape = (f.channels, f.height, f.width)
     count = f.channels * f.height * f.width
     if f.data is not None and len(f.data):
@@ -167,10 +207,17 @@ def _decode(buf: bytes | memoryview) -> tuple[np.ndarray, int]:
     raise ValueError("a Datum with neither data nor float_data")
 
 
-def _decode_image(data: bytes | memoryview) -> np.ndarray:
-    """Decode an encoded image (JPEG, PNG, ...) to uint8 C×H×W (colour as BGR)."""
+# Pillow modes of 16 or 32 bits per sample: OpenCV decodes them unchanged to 16-bit (which
+# Caffe's transformer refuses: "Image data type must be unsigned byte") and reduces them
+# to 8 bits (the high byte) only when a colour or gray decoding is forced.
+_WIDE_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N", "F")
+
+
+def _decode_image(data: bytes | memoryview, mode: str = "native") -> np.ndarray:
+    """Decode an encoded image (JPEG, PNG, ...) to uint8 C×H×W, channels as OpenCV
+    orders them (BGR, BGRA); ``mode`` is one of IMAGE_MODES."""
     try:
-        from PIL import Image
+        from PIL import Image, UnidentifiedImageError
     except ImportError:
         raise ValueError(
             "holds an encoded image; decoding it needs Pillow "
@@ -178,13 +225,48 @@ def _decode_image(data: bytes | memoryview) -> np.ndarray:
         ) from None
     try:
         with Image.open(io.BytesIO(data)) as img:
-            gray = img.mode in ("1", "L", "LA", "I", "I;16", "F")
-            arr = np.asarray(img.convert("L" if gray else "RGB"))
-    except Exception as e:  # noqa: BLE001 - Pillow raises many types for a bad file
-        raise ValueError(f"cannot decode the encoded image: {e}") from None
+            arr = _image_array(img, mode)
+    except UnidentifiedImageError:
+        head = bytes(data[:8])
+        raise ValueError(
+            f"its encoded data ({len(data)} bytes, starting {head!r}) is not an image "
+            "file Pillow can identify (JPEG, PNG, ...)"
+        ) from None
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - Pillow raises many types for a damaged file
+        raise ValueError(f"cannot decode its encoded image ({len(data)} bytes): {e}") from None
     if arr.ndim == 2:
         return arr[None, :, :].copy()
-    return np.ascontiguousarray(arr[:, :, ::-1].transpose(2, 0, 1))
+    order = [2, 1, 0, 3][: arr.shape[2]]  # RGB(A) -> BGR(A), as OpenCV stores colour
+    return np.ascontiguousarray(arr[:, :, order].transpose(2, 0, 1))
+
+
+def _image_array(img: Any, mode: str) -> np.ndarray:
+    """Pillow image -> uint8 H×W or H×W×C (RGB or RGBA order), decoded per ``mode``."""
+    if img.mode in _WIDE_MODES:
+        if mode == "native":
+            raise ValueError(
+                f"its encoded image has {img.mode!r} samples (more than 8 bits); Caffe's "
+                "default decoding refuses them too (image data must be unsigned bytes): "
+                "decode with force_gray (or force_color) to reduce them to 8 bits"
+            )
+        wide = np.asarray(img)
+        if wide.dtype.kind == "f":
+            raise ValueError(f"its encoded image has floating-point {img.mode!r} samples")
+        gray = (wide.astype(np.uint32) >> 8).astype(np.uint8)  # the high byte, as OpenCV
+        return gray if mode == "gray" else np.repeat(gray[:, :, None], 3, axis=2)
+    if mode == "gray":
+        return np.asarray(img.convert("L"))
+    if mode == "color":
+        return np.asarray(img.convert("RGB"))
+    # native: the channels the file has, as cv::imdecode(IMREAD_UNCHANGED) gives them
+    if img.mode in ("1", "L"):
+        return np.asarray(img.convert("L"))
+    alpha = img.mode in ("RGBA", "RGBa", "LA", "La", "PA") or (
+        img.mode in ("P", "RGB") and "transparency" in img.info
+    )
+    return np.asarray(img.convert("RGBA" if alpha else "RGB"))
 
 
 def _put_varint(out: bytearray, value: int) -> None:
@@ -208,6 +290,7 @@ def encode_datum(
     ``float_data`` (unpacked unless ``packed_floats``). With ``encoded=`` (the bytes of an
     image file) the Datum is an encoded one, as ``convert_imageset --encoded`` writes.
     """
+    label = check_label(label)
     out = bytearray()
     if encoded is not None:
         out += bytes([_TAG_DATA])

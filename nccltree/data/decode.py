@@ -239,27 +239,32 @@ class RecordDecoder:
 
 
 class DatumDecoder:
-    """Caffe Datum records of one shape and dtype (uint8 data, float_data or encoded)."""
+    """Caffe Datum records of one shape and dtype (uint8 data, float_data or encoded);
+    ``mode`` says how encoded images are decoded (see ``datum.IMAGE_MODES``)."""
 
-    def __init__(self, first: memoryview | bytes) -> None:
-        arr, _ = datum._decode(first)
+    def __init__(self, first: memoryview | bytes, mode: str = "native") -> None:
+        self.mode = mode
+        arr, _ = datum._decode(first, mode)
         self.shape, self.dtype = tuple(arr.shape), arr.dtype.newbyteorder("=")
-        # Fast path for uniform unencoded uint8 Datums: everything before the data bytes
-        # (dims, tag, length) is the same in every record, so one compare checks it.
         f = datum.parse_datum(first)
-        self._prefix: bytes | None = None
-        if not f.encoded and f.data is not None and len(f.data):
-            self._prefix = bytes(memoryview(first)[: f.data_offset])
+        self.encoded = f.encoded
+        self._prefix = _fast_prefix(first, f)
         self._count = prod(self.shape)
         self._staging = _Staging(self.shape, self.dtype)
 
     def _decode(self, i: int, v: memoryview) -> tuple[np.ndarray, int]:
         try:
-            arr, label = datum._decode(v)
+            arr, label = datum._decode(v, self.mode)
         except ValueError as e:
             raise BadRecord(i, str(e)) from None
         if arr.shape != self.shape or arr.dtype != self.dtype:
-            raise BadRecord(i, _unlike(arr.shape, arr.dtype, self.shape, self.dtype))
+            reason = _unlike(arr.shape, arr.dtype, self.shape, self.dtype)
+            if self.encoded and self.mode == "native" and arr.shape[1:] == self.shape[1:]:
+                reason += (
+                    "; its image has another number of channels: decode with force_color "
+                    "(or force_gray) to give every image the same"
+                )
+            raise BadRecord(i, reason)
         return arr, label
 
     def fill(
@@ -268,7 +273,8 @@ class DatumDecoder:
         n = len(values)
         if n == 0:
             return
-        dst = x if transform.identity else self._staging(n)
+        # The first n rows: a short batch (the end of an epoch) fills only part of x.
+        dst = x[:n] if transform.identity else self._staging(n)
         prefix = self._prefix
         off = len(prefix) if prefix is not None else 0
         end = off + self._count
@@ -287,15 +293,47 @@ class DatumDecoder:
             transform(dst, x[:n])
 
 
-def _tail_label(tail: memoryview) -> int | None:
-    """The label from the fields after a Datum's data, or None if the tail holds anything
-    else (then the record goes through the full decoder, which reports any problem)."""
-    if not len(tail):
-        return 0
+def _fast_prefix(first: memoryview | bytes, f: datum.DatumFields) -> bytes | None:
+    """The bytes before the data of an unencoded uint8 Datum, when they hold nothing but
+    the dimensions and the data's tag and length (Caffe's field order); else None.
+
+    Then every record that starts with the same bytes has the same shape, and its label is
+    in the fields after its data: one compare checks a record, and ``_tail_label`` reads
+    its label. A record whose label (or anything else) comes before its data goes through
+    the full decoder, which reads the fields by tag in any order.
+    """
+    if f.encoded or f.data is None or not len(f.data):
+        return None
+    mv = memoryview(first)
+    prefix = bytes(mv[: f.data_offset])
+    pos = 0
     try:
-        f = datum.parse_datum(tail)
-    except ValueError:
+        while True:
+            tag, pos = datum._varint(mv, pos)
+            if tag == datum._TAG_DATA:
+                _, pos = datum._varint(mv, pos)
+                return prefix if pos == f.data_offset else None
+            if tag not in (1 << 3, 2 << 3, 3 << 3):  # channels, height, width (varints)
+                return None
+            _, pos = datum._varint(mv, pos)
+    except (ValueError, IndexError):
         return None
-    if f.encoded or f.data is not None or f.floats or f.channels or f.height or f.width:
+
+
+def _tail_label(tail: memoryview) -> int | None:
+    """The label from the fields after a Datum's data when they are label fields (the last
+    one wins, as in protobuf; none: 0) and ``encoded = false`` (convert_imageset writes
+    it) only, or None if the tail holds anything else (then the record goes through the
+    full decoder, which reports any problem)."""
+    label, pos, end = 0, 0, len(tail)
+    try:
+        while pos < end:
+            tag = tail[pos]
+            value, pos = datum._varint(tail, pos + 1)
+            if tag == 5 << 3:  # label, a varint
+                label = datum._int32(value)
+            elif tag != 7 << 3 or value:  # anything but encoded = false
+                return None
+    except (ValueError, IndexError):
         return None
-    return f.label
+    return label if pos == end else None

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import errno
 import os
+import re
+import secrets
+import shutil
+import socket
 import struct
 import threading
 from collections.abc import Callable, Iterator
+from itertools import islice
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -15,9 +20,9 @@ import numpy as np
 
 from .._validate import check_int
 from .datum import _decode as _decode_datum
-from .datum import encode_datum, looks_like_datum
+from .datum import check_label, encode_datum, image_mode, looks_like_datum, parse_datum
 from .errors import DataError
-from .format import LABEL_OFFSET, encode_record, is_record, keyname
+from .format import DTYPE_CODES, LABEL_OFFSET, encode_record, is_record, keyname
 from .format import _decode as _decode_record
 
 FORMATS = ("auto", "nccltree", "datum")
@@ -47,7 +52,7 @@ def open_env(path: str | os.PathLike) -> Any:
     """
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(errno.ENOENT, "no LMDB database at this path", str(p))
+        raise FileNotFoundError(f"no LMDB database at {str(p)!r}")
     subdir = p.is_dir()
     if subdir and not (p / "data.mdb").is_file():
         raise DataError(f"{str(p)!r} is a directory without data.mdb: not an LMDB environment")
@@ -96,16 +101,21 @@ def detect_format(value: bytes | memoryview, key: bytes | memoryview) -> str:
     )
 
 
-def decoder(format: str) -> Callable[[bytes | memoryview], tuple[np.ndarray, int]]:
-    """The single-record decode function ``buf -> (array, label)`` of a format."""
-    return _decode_record if format == "nccltree" else _decode_datum
+def decoder(
+    format: str, mode: str = "native"
+) -> Callable[[bytes | memoryview], tuple[np.ndarray, int]]:
+    """The single-record decode function ``buf -> (array, label)`` of a format (``mode``:
+    how encoded Datum images are decoded, see ``datum.IMAGE_MODES``)."""
+    if format == "nccltree":
+        return _decode_record
+    return lambda buf: _decode_datum(buf, mode)
 
 
 def decode_one(
-    format: str, value: bytes | memoryview, key: bytes | memoryview
+    format: str, value: bytes | memoryview, key: bytes | memoryview, mode: str = "native"
 ) -> tuple[np.ndarray, int]:
     try:
-        return decoder(format)(value)
+        return decoder(format, mode)(value)
     except ValueError as e:
         raise DataError(f"record {keyname(key)}: {e}") from None
 
@@ -115,11 +125,21 @@ class Database:
 
     ``len(db)``, ``db.format``, ``db.shape``, ``db.dtype`` (taken from the first record),
     ``iter(db)`` yields ``(key, x, y)`` with ``x`` a fresh array; ``db.labels()`` reads all
-    labels. A context manager; ``close()`` releases the environment.
+    labels. ``force_color`` / ``force_gray``: how
+    encoded Datum images are decoded (see :func:`~nccltree.data.decode_datum`). A context
+    manager; ``close()`` releases the environment.
     """
 
-    def __init__(self, path: str | os.PathLike, format: str = "auto") -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        format: str = "auto",
+        *,
+        force_color: bool = False,
+        force_gray: bool = False,
+    ) -> None:
         check_format(format)
+        self.mode = image_mode(force_color, force_gray)
         self.path = str(path)
         self.env = open_env(path)
         try:
@@ -131,7 +151,7 @@ class Database:
                 cur.first()
                 key, value = bytes(cur.key()), cur.value()
                 self.format = detect_format(value, key) if format == "auto" else format
-                x, _ = decode_one(self.format, value, key)
+                x, _ = decode_one(self.format, value, key, self.mode)
                 self.first_key = key
                 self.shape: tuple[int, ...] = tuple(x.shape)
                 self.dtype: np.dtype = x.dtype.newbyteorder("=")
@@ -143,27 +163,37 @@ class Database:
         return self.entries
 
     def __iter__(self) -> Iterator[tuple[bytes, np.ndarray, int]]:
-        decode = decoder(self.format)
+        decode = decoder(self.format, self.mode)
         with self.env.begin(buffers=True) as txn:
-            for key, value in txn.cursor().iternext():
+            for i, (key, value) in enumerate(txn.cursor().iternext()):
                 try:
                     x, y = decode(value)
                 except ValueError as e:
-                    raise DataError(f"record {keyname(key)}: {e}") from None
+                    raise DataError(
+                        f"record {keyname(key)} (number {i} in key order): {e}"
+                    ) from None
                 yield bytes(key), np.array(x, dtype=x.dtype.newbyteorder("=")), int(y)
 
     def labels(self) -> np.ndarray:
-        """All labels, in key order (int64)."""
+        """All labels, in key order (int64); images are not decoded for them."""
         out = np.empty(self.entries, np.int64)
         with self.env.begin(buffers=True) as txn:
-            it = txn.cursor().iternext(keys=False)
-            if self.format == "nccltree":
-                unpack = struct.Struct("<q").unpack_from
-                for i, value in enumerate(it):
-                    out[i] = unpack(value, LABEL_OFFSET)[0]
-            else:
-                for i, (_, y) in enumerate(map(_decode_datum, it)):
-                    out[i] = y
+            i = 0
+            it = txn.cursor().iternext()
+            try:
+                if self.format == "nccltree":
+                    unpack = struct.Struct("<q").unpack_from
+                    for i, (_, value) in enumerate(it):
+                        if len(value) < LABEL_OFFSET + 8:
+                            raise ValueError("not an nccltree record (too short)")
+                        out[i] = unpack(value, LABEL_OFFSET)[0]
+                else:
+                    for i, (_, value) in enumerate(it):
+                        out[i] = parse_datum(value).label
+            except ValueError as e:
+                with self.env.begin() as t2:  # the key of record i, for the message
+                    key = next(islice(t2.cursor().iternext(values=False), i, None), b"?")
+                raise DataError(f"record {keyname(key)} (number {i} in key order): {e}") from None
         return out
 
     def size_bytes(self) -> int:
@@ -191,17 +221,29 @@ class Database:
         )
 
 
-def open_db(path: str | os.PathLike, format: str = "auto") -> Database:
+def open_db(
+    path: str | os.PathLike,
+    format: str = "auto",
+    *,
+    force_color: bool = False,
+    force_gray: bool = False,
+) -> Database:
     """Open a record database read-only (see :class:`Database`)."""
-    return Database(path, format)
+    return Database(path, format, force_color=force_color, force_gray=force_gray)
 
 
-def db_info(path: str | os.PathLike, format: str = "auto") -> dict[str, Any]:
+def db_info(
+    path: str | os.PathLike,
+    format: str = "auto",
+    *,
+    force_color: bool = False,
+    force_gray: bool = False,
+) -> dict[str, Any]:
     """Summary of a database: records, format, shape, dtype, label range, size on disk.
 
     Reads every label (one sequential pass), so it takes a moment on a large database.
     """
-    with open_db(path, format) as db:
+    with open_db(path, format, force_color=force_color, force_gray=force_gray) as db:
         labels = db.labels()
         return {
             "path": db.path,
@@ -216,6 +258,87 @@ def db_info(path: str | os.PathLike, format: str = "auto") -> dict[str, Any]:
             "first_key": db.first_key.decode("utf-8", "backslashreplace"),
             "size_bytes": db.size_bytes(),
         }
+
+
+def verify_db(
+    path: str | os.PathLike,
+    format: str = "auto",
+    *,
+    force_color: bool = False,
+    force_gray: bool = False,
+) -> dict[str, Any]:
+    """Read and decode every record of a database, as the reader would; report the bad ones.
+
+    Returns ``records``, ``format``, ``shape`` and ``dtype`` (those of the first record
+    that decodes, which the reader takes as the database's) and ``bad``: one
+    ``{"number", "key", "reason"}`` per record that does not decode or differs from that
+    shape and dtype, in key order (the first record itself when it does not decode: the
+    reader then refuses the database).
+    """
+    check_format(format)
+    mode = image_mode(force_color, force_gray)
+    env = open_env(path)
+    bad: list[dict[str, Any]] = []
+    want: tuple[tuple[int, ...], np.dtype[Any]] | None = None
+    fmt = None if format == "auto" else format
+    try:
+        with env.begin(buffers=True) as txn:
+            n = int(txn.stat()["entries"])
+            for i, (key, value) in enumerate(txn.cursor().iternext()):
+                k = bytes(key)
+                try:
+                    if fmt is None:
+                        fmt = detect_format(value, k)
+                    x, _ = decoder(fmt, mode)(value)
+                except (ValueError, DataError) as e:
+                    reason = str(e)
+                    prefix = f"record {keyname(k)} "
+                    reason = reason[len(prefix) :] if reason.startswith(prefix) else reason
+                    bad.append({"number": i, "key": keyname(k), "reason": reason})
+                    continue
+                got = (tuple(x.shape), x.dtype.newbyteorder("="))
+                if want is None:
+                    want = got
+                elif got != want:
+                    bad.append(
+                        {
+                            "number": i,
+                            "key": keyname(k),
+                            "reason": f"shape {got[0]} / dtype {got[1].name} differs from "
+                            f"the database's shape {want[0]} / dtype {want[1].name}",
+                        }
+                    )
+    finally:
+        close_env(env)
+    return {
+        "path": str(path),
+        "records": n,
+        "format": fmt,
+        "shape": None if want is None else list(want[0]),
+        "dtype": None if want is None else want[1].name,
+        "bad": bad,
+    }
+
+
+def check_arrays(X: np.ndarray, y: np.ndarray, format: str = "nccltree") -> None:
+    """The checks ``write_lmdb`` makes of its arguments before it writes anything:
+    ValueError or TypeError saying what is wrong (naming the record for a bad label)."""
+    if format not in ("nccltree", "datum"):
+        raise ValueError(f"format must be 'nccltree' or 'datum'; got {format!r}")
+    if X.ndim < 1 or len(X) == 0:
+        raise ValueError(f"X must hold at least one record (shape (N, ...)); got shape {X.shape}")
+    if y.shape != (len(X),):
+        raise ValueError(f"y must have shape ({len(X)},) to match X; got {y.shape}")
+    if y.dtype.kind not in "iub":
+        raise TypeError(f"labels must be integers; got dtype {y.dtype}")
+    if format == "datum":
+        if X.dtype not in (np.uint8, np.float32):
+            raise TypeError(f"Datum records hold uint8 or float32 data; got {X.dtype}")
+        _check_datum_labels(y)
+    elif X.dtype.name not in DTYPE_CODES:
+        raise TypeError(
+            f"record dtype {X.dtype} is not supported; accepted: {', '.join(DTYPE_CODES)}"
+        )
 
 
 def write_lmdb(
@@ -233,67 +356,194 @@ def write_lmdb(
     Keys are the zero-padded record numbers (``00000000``, ``00000001``, ...; wider when
     there are more than 10**8 records), so key order is insertion order. ``format`` is
     ``"nccltree"`` (any shape, any numeric dtype) or ``"datum"`` (Caffe Datum: uint8 or
-    float32, C×H×W or H×W records). Records are written in transactions of about
-    ``commit_bytes``; the map size starts at an estimate (or ``map_size``) and doubles
-    whenever it fills. An existing non-empty database is an error unless ``overwrite``.
+    float32, C×H×W or H×W records, int32 labels). Records are written in transactions of
+    about ``commit_bytes``; the map size starts at an estimate (or ``map_size``) and
+    doubles whenever it fills. An existing non-empty database is an error unless
+    ``overwrite``.
+
+    All or nothing: the database is written into a temporary directory next to ``path``
+    (``.NAME.tmp-HOST-PID-...``) and renamed to ``path`` once complete, so a killed
+    writer leaves no partial database behind. A temporary directory left by a killed
+    writer on this host is removed by the next ``write_lmdb`` to the same path.
     """
-    if format not in ("nccltree", "datum"):
-        raise ValueError(f"format must be 'nccltree' or 'datum'; got {format!r}")
     X = np.asarray(X)
     y = np.asarray(y)
-    if X.ndim < 1 or len(X) == 0:
-        raise ValueError(f"X must hold at least one record (shape (N, ...)); got shape {X.shape}")
-    if y.shape != (len(X),):
-        raise ValueError(f"y must have shape ({len(X)},) to match X; got {y.shape}")
-    if y.dtype.kind not in "iub":
-        raise TypeError(f"labels must be integers; got dtype {y.dtype}")
-    if format == "datum" and X.dtype not in (np.uint8, np.float32):
-        raise TypeError(f"Datum records hold uint8 or float32 data; got {X.dtype}")
+    check_arrays(X, y, format)
     commit_bytes = check_int(commit_bytes, "commit_bytes", min=1)
     if map_size is not None:
         map_size = check_int(map_size, "map_size", min=1)
+    target = Path(path)
+    check_target(target, overwrite)
     encode = encode_record if format == "nccltree" else encode_datum
     sample = encode(X[0], int(y[0]))
     width = max(8, len(str(len(X) - 1)))
     per_txn = max(1, commit_bytes // len(sample))
     if map_size is None:
         map_size = max(16 * _MiB, int(len(X) * (len(sample) + width + 64) * 1.25))
-    env = _create_env(Path(path), map_size, overwrite)
-    lmdb = _lmdb()
+    remove_stale_temporaries(target)
+    tmp = _temporary(target, "tmp")
     try:
-        i = 0
-        while i < len(X):
-            stop = min(len(X), i + per_txn)
-            items = [(b"%0*d" % (width, j), encode(X[j], int(y[j]))) for j in range(i, stop)]
-            while True:
-                try:
-                    with env.begin(write=True) as txn:
-                        txn.cursor().putmulti(items, append=True)
-                    break
-                except lmdb.MapFullError:
-                    # Grow geometrically so a badly underestimated size costs O(log) retries.
-                    env.set_mapsize(env.info()["map_size"] * 2)
-            i = stop
-    finally:
-        env.close()
+        env = _lmdb().open(str(tmp), map_size=map_size, subdir=True, max_dbs=0)
+        try:
+            _put_all(env, X, y, encode, width, per_txn)
+        finally:
+            env.close()
+        _install(tmp, target, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return len(X)
 
 
-def _create_env(p: Path, map_size: int, overwrite: bool) -> Any:
+def _check_datum_labels(y: np.ndarray) -> None:
+    lo, hi = int(y.min()), int(y.max())
+    for bad in (lo, hi):
+        try:
+            check_label(bad)
+        except ValueError as e:
+            i = int(np.flatnonzero(y == bad)[0])
+            raise ValueError(f"record {i}: {e}") from None
+
+
+def _put_all(
+    env: Any,
+    X: np.ndarray,
+    y: np.ndarray,
+    encode: Callable[[np.ndarray, int], bytes],
+    width: int,
+    per_txn: int,
+) -> None:
     lmdb = _lmdb()
-    if p.exists() and not p.is_dir():
-        raise FileExistsError(errno.EEXIST, "exists and is not a directory", str(p))
-    if p.is_dir() and any(p.iterdir()) and not (p / "data.mdb").is_file():
+    i = 0
+    while i < len(X):
+        stop = min(len(X), i + per_txn)
+        items = [(b"%0*d" % (width, j), encode(X[j], int(y[j]))) for j in range(i, stop)]
+        while True:
+            try:
+                with env.begin(write=True) as txn:
+                    txn.cursor().putmulti(items, append=True)
+                break
+            except lmdb.MapFullError:
+                # Grow geometrically so a badly underestimated size costs O(log) retries.
+                env.set_mapsize(env.info()["map_size"] * 2)
+        i = stop
+
+
+def _entries(p: Path) -> int:
+    """Records in the LMDB environment directory ``p`` (read-only, no lock file)."""
+    lmdb = _lmdb()
+    try:
+        env = lmdb.open(str(p), readonly=True, lock=False, subdir=True)
+    except lmdb.Error as e:
         raise FileExistsError(
-            errno.EEXIST, "is a non-empty directory that is not an LMDB environment", str(p)
-        )
-    env = lmdb.open(str(p), map_size=map_size, subdir=True, max_dbs=0)
-    with env.begin(write=True) as txn:
-        if txn.stat()["entries"]:
-            if not overwrite:
-                env.close()
-                raise FileExistsError(
-                    errno.EEXIST, "already holds a database (pass overwrite=True)", str(p)
+            f"{str(p)!r} holds a data.mdb that is not a readable LMDB environment ({e})"
+        ) from None
+    try:
+        with env.begin() as txn:
+            return int(txn.stat()["entries"])
+    finally:
+        env.close()
+
+
+def check_target(
+    path: str | os.PathLike, overwrite: bool = False, flag: str = "overwrite=True"
+) -> None:
+    """Check that a database can be written at ``path``, before anything is written.
+
+    FileExistsError if a file is there, or a non-empty directory that is not an LMDB
+    environment, or (unless ``overwrite``) a database with records (the message says that
+    ``flag`` replaces it); NotADirectoryError if a parent of ``path`` is a file.
+    """
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise FileExistsError(f"{str(p)!r} exists and is not a directory")
+    for parent in p.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise NotADirectoryError(
+                    f"cannot create a database at {str(p)!r}: {str(parent)!r} is a file, "
+                    "not a directory"
                 )
-            txn.drop(env.open_db(txn=txn), delete=False)
-    return env
+            break
+    if not p.is_dir() or not any(p.iterdir()):
+        return
+    if not (p / "data.mdb").is_file():
+        raise FileExistsError(
+            f"{str(p)!r} is a non-empty directory that is not an LMDB environment"
+        )
+    n = _entries(p)
+    if n and not overwrite:
+        raise FileExistsError(
+            f"{str(p)!r} already holds a database of {n} records ({flag} replaces it)"
+        )
+
+
+# Temporary directories: .NAME.tmp-HOST-PID-RANDOM (being written) and .NAME.old-HOST-PID-
+# RANDOM (a replaced database being removed), next to the target, so that the final rename
+# stays on one file system. HOST and PID say whose they are: a later writer on this host
+# removes those whose process is gone (a killed writer's), never a live one's, nor another
+# host's on a shared file system.
+def _temporary(target: Path, kind: str) -> Path:
+    parent = target.absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        tmp = parent / f".{target.name}.{kind}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            tmp.mkdir()  # the umask's permissions, as the database itself gets them
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
+    """Remove the temporary directories that writers of the database at ``path`` killed on
+    this host left behind (their process is gone); returns the ones removed."""
+    target = Path(path).absolute()
+    parent = target.parent
+    if not parent.is_dir():
+        return []
+    pattern = re.compile(
+        rf"\.{re.escape(target.name)}\.(?:tmp|old)-{re.escape(_host())}-(\d+)-[^/]*\Z"
+    )
+    removed = []
+    for entry in parent.iterdir():
+        m = pattern.match(entry.name)
+        if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def _install(tmp: Path, target: Path, overwrite: bool) -> None:
+    """Rename the complete database ``tmp`` to ``target``, replacing an existing one only
+    when ``overwrite`` (it is moved aside first, then removed)."""
+    try:
+        os.rename(tmp, target)  # succeeds when target is missing or an empty directory
+        return
+    except OSError as e:
+        if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+            raise
+    check_target(target, overwrite)  # raced with another writer: the same rules again
+    old = _temporary(target, "old")
+    os.rename(target, old / "db")
+    try:
+        os.rename(tmp, target)
+    except BaseException:
+        os.rename(old / "db", target)
+        raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 from collections.abc import Iterator, Sequence
@@ -12,6 +13,7 @@ from numpy.typing import DTypeLike
 
 from .._validate import check_index, check_int, check_timeout
 from .batch import Batch, Slot
+from .datum import image_mode
 from .decode import DatumDecoder, RecordDecoder, Transform
 from .errors import DataError, EndOfData
 from .format import keyname, record_layout
@@ -23,6 +25,8 @@ if TYPE_CHECKING:
     from ..backends.base import Device
 
 __all__ = ["Batch", "DataReader"]
+
+log = logging.getLogger("nccltree.data")
 
 
 class DataReader:
@@ -58,6 +62,10 @@ class DataReader:
             ``(x - mean) * scale`` in ``dtype`` (float32 by default when a mean or scale
             is given). ``mean``: scalar, one value per channel (axis 0), or full shape.
         format: ``"auto"`` (detected from the first record), ``"nccltree"`` or ``"datum"``.
+        force_color, force_gray: decode encoded Datum images as 3 BGR channels or as 1
+            gray channel, as Caffe's data-layer options of these names do; by default each
+            image keeps its own channels (Caffe's default: an RGBA PNG gives 4). They
+            apply to encoded Datums only; both at once is a ValueError.
         log_on_wait: a rank that has to wait for data logs (logger ``nccltree.queue``)
             a message (True: a default one; a string: that one, ``{rank}`` filled in;
             None/False: nothing).
@@ -87,6 +95,8 @@ class DataReader:
         scale: float | None = None,
         mean: Any = None,
         format: str = "auto",
+        force_color: bool = False,
+        force_gray: bool = False,
         log_on_wait: bool | str | None = True,
         device: Device | Sequence[Device] | None = None,
     ) -> None:
@@ -101,12 +111,13 @@ class DataReader:
         process_count = check_int(process_count, "process_count", min=1)
         process_rank = check_index(process_rank, "process_rank", process_count)
         check_format(format)
+        mode = image_mode(force_color, force_gray)
         devices = _check_devices(device, ranks)
 
         self.path = str(path)
         env = open_env(path)
         try:
-            n, fmt, decoder = _inspect(env, self.path, format)
+            n, fmt, decoder = _inspect(env, self.path, format, mode)
             end = None if epochs is None else epochs * n
             deal = Dealing(n, batch_size, ranks, process_rank, process_count, start, end, drop_last)
             if end is not None and start > end:
@@ -236,7 +247,7 @@ class DataReader:
         )
 
 
-def _inspect(env: Any, path: str, format: str) -> tuple[int, str, Any]:
+def _inspect(env: Any, path: str, format: str, mode: str) -> tuple[int, str, Any]:
     """Records, format and a batch decoder, from the database's first record."""
     with env.begin(buffers=True) as txn:
         n = txn.stat()["entries"]
@@ -248,10 +259,15 @@ def _inspect(env: Any, path: str, format: str) -> tuple[int, str, Any]:
         fmt = detect_format(value, key) if format == "auto" else format
         try:
             decoder = (
-                RecordDecoder(record_layout(value)) if fmt == "nccltree" else DatumDecoder(value)
+                RecordDecoder(record_layout(value))
+                if fmt == "nccltree"
+                else DatumDecoder(value, mode)
             )
         except ValueError as e:
-            raise DataError(f"record {keyname(key)}: {e}") from None
+            raise DataError(f"record {keyname(key)} (number 0 in key order): {e}") from None
+    if mode != "native" and not getattr(decoder, "encoded", False):
+        # Caffe logs the same and goes on: the options concern encoded images only.
+        log.warning("DataReader %r: force_%s applies to encoded Datums only", path, mode)
     return n, fmt, decoder
 
 

@@ -152,11 +152,12 @@ def test_datum_encoder_matches_hand_encoder():
     assert encode_datum(f, 1) == datum_bytes(1, 2, 2, floats=f.ravel().tolist(), label=1)
 
 
-def test_datum_protobuf_package_bytes_decode():
-    pytest.importorskip("google.protobuf")
+def caffe_datum_class(package: str = "caffe_t"):
+    """Caffe's Datum message class from protobuf, built from the fields caffe.proto
+    declares (independent of nccltree.data.datum); needs the protobuf package."""
     from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-    fdp = descriptor_pb2.FileDescriptorProto(name="datum_test.proto", package="caffe_t")
+    fdp = descriptor_pb2.FileDescriptorProto(name=f"{package}.proto", package=package)
     m = fdp.message_type.add(name="Datum")
     F = descriptor_pb2.FieldDescriptorProto
     for name, num, typ, lab in [
@@ -171,7 +172,12 @@ def test_datum_protobuf_package_bytes_decode():
         m.field.add(name=name, number=num, type=typ, label=lab)
     pool = descriptor_pool.DescriptorPool()
     pool.Add(fdp)
-    Datum = message_factory.GetMessageClass(pool.FindMessageTypeByName("caffe_t.Datum"))
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{package}.Datum"))
+
+
+def test_datum_protobuf_package_bytes_decode():
+    pytest.importorskip("google.protobuf")
+    Datum = caffe_datum_class()
     img = np.random.default_rng(0).integers(0, 256, (3, 5, 4), dtype=np.uint8)
     msg = Datum(channels=3, height=5, width=4, data=img.tobytes(), label=123456)
     x, y = decode_datum(msg.SerializeToString())

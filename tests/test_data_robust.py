@@ -23,30 +23,9 @@ from nccltree.data import DataError, DataReader, db_info, decode_datum, encode_d
 
 pytest.importorskip("google.protobuf")
 
+from test_data_format import caffe_datum_class
 
-def _datum_class() -> Any:
-    """Caffe's Datum message, built from its fields as caffe.proto declares them."""
-    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-
-    fdp = descriptor_pb2.FileDescriptorProto(name="datum_robust.proto", package="caffe_r")
-    m = fdp.message_type.add(name="Datum")
-    F = descriptor_pb2.FieldDescriptorProto
-    for name, num, typ, lab in [
-        ("channels", 1, F.TYPE_INT32, F.LABEL_OPTIONAL),
-        ("height", 2, F.TYPE_INT32, F.LABEL_OPTIONAL),
-        ("width", 3, F.TYPE_INT32, F.LABEL_OPTIONAL),
-        ("data", 4, F.TYPE_BYTES, F.LABEL_OPTIONAL),
-        ("label", 5, F.TYPE_INT32, F.LABEL_OPTIONAL),
-        ("float_data", 6, F.TYPE_FLOAT, F.LABEL_REPEATED),
-        ("encoded", 7, F.TYPE_BOOL, F.LABEL_OPTIONAL),
-    ]:
-        m.field.add(name=name, number=num, type=typ, label=lab)
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(fdp)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName("caffe_r.Datum"))
-
-
-Datum = _datum_class()
+Datum = caffe_datum_class("caffe_r")
 
 
 def put(path: Path, values: list[bytes], keys: list[str] | None = None) -> None:

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import io
 import struct
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .errors import DataError
 from .format import keyname
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 _F32 = np.dtype("<f4")
 # Wire types: 0 varint, 1 fixed64, 2 length-delimited, 5 fixed32.
@@ -242,7 +245,7 @@ def _decode_image(data: bytes | memoryview, mode: str = "native") -> np.ndarray:
     return np.ascontiguousarray(arr[:, :, order].transpose(2, 0, 1))
 
 
-def _image_array(img: Any, mode: str) -> np.ndarray:
+def _image_array(img: Image, mode: str) -> np.ndarray:
     """Pillow image -> uint8 H×W or H×W×C (RGB or RGBA order), decoded per ``mode``."""
     if img.mode in _WIDE_MODES:
         if mode == "native":

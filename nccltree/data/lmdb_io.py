@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from itertools import islice
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -260,13 +260,32 @@ def db_info(
         }
 
 
+class BadEntry(TypedDict):
+    """One record ``verify_db`` found bad: its number in key order, key and reason."""
+
+    number: int
+    key: str
+    reason: str
+
+
+class VerifyReport(TypedDict):
+    """What ``verify_db`` returns."""
+
+    path: str
+    records: int
+    format: str | None
+    shape: list[int] | None
+    dtype: str | None
+    bad: list[BadEntry]
+
+
 def verify_db(
     path: str | os.PathLike,
     format: str = "auto",
     *,
     force_color: bool = False,
     force_gray: bool = False,
-) -> dict[str, Any]:
+) -> VerifyReport:
     """Read and decode every record of a database, as the reader would; report the bad ones.
 
     Returns ``records``, ``format``, ``shape`` and ``dtype`` (those of the first record
@@ -278,8 +297,8 @@ def verify_db(
     check_format(format)
     mode = image_mode(force_color, force_gray)
     env = open_env(path)
-    bad: list[dict[str, Any]] = []
-    want: tuple[tuple[int, ...], np.dtype[Any]] | None = None
+    bad: list[BadEntry] = []
+    want: tuple[tuple[int, ...], np.dtype] | None = None
     fmt = None if format == "auto" else format
     try:
         with env.begin(buffers=True) as txn:

@@ -37,8 +37,9 @@ BENCH = [
 
 
 def test_the_statuses():
-    assert [int(s) for s in ExitStatus] == [0, 1, 2, 3, 130]
+    assert [int(s) for s in ExitStatus] == [0, 1, 2, 3, 130, 141]
     assert ExitStatus.INTERRUPTED == 128 + signal.SIGINT
+    assert ExitStatus.BROKEN_PIPE == 128 + signal.SIGPIPE
 
 
 @pytest.mark.parametrize(
@@ -136,11 +137,12 @@ class _Interrupted(World):
     ],
     ids=["ok", "usage", "no-such-device", "failure", "wrong", "interrupted"],
 )
-def test_bench_statuses(capsys, world, argv, status, message):
+def test_bench_statuses(capsys, tmp_path, world, argv, status, message):
     def factory(devices, algorithm):
         return world(devices, algorithm=algorithm)
 
-    assert bench_cli.main([*BENCH, "--quiet", *argv], world_factory=factory) == status
+    quiet = ["--quiet", "--json", str(tmp_path / "r.json")]
+    assert bench_cli.main([*BENCH, *quiet, *argv], world_factory=factory) == status
     err = capsys.readouterr().err
     if message is not None:
         assert message in err

@@ -16,6 +16,11 @@ Exit statuses (every ``--help`` epilog prints :data:`EXIT_STATUS_EPILOG`):
   ``--target-accuracy``.
 * ``130`` (``ExitStatus.INTERRUPTED``): interrupted by Ctrl-C (SIGINT), 128 + 2 as the shell
   reports a process killed by that signal.
+* ``141`` (``ExitStatus.BROKEN_PIPE``): stdout (or stderr) was closed before the command
+  finished, as in ``nccltree-train ... | head -1``: the command stops quietly, with the
+  status the shell reports for ``yes | head -1``'s ``yes`` (128 + SIGPIPE). Not ``0``: the
+  work was cut short (a trainer stops at its next line, with no ``final.npz``), and a
+  pipeline under ``set -o pipefail`` must not take that for a finished run.
 
 ``2`` is argparse's status for a bad flag, kept for every error of the same kind, so that a
 script can tell "nothing ran, the command is wrong" (retry another way) from "the run
@@ -28,7 +33,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import enum
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, TextIO
@@ -47,12 +54,14 @@ class ExitStatus(enum.IntEnum):
     USAGE = 2
     WRONG = 3
     INTERRUPTED = 130
+    BROKEN_PIPE = 141
 
 
 EXIT_STATUS_EPILOG = (
     "Exit status: 0 success; 1 the run failed; 2 bad usage (nothing ran: a flag, or what it "
     "asks of this machine, is wrong); 3 wrong results (a benchmark's #wrong, a missed "
-    "--target-accuracy); 130 interrupted (Ctrl-C)."
+    "--target-accuracy); 130 interrupted (Ctrl-C); 141 the output was closed early "
+    "(| head)."
 )
 
 # What a check of the flags, or a run, may raise: the library's bad-argument errors, its
@@ -63,6 +72,54 @@ ERRORS: tuple[type[Exception], ...] = (NcclTreeError, ValueError, TypeError, OSE
 
 class UsageError(ValueError):
     """The command cannot run as given (exit status 2); the message says what is accepted."""
+
+
+# -- the parser ------------------------------------------------------------------------------
+
+
+class Parser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` as every nccltree command line uses it: no abbreviated
+    long flags (``--snapshot 500`` must not mean ``--snapshot-every 500``: to a Caffe user
+    ``-snapshot FILE`` means resume) and the exit statuses as the epilog. Sub-commands made
+    with ``add_subparsers().add_parser`` are of this class too, so they inherit both."""
+
+    def __init__(
+        self,
+        prog: str | None = None,
+        description: str | None = None,
+        epilog: str | None = None,
+        formatter_class: type[argparse.HelpFormatter] = argparse.HelpFormatter,
+        allow_abbrev: bool = False,
+    ) -> None:
+        super().__init__(
+            prog=prog,
+            description=description,
+            epilog=EXIT_STATUS_EPILOG if epilog is None else epilog,
+            formatter_class=formatter_class,
+            allow_abbrev=allow_abbrev,
+        )
+
+
+def make_parser(prog: str, description: str, epilog: str | None = None) -> Parser:
+    """The top-level parser of a command line (see :class:`Parser`)."""
+    return Parser(prog=prog, description=description, epilog=epilog)
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``low``; argparse names the flag in the error
+    (``argument -n/--iters: must be an integer >= 1, got '0'``)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"  # argparse's "invalid <name> value" wording
+    return parse
 
 
 @contextlib.contextmanager
@@ -108,14 +165,113 @@ def run_main(
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
         return ExitStatus.INTERRUPTED
+    except BrokenPipeError:
+        # before ERRORS (an OSError): the reader is gone, there is nobody to tell
+        silence_closed_streams()
+        return ExitStatus.BROKEN_PIPE
     except ERRORS as exc:
         report_error(name, exc)
         return ExitStatus.FAILURE
 
 
+def silence_closed_streams() -> None:
+    """Point stdout and stderr at ``os.devnull`` where their reader has gone, so that
+    flushing them again at exit raises no second ``BrokenPipeError`` (the recipe of
+    Python's ``signal`` documentation, "Note on SIGPIPE"). A stream without a file
+    descriptor (a test's capture) is left as it is."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+            continue
+        except (BrokenPipeError, ValueError):
+            pass
+        try:
+            fd = stream.fileno()
+        except (OSError, ValueError):
+            continue
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, fd)
+        finally:
+            os.close(devnull)
+
+
+def error_text(exc: BaseException | str) -> str:
+    """The message of ``exc`` for a person: an ``OSError`` as ``PATH: reason`` (no
+    ``[Errno 20]``), anything else as ``str(exc)``."""
+    if isinstance(exc, OSError) and exc.strerror:
+        reason = exc.strerror[:1].lower() + exc.strerror[1:]
+        return f"{exc.filename}: {reason}" if exc.filename is not None else reason
+    return str(exc)
+
+
 def report_error(prog: str, exc: BaseException | str, stream: TextIO | None = None) -> None:
     """``PROG: error: MESSAGE`` on stderr, the form argparse uses."""
-    print(f"{prog}: error: {exc}", file=stream if stream is not None else sys.stderr, flush=True)
+    text = error_text(exc)
+    print(f"{prog}: error: {text}", file=stream if stream is not None else sys.stderr, flush=True)
+
+
+# -- output files ----------------------------------------------------------------------------
+
+
+def check_output(flag: str, path: str) -> None:
+    """Raise :class:`UsageError` unless ``path`` (the value of ``flag``) can be written:
+    its directory exists and takes a new file, and ``path`` is not a directory. Checked
+    before the work starts, so that an hour's sweep is not lost to a typo at its end."""
+    where = f"{flag} {path}"
+    if os.path.isdir(path):
+        raise UsageError(f"{where}: is a directory; give a file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    probe = parent
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise UsageError(f"{where}: {probe} is not a directory")
+    if probe != parent:
+        raise UsageError(f"{where}: the directory {parent} does not exist")
+    try:  # the write that will happen: a new file beside the target (see write_output)
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".nccltree-probe-"):
+            pass
+        if os.path.exists(path) and not os.access(path, os.W_OK):
+            raise PermissionError(13, "Permission denied", path)
+    except OSError as exc:
+        raise UsageError(f"{where}: cannot be written ({error_text(exc)})") from None
+
+
+@contextlib.contextmanager
+def write_output(path: str, newline: str | None = None) -> Iterator[TextIO]:
+    """Open a temporary file beside ``path`` and, when the block ends without an error,
+    rename it over ``path``: a reader sees the old file or the new one, never half of one
+    (a killed or failed run leaves no truncated output and no temporary file)."""
+    fd, tmp = _temporary_beside(path)
+    try:
+        with open(fd, "w", encoding="utf-8", newline=newline) as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def output_path(path: str) -> Iterator[str]:
+    """A temporary name beside ``path`` (same extension, for writers that choose the format
+    by it, as matplotlib does), renamed over ``path`` when the block ends without error."""
+    fd, tmp = _temporary_beside(path)
+    os.close(fd)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _temporary_beside(path: str) -> tuple[int, str]:
+    parent, name = os.path.split(os.path.abspath(path))
+    return tempfile.mkstemp(prefix=f".{name}.tmp-", suffix=os.path.splitext(name)[1], dir=parent)
 
 
 # -- the host runtime ------------------------------------------------------------------------
@@ -196,9 +352,17 @@ class Progress:
 # -- formatting ------------------------------------------------------------------------------
 
 
+def approx_bytes(n: float) -> str:
+    """``512 B``, ``3.5 KiB``, ``18.3 GiB``, ``2.0 TiB``: a size for a person, rounded."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{int(n)} B"
+
+
 def human_bytes(n: int) -> str:
     """``8 B``, ``64 KiB``, ``64 MiB``: exact binary units where they fit."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift and n % (1 << shift) == 0:
             return f"{n >> shift} {unit}"
     return f"{n} B"

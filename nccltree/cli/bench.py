@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import csv
 import json
+import math
 import os
 import sys
 import tempfile
@@ -23,14 +24,19 @@ from typing import TYPE_CHECKING, TextIO
 from ..comm import bench as drv
 from ..comm.collectives import COLLECTIVES, collective_name
 from ._common import (
-    EXIT_STATUS_EPILOG,
     ExitStatus,
     Progress,
     UsageError,
+    approx_bytes,
+    check_output,
     checking,
     human_bytes,
+    int_at_least,
+    make_parser,
     open_devices,
+    output_path,
     run_main,
+    write_output,
 )
 from ._training import DriverConfig, SolverConfig, build_training
 
@@ -51,6 +57,13 @@ COLLECTIVE_DEFAULTS = {
     "op": "sum",
     "dtype": "float32",
     "root": 0,
+}
+# the driver's arguments as the collectives command line names them, for its messages
+FLAG_NAMES = {
+    "root": "-r/--root",
+    "iters": "-n/--iters",
+    "warmup": "-w/--warmup-iters",
+    "check": "-c/--check",
 }
 PLOT_MISSING = (
     "--plot needs matplotlib, which is not installed; install it with "
@@ -132,7 +145,9 @@ def table_footer(records: Sequence[drv.BenchRecord]) -> list[str]:
     ]
 
 
-def _collectives_header(bench: drv.Benchmark, sizes: list[int], factor: float) -> list[str]:
+def _collectives_header(
+    bench: drv.Benchmark, sizes: list[int], factor: float, lowered_from: int | None = None
+) -> list[str]:
     m = bench.machine
     where = (
         f"{bench.label} ({bench.n} ranks, {m['backend']} backend; {m['cpu']}, "
@@ -143,6 +158,8 @@ def _collectives_header(bench: drv.Benchmark, sizes: list[int], factor: float) -
         if len(sizes) > 1
         else human_bytes(sizes[0])
     )
+    if lowered_from is not None:
+        rng += f" (lowered from {human_bytes(lowered_from)} to fit in memory)"
     op = bench.op if any(COLLECTIVES[c].reduces for c in bench.collectives) else "none"
     return [
         "# nccltree-bench collectives",
@@ -157,7 +174,7 @@ def _collectives_header(bench: drv.Benchmark, sizes: list[int], factor: float) -
 
 
 def write_json(path: str, payload: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
+    with write_output(path) as f:
         json.dump(payload, f, indent=1)
         f.write("\n")
 
@@ -170,7 +187,7 @@ def write_csv(path: str, records: Sequence[drv.BenchRecord]) -> None:
         m = d.pop("machine")
         d["backend"], d["cpu"] = m.get("backend"), m.get("cpu")
         rows.append(d)
-    with open(path, "w", newline="", encoding="utf-8") as f:
+    with write_output(path, newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["collective"])
         w.writeheader()
         w.writerows(rows)
@@ -215,7 +232,8 @@ def plot_collectives(path: str, records: Sequence[drv.BenchRecord]) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with output_path(path) as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
 
 
@@ -249,11 +267,7 @@ def make_benchmark(
                 f"{', '.join(ALGORITHM_CHOICES)} (several: tree,ring)"
             )
     collectives = [collective_name(c) for c in _split(args.collective)]
-    if args.plot:
-        _require_matplotlib()
-    for flag, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)):
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise UsageError(f"{flag} {path}: the directory does not exist")
+    _check_outputs(args, ("json", "csv", "plot"))
     return drv.Benchmark(
         args.devices,
         algorithms,
@@ -267,16 +281,81 @@ def make_benchmark(
         check=args.check,
         world_factory=world_factory,
         devices_label=args.devices,
+        names=FLAG_NAMES,
     )
 
 
+def _check_outputs(args: argparse.Namespace, flags: Sequence[str]) -> None:
+    """Every output file can be written, and something is shown or written: checked
+    before the work, which may take an hour."""
+    given = [f for f in flags if getattr(args, f)]
+    if args.quiet and not given:
+        raise UsageError(
+            "--quiet with no "
+            + " or ".join(f"--{f}" for f in flags)
+            + " would run and keep nothing; add --json FILE, or drop --quiet"
+        )
+    if "plot" in given:
+        _require_matplotlib()
+    for f in given:
+        check_output(f"--{f}", getattr(args, f))
+
+
+def fit_sweep(bench: drv.Benchmark, args: argparse.Namespace, err: TextIO) -> dict[str, object]:
+    """Lower the sweep to the sizes whose memory fits (as nccl-tests lowers maxBytes),
+    saying so on ``err``; refuse if not even the smallest fits. Returns what the JSON
+    output records of it."""
+    asked = list(bench.sizes)
+    dropped = bench.fit_memory()
+    host = drv.available_memory()
+    memory: dict[str, object] = {"available_bytes": host, "dropped_sizes": dropped}
+    if not dropped:
+        return memory
+    need = bench.memory_needed(dropped[0])
+    have = f"{approx_bytes(host)} of host memory available" if host is not None else "free memory"
+    if need.device_bytes:
+        free = drv.device_free_memory(bench.devices)
+        have += ", GPU free: " + ", ".join(
+            f"{d}: {approx_bytes(b)}" for d, b in sorted(free.items())
+        )
+    what = (
+        f"{approx_bytes(need.host_bytes)} of host memory"
+        if not need.device_bytes
+        else f"{approx_bytes(max(need.device_bytes.values()))} on one GPU"
+    )
+    if not bench.sizes:
+        raise UsageError(
+            f"-b/--minbytes {human_bytes(asked[0])} needs about {what} for "
+            f"{bench.n} ranks ({have}, {int(drv.MEMORY_HEADROOM * 100)}% of it usable); "
+            "lower -b/--minbytes or use fewer devices"
+        )
+    print(
+        f"nccltree-bench collectives: note: -e/--maxbytes {human_bytes(asked[-1])} needs about "
+        f"{approx_bytes(bench.memory_needed(asked[-1]).host_bytes)} for {bench.n} ranks "
+        f"({have}); the sweep stops at {human_bytes(bench.sizes[-1])}, as nccl-tests lowers "
+        "maxBytes",
+        file=err,
+        flush=True,
+    )
+    memory["lowered_from"] = asked[-1]
+    return memory
+
+
 def run_collectives(
-    bench: drv.Benchmark, args: argparse.Namespace, out: TextIO, err: TextIO
+    bench: drv.Benchmark,
+    args: argparse.Namespace,
+    out: TextIO,
+    err: TextIO,
+    memory: dict[str, object] | None = None,
 ) -> int:
     quiet = args.quiet
     sizes = bench.sizes
+    lowered = (memory or {}).get("lowered_from")
     if not quiet:
-        print("\n".join(_collectives_header(bench, sizes, args.stepfactor)), file=out, flush=True)
+        header = _collectives_header(
+            bench, sizes, args.stepfactor, lowered if isinstance(lowered, int) else None
+        )
+        print("\n".join(header), file=out, flush=True)
     progress = SweepProgress(bench.total, quiet, err)
     records: list[drv.BenchRecord] = []
     group: list[drv.BenchRecord] = []
@@ -315,6 +394,7 @@ def run_collectives(
                 "tool": "nccltree-bench collectives",
                 "config": {k: getattr(args, k) for k in COLLECTIVE_DEFAULTS},
                 "machine": bench.machine,
+                "memory": memory or {},
                 "records": [r.as_dict() for r in records],
             },
         )
@@ -342,10 +422,25 @@ def _train_dataset(
         info = ntdata.db_info(args.data)
         return args.data, tuple(info["shape"]), int(info["label_max"]) + 1
     root = stack.enter_context(tempfile.TemporaryDirectory(prefix="nccltree-bench-"))
-    x, y = ntdata.synthetic(args.records, shape=(args.features,), classes=10)
+    shape = _synthetic_shape(args)
+    x, y = ntdata.synthetic(args.records, shape=shape, classes=10)
     path = os.path.join(root, "synthetic")
     ntdata.write_lmdb(path, x, y)
-    return path, (args.features,), 10
+    return path, shape, 10
+
+
+def _synthetic_shape(args: argparse.Namespace) -> tuple[int, ...]:
+    """The synthetic task's example shape: ``--features`` values, as one-channel square
+    images for the convolutional model."""
+    if args.model != "cnn":
+        return (args.features,)
+    side = math.isqrt(args.features)
+    if side * side != args.features:
+        raise UsageError(
+            f"--model cnn on the synthetic task needs a square --features (its examples "
+            f"are 1 x side x side images), got {args.features}; e.g. 256 (16 x 16)"
+        )
+    return (1, side, side)
 
 
 def train_point(
@@ -458,7 +553,8 @@ def plot_train(path: str, points: Sequence[dict]) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with output_path(path) as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
 
 
@@ -485,19 +581,39 @@ def check_train_args(args: argparse.Namespace) -> None:
         if v < lo:
             raise UsageError(f"{flag} must be >= {lo}, got {v}")
     try:
-        [int(h) for h in _split(args.hidden)]
+        hidden = [int(h) for h in _split(args.hidden)]
     except ValueError:
-        raise UsageError(
-            f"--hidden takes comma-separated layer widths, got {args.hidden!r}"
-        ) from None
+        hidden = [0]
+    if any(h < 1 for h in hidden):
+        raise UsageError(f"--hidden takes comma-separated layer widths >= 1, got {args.hidden!r}")
+    _check_outputs(args, ("json", "plot"))
     for spec in args.devices:
         with open_devices(spec) as devs:
             for mode in args.scaling:
                 per_rank_batch(args.batch_size, len(devs), mode)
-    if args.plot:
-        _require_matplotlib()
-    if args.data and not os.path.exists(args.data):
-        raise UsageError(f"--data {args.data}: no such database")
+    _check_model(args, hidden)
+
+
+def _check_model(args: argparse.Namespace, hidden: list[int]) -> None:
+    """The model takes the data's examples (a convolutional model needs images)."""
+    from .. import data as ntdata
+    from ..models import build_model
+
+    if args.data:
+        if not os.path.exists(args.data):
+            raise UsageError(f"--data {args.data}: no such database")
+        info = ntdata.db_info(args.data)
+        shape, where = tuple(info["shape"]), f"--data {args.data} holds"
+    else:
+        shape, where = _synthetic_shape(args), "the synthetic task has"
+    kw = {"hidden": hidden} if args.model == "mlp" else {}
+    try:
+        build_model(args.model, shape, 10, **kw)  # a description: nothing is allocated
+    except ValueError as exc:
+        raise UsageError(
+            f"--model {args.model} does not take the examples: {where} examples of "
+            f"shape {shape} ({exc})"
+        ) from None
 
 
 def run_train(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -590,6 +706,8 @@ def resolve_topology(args: argparse.Namespace) -> tuple[Topology, str, Tree]:
     from ..topology import Topology
     from ..tree import build_tree
 
+    if args.dot:
+        check_output("--dot", args.dot)
     if args.preset:
         topo, where = Topology.preset(args.preset), f"preset {args.preset}"
     elif args.smi:
@@ -609,7 +727,7 @@ def run_topo(topo: Topology, where: str, tree: Tree, args: argparse.Namespace, o
     print("", file=out)
     print(str(tree), file=out, flush=True)
     if args.dot:
-        with open(args.dot, "w", encoding="utf-8") as f:
+        with write_output(args.dot) as f:
             f.write(topology_dot(topo, tree))
     return ExitStatus.OK
 
@@ -618,10 +736,8 @@ def run_topo(topo: Topology, where: str, tree: Tree, args: argparse.Namespace, o
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="nccltree-bench",
-        description="Collective and training benchmarks, and the topology the tree uses.",
-        epilog=EXIT_STATUS_EPILOG,
+    p = make_parser(
+        "nccltree-bench", "Collective and training benchmarks, and the topology the tree uses."
     )
     sub = p.add_subparsers(dest="command", metavar="{collectives,train,topo}")
     sub.required = True
@@ -632,8 +748,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time collectives over a size sweep and check every result. Figures "
         "mean what nccl-tests' mean: algbw = size / time, busbw = algbw x 2(n-1)/n "
         "(all_reduce), (n-1)/n (all_gather, reduce_scatter), 1 (broadcast, reduce); "
-        f"GB = 1e9 bytes. Exit status {int(ExitStatus.WRONG)} if any element was wrong.",
-        epilog=EXIT_STATUS_EPILOG,
+        f"GB = 1e9 bytes. Exit status {int(ExitStatus.WRONG)} if any element was wrong. "
+        "A sweep whose largest sizes do not fit in memory stops at the largest that "
+        "does, and says so.",
     )
     c.add_argument(
         "--devices",
@@ -672,7 +789,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "-n",
         "--iters",
-        type=int,
+        type=int_at_least(1),
         default=d["iters"],
         help="timed iterations per size; the median is reported (default: %(default)s)",
     )
@@ -680,14 +797,14 @@ def build_parser() -> argparse.ArgumentParser:
         "-w",
         "--warmup-iters",
         dest="warmup",
-        type=int,
+        type=int_at_least(0),
         default=d["warmup"],
         help="untimed iterations before timing (default: %(default)s)",
     )
     c.add_argument(
         "-c",
         "--check",
-        type=int,
+        type=int_at_least(0),
         default=d["check"],
         help="check runs per size on fresh data, counted in #wrong; 0 turns the "
         "check off (default: %(default)s)",
@@ -722,7 +839,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--quiet",
         action="store_true",
-        help="print no table or progress (for scripts; use --json/--csv)",
+        help="print no table or progress (for scripts; needs --json, --csv or --plot)",
     )
 
     t = sub.add_parser(
@@ -731,7 +848,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the reference model on each device set and report examples/s, "
         "speedup and efficiency over the first set, and the fraction of step time spent "
         "in communication.",
-        epilog=EXIT_STATUS_EPILOG,
     )
     t.add_argument(
         "--devices",
@@ -805,7 +921,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--plot", metavar="FILE.png", help="draw examples/s and efficiency against device count"
     )
-    t.add_argument("--quiet", action="store_true", help="print no table or progress")
+    t.add_argument(
+        "--quiet", action="store_true", help="print no table or progress (needs --json or --plot)"
+    )
 
     g = sub.add_parser(
         "topo",
@@ -813,7 +931,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the detected topology (or a preset, or one "
         "parsed from `nvidia-smi topo -m` output) and the tree build_tree "
         "makes of it.",
-        epilog=EXIT_STATUS_EPILOG,
     )
     src = g.add_mutually_exclusive_group()
     src.add_argument(
@@ -856,13 +973,18 @@ def main(argv: list[str] | None = None, *, world_factory: drv.WorldFactory | Non
         with checking():
             if args.command == "collectives":
                 bench = make_benchmark(args, world_factory)
+                try:
+                    memory = fit_sweep(bench, args, sys.stderr)
+                except BaseException:
+                    bench.close()
+                    raise
             elif args.command == "train":
                 check_train_args(args)
             else:
                 topo, where, tree = resolve_topology(args)
         if args.command == "collectives":
             with bench:
-                return run_collectives(bench, args, sys.stdout, sys.stderr)
+                return run_collectives(bench, args, sys.stdout, sys.stderr, memory)
         if args.command == "train":
             return run_train(args, sys.stdout, sys.stderr)
         return run_topo(topo, where, tree, args, sys.stdout)

@@ -22,7 +22,7 @@ import platform
 import re
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -34,12 +34,20 @@ from . import _ops
 from ._args import Array
 from ._ops import reference, widen
 from .collectives import COLLECTIVES, Collective, collective_name
+from .plan import ALIGN_BYTES
 
 if TYPE_CHECKING:
     from ..backends.base import Device
     from .world import World
 
-__all__ = ["Benchmark", "BenchRecord", "reference", "run_benchmark"]
+__all__ = [
+    "Benchmark",
+    "BenchRecord",
+    "MemoryNeed",
+    "available_memory",
+    "reference",
+    "run_benchmark",
+]
 
 PLACEMENTS = ("out-of-place", "in-place")
 # Users may write dtypes as nccl-tests does.
@@ -47,6 +55,12 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32", "double": "float64", "in
 _SIZE_RE = re.compile(r"(\d+)\s*([kmgt]?)(i?b)?", re.IGNORECASE)
 
 WorldFactory = Callable[[Sequence["Device"], str], "World"]
+
+# The share of the available memory a sweep may plan to use: the rest is for what the
+# estimate leaves out (the interpreter, numpy's temporaries, other processes' growth).
+MEMORY_HEADROOM = 0.8
+# Bytes per element of the expected results: float64 (int64 for integers), see widen().
+_WIDE = 8
 
 
 # -- data ---------------------------------------------------------------------------------
@@ -235,6 +249,66 @@ def default_world(devices: Sequence[Device], algorithm: str, timeout: float = 60
     return World(devices, algorithm=algorithm, timeout=timeout)
 
 
+# -- memory -------------------------------------------------------------------------------
+
+
+def available_memory() -> int | None:
+    """Bytes of host memory new allocations can take without swapping: ``MemAvailable``
+    of ``/proc/meminfo`` (Linux), else the free pages ``sysconf`` reports; None when the
+    system says neither. The bound of a sweep is this, never the core count."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def device_free_memory(devices: Sequence[Device]) -> dict[int, int]:
+    """Free bytes of each physical GPU among ``devices`` (CUDA; empty for host devices)."""
+    if not devices or devices[0].backend != "cuda":
+        return {}
+    import cupy as cp
+
+    free: dict[int, int] = {}
+    for d in devices:
+        if d.physical_id not in free:
+            free[d.physical_id] = int(cp.cuda.Device(d.physical_id).mem_info[0])
+    return free
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """What one size of a sweep holds at its peak, in bytes (an upper bound).
+
+    ``buffers_per_rank``: a rank's input and output of one call (out of place, the larger
+    placement). ``scratch_per_rank[algorithm]``: the scratch and staging memory that
+    algorithm's World keeps for a rank (plans allocate at most the message plus a chunk
+    of scratch, and two chunks of pinned staging where a link has no peer access).
+    ``reference``: the driver's host arrays, every rank's input data and the expected
+    results in float64 (one per rank for reduce, whose other inputs must stay unchanged),
+    and the check's temporaries. ``host_bytes``: all of it that sits in host memory;
+    ``device_bytes``: per physical GPU (CUDA), the buffers and scratch of its ranks.
+    """
+
+    size: int
+    buffers_per_rank: int
+    scratch_per_rank: dict[str, int]
+    reference: int
+    host_bytes: int
+    device_bytes: dict[int, int]
+
+
+def _no_peer_access(world: World) -> bool:
+    topo = world.topology
+    return any(not topo.link(i, j).p2p for i in range(topo.n) for j in range(topo.n) if i != j)
+
+
 # -- the driver ---------------------------------------------------------------------------
 
 
@@ -295,7 +369,8 @@ class Benchmark:
     argument fails before anything runs. Iterating yields a :class:`BenchRecord` per
     collective x size x algorithm x placement, algorithms interleaved at each size so
     that background noise hits them alike. ``world_factory(devices, algorithm)`` makes the
-    World of each algorithm (tests inject a broken one); a context manager.
+    World of each algorithm (tests inject a broken one); ``names`` renames arguments in
+    error messages (a command line's flags: ``{"root": "-r/--root"}``); a context manager.
     """
 
     def __init__(
@@ -316,6 +391,7 @@ class Benchmark:
         timeout: float = 60.0,
         world_factory: WorldFactory | None = None,
         devices_label: str | None = None,
+        names: Mapping[str, str] | None = None,
     ) -> None:
         self._own_runtime: Any = None  # the host runtime made here, shut down by close()
         if isinstance(devices, str):
@@ -342,10 +418,12 @@ class Benchmark:
             elif op not in _ops.OPS:
                 raise ValueError(f"unknown reduction op {op!r}; accepted: {', '.join(_ops.OPS)}")
             self.op = op
-            self.root = check_index(root, "root", n)
-            self.iters = check_int(iters, "iters", min=1)
-            self.warmup = check_int(warmup, "warmup", min=0)
-            self.check = check_int(check, "check", min=0)
+            name = {"root": "root", "iters": "iters", "warmup": "warmup", "check": "check"}
+            name.update(names or {})
+            self.root = check_index(root, name["root"], n)
+            self.iters = check_int(iters, name["iters"], min=1)
+            self.warmup = check_int(warmup, name["warmup"], min=0)
+            self.check = check_int(check, name["check"], min=0)
             bad = [p for p in placements if p not in PLACEMENTS]
             if bad or not placements:
                 raise ValueError(f"unknown placement {bad}; accepted: {', '.join(PLACEMENTS)}")
@@ -367,6 +445,68 @@ class Benchmark:
             raise
         self.machine = machine_description(self.devices)
         self._timer = _Timer(self.devices)
+
+    def memory_needed(self, size: int) -> MemoryNeed:
+        """An upper bound of the memory the sweep holds while it measures ``size`` bytes
+        (see :class:`MemoryNeed`), the largest over its collectives."""
+        n, item = self.n, self.dtype.itemsize
+        buffers = reference = 0
+        scratch = dict.fromkeys(self.algorithms, 0)
+        for name in self.collectives:
+            coll = COLLECTIVES[name]
+            count = coll.count_for(size // item, n)
+            cin, cout = coll.in_count(count, n), coll.out_count(count, n)
+            big = max(cin, cout)
+            buffers = max(buffers, (cin + cout) * item)
+            # inputs of every rank, the expected results, then the temporaries of making a
+            # call's buffers (a poisoned host array, the in-place one) and of the check (a
+            # result widened, |a - b|, the tolerance, the comparison)
+            expected = (n if coll.root_output else 1) * big * _WIDE
+            temporaries = big * (2 * item + 4 * _WIDE)
+            reference = max(reference, n * cin * item + expected + temporaries)
+            for alg, world in self.worlds.items():
+                if alg == "nccl":
+                    continue  # NCCL's own buffers, outside this process's arrays
+                chunk = world.chunk_bytes
+                no_peer = _no_peer_access(world)
+                # each region rounded up to the plans' alignment
+                need = (big * item + (chunk if no_peer else 0)) if coll.reduces else 0
+                need += 2 * chunk if no_peer else 0
+                need += 4 * ALIGN_BYTES if need else 0
+                scratch[alg] = max(scratch[alg], need)
+        per_rank = buffers + sum(scratch.values())
+        host, device = reference, dict[int, int]()
+        if self.devices[0].backend == "host":
+            host += n * per_rank
+        else:
+            for d in self.devices:
+                device[d.physical_id] = device.get(d.physical_id, 0) + per_rank
+        return MemoryNeed(size, buffers, scratch, reference, host, device)
+
+    def fit_memory(
+        self,
+        host_available: int | None = None,
+        device_available: dict[int, int] | None = None,
+    ) -> list[int]:
+        """Drop the sizes whose :meth:`memory_needed` exceeds
+        :data:`MEMORY_HEADROOM` of the available memory (default: :func:`available_memory`
+        and each GPU's free memory), as nccl-tests lowers ``maxBytes``; returns the sizes
+        dropped (``self.sizes`` keeps the others). Unknown memory drops nothing."""
+        if host_available is None:
+            host_available = available_memory()
+        if device_available is None:
+            device_available = device_free_memory(self.devices)
+        kept: list[int] = []
+        dropped: list[int] = []
+        for size in self.sizes:
+            need = self.memory_needed(size)
+            fits = host_available is None or need.host_bytes <= MEMORY_HEADROOM * host_available
+            for dev, nbytes in need.device_bytes.items():
+                free = device_available.get(dev)
+                fits = fits and (free is None or nbytes <= MEMORY_HEADROOM * free)
+            (kept if fits else dropped).append(size)
+        self.sizes = kept
+        return dropped
 
     @property
     def total(self) -> int:
@@ -392,10 +532,14 @@ class Benchmark:
         for name in self.collectives:
             coll = COLLECTIVES[name]
             for size in self.sizes:
-                data = self._size_data(coll, size)
-                for alg in self.algorithms:
-                    for placement in self.placements:
-                        yield self.measure(coll, alg, data, placement == "in-place")
+                yield from self._measure_size(coll, size)
+
+    def _measure_size(self, coll: Collective, size: int) -> Iterator[BenchRecord]:
+        # one size's data at a time: the previous size's are freed before these are made
+        data = self._size_data(coll, size)
+        for alg in self.algorithms:
+            for placement in self.placements:
+                yield self.measure(coll, alg, data, placement == "in-place")
 
     # -- one measurement ------------------------------------------------------------------
     def _size_data(self, coll: Collective, size: int) -> _SizeData:
@@ -446,6 +590,7 @@ class Benchmark:
         if self.check:
             wrong = 0
             for _ in range(self.check):
+                del ins, call_outs, outs  # one call's buffers at a time
                 ins, call_outs, outs = self._buffers(coll, data, in_place)
                 run()
                 self.worlds[algorithm].barrier()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 SNAPSHOT_FORMAT = "nccltree-snapshot-1"
 
@@ -78,7 +79,7 @@ def save_snapshot(
 _TMP = re.compile(r"^(?P<target>.+)\.tmp(?P<pid>\d+)\.\d+$")
 
 
-def save_arrays(path: str | os.PathLike[str], arrays: Mapping[str, Any]) -> None:
+def save_arrays(path: str | os.PathLike[str], arrays: Mapping[str, ArrayLike]) -> None:
     """``np.savez(path, **arrays)`` atomically: a temporary file in the same directory,
     flushed to disk, then ``os.replace``. A process killed at any point (even ``kill -9``)
     leaves either the previous file or the new one, never a partial file; the temporary

@@ -387,3 +387,32 @@ def test_the_solver_times_its_callbacks():
         sgd.iteration(lambda: 0.0)
     assert sgd.callback_s >= 0.05  # both hooks, the failing one included
     assert sgd.iter == 1  # no update after a failed hook
+
+
+@pytest.mark.parametrize("where", ["loss", "gradient"])
+def test_a_non_finite_loss_or_gradient_stops_before_the_update(where):
+    from nccltree.solver import Diverged
+
+    p = nt.FlatParams({"w": (4,)}, np.float32)
+    p.data[:] = 1.0
+    sgd = nt.SGD(p, lr=0.1, momentum=0.9)
+    seen = []
+
+    class Hook(Callback):
+        def on_gradients_ready(self) -> None:
+            seen.append("ready")
+
+    sgd.add_callback(Hook())
+
+    def grads() -> float:
+        p.grad[:] = [1.0, np.inf if where == "gradient" else 1.0, 1.0, 1.0]
+        return math.nan if where == "loss" else 0.5
+
+    with pytest.raises(Diverged, match=f"training diverged at iteration 1: the {where}"):
+        sgd.iteration(grads)
+    assert np.array_equal(p.data, np.ones(4, np.float32)) and sgd.iter == 0
+    assert not to_np(sgd.history).any()
+    assert seen == ([] if where == "loss" else ["ready"])  # a NaN loss is never communicated
+    off = nt.SGD(p, lr=0.1, check_finite=False)
+    off.iteration(grads)
+    assert off.iter == 1

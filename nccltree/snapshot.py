@@ -89,7 +89,7 @@ def save_arrays(path: str | os.PathLike[str], arrays: Mapping[str, ArrayLike]) -
     tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
     try:
         with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
+            np.savez(f, allow_pickle=False, **arrays)  # named: the typed signature then fits
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -21,21 +21,7 @@ from nccltree.comm import bench as drv
 from nccltree.comm.collectives import COLLECTIVES
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCH = [
-    "collectives",
-    "--devices",
-    "cpu:2",
-    "-b",
-    "8",
-    "-e",
-    "64",
-    "-f",
-    "8",
-    "-n",
-    "1",
-    "-w",
-    "0",
-]
+BENCH = ["collectives", *"--devices cpu:2 -b 8 -e 64 -f 8 -n 1 -w 0".split()]
 TRAIN = ["train", "--devices", "cpu:1", "--iters", "1", "-w", "0", "--records", "64"]
 TRAIN += ["--batch-size", "8", "--features", "16", "--hidden", "8"]
 

@@ -240,24 +240,17 @@ def check_output(flag: str, path: str) -> None:
 
 @contextlib.contextmanager
 def write_output(path: str, newline: str | None = None) -> Iterator[TextIO]:
-    """Open a temporary file beside ``path`` and, when the block ends without an error,
-    rename it over ``path``: a reader sees the old file or the new one, never half of one
-    (a killed or failed run leaves no truncated output and no temporary file)."""
-    fd, tmp = _temporary_beside(path)
-    try:
-        with open(fd, "w", encoding="utf-8", newline=newline) as f:
-            yield f
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    """A text file that replaces ``path`` when the block ends without an error (see
+    :func:`output_path`): a reader sees the old file or the new one, never half of one."""
+    with output_path(path) as tmp, open(tmp, "w", encoding="utf-8", newline=newline) as f:
+        yield f
 
 
 @contextlib.contextmanager
 def output_path(path: str) -> Iterator[str]:
     """A temporary name beside ``path`` (same extension, for writers that choose the format
-    by it, as matplotlib does), renamed over ``path`` when the block ends without error."""
+    by it, as matplotlib does), renamed over ``path`` when the block ends without error; a
+    killed or failed run leaves no truncated output and no temporary file."""
     fd, tmp = _temporary_beside(path)
     os.close(fd)
     try:

@@ -306,6 +306,7 @@ def fit_sweep(bench: drv.Benchmark, args: argparse.Namespace, err: TextIO) -> di
     saying so on ``err``; refuse if not even the smallest fits. Returns what the JSON
     output records of it."""
     asked = list(bench.sizes)
+    maxbytes = drv.parse_size(args.maxbytes)
     dropped = bench.fit_memory()
     host = drv.available_memory()
     memory: dict[str, object] = {"available_bytes": host, "dropped_sizes": dropped}
@@ -330,14 +331,14 @@ def fit_sweep(bench: drv.Benchmark, args: argparse.Namespace, err: TextIO) -> di
             "lower -b/--minbytes or use fewer devices"
         )
     print(
-        f"nccltree-bench collectives: note: -e/--maxbytes {human_bytes(asked[-1])} needs about "
+        f"nccltree-bench collectives: note: -e/--maxbytes {human_bytes(maxbytes)} needs about "
         f"{approx_bytes(bench.memory_needed(asked[-1]).host_bytes)} for {bench.n} ranks "
         f"({have}); the sweep stops at {human_bytes(bench.sizes[-1])}, as nccl-tests lowers "
         "maxBytes",
         file=err,
         flush=True,
     )
-    memory["lowered_from"] = asked[-1]
+    memory["lowered_from"] = maxbytes
     return memory
 
 

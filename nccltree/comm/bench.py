@@ -461,8 +461,8 @@ class Benchmark:
             # inputs of every rank, the expected results, then the temporaries of making a
             # call's buffers (a poisoned host array, the in-place one) and of the check (a
             # result widened, |a - b|, the tolerance, the comparison)
-            expected = (n if coll.root_output else 1) * big * _WIDE
-            temporaries = big * (2 * item + 4 * _WIDE)
+            expected = (n if coll.root_output else 1) * big * _WIDE if self.check else 0
+            temporaries = big * (2 * item + (4 * _WIDE if self.check else 0))
             reference = max(reference, n * cin * item + expected + temporaries)
             for alg, world in self.worlds.items():
                 if alg == "nccl":

@@ -34,6 +34,7 @@ from ._common import (
     Progress,
     UsageError,
     checking,
+    make_parser,
     report_error,
     run_main,
 )
@@ -59,7 +60,10 @@ RUN_FILES = (METRICS_NAME, FINAL_NAME, SNAPSHOT_NAME)
 # the status a shell reports for a process that SIGTERM killed: a job manager sees the
 # termination it asked for, and a script can tell it from Ctrl-C (130).
 TERMINATED = 128 + int(signal.SIGTERM)
-EPILOG = EXIT_STATUS_EPILOG + " 143 terminated (SIGTERM); both write a snapshot with --out."
+EPILOG = (
+    EXIT_STATUS_EPILOG + " 143 terminated (SIGTERM). On Ctrl-C or SIGTERM the iteration "
+    "reached is snapshotted in --out."
+)
 # The built-in data cache's temporaries: the writer's process id after the prefix.
 _CACHE_TMP = re.compile(r"^\.tmp-(?:(?P<pid>\d+)-)?")
 
@@ -231,14 +235,14 @@ def _d(key: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="nccltree-train",
-        description=(
+    p = make_parser(
+        "nccltree-train",
+        (
             "Data-parallel SGD of a reference model on N devices, synchronised by nccltree "
             "collectives. With no arguments: an MLP on a built-in synthetic task (no download), "
             "on every GPU or else two virtual CPU devices, reporting the held-out accuracy."
         ),
-        epilog=EPILOG,
+        EPILOG,
     )
     g = p.add_argument_group("devices and communication")
     g.add_argument(

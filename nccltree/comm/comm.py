@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,23 @@ from .work import Work
 if TYPE_CHECKING:
     from ..backends.base import Device, Stream
     from .world import World
+
+
+class MissingRanks(CommTimeout, PeerFailure):
+    """Ranks that did not arrive at a collective, or did not return from ``World.run``,
+    within the World's timeout. ``ranks`` names them: they are the ones at fault, not the
+    rank that raised this (a rank that waited for them).
+
+    Both a ``CommTimeout`` (the wait ran out) and a ``PeerFailure`` (the raising rank did
+    nothing wrong: another rank kept it from completing).
+    """
+
+    def __init__(self, message: str, ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.ranks: tuple[int, ...] = tuple(ranks)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.ranks))
 
 
 @dataclass
@@ -184,12 +202,15 @@ class _Rendezvous:
     def _wait(self, p: _Pending, rank: int, idx: int, call: _Call, arrived_at: float) -> None:
         w = self.world
         while not p.done:
-            if w._failure is not None:
-                # a timeout seen by another rank of this collective is this rank's timeout too
-                kind = CommTimeout if isinstance(w._failure, CommTimeout) else PeerFailure
-                raise kind(
-                    f"rank {rank}: {call.collective} #{idx} cannot complete: {w._failure}"
-                ) from w._failure
+            failure = w._failure
+            if failure is not None:
+                # a timeout seen by another rank of this collective is this rank's timeout
+                # too, and ranks that did not arrive are at fault here as well
+                text = f"rank {rank}: {call.collective} #{idx} cannot complete: {failure}"
+                if isinstance(failure, MissingRanks):
+                    raise MissingRanks(text, failure.ranks) from failure
+                kind = CommTimeout if isinstance(failure, CommTimeout) else PeerFailure
+                raise kind(text) from failure
             if w._closed:
                 raise CommError(f"rank {rank}: the World was closed during {call.collective}")
             start = p.all_arrived_at if p.all_arrived_at is not None else arrived_at
@@ -199,10 +220,14 @@ class _Rendezvous:
             remaining = start + limit - time.monotonic()
             if remaining <= 0:
                 missing = [r for r, c in enumerate(p.calls) if c is None]
-                exc = CommTimeout(
-                    f"rank {rank}: {call.collective} #{idx} timed out after {w.timeout:g} s "
-                    + (f"waiting for rank(s) {missing}" if missing else "waiting for it to run")
-                )
+                what = f"rank {rank}: {call.collective} #{idx} timed out after {w.timeout:g} s"
+                if missing:
+                    # the blame goes to the ranks that did not arrive, not to this one
+                    exc: CommTimeout = MissingRanks(
+                        f"{what} waiting for rank(s) {missing}, which did not arrive", missing
+                    )
+                else:
+                    exc = CommTimeout(f"{what} waiting for it to run")
                 w._abort(exc)
                 raise exc
             self.cond.wait(min(remaining, 0.5))
@@ -211,7 +236,11 @@ class _Rendezvous:
         if p.error is not None:
             err = p.error
             if isinstance(err, (ValueError, TypeError)):
-                raise type(err)(*err.args)
+                # an argument error, raised on every rank before anything was written: the
+                # World stays usable, also when the rank runs inside World.run
+                copy = type(err)(*err.args)
+                self.world._argument_error_raised(copy)
+                raise copy
             if rank == p.runner:
                 raise err
             raise PeerFailure(f"rank {rank}: the collective failed: {err}") from err

@@ -11,6 +11,7 @@ driver-side path for all of them.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -23,7 +24,7 @@ from . import auto
 from ._args import Array, Launched, Prepared, prepare
 from .algorithms import ALGORITHMS, build_plan
 from .collectives import collective_name
-from .comm import Comm, _Rendezvous
+from .comm import Comm, MissingRanks, _Rendezvous
 from .executor import Buffers, enqueue, run_inline
 from .plan import Plan
 from .work import Work
@@ -37,6 +38,18 @@ if TYPE_CHECKING:
     from .watchdog import Watchdog
 
 ALGORITHM_CHOICES = (*ALGORITHMS, "nccl", "auto")
+
+# The plan cache keeps at most this many plans, and at most this many steps in all.
+_PLAN_CACHE_PLANS = 256
+_PLAN_CACHE_STEPS = 1 << 20
+
+# How often World.run, while no rank has failed, looks for an abort or a timeout (seconds).
+_RUN_POLL_S = 0.1
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(note)
 
 
 class World:
@@ -74,6 +87,10 @@ class World:
         devices = list(devices)
         if not devices:
             raise ValueError("a World needs at least one device")
+        from ..backends import check_ranks_fit
+
+        # before the N x N link matrix and the per-rank streams are made
+        check_ranks_fit(len(devices), f"a World of {len(devices)} ranks")
         if len({d.runtime if hasattr(d, "runtime") else d.backend for d in devices}) != 1:
             raise ValueError("all devices of a World must come from one devices() call")
         if algorithm not in ALGORITHM_CHOICES:
@@ -99,10 +116,13 @@ class World:
         self._topology_class = auto.topology_class(topology)
         self._trees: dict[int, Tree] = {}
         self._plans: dict[tuple[object, ...], Plan] = {}
+        self._plan_steps = 0  # steps held by the cached plans
         self._scratch: dict[tuple[int, str, bool], Array] = {}
         self._streams = [d.new_stream() for d in devices]
         self._lock = threading.RLock()  # one collective is launched at a time
         self._failure: BaseException | None = None
+        self._failed_at: float | None = None  # when _failure was set (run's deadline)
+        self._local = threading.local()  # the argument error raised in this thread
         self._fail_lock = threading.Lock()
         self._closed = False
         self._nccl: NcclEngine | None = None
@@ -154,6 +174,7 @@ class World:
         with self._fail_lock:
             if self._failure is None:
                 self._failure = exc
+                self._failed_at = time.monotonic()
         if self._nccl is not None:
             self._nccl.close(abort=True)
         self._rendezvous.wake_all()
@@ -178,40 +199,98 @@ class World:
     def run(self, fn: Callable[..., Any], *args: object) -> list[Any]:
         """Run ``fn(comm, *args)`` in a thread per rank; return each rank's result.
 
-        The first exception aborts the World (every other rank's collectives raise
-        ``PeerFailure``) and is re-raised here, with the rank named.
+        An argument error of a collective (the ``ValueError``/``TypeError`` its checks
+        raise on every rank, before anything is written) ends the ranks' functions and is
+        re-raised here; the World stays usable, as it does driver-side and from the
+        caller's own threads. Every other exception that ends a rank's function aborts the
+        World (every other rank's collectives raise ``PeerFailure``) and is re-raised here,
+        with the rank named.
+
+        After the first failure (or abort, or timeout) the other ranks get at most
+        ``timeout`` seconds more to return. A rank still running then is stuck outside
+        the collectives, in ``fn``'s own code; its thread cannot be stopped, so it is left
+        running as a daemon thread, the World is aborted, and ``MissingRanks`` names it
+        (or, when another rank raised an error of its own, that error is raised with a
+        note naming the stuck rank). Without a failure ``run`` waits as long as the ranks
+        work: a rank's function may legitimately run for hours.
         """
         self._check_usable()
         n = self.size
         results: list[Any] = [None] * n
         errors: list[tuple[int, int, BaseException]] = []
-        order = iter(range(1 << 62))
-        lock = threading.Lock()
+        finished = [False] * n
+        first_error_at: list[float] = []
+        cv = threading.Condition()
 
         def target(r: int) -> None:
             try:
                 results[r] = fn(self._comms[r], *args)
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-                with lock:
-                    errors.append((next(order), r, exc))
-                if not isinstance(exc, PeerFailure):
+                with cv:
+                    errors.append((len(errors), r, exc))
+                    first_error_at.append(time.monotonic())
+                if not isinstance(exc, PeerFailure) and not self._is_argument_error(exc):
                     self._abort(PeerFailure(f"rank {r} failed: {exc!r}"))
+            finally:
+                self._local.argument_error = None
+                with cv:
+                    finished[r] = True
+                    cv.notify_all()
 
-        threads = [
-            threading.Thread(target=target, args=(r,), name=f"nccltree-rank{r}", daemon=True)
-            for r in range(n)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        for r in range(n):
+            t = threading.Thread(target=target, args=(r,), name=f"nccltree-rank{r}", daemon=True)
+            try:
+                t.start()
+            except RuntimeError as exc:  # "can't start new thread": the started ranks
+                # would wait for this one in their first collective
+                err = CommError(f"could not start the thread of rank {r} of {n}: {exc}")
+                self._abort(err)
+                raise err from exc
+        with cv:
+            while not all(finished):
+                starts = [t for t in (self._failed_at, *first_error_at[:1]) if t is not None]
+                if not starts:
+                    # nothing failed yet: wake now and then to see an abort or a timeout
+                    cv.wait(_RUN_POLL_S)
+                    continue
+                remaining = min(starts) + self.timeout - time.monotonic()
+                if remaining <= 0:
+                    break
+                cv.wait(min(remaining, _RUN_POLL_S))
+            stuck = [r for r in range(n) if not finished[r]]
+            errors = sorted(errors, key=lambda e: (isinstance(e[2], PeerFailure), e[0]))
+        if stuck:
+            cause = errors[0][2] if errors else self._failure
+            text = (
+                f"rank(s) {stuck} of {n} did not return within {self.timeout:g} s of the first "
+                "failure"
+                + ("" if cause is None else f" ({type(cause).__name__}: {cause})")
+                + ": stuck outside the collectives, in the function's own code; a thread "
+                "cannot be stopped from outside, so it is left running as a daemon thread"
+            )
+            stuck_exc = MissingRanks(text, stuck)
+            self._abort(stuck_exc)
+            if not errors or isinstance(errors[0][2], PeerFailure):
+                raise stuck_exc from cause
+            _add_note(errors[0][2], f"({text})")
         if errors:
-            errors.sort(key=lambda e: (isinstance(e[2], PeerFailure), e[0]))
-            _, rank, exc = errors[0]
-            if hasattr(exc, "add_note"):
-                exc.add_note(f"(raised on rank {rank} of {n})")
-            raise exc
+            _, rank, first = errors[0]
+            if isinstance(first, MissingRanks):
+                _add_note(
+                    first, f"(rank(s) {list(first.ranks)} of {n} at fault; seen on rank {rank})"
+                )
+            else:
+                _add_note(first, f"(raised on rank {rank} of {n})")
+            raise first
         return results
+
+    def _argument_error_raised(self, exc: BaseException) -> None:
+        """The rendezvous raises ``exc``, an argument error of a collective, in this
+        thread: if it ends a rank's function in ``run``, it is no rank failure."""
+        self._local.argument_error = exc
+
+    def _is_argument_error(self, exc: BaseException) -> bool:
+        return exc is getattr(self._local, "argument_error", None)
 
     # -- driver side ----------------------------------------------------------------------
     def all_reduce(
@@ -522,8 +601,13 @@ class World:
                 tree_for=self.tree,
                 itemsize=prep.dtype.itemsize,
             )
-            if len(self._plans) >= 256:
-                self._plans.pop(next(iter(self._plans)))
+            # bounded by count and by steps: a ring plan holds O(size^2) steps (about
+            # 180 B each), so a few large ones weigh more than hundreds of small ones
+            self._plan_steps += len(plan.steps)
+            while self._plans and (
+                len(self._plans) >= _PLAN_CACHE_PLANS or self._plan_steps > _PLAN_CACHE_STEPS
+            ):
+                self._plan_steps -= len(self._plans.pop(next(iter(self._plans))).steps)
             self._plans[key] = plan
         return plan
 

@@ -14,7 +14,7 @@ from nccltree.cli import _common
 from nccltree.cli import bench as bench_cli
 from nccltree.cli import data as data_cli
 from nccltree.cli import train as train_cli
-from nccltree.cli._common import ExitStatus
+from nccltree.cli._common import EXIT_STATUS_EPILOG, ExitStatus
 from nccltree.comm import World
 from nccltree.models import Model
 
@@ -37,9 +37,11 @@ BENCH = [
 
 
 def test_the_statuses():
-    assert [int(s) for s in ExitStatus] == [0, 1, 2, 3, 130, 141]
+    assert [int(s) for s in ExitStatus] == [0, 1, 2, 3, 130, 141, 143]
     assert ExitStatus.INTERRUPTED == 128 + signal.SIGINT
     assert ExitStatus.BROKEN_PIPE == 128 + signal.SIGPIPE
+    assert ExitStatus.TERMINATED == 128 + signal.SIGTERM
+    assert "143 terminated (SIGTERM)" in EXIT_STATUS_EPILOG
 
 
 @pytest.mark.parametrize(

@@ -145,7 +145,8 @@ def test_kill_9_at_random_moments_loses_nothing(tmp_path):
     while kills < 14 and time.monotonic() < deadline:
         resume = (run / "snapshot.npz").exists()
         argv = [*base, "--resume", str(run)] if resume else [*base, "--overwrite"]
-        iters = (load_snapshot(run / "snapshot.npz").iter if resume else 0) + 40
+        # more iterations than a run can finish before its kill, whatever the machine
+        iters = (load_snapshot(run / "snapshot.npz").iter if resume else 0) + 100_000
         proc = spawn([*argv, "--iters", str(iters)])
         time.sleep(rng.uniform(0.3, 1.2))
         proc.kill()
@@ -307,3 +308,31 @@ def test_a_signal_snapshots_the_iteration_reached(tmp_path, sig, status):
     assert train_iters(run) == list(range(1, end + 1))
     with np.load(run / "final.npz") as a, np.load(tmp_path / "ref" / "final.npz") as b:
         assert all(np.array_equal(a[k], b[k]) for k in a.files)
+
+
+def test_a_corrupt_held_out_record_is_a_runtime_error_naming_it(capsys, dbs, tmp_path):
+    # the data cannot be read: status 1 with the record named, not a usage error (2)
+    import lmdb
+
+    bad = str(tmp_path / "bad-val")
+    nt.data.write_lmdb(bad, np.zeros((20, 8), np.float32), np.zeros(20, np.int64))
+    with lmdb.open(bad, subdir=True) as env, env.begin(write=True) as txn:
+        txn.put(b"00000013", b"not a record")
+    argv = ["--devices", "cpu:2", "--batch-size", "8", "--iters", "5"]
+    rc, _, err = train(capsys, [*argv, "--data", dbs["good"], "--val-data", bad])
+    assert rc == 1, err
+    assert "--val-data: record" in err and "00000013" in err
+    assert "usage:" not in err and "Traceback" not in err
+
+
+def test_force_color_and_force_gray(capsys, dbs):
+    # one or the other: both at once is a usage error; either is kept in the run's config
+    argv = ["--devices", "cpu:2", "--batch-size", "8", "--iters", "2", "--data", dbs["good"]]
+    rc, _, err = train(capsys, [*argv, "--force-color", "--force-gray"])
+    assert rc == 2 and "not allowed with argument" in err
+    from nccltree.cli.train import TrainConfig, build_parser, resolve_config
+
+    cfg, _ = resolve_config(build_parser().parse_args([*argv, "--force-gray"]))
+    assert cfg.decode == "gray"
+    assert TrainConfig.checked(cfg.as_dict()).decode == "gray"  # survives a snapshot's config
+    assert train(capsys, [*argv, "--force-color"])[0] == 0  # no encoded images: no effect

@@ -55,13 +55,16 @@ class ExitStatus(enum.IntEnum):
     WRONG = 3
     INTERRUPTED = 130
     BROKEN_PIPE = 141
+    # what a shell reports for a process SIGTERM ended: a job manager (Slurm, Kubernetes)
+    # sees the termination it asked for, and a script can tell it from Ctrl-C
+    TERMINATED = 143
 
 
 EXIT_STATUS_EPILOG = (
     "Exit status: 0 success; 1 the run failed; 2 bad usage (nothing ran: a flag, or what it "
     "asks of this machine, is wrong); 3 wrong results (a benchmark's #wrong, a missed "
     "--target-accuracy); 130 interrupted (Ctrl-C); 141 the output was closed early "
-    "(| head)."
+    "(| head); 143 terminated (SIGTERM)."
 )
 
 # What a check of the flags, or a run, may raise: the library's bad-argument errors, its
@@ -72,6 +75,11 @@ ERRORS: tuple[type[Exception], ...] = (NcclTreeError, ValueError, TypeError, OSE
 
 class UsageError(ValueError):
     """The command cannot run as given (exit status 2); the message says what is accepted."""
+
+
+class RuntimeFailure(NcclTreeError):
+    """The work failed on what it read, not on how it was asked (exit status 1), even
+    inside :func:`checking`: a corrupt record is not a usage error."""
 
 
 # -- the parser ------------------------------------------------------------------------------
@@ -128,7 +136,7 @@ def checking() -> Iterator[None]:
     becomes a :class:`UsageError`: the work has not started."""
     try:
         yield
-    except UsageError:
+    except (UsageError, RuntimeFailure):
         raise
     except ERRORS as exc:
         raise UsageError(str(exc)) from exc

@@ -85,12 +85,14 @@ def build_training(
     data: str | None = None,
     shuffle: int | None = None,
     scale: float | None = None,
+    decode: tuple[bool, bool] = (False, False),
     resume: Snapshot | None = None,
 ) -> Iterator[Training]:
     """Make the devices of ``cfg.devices``, the model for examples of ``shape`` and
     ``classes``, the driver (restored from ``resume`` if given) and, when ``data`` names a
     database, the reader that serves its ranks from where the driver continues (with
-    ``shuffle`` seed and input ``scale``); everything is closed, and the host runtime
+    ``shuffle`` seed, input ``scale`` and the image ``decode`` keywords of the reader,
+    ``(force_color, force_gray)``); everything is closed, and the host runtime
     stopped, when the block ends.
 
     Batches go straight to the devices' memory on GPUs; on virtual CPU devices they stay
@@ -145,6 +147,8 @@ def build_training(
                     shuffle=shuffle,
                     scale=scale,
                     device=devs if devs[0].backend != "host" else None,
+                    force_color=decode[0],
+                    force_gray=decode[1],
                     log_on_wait=None,
                 )
             )

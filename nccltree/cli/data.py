@@ -25,8 +25,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .._validate import check_int
-from ._common import EXIT_STATUS_EPILOG, ExitStatus, checking, run_main
+from ._common import ExitStatus, checking, int_at_least, make_parser, run_main
 
 PROG = "nccltree-data"
 
@@ -45,20 +44,8 @@ def _shape(text: str) -> tuple[int, ...]:
     return dims
 
 
-def _int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``low``."""
-
-    def parse(text: str) -> int:
-        try:
-            return check_int(int(text), "value", min=low)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}; got {text!r}") from None
-
-    return parse
-
-
-_positive = _int_at_least(1)
-_nonnegative = _int_at_least(0)
+_positive = int_at_least(1)
+_nonnegative = int_at_least(0)
 
 
 def _writer_flags(p: argparse.ArgumentParser, *, datum_ok: bool = True) -> None:
@@ -87,11 +74,7 @@ def _writer_flags(p: argparse.ArgumentParser, *, datum_ok: bool = True) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="Build and inspect LMDB record databases for nccltree's DataReader.",
-        epilog=EXIT_STATUS_EPILOG,
-    )
+    parser = make_parser(PROG, "Build and inspect LMDB record databases for nccltree's DataReader.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(

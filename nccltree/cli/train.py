@@ -32,6 +32,7 @@ from ._common import (
     EXIT_STATUS_EPILOG,
     ExitStatus,
     Progress,
+    RuntimeFailure,
     UsageError,
     checking,
     make_parser,
@@ -56,14 +57,10 @@ FINAL_NAME = "final.npz"
 METRICS_NAME = "metrics.jsonl"
 # What makes a --out directory hold a run (the built-in data cache alone does not).
 RUN_FILES = (METRICS_NAME, FINAL_NAME, SNAPSHOT_NAME)
-# SIGTERM (what Slurm, Kubernetes and systemd send first) ends a run as Ctrl-C does, with
-# the status a shell reports for a process that SIGTERM killed: a job manager sees the
-# termination it asked for, and a script can tell it from Ctrl-C (130).
-TERMINATED = 128 + int(signal.SIGTERM)
-EPILOG = (
-    EXIT_STATUS_EPILOG + " 143 terminated (SIGTERM). On Ctrl-C or SIGTERM the iteration "
-    "reached is snapshotted in --out."
-)
+# SIGTERM (what Slurm, Kubernetes and systemd send first) ends a run as Ctrl-C does
+TERMINATED = ExitStatus.TERMINATED
+EPILOG = EXIT_STATUS_EPILOG + " On Ctrl-C or SIGTERM the iteration reached is snapshotted in --out."
+
 # The built-in data cache's temporaries: the writer's process id after the prefix.
 _CACHE_TMP = re.compile(r"^\.tmp-(?:(?P<pid>\d+)-)?")
 
@@ -89,6 +86,7 @@ class TrainConfig:
     synthetic: int = 8192
     classes: int | None = None
     scale: float | None = None
+    decode: str | None = None  # encoded Datum images: None (as stored), "color" or "gray"
     model: str = "mlp"
     hidden: tuple[int, ...] = (256,)
     batch_size: int = 32
@@ -167,6 +165,7 @@ class TrainConfig:
             val_data=val_data,
             classes=classes,
             scale=scale,
+            decode=_decode(get("decode")),
             model=str(get("model")),
             hidden=hidden,
             scaling=str(get("scaling")),
@@ -310,6 +309,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="multiply inputs by S as they are read, as Caffe's transform_param "
         "scale (e.g. 0.00390625 for uint8 images) (default: none)",
+    )
+    force = g.add_mutually_exclusive_group()
+    force.add_argument(
+        "--force-color",
+        dest="decode",
+        action="store_const",
+        const="color",
+        help="decode encoded Datum images as 3 channels (BGR), as Caffe's force_color "
+        "(default: each image as stored, e.g. 4 channels for an RGBA PNG)",
+    )
+    force.add_argument(
+        "--force-gray",
+        dest="decode",
+        action="store_const",
+        const="gray",
+        help="decode encoded Datum images as 1 channel, as Caffe's force_gray",
     )
     g.add_argument(
         "--shuffle",
@@ -486,13 +501,11 @@ def _synthetic(cfg: TrainConfig, stack: contextlib.ExitStack) -> Dataset:
     if not os.path.exists(path):
         os.makedirs(root, exist_ok=True)
         x, y = ntdata.synthetic(n, shape=(SYNTHETIC_FEATURES,), classes=SYNTHETIC_CLASSES)
-        # the writer's process id in the name: a later run removes it if this one is killed
-        tmp = tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-", dir=root)
         try:
-            ntdata.write_lmdb(tmp, x, y)
-            os.replace(tmp, path)  # complete databases only: a concurrent writer loses
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            # all or nothing, and a killed writer's leftovers are removed by the next one
+            ntdata.write_lmdb(path, x, y)
+        except FileExistsError:
+            pass  # another run built it meanwhile: the same seed, the same records
     xv, yv = ntdata.synthetic(
         n_val, shape=(SYNTHETIC_FEATURES,), classes=SYNTHETIC_CLASSES, split="test"
     )
@@ -501,6 +514,17 @@ def _synthetic(cfg: TrainConfig, stack: contextlib.ExitStack) -> Dataset:
         f"{SYNTHETIC_FEATURES} features, {SYNTHETIC_CLASSES} classes ({where})"
     )
     return Dataset(path, (xv.reshape(n_val, *shape), yv), shape, SYNTHETIC_CLASSES, desc)
+
+
+def _decode(value: object) -> str | None:
+    if value is None or value in ("color", "gray"):
+        return None if value is None else str(value)
+    raise ValueError(f"decode must be 'color' or 'gray', got {value!r}")
+
+
+def decode_flags(decode: str | None) -> tuple[bool, bool]:
+    """``(force_color, force_gray)`` of the reader for ``TrainConfig.decode``."""
+    return decode == "color", decode == "gray"
 
 
 def _remove_stale_cache_temporaries(root: str) -> None:
@@ -547,12 +571,16 @@ def _check_labels(labels: np.ndarray, classes: int, flag: str, path: str | None)
 
 
 def _held_out(
-    path: str, scale: float | None, shape: tuple[int, ...], classes: int
+    path: str,
+    scale: float | None,
+    shape: tuple[int, ...],
+    classes: int,
+    decode: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The held-out arrays of ``path``, checked against the training records before any
     training: the same example size (then taken in the training shape) and labels within
     the classes."""
-    x, y = _read_all(path, scale)
+    x, y = _read_all(path, scale, decode)
     if math.prod(x.shape[1:]) != math.prod(shape):
         raise ValueError(
             f"--val-data: {path} holds records of shape {tuple(x.shape[1:])}, but the "
@@ -562,32 +590,52 @@ def _held_out(
     return x.reshape(len(x), *shape), y
 
 
-def _read_all(path: str, scale: float | None) -> tuple[np.ndarray, np.ndarray]:
-    from ..data import DataReader
+def _read_all(
+    path: str, scale: float | None, decode: str | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    from ..data import DataError, DataReader
 
     xs, ys = [], []
-    with DataReader(path, 1024, 1, prefetch=2, epochs=1, scale=scale, log_on_wait=None) as r:
-        for b in r.batches(0):
-            xs.append(np.array(b.x_host))
-            ys.append(np.array(b.y_host))
+    color, gray = decode_flags(decode)
+    with DataReader(
+        path,
+        1024,
+        1,
+        prefetch=2,
+        epochs=1,
+        scale=scale,
+        log_on_wait=None,
+        force_color=color,
+        force_gray=gray,
+    ) as r:
+        try:
+            for b in r.batches(0):
+                xs.append(np.array(b.x_host))
+                ys.append(np.array(b.y_host))
+        except DataError as exc:  # a record that cannot be read: the data, not the flags
+            raise RuntimeFailure(f"--val-data: {exc}") from exc
     return np.concatenate(xs), np.concatenate(ys)
 
 
 def load_dataset(cfg: TrainConfig, stack: contextlib.ExitStack) -> Dataset:
     """The training database and held-out arrays the configuration names."""
-    from ..data import open_db
+    from ..data import DataError, open_db
 
     if cfg.data is None:
         ds = _synthetic(cfg, stack)
         if cfg.val_data is not None:
-            ds.val = _held_out(cfg.val_data, cfg.scale, ds.shape, ds.classes)
+            ds.val = _held_out(cfg.val_data, cfg.scale, ds.shape, ds.classes, cfg.decode)
         return ds
-    with open_db(cfg.data) as db:  # one pass over the labels, before any training
-        labels = db.labels()
+    color, gray = decode_flags(cfg.decode)
+    with open_db(cfg.data, force_color=color, force_gray=gray) as db:  # one pass over labels
+        try:
+            labels = db.labels()
+        except DataError as exc:  # a record that cannot be read: the data, not the flags
+            raise RuntimeFailure(f"--data: {exc}") from exc
         records, fmt, shape, dtype = len(db), db.format, db.shape, db.dtype.name
     classes = cfg.classes or int(labels.max()) + 1
     _check_labels(labels, classes, "--data", cfg.data)
-    val = _held_out(cfg.val_data, cfg.scale, shape, classes) if cfg.val_data else None
+    val = _held_out(cfg.val_data, cfg.scale, shape, classes, cfg.decode) if cfg.val_data else None
     desc = f"{cfg.data}: {records} {fmt} records of shape {shape} {dtype}, {classes} classes" + (
         f"; held-out {cfg.val_data} ({len(val[1])} records)" if val else ""
     )
@@ -807,6 +855,7 @@ def run(
                     data=ds.train_path,
                     shuffle=cfg.seed if cfg.shuffle else None,
                     scale=cfg.scale,
+                    decode=decode_flags(cfg.decode),  # (force_color, force_gray)
                     resume=snap,
                 )
             )

@@ -76,6 +76,23 @@ def test_bench_takes_no_abbreviated_flag(argv, capsys):
     assert "unrecognized arguments" in err
 
 
+@pytest.mark.parametrize(
+    "tool, argv",
+    [
+        ("train", ["--snapshot", "500"]),  # to a Caffe user -snapshot FILE means resume
+        ("train", ["--batch", "8"]),
+        ("data", ["info", "--verif", "db"]),
+        ("data", ["make", "synthetic", "out", "--class", "10"]),  # --classes
+    ],
+)
+def test_train_and_data_take_no_abbreviated_flag(tool, argv, capsys):
+    import importlib
+
+    main = importlib.import_module(f"nccltree.cli.{tool}").main
+    assert main(argv) == ExitStatus.USAGE
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
 # -- messages name the flag --------------------------------------------------------------
 
 

@@ -305,3 +305,34 @@ def test_the_plan_cache_is_bounded_by_steps(monkeypatch):
             w.plan("all_reduce", count)
             assert w._plan_steps == sum(len(p.steps) for p in w._plans.values())
             assert w._plan_steps <= 200 or len(w._plans) == 1
+
+
+def test_a_rank_thread_that_cannot_start_aborts_the_world(monkeypatch):
+    """With thousands of ranks the threads may run out: the ranks already started must
+    not wait for the missing one until the timeout."""
+    real_start = threading.Thread.start
+    released: dict[int, float] = {}
+
+    def start(self):
+        if self.name == "nccltree-rank2":
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    with nt.World(nt.devices("cpu:3"), timeout=30) as w:
+
+        def body(comm):
+            t0 = time.monotonic()
+            try:
+                comm.all_reduce(np.ones(4))
+            except nt.PeerFailure:
+                released[comm.rank] = time.monotonic() - t0
+
+        monkeypatch.setattr(threading.Thread, "start", start)
+        with pytest.raises(nt.CommError, match="could not start the thread of rank 2"):
+            w.run(body)
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        assert w.aborted
+        deadline = time.monotonic() + 5
+        while len(released) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert sorted(released) == [0, 1] and max(released.values()) < 5

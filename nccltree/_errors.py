@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class NcclTreeError(Exception):
     """Base class of every error nccltree raises on its own account."""
@@ -21,6 +23,23 @@ class CommTimeout(CommError, TimeoutError):
 
 class PeerFailure(CommError):
     """Another rank failed, so this rank's collective cannot complete."""
+
+
+class MissingRanks(CommTimeout, PeerFailure):
+    """Ranks that did not arrive at a collective, or did not return from ``World.run``,
+    within the World's timeout. ``ranks`` names them: they are the ones at fault, not the
+    rank that raised this (a rank that waited for them).
+
+    Both a ``CommTimeout`` (the wait ran out) and a ``PeerFailure`` (the raising rank did
+    nothing wrong: another rank kept it from completing).
+    """
+
+    def __init__(self, message: str, ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.ranks: tuple[int, ...] = tuple(ranks)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.ranks))
 
 
 class NativeError(NcclTreeError):

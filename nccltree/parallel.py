@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import DTypeLike
 
-from ._errors import NcclTreeError, PeerFailure
+from ._errors import MissingRanks, NcclTreeError, PeerFailure
 from ._validate import check_int, check_real
 from .data.source import BatchSource, RankBatch
 from .models import Model
@@ -540,6 +540,8 @@ class DataParallel:
             if run.errors:
                 rank, err = run.errors[0]
                 raise RankFailure(rank, self.size, err) from err
+            if isinstance(exc, MissingRanks):  # a rank stuck in its own code: blame it
+                raise RankFailure(exc.ranks[0], self.size, exc) from exc
             raise
         if run.errors:  # an error swallowed on the way (cannot happen with world.run)
             rank, err = run.errors[0]

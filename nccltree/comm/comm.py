@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._errors import CommError, CommTimeout, NcclTreeError, PeerFailure
+from .._errors import CommError, CommTimeout, MissingRanks, NcclTreeError, PeerFailure
 from ._args import Array, Launched
 from .collectives import COLLECTIVES
 from .work import Work
@@ -16,23 +15,6 @@ from .work import Work
 if TYPE_CHECKING:
     from ..backends.base import Device, Stream
     from .world import World
-
-
-class MissingRanks(CommTimeout, PeerFailure):
-    """Ranks that did not arrive at a collective, or did not return from ``World.run``,
-    within the World's timeout. ``ranks`` names them: they are the ones at fault, not the
-    rank that raised this (a rank that waited for them).
-
-    Both a ``CommTimeout`` (the wait ran out) and a ``PeerFailure`` (the raising rank did
-    nothing wrong: another rank kept it from completing).
-    """
-
-    def __init__(self, message: str, ranks: Sequence[int]) -> None:
-        super().__init__(message)
-        self.ranks: tuple[int, ...] = tuple(ranks)
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (str(self), self.ranks))
 
 
 @dataclass

@@ -197,3 +197,87 @@ def _config(arrays: Mapping[str, np.ndarray], path: str) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ValueError(f"snapshot {path}: {_CONFIG} must be a JSON object, got {text!r}")
     return config
+
+
+def load_weights(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    """The parameters, by name, of a snapshot or of a file of named arrays (a run's
+    ``final.npz``), for fine-tuning or evaluation.
+
+    ValueError, naming the file, when it cannot be read or holds no arrays.
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            if not f.read(4).startswith(b"PK"):  # an .npz is a zip archive
+                raise ValueError(
+                    f"{path} is not an .npz of named arrays (a final.npz or a snapshot)"
+                )
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except FileNotFoundError:
+        raise ValueError(f"no weights file at {path}") from None
+    except ValueError as exc:
+        if "pickled" in str(exc):
+            raise ValueError(f"{path} holds Python objects, not weights") from None
+        raise ValueError(f"cannot read weights {path}: {exc}") from None
+    except (OSError, EOFError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"cannot read weights {path}: {exc}") from None
+    if not arrays:
+        raise ValueError(f"{path} holds no named arrays (a final.npz or a snapshot)")
+    if _FORMAT in arrays:
+        return load_snapshot(path).params
+    return arrays
+
+
+# The snapshot history: one file per iteration, beside the latest under its usual name.
+_HISTORY_FILE = re.compile(r"^snapshot_iter_(?P<iter>\d+)\.npz$")
+
+
+def history_name(iteration: int) -> str:
+    """The file name of the snapshot of ``iteration`` in a history (Caffe's
+    ``snapshot_prefix_iter_N``)."""
+    return f"snapshot_iter_{iteration}.npz"
+
+
+def history(directory: str | os.PathLike[str]) -> list[tuple[int, str]]:
+    """The snapshots of the history in ``directory``: ``(iteration, path)``, oldest
+    first."""
+    directory = os.fspath(directory)
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    found = [(int(m["iter"]), n) for n in names if (m := _HISTORY_FILE.match(n))]
+    return [(it, os.path.join(directory, n)) for it, n in sorted(found)]
+
+
+def point_latest(target: str | os.PathLike[str], latest: str | os.PathLike[str]) -> None:
+    """Make ``latest`` the file ``target`` (a hard link, or a copy where the file system
+    has none), replacing it atomically: a process killed at any point leaves ``latest``
+    the previous snapshot or this one, whole."""
+    target, latest = os.fspath(target), os.fspath(latest)
+    tmp = f"{latest}.tmp{os.getpid()}.{threading.get_ident()}"  # as save_arrays's
+    try:
+        try:
+            os.link(target, tmp)
+        except OSError:
+            with np.load(target, allow_pickle=False) as z:
+                save_arrays(tmp, {k: z[k] for k in z.files})
+        os.replace(tmp, latest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def prune_history(directory: str | os.PathLike[str], keep: int) -> list[str]:
+    """Remove all but the newest ``keep`` snapshots of the history in ``directory``;
+    returns the paths removed."""
+    removed: list[str] = []
+    entries = history(directory)
+    for _, path in entries[: max(0, len(entries) - keep)]:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+    return removed

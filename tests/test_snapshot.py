@@ -16,7 +16,18 @@ import numpy as np
 import pytest
 
 from nccltree import parallel
-from nccltree.snapshot import SNAPSHOT_FORMAT, Snapshot, load_snapshot, save_snapshot
+from nccltree.snapshot import (
+    SNAPSHOT_FORMAT,
+    Snapshot,
+    history,
+    history_name,
+    load_snapshot,
+    load_weights,
+    point_latest,
+    prune_history,
+    save_arrays,
+    save_snapshot,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -167,3 +178,47 @@ def test_a_file_that_is_no_snapshot_is_refused(tmp_path):
         load_snapshot(tmp_path / "empty.npz")
     write(tmp_path / "ok.npz")
     assert load_snapshot(tmp_path / "ok.npz").iter == 3
+
+
+def test_load_weights_reads_a_final_npz_or_a_snapshot(tmp_path):
+    w = {"fc0.weight": np.arange(6, dtype=np.float32).reshape(2, 3), "fc0.bias": np.ones(2)}
+    save_arrays(tmp_path / "final.npz", w)
+    got = load_weights(tmp_path / "final.npz")
+    assert list(got) == list(w) and all(np.array_equal(got[k], w[k]) for k in w)
+    save_snapshot(tmp_path / "s.npz", w, {"iter": 3, "history": np.zeros(8)}, 5)
+    got = load_weights(tmp_path / "s.npz")
+    assert list(got) == list(w)  # the parameters only, by their names
+    np.save(tmp_path / "one.npy", np.zeros(3))
+    save_arrays(tmp_path / "empty.npz", {})
+    for name, message in [
+        ("one.npy", "is not an .npz of named arrays"),
+        ("empty.npz", "holds no named arrays"),
+        ("none.npz", "no weights file at"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            load_weights(tmp_path / name)
+
+
+@pytest.mark.parametrize("links", [True, False])
+def test_the_latest_pointer_and_the_history(tmp_path, monkeypatch, links):
+    if not links:  # a file system without hard links: a copy, still atomic
+
+        def no_link(*args: object) -> None:
+            raise OSError("no hard links here")
+
+        monkeypatch.setattr(os, "link", no_link)
+    latest = tmp_path / "snapshot.npz"
+    for it in (10, 20, 30):
+        path = tmp_path / history_name(it)
+        save_snapshot(path, {"w": np.full(2, it)}, {"iter": it, "history": np.zeros(2)}, it)
+        point_latest(path, latest)
+        assert load_snapshot(latest).iter == it
+    assert [it for it, _ in history(tmp_path)] == [10, 20, 30]
+    assert prune_history(tmp_path, 2) == [str(tmp_path / "snapshot_iter_10.npz")]
+    assert [os.path.basename(p) for _, p in history(tmp_path)] == [
+        "snapshot_iter_20.npz",
+        "snapshot_iter_30.npz",
+    ]
+    assert prune_history(tmp_path, 0) and history(tmp_path) == []
+    assert load_snapshot(latest).iter == 30  # the pointer outlives the history's files
+    assert sorted(os.listdir(tmp_path)) == ["snapshot.npz"]  # no temporary left

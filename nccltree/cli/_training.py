@@ -9,13 +9,15 @@ with a :class:`DriverConfig` and get the devices, the model, the
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ._common import open_devices
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from ..backends.base import Device
     from ..data import DataReader
     from ..models import Model
@@ -76,6 +78,16 @@ class Training:
         return len(self.devices)
 
 
+def make_model(name: str, shape: tuple[int, ...], classes: int, hidden: tuple[int, ...]) -> Model:
+    """The reference model ``name`` for examples of ``shape`` and ``classes`` (``hidden``:
+    the MLP's layer widths, ignored by the others)."""
+    from ..models import build_model
+
+    if name == "mlp":
+        return build_model(name, shape, classes, hidden=hidden)
+    return build_model(name, shape, classes)
+
+
 @contextlib.contextmanager
 def build_training(
     cfg: DriverConfig,
@@ -87,29 +99,27 @@ def build_training(
     scale: float | None = None,
     decode: tuple[bool, bool] = (False, False),
     resume: Snapshot | None = None,
+    weights: Mapping[str, np.ndarray] | None = None,
 ) -> Iterator[Training]:
     """Make the devices of ``cfg.devices``, the model for examples of ``shape`` and
     ``classes``, the driver (restored from ``resume`` if given) and, when ``data`` names a
     database, the reader that serves its ranks from where the driver continues (with
     ``shuffle`` seed, input ``scale`` and the image ``decode`` keywords of the reader,
-    ``(force_color, force_gray)``); everything is closed, and the host runtime
+    ``(force_color, force_gray)``); ``weights`` (parameters by name, a fine-tuning's
+    start) replace the initial parameters on every rank, a ValueError naming the
+    parameter when one does not fit the model; everything is closed, and the host runtime
     stopped, when the block ends.
 
     Batches go straight to the devices' memory on GPUs; on virtual CPU devices they stay
     the reader's host arrays.
     """
     from ..data import DataReader
-    from ..models import build_model
     from ..parallel import DataParallel, per_rank_batch
 
     with contextlib.ExitStack() as stack:
         devs = stack.enter_context(open_devices(cfg.devices))
         per_rank = per_rank_batch(cfg.batch_size, len(devs), cfg.scaling)
-        model = (
-            build_model(cfg.model, shape, classes, hidden=cfg.hidden)
-            if cfg.model == "mlp"
-            else build_model(cfg.model, shape, classes)
-        )
+        model = make_model(cfg.model, shape, classes, cfg.hidden)
         s = cfg.solver
         dp = stack.enter_context(
             DataParallel(
@@ -133,6 +143,10 @@ def build_training(
             )
         )
         start = 0
+        if weights is not None:
+            dp.params[0].load(weights)  # checks names and shapes before writing
+            for p in dp.params[1:]:
+                p.copy_from(dp.params[0])
         if resume is not None:
             dp.restore(resume)
             start = resume.position or 0

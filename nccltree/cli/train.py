@@ -27,7 +27,15 @@ from typing import TYPE_CHECKING, TextIO
 import numpy as np
 
 from .._validate import check_int, check_real
-from ..snapshot import load_snapshot, save_arrays
+from ..snapshot import (
+    history,
+    history_name,
+    load_snapshot,
+    load_weights,
+    point_latest,
+    prune_history,
+    save_arrays,
+)
 from ._common import (
     EXIT_STATUS_EPILOG,
     ExitStatus,
@@ -36,10 +44,11 @@ from ._common import (
     UsageError,
     checking,
     make_parser,
+    open_devices,
     report_error,
     run_main,
 )
-from ._training import DriverConfig, SolverConfig, Training, build_training
+from ._training import DriverConfig, SolverConfig, Training, build_training, make_model
 
 if TYPE_CHECKING:
     from ..parallel import StepInfo
@@ -102,6 +111,8 @@ class TrainConfig:
     snapshot_every: int = 0
     timeout: float = 60.0
     blas_threads: int | None = None
+    weights: str | None = None  # a fine-tuning's start: a final.npz or a snapshot
+    snapshot_keep: int = 0  # snapshots kept by iteration besides snapshot.npz
 
     def as_dict(self) -> dict[str, object]:
         """The configuration, flat, as JSON takes it (the snapshot's and metrics.jsonl's
@@ -133,7 +144,14 @@ class TrainConfig:
             value = get(name)
             return None if value is None else check_real(value, _flag(name))
 
-        ints = {"synthetic": 1, "batch_size": 1, "iters": 0, "eval_every": 0, "snapshot_every": 0}
+        ints = {
+            "synthetic": 1,
+            "batch_size": 1,
+            "iters": 0,
+            "eval_every": 0,
+            "snapshot_every": 0,
+            "snapshot_keep": 0,
+        }
         counts = {k: check_int(get(k), _flag(k), min=low) for k, low in ints.items()}
         classes, blas_threads = opt_int("classes", 2), opt_int("blas_threads", 1)
         seed = check_int(get("seed"), "--seed", min=0)
@@ -142,7 +160,7 @@ class TrainConfig:
             check_real(get(k), _flag(k)) for k in ("lr", "momentum", "weight_decay")
         )
         scale, gamma, power = opt_real("scale"), opt_real("gamma"), opt_real("power")
-        out = get("out")
+        out, weights = get("out"), get("weights")
         if counts["snapshot_every"] and not out:
             raise ValueError("--snapshot-every needs --out DIR (where snapshot.npz goes)")
         hidden = _int_tuple(get("hidden"), "--hidden")
@@ -177,6 +195,7 @@ class TrainConfig:
             out=None if out is None else os.path.abspath(str(out)),
             timeout=timeout,
             blas_threads=blas_threads,
+            weights=None if weights is None else os.path.abspath(str(weights)),
             **counts,
         )
 
@@ -349,6 +368,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help=f"seed of the parameter initialisation and of --shuffle (default: {_d('seed')})",
     )
+    g.add_argument(
+        "--weights",
+        metavar="FILE",
+        help="start from these parameters instead of the seeded initialisation (Caffe's "
+        "-weights, fine-tuning): a final.npz or a snapshot, whose names and shapes must fit "
+        "the model; the solver and the data start afresh, unlike --resume",
+    )
 
     g = p.add_argument_group("solver")
     g.add_argument(
@@ -408,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace the run held in --out (its metrics.jsonl, final.npz, snapshot.npz) "
+        help="replace the run held in --out (its metrics.jsonl, final.npz, snapshots) "
         "instead of refusing it",
     )
     g.add_argument(
@@ -426,11 +452,19 @@ def build_parser() -> argparse.ArgumentParser:
         f"0: never) (default: {_d('snapshot_every')})",
     )
     g.add_argument(
+        "--snapshot-keep",
+        type=int,
+        metavar="K",
+        help="also keep the last K snapshots by iteration, DIR/snapshot_iter_N.npz (Caffe's "
+        "snapshot_prefix_iter_N); snapshot.npz is then the latest of them, replaced "
+        f"atomically (0: snapshot.npz only) (default: {_d('snapshot_keep')})",
+    )
+    g.add_argument(
         "--resume",
         metavar="PATH",
-        help="continue from a snapshot (a file, or a --out directory holding "
-        "snapshot.npz); flags not given are taken from the snapshot; records of "
-        "metrics.jsonl after the snapshot's iteration are dropped",
+        help="continue from a snapshot (a file such as DIR/snapshot_iter_N.npz, or a --out "
+        "directory: its latest, snapshot.npz); flags not given are taken from the snapshot; "
+        "records of metrics.jsonl after the snapshot's iteration are dropped",
     )
     g.add_argument(
         "--target-accuracy",
@@ -441,6 +475,17 @@ def build_parser() -> argparse.ArgumentParser:
         "task, without failing)",
     )
     g.add_argument("--quiet", action="store_true", help="print only the result and errors")
+
+    g = p.add_argument_group("evaluation only (Caffe's caffe test)")
+    g.add_argument(
+        "--evaluate",
+        metavar="FILE",
+        help="train nothing: load FILE (a final.npz or a snapshot) onto one device "
+        "(--devices names one; default: GPU 0, else cpu:1) and print the loss and accuracy "
+        "over --data DB (default: the run's held-out set). The model flags are taken from "
+        "the snapshot's configuration, or from metrics.jsonl beside a final.npz, unless "
+        "given; exits 3 below --target-accuracy",
+    )
     return p
 
 
@@ -449,6 +494,11 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Snapshot | No
     snap = None
     if args.resume and args.overwrite:
         raise UsageError("--resume continues a run and --overwrite replaces one: give one")
+    if args.resume and args.weights:
+        raise UsageError(
+            "--resume continues a run (its weights, solver and data position) and --weights "
+            "starts a new one from saved weights: give one"
+        )
     if args.target_accuracy is not None:
         with checking():
             check_real(args.target_accuracy, "--target-accuracy")
@@ -467,6 +517,41 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Snapshot | No
     with checking():
         cfg = TrainConfig.checked({k: saved.get(k) if v is None else v for k, v in values.items()})
     return cfg, snap
+
+
+def read_weights(path: str, flag: str) -> dict[str, np.ndarray]:
+    """The parameters saved in ``path`` (a final.npz or a snapshot); a ValueError (a usage
+    error) naming ``flag`` when it holds none."""
+    try:
+        return load_weights(path)
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+
+
+def fitting_weights(
+    path: str, shapes: Mapping[str, tuple[int, ...]], flag: str
+) -> dict[str, np.ndarray]:
+    """The parameters saved in ``path``, checked against the model's ``shapes``: a
+    ValueError (a usage error) naming the first that does not fit."""
+    weights = read_weights(path, flag)
+    for name, dims in shapes.items():
+        if name not in weights:
+            raise ValueError(
+                f"{flag}: {path} has no parameter {name!r}, which the model needs "
+                f"(it holds {', '.join(weights)}); check --model and --hidden"
+            )
+        if weights[name].shape != dims:
+            raise ValueError(
+                f"{flag}: parameter {name!r} has shape {weights[name].shape} in {path}, "
+                f"but {dims} in the model; check --model, --hidden, --classes and the data"
+            )
+    extra = [n for n in weights if n not in shapes]
+    if extra:
+        raise ValueError(
+            f"{flag}: {path} holds parameter {extra[0]!r}, which the model lacks; "
+            "check --model and --hidden"
+        )
+    return weights
 
 
 # -- data ----------------------------------------------------------------------------------
@@ -506,14 +591,20 @@ def _synthetic(cfg: TrainConfig, stack: contextlib.ExitStack) -> Dataset:
             ntdata.write_lmdb(path, x, y)
         except FileExistsError:
             pass  # another run built it meanwhile: the same seed, the same records
-    xv, yv = ntdata.synthetic(
-        n_val, shape=(SYNTHETIC_FEATURES,), classes=SYNTHETIC_CLASSES, split="test"
-    )
+    xv, yv = _synthetic_held_out(n_val, shape)
     desc = (
         f"built-in synthetic task: {n} training / {n_val} held-out records, "
         f"{SYNTHETIC_FEATURES} features, {SYNTHETIC_CLASSES} classes ({where})"
     )
-    return Dataset(path, (xv.reshape(n_val, *shape), yv), shape, SYNTHETIC_CLASSES, desc)
+    return Dataset(path, (xv, yv), shape, SYNTHETIC_CLASSES, desc)
+
+
+def _synthetic_held_out(n: int, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The built-in task's ``n`` held-out examples, in the model's input ``shape``."""
+    from .. import data as ntdata
+
+    x, y = ntdata.synthetic(n, shape=(SYNTHETIC_FEATURES,), classes=SYNTHETIC_CLASSES, split="test")
+    return x.reshape(n, *shape), y
 
 
 def _decode(value: object) -> str | None:
@@ -580,7 +671,7 @@ def _held_out(
     """The held-out arrays of ``path``, checked against the training records before any
     training: the same example size (then taken in the training shape) and labels within
     the classes."""
-    x, y = _read_all(path, scale, decode)
+    x, y = _read_all(path, scale, decode, "--val-data")
     if math.prod(x.shape[1:]) != math.prod(shape):
         raise ValueError(
             f"--val-data: {path} holds records of shape {tuple(x.shape[1:])}, but the "
@@ -591,7 +682,7 @@ def _held_out(
 
 
 def _read_all(
-    path: str, scale: float | None, decode: str | None = None
+    path: str, scale: float | None, decode: str | None, flag: str
 ) -> tuple[np.ndarray, np.ndarray]:
     from ..data import DataError, DataReader
 
@@ -613,7 +704,7 @@ def _read_all(
                 xs.append(np.array(b.x_host))
                 ys.append(np.array(b.y_host))
         except DataError as exc:  # a record that cannot be read: the data, not the flags
-            raise RuntimeFailure(f"--val-data: {exc}") from exc
+            raise RuntimeFailure(f"{flag}: {exc}") from exc
     return np.concatenate(xs), np.concatenate(ys)
 
 
@@ -758,6 +849,8 @@ def _print_header(
     ]
     if snap is not None:
         lines.append(f"  resumed    at iteration {snap.iter}, data position {snap.position}")
+    elif cfg.weights:
+        lines.append(f"  weights    {cfg.weights}")
     print("\n".join(lines), file=out, flush=True)
 
 
@@ -801,13 +894,17 @@ class _Outputs:
 
     def snapshot(self) -> None:
         """Snapshot the driver's state (between iterations) and record it."""
-        assert self.snapshot_path is not None, "snapshots need --out"
+        assert self.snapshot_path is not None and self.cfg.out, "snapshots need --out"
         dp = self.t.driver
-        dp.snapshot(self.snapshot_path, self.cfg.as_dict())
+        keep = self.cfg.snapshot_keep
+        # with a history: the iteration's own file, then snapshot.npz made that one
+        path = os.path.join(self.cfg.out, history_name(dp.iter)) if keep else self.snapshot_path
+        dp.snapshot(path, self.cfg.as_dict())
+        if keep:
+            point_latest(path, self.snapshot_path)
+            prune_history(self.cfg.out, keep)
         self.snapshot_iter = dp.iter
-        self.metrics.write(
-            event="snapshot", iter=dp.iter, path=self.snapshot_path, position=dp.position
-        )
+        self.metrics.write(event="snapshot", iter=dp.iter, path=path, position=dp.position)
 
     def last_snapshot(self) -> str:
         """Where the last good state is, for a message."""
@@ -847,6 +944,10 @@ def run(
             if cfg.out:
                 _check_out(cfg.out, resuming=snap is not None, overwrite=overwrite)
             ds = load_dataset(cfg, stack)
+            weights = None
+            if cfg.weights and snap is None:  # a resumed run has its own
+                shapes = make_model(cfg.model, ds.shape, ds.classes, cfg.hidden).shapes()
+                weights = fitting_weights(cfg.weights, shapes, "--weights")
             t = stack.enter_context(
                 build_training(
                     cfg.driver(),
@@ -857,6 +958,7 @@ def run(
                     scale=cfg.scale,
                     decode=decode_flags(cfg.decode),  # (force_color, force_gray)
                     resume=snap,
+                    weights=weights,
                 )
             )
             if cfg.out:
@@ -936,6 +1038,7 @@ def _check_out(out: str, *, resuming: bool, overwrite: bool) -> None:
     if parent and not os.path.isdir(parent):
         raise ValueError(f"--out: cannot create {out}: {parent} is not a directory")
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
+    held += [os.path.basename(p) for _, p in history(out)]
     if held and not (resuming or overwrite):
         resume = f"continue it with --resume {out}, " if SNAPSHOT_NAME in held else ""
         raise ValueError(
@@ -953,9 +1056,9 @@ def _prepare_out(out: str, snap: Snapshot | None, *, overwrite: bool) -> None:
     os.makedirs(out, exist_ok=True)
     remove_stale_temporaries(out)
     if overwrite:
-        for name in RUN_FILES:
+        for path in [os.path.join(out, n) for n in RUN_FILES] + [p for _, p in history(out)]:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(out, name))
+                os.unlink(path)
     if snap is not None:
         Metrics.truncate(os.path.join(out, METRICS_NAME), snap.iter)
 
@@ -1021,7 +1124,110 @@ def _report_accuracy(acc: float | None, target: float | None, cfg: TrainConfig, 
     return ExitStatus.WRONG if target is not None and pct < target else ExitStatus.OK
 
 
+# -- evaluation only -----------------------------------------------------------------------
+
+
+def _saved_config(path: str) -> dict[str, object]:
+    """The configuration of the run that saved ``path``: a snapshot's own, else the last
+    config record of metrics.jsonl beside it (a final.npz), else none."""
+    with contextlib.suppress(ValueError):
+        return dict(load_snapshot(path).config)
+    config: dict[str, object] = {}
+    with contextlib.suppress(OSError):
+        metrics = os.path.join(os.path.dirname(os.path.abspath(path)), METRICS_NAME)
+        with open(metrics, encoding="utf-8") as f:
+            for line in f:
+                with contextlib.suppress(ValueError):
+                    record = json.loads(line)
+                    if isinstance(record, dict) and record.get("event") == "config":
+                        config = record
+    return config
+
+
+def _one_device(spec: str | None) -> str:
+    """``--devices`` of an evaluation: as given, else GPU 0, else one CPU device."""
+    if spec is not None:
+        return spec
+    from .._errors import BackendUnavailable
+    from ..backends import gpu_count
+
+    try:
+        return "gpu:0" if gpu_count() > 0 else "cpu:1"
+    except BackendUnavailable:
+        return "cpu:1"
+
+
+def evaluate_saved(args: argparse.Namespace, out: TextIO) -> int:
+    """``--evaluate FILE``: the loss and accuracy of saved parameters over a database, on
+    one device (Caffe's ``caffe test``); returns the exit status."""
+    from ..parallel import evaluate
+
+    path = args.evaluate
+    with contextlib.ExitStack() as stack:
+        with checking():
+            for flag in ("resume", "weights", "overwrite", "val_data"):
+                if getattr(args, flag):
+                    raise ValueError(
+                        f"--evaluate trains nothing: {_flag(flag)} does not apply"
+                        + (" (name the database with --data)" if flag == "val_data" else "")
+                    )
+            if not os.path.isfile(path):
+                raise ValueError(f"--evaluate: no file at {path}")
+            saved = _saved_config(path)
+            values = {k: getattr(args, k) for k in TrainConfig().as_dict()}
+            merged = {k: saved.get(k) if v is None else v for k, v in values.items()}
+            db = args.data if args.data is not None else saved.get("val_data")
+            if db is None and saved.get("data") is not None:
+                raise ValueError(
+                    f"--evaluate: {path} was trained on {saved['data']} with no held-out set: "
+                    "name the database to evaluate with --data DB"
+                )
+            # only what the model and the reader need: the run's paths may be gone
+            merged.update(data=db, val_data=None, out=None, snapshot_every=0, weights=None)
+            cfg = TrainConfig.checked(merged)
+            spec = _one_device(args.devices)
+            devs = stack.enter_context(open_devices(spec))
+            if len(devs) != 1:
+                raise ValueError(
+                    f"--evaluate loads the model onto one device, but --devices {spec} names "
+                    f"{len(devs)} (e.g. cpu:1 or gpu:0)"
+                )
+            if cfg.data is None:
+                shape = (1, 8, 8) if cfg.model == "cnn" else (SYNTHETIC_FEATURES,)
+                x, y = _synthetic_held_out(max(1, cfg.synthetic // 4), shape)
+                what = "the built-in synthetic task's held-out set"
+            else:
+                x, y = _read_all(cfg.data, cfg.scale, cfg.decode, "--data")
+                shape, what = tuple(x.shape[1:]), cfg.data
+            classes = cfg.classes or _output_size(read_weights(path, "--evaluate"), y)
+            _check_labels(y, classes, "--data", cfg.data)
+            model = make_model(cfg.model, shape, classes, cfg.hidden)
+            params = model.make_params(device=devs[0])
+            params.load(fitting_weights(path, model.shapes(), "--evaluate"))
+        acc, loss = evaluate(model, params, x, y)
+        print(
+            f"{path} on {devs[0].name}: accuracy {100 * acc:.2f}%, loss {loss:.4f} "
+            f"over {len(y)} records of {what}",
+            file=out,
+            flush=True,
+        )
+        target = args.target_accuracy
+        if target is not None and 100 * acc < target:
+            print(f"accuracy {100 * acc:.2f}% is below the target {target:g}%", file=out)
+            return ExitStatus.WRONG
+        return ExitStatus.OK
+
+
+def _output_size(weights: Mapping[str, np.ndarray], labels: np.ndarray) -> int:
+    """The classes of saved parameters: the size of their last bias (the output layer's),
+    else the largest label plus one."""
+    last = list(weights.values())[-1]
+    return int(last.shape[0]) if last.ndim == 1 else int(labels.max()) + 1
+
+
 def _train(args: argparse.Namespace) -> int:
+    if args.evaluate is not None:
+        return evaluate_saved(args, sys.stdout)
     try:
         with _sigterm_stops():
             cfg, snap = resolve_config(args)

@@ -235,3 +235,26 @@ def test_train_snapshot_resume_fine_tune_evaluate(capsys, tmp_path):
     rc, out, err = run_main(capsys, ["--evaluate", str(tuned / "final.npz")])
     assert rc == 0, err
     assert "on cpu:0:" in out and f"accuracy {reached:.2f}%" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["-gpu", "0,1"], "Caffe's -gpu 0,1 is --devices gpu:0,1 here"),
+        (["-gpu", "all", "--iters", "5"], "Caffe's -gpu all is --devices gpu:all here"),
+        (["-gpu=2"], "Caffe's -gpu 2 is --devices gpu:2 here"),
+        (["-solver", "lenet_solver.prototxt"], "reads no solver prototxt: give its fields"),
+        (["-weights", "x.caffemodel"], "Caffe's -weights is --weights here"),
+        (["-snapshot", "x.solverstate"], "Caffe's -snapshot is --resume here"),
+    ],
+)
+def test_caffe_spellings_are_answered_with_ours(capsys, argv, message):
+    rc, out, err = run_main(capsys, argv)
+    assert rc == 2 and out == ""
+    assert err.startswith("nccltree-train: error: ") and message in err
+    assert len(err.splitlines()) == 1
+
+
+def test_negative_values_are_no_caffe_flags(capsys):
+    rc, _, err = run_main(capsys, ["--lr", "-0.5"])
+    assert rc == 2 and "lr must be >= 0" in err

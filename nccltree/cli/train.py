@@ -20,7 +20,7 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TextIO
 
@@ -68,7 +68,12 @@ METRICS_NAME = "metrics.jsonl"
 RUN_FILES = (METRICS_NAME, FINAL_NAME, SNAPSHOT_NAME)
 # SIGTERM (what Slurm, Kubernetes and systemd send first) ends a run as Ctrl-C does
 TERMINATED = ExitStatus.TERMINATED
-EPILOG = EXIT_STATUS_EPILOG + " On Ctrl-C or SIGTERM the iteration reached is snapshotted in --out."
+EPILOG = (
+    EXIT_STATUS_EPILOG
+    + " On Ctrl-C or SIGTERM the iteration reached is snapshotted in --out. Caffe's -gpu, "
+    "-solver, -weights, -snapshot and -model are answered with the flags to use instead "
+    "(status 2)."
+)
 
 # The built-in data cache's temporaries: the writer's process id after the prefix.
 _CACHE_TMP = re.compile(r"^\.tmp-(?:(?P<pid>\d+)-)?")
@@ -1245,8 +1250,49 @@ def _train(args: argparse.Namespace) -> int:
         return TERMINATED
 
 
+# Caffe's ``caffe train`` flags (one dash, argument apart or after "="), answered with
+# nccltree's.
+def _caffe_hint(flag: str, value: str | None) -> str | None:
+    """What nccltree takes instead of Caffe's ``-flag value``, as one line; None when
+    ``flag`` is no Caffe flag."""
+    if flag == "-gpu":
+        if value is None:
+            return "Caffe's -gpu takes a value here too: --devices gpu:0,1 or --devices gpu:all"
+        ids = value.replace(" ", "")
+        return f"Caffe's -gpu {value} is --devices gpu:{'all' if ids == 'all' else ids} here"
+    if flag == "-solver":
+        return (
+            "nccltree-train reads no solver prototxt: give its fields as flags (base_lr "
+            "--lr, momentum --momentum, weight_decay --weight-decay, lr_policy --lr-policy, "
+            "max_iter --iters, snapshot --snapshot-every, net: --model and --data)"
+        )
+    same = {"-weights": "--weights", "-snapshot": "--resume", "-model": "--model"}
+    if flag in same:
+        return f"Caffe's {flag} is {same[flag]} here"
+    return None
+
+
+def caffe_hint(argv: Sequence[str]) -> str | None:
+    """The first of ``argv``'s Caffe spellings, answered with nccltree's flags."""
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        flag, eq, value = arg.partition("=")
+        if not flag.startswith("-") or flag.startswith("--"):
+            continue
+        given = value if eq else argv[i + 1] if i + 1 < len(argv) else None
+        hint = _caffe_hint(flag, given)
+        if hint is not None:
+            return hint
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``nccltree-train``; returns the exit status."""
+    hint = caffe_hint(sys.argv[1:] if argv is None else argv)
+    if hint is not None:
+        report_error(PROG, hint)
+        return ExitStatus.USAGE
     return run_main(build_parser(), argv, _train, show_usage=True)
 
 

@@ -145,7 +145,7 @@ def test_broken_algorithm_gives_wrong_count_and_exit_code(capsys):
         (["--devices", "cpu:0"], "accepted forms"),
         (["--devices", "tpu:1"], "accepted forms"),
         (["--algorithm", "tree,bogus"], "accepted: tree, ring"),
-        (["-o", "avg"], "accepted: sum"),
+        (["-o", "avg,bogus"], "accepted: sum"),
         (["-d", "complex64"], "accepted: float16"),
         (["-r", "5"], r"-r/--root must be in \[0, 2\), got 5"),
         (["-e", "64Q"], "K, M, G"),

@@ -15,10 +15,11 @@ import csv
 import json
 import math
 import os
+import socket
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from ..comm import bench as drv
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
     from ..tree import Tree
 
 COLLECTIVE_DEFAULTS = {
-    "devices": "auto",
+    "devices": None,
     "algorithm": "tree",
     "collective": "all_reduce",
     "minbytes": "8",
@@ -57,13 +58,58 @@ COLLECTIVE_DEFAULTS = {
     "op": "sum",
     "dtype": "float32",
     "root": 0,
+    "ngpus": None,
+    "nthreads": None,
+    "stepbytes": None,
+    "average": 3,
+    "cycles": 1,
+    "blocking": 1,
+    "timeout": 60.0,
 }
+# nccl-tests' -a: how the ranks' times of one call make one time
+AVERAGE_MODES = {0: "rank0", 1: "mean", 2: "min", 3: "max"}
+# nccl-tests' op names; "avg" is nccltree's "mean"
+OP_ALIASES = {"avg": "mean"}
+# nccl-tests flags that mean nothing here: (flags, the value that turns them off, why)
+REFUSED = (
+    (
+        ("-G", "--cudagraph"),
+        "0",
+        "nccltree launches no CUDA graphs (and the host backend has no CUDA at all)",
+    ),
+    (
+        ("-p", "--parallel_init"),
+        "0",
+        "one process creates every rank's communicator; there is nothing to initialise in parallel",
+    ),
+    (
+        ("-m", "--agg_iters"),
+        "1",
+        "every call is timed on its own; nccltree has no grouped (aggregated) launches",
+    ),
+    (
+        ("-y", "--stream_null"),
+        "0",
+        "a World call runs on the devices' own streams; there is no NULL-stream mode",
+    ),
+    (
+        ("-C", "--report_cputime"),
+        "0",
+        "the time reported is already the wall time of a synchronous call",
+    ),
+    (
+        ("-R", "--local_register"),
+        "0",
+        "nccltree has no user buffer registration",
+    ),
+)
 # the driver's arguments as the collectives command line names them, for its messages
 FLAG_NAMES = {
     "root": "-r/--root",
     "iters": "-n/--iters",
     "warmup": "-w/--warmup-iters",
     "check": "-c/--check",
+    "cycles": "-N/--run_cycles",
 }
 PLOT_MISSING = (
     "--plot needs matplotlib, which is not installed; install it with "
@@ -145,29 +191,72 @@ def table_footer(records: Sequence[drv.BenchRecord]) -> list[str]:
     ]
 
 
+def _step_text(args: argparse.Namespace) -> str:
+    if args.stepbytes is not None:
+        return f"+{human_bytes(drv.parse_size(args.stepbytes))}"
+    return f"x{args.stepfactor:g}"
+
+
+def using_devices(bench: drv.Benchmark, per_group: int) -> list[str]:
+    """nccl-tests' "Using devices" block: a line per rank with its group (nccl-tests'
+    thread, ``per_group`` ranks each), process id, host and device."""
+    gpus = bench.machine.get("gpus")
+    host, pid = socket.gethostname(), os.getpid()
+    lines = ["# Using devices"]
+    for r, d in enumerate(bench.devices):
+        if isinstance(gpus, list) and r < len(gpus):
+            what = str(gpus[r])
+        else:
+            threads = getattr(d, "threads", None)
+            what = f"{d.backend} backend" + (
+                f", {threads} thread{'s' if threads != 1 else ''}" if threads else ""
+            )
+        lines.append(
+            f"#  Rank {r:2d} Group {r // max(1, per_group):2d} Pid {pid:6d} on {host} "
+            f"device {d.physical_id:2d} [{d.name}] {what}"
+        )
+    return lines
+
+
 def _collectives_header(
-    bench: drv.Benchmark, sizes: list[int], factor: float, lowered_from: int | None = None
+    bench: drv.Benchmark, args: argparse.Namespace, lowered_from: int | None = None
 ) -> list[str]:
-    m = bench.machine
+    m, sizes = bench.machine, bench.sizes
     where = (
         f"{bench.label} ({bench.n} ranks, {m['backend']} backend; {m['cpu']}, "
         f"{m['cpu_count']} cores)"
     )
+    step = _step_text(args)
     rng = (
-        f"{human_bytes(sizes[0])} .. {human_bytes(sizes[-1])}, step x{factor:g}"
+        f"{human_bytes(sizes[0])} .. {human_bytes(sizes[-1])}, step {step}"
         if len(sizes) > 1
         else human_bytes(sizes[0])
     )
     if lowered_from is not None:
         rng += f" (lowered from {human_bytes(lowered_from)} to fit in memory)"
-    op = bench.op if any(COLLECTIVES[c].reduces for c in bench.collectives) else "none"
+    reduces = any(COLLECTIVES[c].reduces for c in bench.collectives)
+    dtypes = ", ".join(dict.fromkeys(str(d) for d, _ in bench.variants))
+    ops = ", ".join(dict.fromkeys(o for _, o in bench.variants)) if reduces else "none"
+    g, t = args.ngpus or bench.n, args.nthreads or 1
+    cycles = f", {bench.cycles} cycles" if bench.cycles > 1 else ""
     return [
         "# nccltree-bench collectives",
+        f"# nThread {t} nGpus {g} minBytes {sizes[0]} maxBytes {sizes[-1]} step: "
+        + (
+            f"{drv.parse_size(args.stepbytes)}(bytes)"
+            if args.stepbytes is not None
+            else f"{args.stepfactor:g}(factor)"
+        )
+        + f" warmup iters: {bench.warmup} iters: {bench.iters} agg iters: 1 "
+        f"validation: {int(bench.check > 0)} graph: 0",
+        "#",
+        *using_devices(bench, g),
+        "#",
         f"#   devices     {where}",
         f"#   algorithms  {', '.join(bench.algorithms)}",
-        f"#   sizes       {rng}; dtype {bench.dtype}, op {op}, root {bench.root}",
-        f"#   iterations  {bench.iters} timed (median), {bench.warmup} warm-up, "
-        f"check {bench.check}",
+        f"#   sizes       {rng}; dtype {dtypes}, op {ops}, root {bench.root}",
+        f"#   iterations  {bench.iters} timed (median, {bench.aggregate} over ranks), "
+        f"{bench.warmup} warm-up, check {bench.check}{cycles}; every call blocking",
         "#   algbw = size / time, busbw = algbw x bus factor (nccl-tests), GB = 1e9 B",
         "#",
     ]
@@ -244,9 +333,92 @@ def _sizes(args: argparse.Namespace) -> list[int]:
             f"-b/--minbytes ({args.minbytes}) is larger than -e/--maxbytes "
             f"({args.maxbytes}); accepted: minbytes <= maxbytes"
         )
+    if args.stepbytes is not None:
+        step = drv.parse_size(args.stepbytes)
+        if step < 1:
+            raise UsageError(f"-i/--stepbytes must be >= 1 byte, got {args.stepbytes}")
+        return list(range(lo, hi + 1, step))
     if not args.stepfactor > 1:
         raise UsageError(f"-f/--stepfactor must be > 1, got {args.stepfactor:g}")
     return drv.size_range(lo, hi, args.stepfactor)
+
+
+def _refuse_inapplicable(args: argparse.Namespace) -> None:
+    """nccl-tests flags with no meaning here: their off value is accepted (a pasted
+    command line runs), any other refused with the reason."""
+    for flags, off, why in REFUSED:
+        value = getattr(args, flags[1].lstrip("-"))
+        if value is not None and value != off:
+            raise UsageError(f"{flags[0]}/{flags[1]} {value} cannot apply: {why}")
+
+
+def _spec_count(spec: str) -> int:
+    """How many devices a --devices spec names, without creating them."""
+    from ..backends import gpu_count
+
+    s = spec.strip().lower().replace(" ", "")
+    if s.startswith("cpu:") and s[4:].isdigit():
+        return int(s[4:])
+    if s in ("auto", "gpu:all"):
+        n = _gpus_visible(gpu_count)
+        return n if n or s != "auto" else 2
+    if s.startswith("gpu:"):
+        return len(_split(s[4:]))
+    return 0  # a malformed spec: creating the devices says what is wrong
+
+
+def _gpus_visible(gpu_count: Callable[[], int]) -> int:
+    from .._errors import BackendUnavailable
+
+    try:
+        return gpu_count()
+    except BackendUnavailable:
+        return 0
+
+
+def resolve_devices(args: argparse.Namespace) -> str:
+    """The --devices spec the run uses. ``-g N`` (and ``-t T``) ask for N (T x N) local
+    ranks in this process: the first GPUs if there are any, else virtual CPU devices;
+    with --devices too, the counts must agree."""
+    if args.ngpus is None and args.nthreads is None:
+        return args.devices or "auto"
+    g, t = args.ngpus or 1, args.nthreads or 1
+    want = g * t
+    asked = f"-g {g}" + (f" -t {t}" if t > 1 else "")
+    if args.devices is not None:
+        have = _spec_count(args.devices)
+        if have != want:
+            raise UsageError(
+                f"{asked} asks for {want} local rank(s) but --devices {args.devices} names "
+                f"{have}; give one of them, or make them agree"
+            )
+        return str(args.devices)
+    from ..backends import gpu_count
+
+    gpus = _gpus_visible(gpu_count)
+    if gpus == 0:
+        return f"cpu:{want}"
+    if want > gpus:
+        raise UsageError(f"{asked} asks for {want} GPU(s) but {gpus} are visible")
+    return "gpu:" + ",".join(str(i) for i in range(want))
+
+
+def _variants(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The (dtype, op) pairs of -d and -o; ``all`` takes every one, leaving out the
+    pairs that cannot be (mean of integers) unless both were named."""
+    from ..comm import _ops
+
+    every_dtype = args.dtype.strip().lower() == "all"
+    every_op = args.op.strip().lower() == "all"
+    dtypes = [str(d) for d in _ops.DTYPES] if every_dtype else _split(args.dtype)
+    ops = list(_ops.OPS) if every_op else [OP_ALIASES.get(o, o) for o in _split(args.op)]
+    if not dtypes or not ops:
+        raise UsageError("-d/--dtype and -o/--op need a value (or all)")
+    pairs = [(d, o) for d in dtypes for o in ops]
+    if every_dtype or every_op:
+        floats = {"float16", "float32", "float64"}
+        pairs = [(d, o) for d, o in pairs if o != "mean" or drv.check_dtype(d).name in floats]
+    return pairs
 
 
 def make_benchmark(
@@ -267,20 +439,27 @@ def make_benchmark(
                 f"{', '.join(ALGORITHM_CHOICES)} (several: tree,ring)"
             )
     collectives = [collective_name(c) for c in _split(args.collective)]
+    _refuse_inapplicable(args)
+    if not args.timeout > 0:
+        raise UsageError(f"-T/--timeout must be > 0 seconds, got {args.timeout:g}")
+    variants = _variants(args)
+    devices = resolve_devices(args)
     _check_outputs(args, ("json", "csv", "plot"))
     return drv.Benchmark(
-        args.devices,
+        devices,
         algorithms,
         collectives,
         sizes,
-        dtype=args.dtype,
-        op=args.op,
+        variants=variants,
         root=args.root,
         iters=args.iters,
         warmup=args.warmup,
         check=args.check,
+        cycles=args.cycles,
+        aggregate=AVERAGE_MODES[args.average],
+        timeout=args.timeout,
         world_factory=world_factory,
-        devices_label=args.devices,
+        devices_label=devices,
         names=FLAG_NAMES,
     )
 
@@ -350,12 +529,9 @@ def run_collectives(
     memory: dict[str, object] | None = None,
 ) -> int:
     quiet = args.quiet
-    sizes = bench.sizes
     lowered = (memory or {}).get("lowered_from")
     if not quiet:
-        header = _collectives_header(
-            bench, sizes, args.stepfactor, lowered if isinstance(lowered, int) else None
-        )
+        header = _collectives_header(bench, args, lowered if isinstance(lowered, int) else None)
         print("\n".join(header), file=out, flush=True)
     progress = SweepProgress(bench.total, quiet, err)
     records: list[drv.BenchRecord] = []
@@ -393,7 +569,9 @@ def run_collectives(
             args.json,
             {
                 "tool": "nccltree-bench collectives",
-                "config": {k: getattr(args, k) for k in COLLECTIVE_DEFAULTS},
+                # the devices as run: what -g/-t resolved to
+                "config": {k: getattr(args, k) for k in COLLECTIVE_DEFAULTS}
+                | {"devices": bench.label},
                 "machine": bench.machine,
                 "memory": memory or {},
                 "records": [r.as_dict() for r in records],
@@ -756,7 +934,25 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--devices",
         default=d["devices"],
-        help='device spec: "cpu:N", "gpu:0,1", "gpu:all" or "auto" (default: %(default)s)',
+        help='device spec: "cpu:N", "gpu:0,1", "gpu:all" or "auto" (default: auto, or '
+        "what -g asks for)",
+    )
+    c.add_argument(
+        "-g",
+        "--ngpus",
+        type=int_at_least(1),
+        default=d["ngpus"],
+        help="local ranks per process, as nccl-tests' devices per process: with one "
+        "process, the first N devices of the default kind (GPUs if there are any, else N "
+        "virtual CPU devices); with --devices, an error unless the counts agree",
+    )
+    c.add_argument(
+        "-t",
+        "--nthreads",
+        type=int_at_least(1),
+        default=d["nthreads"],
+        help="nccl-tests' threads per process, each driving -g devices: mapped to -t x -g "
+        "local ranks, since every rank here already runs on its own thread (default 1)",
     )
     c.add_argument(
         "--algorithm",
@@ -780,7 +976,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "-e", "--maxbytes", default=d["maxbytes"], help="largest size (default: %(default)s)"
     )
-    c.add_argument(
+    step = c.add_mutually_exclusive_group()
+    step.add_argument(
+        "-i",
+        "--stepbytes",
+        default=d["stepbytes"],
+        help="add this many bytes between steps instead of multiplying (K/M/G suffixes; "
+        "exclusive with -f, as in nccl-tests)",
+    )
+    step.add_argument(
         "-f",
         "--stepfactor",
         type=float,
@@ -797,6 +1001,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "-w",
         "--warmup-iters",
+        "--warmup_iters",
         dest="warmup",
         type=int_at_least(0),
         default=d["warmup"],
@@ -814,15 +1019,61 @@ def build_parser() -> argparse.ArgumentParser:
         "-o",
         "--op",
         default=d["op"],
-        help="reduction op: sum, mean, max, min, prod (default: %(default)s)",
+        help="reduction op: sum, mean (avg), max, min, prod; comma-separated, or all "
+        "(every op; with integer dtypes mean is left out) (default: %(default)s)",
     )
     c.add_argument(
         "-d",
         "--dtype",
+        "--datatype",
         default=d["dtype"],
         help="float16, float32, float64, int32, int64 (half, float, double, int "
-        "too; default: %(default)s)",
+        "too); comma-separated, or all (every dtype) (default: %(default)s)",
     )
+    c.add_argument(
+        "-a",
+        "--average",
+        type=int,
+        choices=sorted(AVERAGE_MODES),
+        default=d["average"],
+        help="how the ranks' times of a call make one, as nccl-tests: 0 rank 0's, 1 the "
+        "mean, 2 the fastest, 3 the slowest (default: %(default)s; on the host backend "
+        "every rank has the same time)",
+    )
+    c.add_argument(
+        "-N",
+        "--run_cycles",
+        "--run-cycles",
+        dest="cycles",
+        type=int_at_least(1),
+        default=d["cycles"],
+        help="run the whole sweep this many times (nccl-tests' 0, forever, is not "
+        "offered; default: %(default)s)",
+    )
+    c.add_argument(
+        "-z",
+        "--blocking",
+        type=int,
+        choices=(0, 1),
+        default=d["blocking"],
+        help="accepted for nccl-tests command lines: every call here is blocking (it "
+        "returns when every rank's result is in place), so 0 and 1 time the same",
+    )
+    c.add_argument(
+        "-T",
+        "--timeout",
+        type=float,
+        default=d["timeout"],
+        help="seconds a call may take before the run fails (default: %(default)g)",
+    )
+    for flags, off, why in REFUSED:
+        c.add_argument(
+            *flags,
+            dest=flags[1].lstrip("-"),
+            metavar="N",
+            default=None,
+            help=f"nccl-tests' flag, accepted only as {off}: {why}",
+        )
     c.add_argument(
         "-r",
         "--root",

@@ -50,6 +50,9 @@ __all__ = [
 ]
 
 PLACEMENTS = ("out-of-place", "in-place")
+# How one time is made of the ranks' times, by nccl-tests' ``-a`` number: rank 0's, the
+# mean, the fastest rank's, the slowest rank's.
+AGGREGATES = ("rank0", "mean", "min", "max")
 # Users may write dtypes as nccl-tests does.
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "double": "float64", "int": "int32"}
 _SIZE_RE = re.compile(r"(\d+)\s*([kmgt]?)(i?b)?", re.IGNORECASE)
@@ -314,17 +317,24 @@ def _no_peer_access(world: World) -> bool:
 
 class _Timer:
     """Times one synchronous collective: ``perf_counter`` on host; on CUDA events on every
-    rank's caller stream, the slowest rank's elapsed time."""
+    rank's caller stream, the ranks' elapsed times made one by ``aggregate`` (default the
+    slowest rank's, see :data:`AGGREGATES`)."""
 
-    def __init__(self, devices: Sequence[Device]) -> None:
+    def __init__(self, devices: Sequence[Device], aggregate: str = "max") -> None:
         self.devices = list(devices)
         self.cuda = bool(devices) and devices[0].backend == "cuda"
+        self.aggregate = aggregate
 
     def __call__(self, fn: Callable[[], object], timeout: float) -> float:
+        return aggregate_times(self.rank_times(fn), self.aggregate)
+
+    def rank_times(self, fn: Callable[[], object]) -> list[float]:
+        """Seconds each rank spent in one call. On host the call is one synchronous
+        driver-side call: every rank's time is the same clock's."""
         if not self.cuda:
             t0 = time.perf_counter()
             fn()
-            return time.perf_counter() - t0
+            return [time.perf_counter() - t0] * len(self.devices)
         import cupy as cp
 
         pairs = []
@@ -339,7 +349,21 @@ class _Timer:
         for d, (_, end) in zip(self.devices, pairs):
             with cp.cuda.Device(d.physical_id):
                 end.synchronize()
-        return max(cp.cuda.get_elapsed_time(s, e) for s, e in pairs) / 1e3
+        return [cp.cuda.get_elapsed_time(s, e) / 1e3 for s, e in pairs]
+
+
+def aggregate_times(times: Sequence[float], how: str) -> float:
+    """One time of the ranks' ``times`` (see :data:`AGGREGATES`): ``rank0``, ``mean``,
+    ``min`` or ``max``, as nccl-tests' ``-a 0..3``."""
+    if how == "rank0":
+        return times[0]
+    if how == "mean":
+        return sum(times) / len(times)
+    if how == "min":
+        return min(times)
+    if how == "max":
+        return max(times)
+    raise ValueError(f"unknown aggregate {how!r}; accepted: {', '.join(AGGREGATES)}")
 
 
 def _cupy_stream(device: Device) -> Any:
@@ -371,6 +395,9 @@ class Benchmark:
     that background noise hits them alike. ``world_factory(devices, algorithm)`` makes the
     World of each algorithm (tests inject a broken one); ``names`` renames arguments in
     error messages (a command line's flags: ``{"root": "-r/--root"}``); a context manager.
+    ``variants``: (dtype, op) pairs measured in turn (default the one pair ``dtype, op``);
+    ``cycles``: how many times the whole sweep runs; ``aggregate``: how the ranks' times
+    make one (:data:`AGGREGATES`; on host every rank has the same time).
     """
 
     def __init__(
@@ -387,6 +414,9 @@ class Benchmark:
         warmup: int = 5,
         check: int = 1,
         placements: Sequence[str] = PLACEMENTS,
+        variants: Sequence[tuple[DTypeLike, str]] | None = None,
+        cycles: int = 1,
+        aggregate: str = "max",
         seed: int = 0,
         timeout: float = 60.0,
         world_factory: WorldFactory | None = None,
@@ -404,22 +434,31 @@ class Benchmark:
         self.worlds: dict[str, World] = {}
         try:
             # check every argument, then create the Worlds
+            name = {k: k for k in ("root", "iters", "warmup", "check", "cycles")}
+            name.update(names or {})
             self.devices = list(devices)
             if not self.devices:
                 raise ValueError("the benchmark needs at least one device")
             n = self.n = len(self.devices)
             self.label = devices_label or ",".join(d.name for d in self.devices)
-            self.dtype = check_dtype(dtype)
             self.collectives = [collective_name(c) for c in collectives]
             if not self.collectives:
                 raise ValueError("no collective given; accepted: " + ", ".join(COLLECTIVES))
-            if any(COLLECTIVES[c].reduces for c in self.collectives):
-                _ops.check_op(op, self.dtype)
-            elif op not in _ops.OPS:
-                raise ValueError(f"unknown reduction op {op!r}; accepted: {', '.join(_ops.OPS)}")
-            self.op = op
-            name = {"root": "root", "iters": "iters", "warmup": "warmup", "check": "check"}
-            name.update(names or {})
+            self.variants: list[tuple[np.dtype, str]] = []
+            for dt, o in variants or [(dtype, op)]:
+                self.variants.append((check_dtype(dt), o))
+                if any(COLLECTIVES[c].reduces for c in self.collectives):
+                    _ops.check_op(o, self.variants[-1][0])
+                elif o not in _ops.OPS:
+                    raise ValueError(f"unknown reduction op {o!r}; accepted: {', '.join(_ops.OPS)}")
+            # the variant measured now; iterating goes through them all
+            self.dtype, self.op = self.variants[0]
+            self.cycles = check_int(cycles, name["cycles"], min=1)
+            if aggregate not in AGGREGATES:
+                raise ValueError(
+                    f"unknown aggregate {aggregate!r}; accepted: {', '.join(AGGREGATES)}"
+                )
+            self.aggregate = aggregate
             self.root = check_index(root, name["root"], n)
             self.iters = check_int(iters, name["iters"], min=1)
             self.warmup = check_int(warmup, name["warmup"], min=0)
@@ -444,12 +483,13 @@ class Benchmark:
             self.close()  # the Worlds (and a runtime) made so far
             raise
         self.machine = machine_description(self.devices)
-        self._timer = _Timer(self.devices)
+        self._timer = _Timer(self.devices, self.aggregate)
 
     def memory_needed(self, size: int) -> MemoryNeed:
         """An upper bound of the memory the sweep holds while it measures ``size`` bytes
-        (see :class:`MemoryNeed`), the largest over its collectives."""
-        n, item = self.n, self.dtype.itemsize
+        (see :class:`MemoryNeed`), the largest over its collectives (and dtypes: the
+        smallest itemsize has the most elements)."""
+        n, item = self.n, min(dt.itemsize for dt, _ in self.variants)
         buffers = reference = 0
         scratch = dict.fromkeys(self.algorithms, 0)
         for name in self.collectives:
@@ -511,7 +551,19 @@ class Benchmark:
     @property
     def total(self) -> int:
         """How many records iterating yields."""
-        return len(self.collectives) * len(self.sizes) * len(self.algorithms) * len(self.placements)
+        per_variant = len(self.sizes) * len(self.algorithms) * len(self.placements)
+        return self.cycles * per_variant * sum(len(c) for c in self._schedule())
+
+    def _schedule(self) -> list[list[str]]:
+        """The collectives measured for each variant: a collective without a reduction
+        only with the first op of each dtype (its results do not depend on the op)."""
+        seen: set[np.dtype] = set()
+        out = []
+        for dt, _ in self.variants:
+            first = dt not in seen
+            seen.add(dt)
+            out.append([c for c in self.collectives if first or COLLECTIVES[c].reduces])
+        return out
 
     def close(self) -> None:
         """Close the Worlds, and shut down the devices made from a spec string."""
@@ -529,10 +581,16 @@ class Benchmark:
         self.close()
 
     def __iter__(self) -> Iterator[BenchRecord]:
-        for name in self.collectives:
-            coll = COLLECTIVES[name]
-            for size in self.sizes:
-                yield from self._measure_size(coll, size)
+        """Records for ``cycles`` runs of the sweep (nccl-tests' ``-N``), each going
+        through the (dtype, op) variants, then the collectives, then the sizes."""
+        for _ in range(self.cycles):
+            for (dtype, op), names in zip(self.variants, self._schedule()):
+                self.dtype, self.op = dtype, op
+                for name in names:
+                    coll = COLLECTIVES[name]
+                    for size in self.sizes:
+                        yield from self._measure_size(coll, size)
+        self.dtype, self.op = self.variants[0]
 
     def _measure_size(self, coll: Collective, size: int) -> Iterator[BenchRecord]:
         # one size's data at a time: the previous size's are freed before these are made

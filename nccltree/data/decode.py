@@ -7,6 +7,7 @@ first rows of ``x`` (and labels into ``y``). A record that does not fit raises
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable, Sequence
 from functools import cache
@@ -17,7 +18,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from .._errors import BackendUnavailable
-from .._validate import check_real
+from .._validate import check_int, check_real
 from . import datum
 from .format import LABEL_OFFSET, RecordLayout, record_layout
 
@@ -72,11 +73,21 @@ class BadRecord(Exception):
 
 
 class Transform:
-    """Caffe's data-layer transform: ``(x - mean) * scale``, computed in ``dtype``.
+    """Caffe's data-layer transform (``DataTransformer``): mean, crop, mirror and scale.
 
-    ``mean`` is a scalar, one value per channel (axis 0 of a record, Caffe's
-    ``mean_value``) or an array of the record's shape (Caffe's ``mean_file``). With a
-    mean or a scale the output is float32 unless ``dtype`` says another float type.
+    Each record becomes ``(x - mean) * scale``, computed in ``dtype``. ``mean`` is a
+    scalar, one value per channel (axis 0 of a record, Caffe's ``mean_value``) or an
+    array of the record's shape (Caffe's ``mean_file``). With a mean or a scale the
+    output is float32 unless ``dtype`` says another float type.
+
+    On records ``(C, H, W)``, ``crop=N`` keeps an ``N x N`` window of every channel and
+    ``mirror`` flips records horizontally (the last axis), as Caffe's ``crop_size`` and
+    ``mirror``: in training (``train=True``) the window's offsets and the flip are drawn
+    at random, in evaluation the window is the center one (offsets ``(H - N) // 2`` and
+    ``(W - N) // 2``) and nothing is flipped. A full-shape mean is subtracted at the
+    record's own pixels, i.e. before cropping and flipping, as Caffe does. The random
+    choices of record ``g`` of the endless sequence are a pure function of ``(seed,
+    g)`` (:func:`crop_choices`), so they do not depend on the rank count or on prefetch.
     """
 
     def __init__(
@@ -86,6 +97,11 @@ class Transform:
         dtype: DTypeLike | None = None,
         scale: float | None = None,
         mean: object = None,
+        *,
+        crop: int | None = None,
+        mirror: bool = False,
+        train: bool = True,
+        seed: int = 0,
     ) -> None:
         dt: np.dtype[Any] | None
         if dtype is not None:
@@ -96,23 +112,121 @@ class Transform:
             dt = None
         if scale is not None:
             scale = check_real(scale, "scale")
+        if crop is not None:
+            crop = check_int(crop, "crop", min=1)
+        self.seed = check_int(seed, "seed", min=0)
+        self.train = bool(train)
+        self.crop, self.mirror = crop, bool(mirror)
+        if crop is not None or self.mirror:
+            what = "crop" if crop is not None else "mirror"
+            if len(shape) != 3:
+                raise ValueError(
+                    f"{what} needs records of shape (C, H, W); they have shape {shape}"
+                )
+            if crop is not None and (crop > shape[1] or crop > shape[2]):
+                raise ValueError(
+                    f"crop={crop} is larger than the records' height x width "
+                    f"{shape[1]} x {shape[2]} (shape {shape})"
+                )
+        self.in_shape = shape
+        self.out_shape: tuple[int, ...] = shape if crop is None else (shape[0], crop, crop)
+        # Anything but a plain elementwise transform (a crop, or a flip that may happen).
+        self.spatial = crop is not None or (self.mirror and self.train)
         self.out_dtype: np.dtype[Any] = dt or (
             np.dtype(np.float32) if scale is not None or mean is not None else in_dtype
         )
         # a scalar of the output dtype, so the product is computed in it
         self.scale = None if scale is None else np.asarray(scale, self.out_dtype)[()]
         self.mean = None if mean is None else _mean_array(mean, shape, self.out_dtype)
-        self.identity = self.out_dtype == in_dtype and self.scale is None and self.mean is None
+        self.identity = (
+            self.out_dtype == in_dtype
+            and self.scale is None
+            and self.mean is None
+            and not self.spatial
+        )
+
+    def at(self, positions: np.ndarray) -> Transform:
+        """This transform for records at sequence ``positions`` (random crops and flips
+        are drawn per position): a shallow copy that knows them."""
+        t = copy.copy(self)
+        t.positions = positions
+        return t
+
+    positions: np.ndarray | None = None
 
     def __call__(self, src: np.ndarray, dst: np.ndarray) -> None:
-        if self.mean is not None:
-            np.subtract(src, self.mean, out=dst, casting="unsafe")
+        """Transform the records ``src`` (in the record shape) into ``dst`` (the output
+        shape); those made by :meth:`at` know their sequence positions, others are taken
+        to be at positions ``0, 1, ...``."""
+        if not self.spatial:
+            self._apply(src, self.mean, dst)
+            return
+        n = len(src)
+        h, w, flip = self.choices(np.arange(n) if self.positions is None else self.positions)
+        c = self.out_shape[1] if self.crop is not None else self.in_shape[1]
+        cw = self.out_shape[2] if self.crop is not None else self.in_shape[2]
+        mean = self.mean
+        full_mean = mean is not None and mean.ndim == 3 and mean.shape[1:] != (1, 1)
+        for i in range(n):
+            hi, wi = int(h[i]), int(w[i])
+            s = src[i, :, hi : hi + c, wi : wi + cw]
+            m = mean[:, hi : hi + c, wi : wi + cw] if full_mean and mean is not None else mean
+            if flip[i]:
+                s = s[..., ::-1]
+                if full_mean and m is not None:
+                    m = m[..., ::-1]
+            self._apply(s, m, dst[i])
+
+    def choices(self, positions: object) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Row and column offsets of the window and the flips of the records at
+        ``positions``: random (:func:`crop_choices`) in training, else the center window
+        and no flip."""
+        g = np.asarray(positions, np.int64)
+        _, height, width = self.in_shape
+        c = self.crop if self.crop is not None else height
+        cw = self.crop if self.crop is not None else width
+        if self.train:
+            h, w, flip = crop_choices(self.seed, g, height - c + 1, width - cw + 1)
+            return h, w, flip & self.mirror
+        zero = np.zeros(len(g), np.int64)
+        return zero + (height - c) // 2, zero + (width - cw) // 2, zero.astype(bool)
+
+    def _apply(self, src: np.ndarray, mean: np.ndarray | None, dst: np.ndarray) -> None:
+        if mean is not None:
+            np.subtract(src, mean, out=dst, casting="unsafe")
             if self.scale is not None:
                 np.multiply(dst, self.scale, out=dst)
         elif self.scale is not None:
             np.multiply(src, self.scale, out=dst, casting="unsafe")
         else:
             np.copyto(dst, src, casting="unsafe")
+
+
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser, elementwise on uint64 (wrapping)."""
+    with np.errstate(over="ignore"):
+        z = z + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return (z ^ (z >> np.uint64(31))) & _M64
+
+
+def crop_choices(
+    seed: int, positions: np.ndarray, rows: int, cols: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The random crop offsets (in ``[0, rows)`` and ``[0, cols)``) and flips of the
+    records at sequence ``positions`` under ``seed``: SplitMix64 hashes of ``(seed, g)``,
+    a pure function of the two (the same on every run, rank count and prefetch)."""
+    g = np.asarray(positions, np.int64).astype(np.uint64)
+    r1 = _mix64(g ^ _mix64(np.full(g.shape, seed, np.uint64)))
+    r2 = _mix64(r1)
+    r3 = _mix64(r2)
+    h = (r1 % np.uint64(rows)).astype(np.int64)
+    w = (r2 % np.uint64(cols)).astype(np.int64)
+    return h, w, (r3 & np.uint64(1)).astype(bool)
 
 
 def _mean_array(mean: object, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

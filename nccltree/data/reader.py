@@ -61,6 +61,14 @@ class DataReader:
         dtype, scale, mean: Caffe's transforms, applied while the batch is assembled:
             ``(x - mean) * scale`` in ``dtype`` (float32 by default when a mean or scale
             is given). ``mean``: scalar, one value per channel (axis 0), or full shape.
+        crop, mirror, train, seed: Caffe's ``crop_size`` and ``mirror``, on records
+            ``(C, H, W)``: batches hold ``(C, crop, crop)`` windows, flipped horizontally
+            at random with ``mirror``. With ``train=True`` (training) the window offsets
+            and flips are drawn at random, a pure function of ``(seed, g)`` for record
+            ``g`` of the endless sequence, so they do not depend on the rank count or on
+            prefetch; with ``train=False`` (evaluation) the window is the center one and
+            nothing is flipped. A full-shape mean is subtracted before the crop, as Caffe
+            does. ``shape`` is then the cropped shape (``record_shape`` the stored one).
         format: ``"auto"`` (detected from the first record), ``"nccltree"`` or ``"datum"``.
         force_color, force_gray: decode encoded Datum images as 3 BGR channels or as 1
             gray channel, as Caffe's data-layer options of these names do; by default each
@@ -94,6 +102,10 @@ class DataReader:
         dtype: DTypeLike | None = None,
         scale: float | None = None,
         mean: Any = None,
+        crop: int | None = None,
+        mirror: bool = False,
+        train: bool = True,
+        seed: int = 0,
         format: str = "auto",
         force_color: bool = False,
         force_gray: bool = False,
@@ -130,9 +142,20 @@ class DataReader:
                     f"rank(s) needs {deal.round_size} records, but the data has "
                     f"{end - start} ({epochs} epoch(s) of {n}) and drop_last=True"
                 )
-            transform = Transform(decoder.shape, decoder.dtype, dtype, scale, mean)
+            transform = Transform(
+                decoder.shape,
+                decoder.dtype,
+                dtype,
+                scale,
+                mean,
+                crop=crop,
+                mirror=mirror,
+                train=train,
+                seed=seed,
+            )
+            shape = transform.out_shape
             slots = _make_slots(
-                ranks, max(1, prefetch), batch_size, decoder.shape, transform.out_dtype, devices
+                ranks, max(1, prefetch), batch_size, shape, transform.out_dtype, devices
             )
             msgs = [_wait_message(log_on_wait, self.path, r) for r in range(ranks)]
             state = Pipeline(
@@ -146,7 +169,8 @@ class DataReader:
         self.batch_size, self.ranks, self.prefetch = batch_size, ranks, prefetch
         self.epochs, self.drop_last, self.start, self.shuffle = epochs, drop_last, start, shuffle
         self.process_rank, self.process_count = process_rank, process_count
-        self.shape, self.dtype = decoder.shape, transform.out_dtype
+        self.shape, self.dtype = transform.out_shape, transform.out_dtype
+        self.record_shape = decoder.shape
         self._finalizer = weakref.finalize(self, state.shutdown)
         state.thread.start()
 

@@ -63,6 +63,23 @@ class DriverConfig:
     blas_threads: int | None = None
 
 
+@dataclass(frozen=True)
+class TransformConfig:
+    """Caffe's ``transform_param`` for the readers beyond the scale: ``mean`` (None, one
+    value for all channels, one per channel or an array of the record shape), ``crop`` (None or N: N x N
+    windows of (C, H, W) records) and ``mirror``, drawn from ``seed`` (see
+    :class:`nccltree.data.DataReader`). Training readers draw random windows and flips;
+    evaluation readers take the center window and never flip."""
+
+    mean: np.ndarray | tuple[float, ...] | float | None = None
+    crop: int | None = None
+    mirror: bool = False
+    seed: int = 0
+
+
+NO_TRANSFORM = TransformConfig()
+
+
 @dataclass
 class Training:
     """What :func:`build_training` made; valid inside its ``with`` block."""
@@ -98,6 +115,7 @@ def build_training(
     shuffle: int | None = None,
     scale: float | None = None,
     decode: tuple[bool, bool] = (False, False),
+    transform: TransformConfig = NO_TRANSFORM,
     resume: Snapshot | None = None,
     weights: Mapping[str, np.ndarray] | None = None,
 ) -> Iterator[Training]:
@@ -105,7 +123,8 @@ def build_training(
     ``classes``, the driver (restored from ``resume`` if given) and, when ``data`` names a
     database, the reader that serves its ranks from where the driver continues (with
     ``shuffle`` seed, input ``scale`` and the image ``decode`` keywords of the reader,
-    ``(force_color, force_gray)``); ``weights`` (parameters by name, a fine-tuning's
+    ``(force_color, force_gray)``, and the training ``transform``: mean, random crops
+    and flips); ``weights`` (parameters by name, a fine-tuning's
     start) replace the initial parameters on every rank, a ValueError naming the
     parameter when one does not fit the model; everything is closed, and the host runtime
     stopped, when the block ends.
@@ -160,6 +179,11 @@ def build_training(
                     start=start,
                     shuffle=shuffle,
                     scale=scale,
+                    mean=transform.mean,
+                    crop=transform.crop,
+                    mirror=transform.mirror,
+                    train=True,
+                    seed=transform.seed,
                     device=devs if devs[0].backend != "host" else None,
                     force_color=decode[0],
                     force_gray=decode[1],

@@ -48,7 +48,14 @@ from ._common import (
     report_error,
     run_main,
 )
-from ._training import DriverConfig, SolverConfig, Training, build_training, make_model
+from ._training import (
+    DriverConfig,
+    SolverConfig,
+    Training,
+    TransformConfig,
+    build_training,
+    make_model,
+)
 
 if TYPE_CHECKING:
     from ..parallel import StepInfo
@@ -101,6 +108,9 @@ class TrainConfig:
     classes: int | None = None
     scale: float | None = None
     decode: str | None = None  # encoded Datum images: None (as stored), "color" or "gray"
+    mean: tuple[float, ...] | str | None = None  # a value per channel, or a mean file
+    crop: int | None = None
+    mirror: bool = False
     model: str = "mlp"
     hidden: tuple[int, ...] = (256,)
     batch_size: int = 32
@@ -189,6 +199,9 @@ class TrainConfig:
             classes=classes,
             scale=scale,
             decode=_decode(get("decode")),
+            mean=_mean(get("mean")),
+            crop=opt_int("crop", 1),
+            mirror=bool(get("mirror")),
             model=str(get("model")),
             hidden=hidden,
             scaling=str(get("scaling")),
@@ -203,6 +216,17 @@ class TrainConfig:
             weights=None if weights is None else os.path.abspath(str(weights)),
             **counts,
         )
+
+    def transform(self) -> TransformConfig:
+        """The readers' mean, crop and mirror (random draws seeded by ``--seed``)."""
+        mean: np.ndarray | tuple[float, ...] | float | None
+        if isinstance(self.mean, str):
+            mean = load_mean(self.mean)
+        elif self.mean is not None and len(self.mean) == 1:
+            mean = self.mean[0]  # one value for every channel, as Caffe's mean_value
+        else:
+            mean = self.mean
+        return TransformConfig(mean=mean, crop=self.crop, mirror=self.mirror, seed=self.seed)
 
     def driver(self) -> DriverConfig:
         """What :func:`build_training` needs of it."""
@@ -228,6 +252,46 @@ def _database(path: object, flag: str) -> str | None:
     if not os.path.exists(str(path)):
         raise ValueError(f"{flag}: no database at {path}")
     return os.path.abspath(str(path))
+
+
+def _mean(value: object) -> tuple[float, ...] | str | None:
+    """``--mean``: comma-separated values (one per channel) or a mean file's path (made
+    absolute); a list of values from a snapshot's config."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return tuple(check_real(v, "--mean") for v in value)
+    text = str(value)
+    try:
+        return tuple(check_real(float(v), "--mean") for v in text.split(","))
+    except ValueError:
+        pass
+    if not os.path.isfile(text):
+        raise ValueError(
+            f"--mean: {text!r} is neither comma-separated numbers (one per channel) nor a "
+            "mean file (.npy, or .npz holding one array)"
+        )
+    load_mean(os.path.abspath(text))  # a usage error now rather than at the first batch
+    return os.path.abspath(text)
+
+
+def load_mean(path: str) -> np.ndarray:
+    """The array of a mean file: a .npy, or a .npz holding one array (or one named
+    ``mean``); a ValueError naming ``--mean`` otherwise."""
+    try:
+        with open(path, "rb") as f:
+            z = np.load(f, allow_pickle=False)
+            if isinstance(z, np.lib.npyio.NpzFile):
+                names = z.files
+                name = "mean" if "mean" in names else names[0] if len(names) == 1 else None
+                if name is None:
+                    raise ValueError(f"it holds {len(names)} arrays and none named 'mean'")
+                z = z[name]
+    except (OSError, ValueError, EOFError) as exc:
+        raise ValueError(f"--mean: cannot read a mean array from {path}: {exc}") from None
+    if z.dtype.kind not in "fiu":
+        raise ValueError(f"--mean: {path} holds {z.dtype} values, not numbers")
+    return np.asarray(z)
 
 
 def _flag(key: str) -> str:
@@ -349,6 +413,28 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_const",
         const="gray",
         help="decode encoded Datum images as 1 channel, as Caffe's force_gray",
+    )
+    g.add_argument(
+        "--mean",
+        metavar="V[,V...]|FILE",
+        help="subtract a mean from inputs as they are read, before the crop, as Caffe's "
+        "transform_param mean_value (one value per channel, e.g. 104,117,123, or one for "
+        "all) or mean_file "
+        "(an .npy, or .npz of one array, of the record shape) (default: none)",
+    )
+    g.add_argument(
+        "--crop",
+        type=int,
+        metavar="N",
+        help="train on random N x N windows of (C, H, W) records and evaluate on the "
+        "center one, as Caffe's crop_size; the model's input is (C, N, N) (default: none)",
+    )
+    g.add_argument(
+        "--mirror",
+        action="store_true",
+        default=None,
+        help="flip training records horizontally at random (seeded by --seed, per "
+        "record position), as Caffe's mirror; evaluation never flips",
     )
     g.add_argument(
         "--shuffle",
@@ -667,16 +753,12 @@ def _check_labels(labels: np.ndarray, classes: int, flag: str, path: str | None)
 
 
 def _held_out(
-    path: str,
-    scale: float | None,
-    shape: tuple[int, ...],
-    classes: int,
-    decode: str | None = None,
+    path: str, cfg: TrainConfig, shape: tuple[int, ...], classes: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """The held-out arrays of ``path``, checked against the training records before any
     training: the same example size (then taken in the training shape) and labels within
     the classes."""
-    x, y = _read_all(path, scale, decode, "--val-data")
+    x, y = _read_all(path, cfg, "--val-data")
     if math.prod(x.shape[1:]) != math.prod(shape):
         raise ValueError(
             f"--val-data: {path} holds records of shape {tuple(x.shape[1:])}, but the "
@@ -686,20 +768,25 @@ def _held_out(
     return x.reshape(len(x), *shape), y
 
 
-def _read_all(
-    path: str, scale: float | None, decode: str | None, flag: str
-) -> tuple[np.ndarray, np.ndarray]:
+def _read_all(path: str, cfg: TrainConfig, flag: str) -> tuple[np.ndarray, np.ndarray]:
+    """Every record of ``path`` as the configuration reads held-out data: scaled, the
+    mean subtracted, the center window of a crop, never flipped."""
     from ..data import DataError, DataReader
 
     xs, ys = [], []
-    color, gray = decode_flags(decode)
+    color, gray = decode_flags(cfg.decode)
+    tf = cfg.transform()
     with DataReader(
         path,
         1024,
         1,
         prefetch=2,
         epochs=1,
-        scale=scale,
+        scale=cfg.scale,
+        mean=tf.mean,
+        crop=tf.crop,
+        mirror=tf.mirror,
+        train=False,
         log_on_wait=None,
         force_color=color,
         force_gray=gray,
@@ -713,14 +800,29 @@ def _read_all(
     return np.concatenate(xs), np.concatenate(ys)
 
 
+def input_shape(cfg: TrainConfig, shape: tuple[int, ...], dtype: np.dtype) -> tuple[int, ...]:
+    """The model's input shape for records of ``shape``: the cropped one with --crop; a
+    ValueError naming the flag when --crop, --mirror or --mean do not fit the records."""
+    from ..data.decode import Transform
+
+    tf = cfg.transform()
+    try:
+        t = Transform(shape, dtype, None, cfg.scale, tf.mean, crop=tf.crop, mirror=tf.mirror)
+    except ValueError as exc:
+        flag = "--crop" if cfg.crop else "--mirror" if "mirror" in str(exc) else "--mean"
+        raise ValueError(f"{flag}: {exc}") from None
+    return t.out_shape
+
+
 def load_dataset(cfg: TrainConfig, stack: contextlib.ExitStack) -> Dataset:
     """The training database and held-out arrays the configuration names."""
     from ..data import DataError, open_db
 
     if cfg.data is None:
+        input_shape(cfg, (SYNTHETIC_FEATURES,), np.dtype(np.float32))  # flat: no crop, no mirror
         ds = _synthetic(cfg, stack)
         if cfg.val_data is not None:
-            ds.val = _held_out(cfg.val_data, cfg.scale, ds.shape, ds.classes, cfg.decode)
+            ds.val = _held_out(cfg.val_data, cfg, ds.shape, ds.classes)
         return ds
     color, gray = decode_flags(cfg.decode)
     with open_db(cfg.data, force_color=color, force_gray=gray) as db:  # one pass over labels
@@ -728,12 +830,16 @@ def load_dataset(cfg: TrainConfig, stack: contextlib.ExitStack) -> Dataset:
             labels = db.labels()
         except DataError as exc:  # a record that cannot be read: the data, not the flags
             raise RuntimeFailure(f"--data: {exc}") from exc
-        records, fmt, shape, dtype = len(db), db.format, db.shape, db.dtype.name
+        records, fmt, shape, dtype = len(db), db.format, db.shape, db.dtype
     classes = cfg.classes or int(labels.max()) + 1
     _check_labels(labels, classes, "--data", cfg.data)
-    val = _held_out(cfg.val_data, cfg.scale, shape, classes, cfg.decode) if cfg.val_data else None
-    desc = f"{cfg.data}: {records} {fmt} records of shape {shape} {dtype}, {classes} classes" + (
-        f"; held-out {cfg.val_data} ({len(val[1])} records)" if val else ""
+    shape = input_shape(cfg, shape, dtype)
+    val = _held_out(cfg.val_data, cfg, shape, classes) if cfg.val_data else None
+    crop = f" (cropped from {db.shape})" if cfg.crop else ""
+    desc = (
+        f"{cfg.data}: {records} {fmt} records of shape {shape}{crop} {dtype.name}, "
+        + (f"{classes} classes")
+        + (f"; held-out {cfg.val_data} ({len(val[1])} records)" if val else "")
     )
     return Dataset(cfg.data, val, shape, classes, desc)
 
@@ -962,6 +1068,7 @@ def run(
                     shuffle=cfg.seed if cfg.shuffle else None,
                     scale=cfg.scale,
                     decode=decode_flags(cfg.decode),  # (force_color, force_gray)
+                    transform=cfg.transform(),
                     resume=snap,
                     weights=weights,
                 )
@@ -1202,7 +1309,7 @@ def evaluate_saved(args: argparse.Namespace, out: TextIO) -> int:
                 x, y = _synthetic_held_out(max(1, cfg.synthetic // 4), shape)
                 what = "the built-in synthetic task's held-out set"
             else:
-                x, y = _read_all(cfg.data, cfg.scale, cfg.decode, "--data")
+                x, y = _read_all(cfg.data, cfg, "--data")
                 shape, what = tuple(x.shape[1:]), cfg.data
             classes = cfg.classes or _output_size(read_weights(path, "--evaluate"), y)
             _check_labels(y, classes, "--data", cfg.data)

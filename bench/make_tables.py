@@ -23,6 +23,21 @@ def fmt_us(us: float) -> str:
     return f"{us:.1f}" if us < 1000 else f"{us:,.0f}"
 
 
+def _bound_verdict(run: dict, ok: bool) -> str:
+    # a bound on one core's np.copyto rate is one a multi-threaded engine can beat: no
+    # "met" against it (runs that measured only that rate)
+    if "nt_copy" in run:
+        return _verdict(ok)
+    return "within, vs np.copyto" if ok else "**over**"
+
+
+def _copy_rate(n: str, run: dict) -> str:
+    if "nt_copy" in run:
+        c = run["nt_copy"]
+        return f"cpu:{n}: `nt_copy` with {c['threads']} thread(s) {c['bandwidth']:.2f} GB/s"
+    return f"cpu:{n}: `np.copyto` {run['copy']['bandwidth']:.2f} GB/s"
+
+
 def _verdict(ok: bool) -> str:
     return "met" if ok else "**missed**"
 
@@ -95,17 +110,15 @@ def targets_tables(d: dict) -> list[str]:
                     f"{b['bound_us'] / 1e3:.2f}",
                     f"{b['time_us'] / 1e3:.2f}",
                     f"{b['ratio']:.2f}",
-                    # the bound here divides by one core's np.copyto rate, not by the
-                    # library's own multi-threaded copy rate: no "met" against it
-                    "within, vs np.copyto" if b["ratio"] <= t["bound_ratio_max"] else "**over**",
+                    f"{b['min_bytes_ratio']:.2f}" if "min_bytes_ratio" in b else "-",
+                    _bound_verdict(run, b["ratio"] <= t["bound_ratio_max"]),
                 ]
             )
-    copies = ", ".join(
-        f"cpu:{n}: {run['copy']['bandwidth']:.2f} GB/s" for n, run in d["runs"].items()
-    )
+    copies = ", ".join(_copy_rate(n, run) for n, run in d["runs"].items())
     out = [
         f"**{biggest}: time against the byte-count bound** (bytes the plan reads and "
-        f"writes ÷ `np.copyto` bandwidth measured in the same run, {copies}; target "
+        f"writes ÷ the copy bandwidth measured in the same run, {copies}; the minimum-bytes "
+        f"ratio divides by the fewest bytes any algorithm moves; target "
         f"≤ {t['bound_ratio_max']}×)",
         "",
     ]
@@ -118,10 +131,11 @@ def targets_tables(d: dict) -> list[str]:
             "bound (ms)",
             "measured (ms)",
             "ratio",
+            "vs min bytes",
             "target",
         ],
         rows,
-        "lllrrrrl",
+        "lllrrrrrl",
     )
     rows = []
     for n, run in d["runs"].items():

@@ -190,6 +190,23 @@ class Stream(abc.ABC):
     def query(self) -> bool:
         """True if all enqueued work ran (raises the error of a failed op)."""
 
+    # -- the engine's entry: arguments checked once for a whole collective ---------------
+
+    def copy_checked(self, c: CopyArgs) -> None:
+        """``copy`` of arguments already checked: by :func:`check_copy`, or by the engine,
+        which checks every rank's buffers once per collective and then issues many steps
+        on views of them (checking each step again cost more than the step on small
+        messages). Nothing is checked here."""
+        self._copy(c)
+
+    def reduce_checked(self, r: ReduceArgs) -> None:
+        """``reduce`` of arguments already checked (see :meth:`copy_checked`)."""
+        self._reduce(r)
+
+    def scale_checked(self, x: Array, alpha: float) -> None:
+        """``scale`` of arguments already checked (see :meth:`copy_checked`)."""
+        self._scale(x, alpha)
+
     # -- what a backend implements: the operations with their arguments checked ----------
 
     @abc.abstractmethod

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ..backends.base import CopyArgs, ReduceArgs
 from ._args import Array
 from .plan import IN, OUT, STAGE, TMP, Buf, Plan, Step
 
@@ -57,29 +58,33 @@ def _device_of(b: Buf, devices: Sequence[Device]) -> Device | None:
 
 
 def _issue(s: Step, st: Stream, bufs: Buffers, devices: Sequence[Device]) -> None:
-    """Issue one data step (copy, reduce, scale) on ``st``."""
+    """Issue one data step (copy, reduce, scale) on ``st``.
+
+    The arguments are not checked again: every rank's buffers were checked for the whole
+    collective by ``prepare`` (the scratch and staging buffers are the engine's own), and
+    the plan's ranges lie inside them, so the steps are issued as checked arguments."""
     view = bufs.view
     dst = s.dst
     assert dst is not None, s  # every data step writes a range
     if s.kind == "copy":
-        if not bufs.same(dst, s.srcs[0]):
-            st.copy(
-                view(dst),
-                view(s.srcs[0]),
-                src_device=_device_of(s.srcs[0], devices),
-                dst_device=_device_of(dst, devices),
-            )
+        src = s.srcs[0]
+        if not bufs.same(dst, src):
+            dst_dev = _device_of(dst, devices) or st.device
+            st.copy_checked(CopyArgs(view(dst), view(src), _device_of(src, devices), dst_dev))
     elif s.kind == "reduce":
-        st.reduce(
-            view(dst),
-            [view(b) for b in s.srcs],
-            s.op,
-            src_devices=[_device_of(b, devices) for b in s.srcs],
-            dst_device=devices[dst.rank],
-            alpha=s.alpha,
+        dst_dev = devices[dst.rank]
+        st.reduce_checked(
+            ReduceArgs(
+                view(dst),
+                [view(b) for b in s.srcs],
+                s.op,
+                [_device_of(b, devices) or dst_dev for b in s.srcs],
+                dst_dev,
+                float(s.alpha),
+            )
         )
     elif s.kind == "scale":
-        st.scale(view(dst), s.alpha)
+        st.scale_checked(view(dst), float(s.alpha))
     else:  # pragma: no cover - plans are built by this package
         raise AssertionError(f"unknown step kind {s.kind!r}")
 

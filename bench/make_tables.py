@@ -17,6 +17,7 @@ import sys
 
 from nccltree.cli._common import human_bytes
 from nccltree.cli._common import markdown_table as md_table
+from nccltree.cli.bench import train_cells
 
 
 def fmt_us(us: float) -> str:
@@ -278,20 +279,7 @@ def collectives_tables(d: dict, full: bool = False) -> list[str]:
 
 
 def train_tables(d: dict) -> list[str]:
-    rows = [
-        [
-            p["devices"],
-            p["ranks"],
-            p["scaling"],
-            p["per_rank_batch"],
-            p["effective_batch"],
-            f"{p['examples_per_s']:,.0f}",
-            f"{p['speedup']:.2f}×",
-            f"{100 * p['efficiency']:.0f}%",
-            f"{100 * p['comm_fraction']:.0f}%",
-        ]
-        for p in d["points"]
-    ]
+    rows = [train_cells(p, times="×") for p in d["points"]]
     p0 = d["points"][0]
     c = d.get("config", {})
     blas = c.get("blas_threads") or "cores // ranks"

@@ -679,6 +679,21 @@ def add_speedups(points: list[dict]) -> None:
         p["efficiency"] = p["speedup"] / (p["ranks"] / b["ranks"])
 
 
+def train_cells(p: dict, times: str = "x") -> list[object]:
+    """A training point's row (the console table and the Markdown tables share it)."""
+    return [
+        p["devices"],
+        p["ranks"],
+        p["scaling"],
+        p["per_rank_batch"],
+        p["effective_batch"],
+        f"{p['examples_per_s']:,.0f}",
+        f"{p['speedup']:.2f}{times}",
+        f"{100 * p['efficiency']:.0f}%",
+        f"{100 * p['comm_fraction']:.0f}%",
+    ]
+
+
 def train_table(points: Sequence[dict]) -> list[str]:
     fmt = "{:<16} {:>5} {:>7} {:>9} {:>9} {:>12} {:>8} {:>10} {:>6}"
     lines = [
@@ -695,20 +710,7 @@ def train_table(points: Sequence[dict]) -> list[str]:
         ),
         fmt.format("", "", "", "batch", "batch", "", "", "", ""),
     ]
-    for p in points:
-        lines.append(
-            fmt.format(
-                p["devices"],
-                p["ranks"],
-                p["scaling"],
-                p["per_rank_batch"],
-                p["effective_batch"],
-                f"{p['examples_per_s']:,.0f}",
-                f"{p['speedup']:.2f}x",
-                f"{100 * p['efficiency']:.0f}%",
-                f"{100 * p['comm_fraction']:.0f}%",
-            )
-        )
+    lines += [fmt.format(*train_cells(p)) for p in points]
     return lines
 
 

@@ -649,6 +649,12 @@ def check_host_out(out: object, nbytes: int) -> None:
         raise ValueError(f"out must be a writable C-contiguous numpy array of {nbytes} bytes")
 
 
+def data_ptr(a: Array) -> int:
+    """The address of a numpy or CuPy array's first element (with unified addressing,
+    host and device memory share one address space)."""
+    return int(a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr)
+
+
 def as_shape(shape: object) -> tuple[int, ...]:
     """An array shape: an integer or a sequence of integers, none negative."""
     return check_shape(shape)

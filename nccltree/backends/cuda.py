@@ -35,6 +35,7 @@ from .base import (
     Stream,
     as_shape,
     check_host_out,
+    data_ptr,
     run_fold,
 )
 
@@ -244,7 +245,7 @@ class CudaStream(Stream):
 
     def _copy(self, c: CopyArgs) -> None:
         dst, src, nbytes = c.dst, c.src, c.dst.nbytes
-        dptr, sptr = _ptr(dst), _ptr(src)
+        dptr, sptr = data_ptr(dst), data_ptr(src)
         dpid = c.dst_device.physical_id
         # -1: host memory or the stream's own GPU
         spid = -1 if c.src_device is None else c.src_device.physical_id
@@ -329,12 +330,6 @@ class CudaStream(Stream):
 def _overlap(a: Array, b: Array) -> bool:
     """Whether two CuPy arrays share bytes (unified addressing: one address space)."""
     return ranges_overlap(a.data.ptr, a.nbytes, b.data.ptr, b.nbytes)
-
-
-def _ptr(a: Array) -> int:
-    """The address of a checked copy operand: a numpy array in host memory or a CuPy
-    array (unified addressing: one address space)."""
-    return int(a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr)
 
 
 class CudaDevice(Device):

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._validate import check_index
+from ..backends.base import data_ptr
 from . import _ops
 from .collectives import COLLECTIVES, Collective
 
@@ -154,15 +155,10 @@ def _device_array(dev: Device, obj: object, what: str) -> Array:
     return arr
 
 
-def _ptr(a: Array) -> int:
-    iface = getattr(a, "__array_interface__", None)
-    return int(iface["data"][0] if iface is not None else a.data.ptr)
-
-
 def _in_place(coll: Collective, x: Array, out: Array, rank: int, count: int, n: int) -> bool:
     """Whether ``out`` is the in-place buffer for ``x`` (NCCL's layouts, from the table);
     ValueError when the two overlap in any other way."""
-    px, po = _ptr(x), _ptr(out)
+    px, po = data_ptr(x), data_ptr(out)
     item = x.dtype.itemsize
     off_in, off_out = coll.in_place(rank, count, n)
     if px - off_in * item == po - off_out * item:

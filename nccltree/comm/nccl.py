@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from .._errors import BackendUnavailable, CommError
 from ..backends.base import Device, Event, Stream
-from ._args import Array, Launched, Prepared
+from ._args import Launched, Prepared, data_ptr
 from .collectives import COLLECTIVES
 
 if TYPE_CHECKING:
@@ -71,10 +71,6 @@ def stream_handle(stream: Stream) -> int:
     if not isinstance(stream, CudaStream):
         raise TypeError(f"NCCL runs on CUDA streams, got {stream!r}")
     return int(stream.cupy_stream.ptr)
-
-
-def _data_ptr(a: Array) -> int:
-    return int(a.data.ptr)
 
 
 class NcclEngine:
@@ -128,8 +124,8 @@ class NcclEngine:
         calls: list[tuple[Callable[..., None], tuple[object, ...]]] = []
         for r, comm in enumerate(self.comms):
             values = {
-                "send": _data_ptr(prep.ins[r]),
-                "recv": _data_ptr(prep.outs[r]),
+                "send": data_ptr(prep.ins[r]),
+                "recv": data_ptr(prep.outs[r]),
                 "count": prep.count,
                 "dtype": dtype,
                 "op": op,

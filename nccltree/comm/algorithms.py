@@ -80,6 +80,7 @@ def build_plan(
         in_place=bool(in_place),
         chunk=aligned_chunk(check_int(chunk, "chunk", min=1), align),
         align=align,
+        itemsize=itemsize,
         tree_for=tree_for,
     )
     return build(req)

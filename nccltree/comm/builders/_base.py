@@ -23,7 +23,8 @@ class PlanRequest:
 
     ``count`` follows the module's conventions (see :mod:`nccltree.comm.algorithms`);
     ``chunk`` is in elements and already a multiple of ``align``, the element count every
-    offset the plan chooses itself is a multiple of. ``tree_for(root)`` gives the tree
+    offset the plan chooses itself is a multiple of; ``itemsize`` the bytes per element
+    (None: not known, as when a plan is inspected without a dtype). ``tree_for(root)`` gives the tree
     rooted at ``root`` (only the tree algorithm needs one)."""
 
     size: int
@@ -33,6 +34,7 @@ class PlanRequest:
     in_place: bool = False
     chunk: int = 1 << 18
     align: int = 1
+    itemsize: int | None = None
     tree_for: Callable[[int], Tree] | None = None
 
     def tree(self, root: int = 0) -> Tree:

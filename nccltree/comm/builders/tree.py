@@ -6,6 +6,16 @@ are cut into chunks so that levels and the two directions work concurrently (wit
 chunks, each child with peer access copies from its parent on its own stream, so the
 parent's stream goes on to its next chunk); links without peer access go through pinned
 staging.
+
+Ranks that share one memory (``SAME_DEVICE`` links: virtual host devices, or ranks on one
+GPU) help their parent with its fused pass: the parent's sum of a large chunk is cut into
+contiguous pieces, one per member of the team (the parent and such children), each
+member summing its piece from the same sources in the same order into the parent's
+buffer. Every element is still summed by one pass over the same sources in the same
+order, so results are bitwise those of the parent summing alone; only who does the
+arithmetic changes. The pieces are sized so that every rank moves about as many bytes in
+all (water-filling each team's work over its members' loads), which a parent summing
+alone does not: at 2 ranks it reads and writes 3 bytes per byte of message, its child 2.
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ...topology import LinkKind
 from ..plan import IN, OUT, Buf, Plan, PlanBuilder, chunked
 from ._base import PlanRequest, builds, finish_mean, reduce_many
 
@@ -46,6 +57,82 @@ def _ranges(blocks: tuple[int, ...] | list[int], count: int) -> list[tuple[int, 
             out[-1] = (out[-1][0], out[-1][1] + count)
         else:
             out.append((off, count))
+    return out
+
+
+# A team shares a chunk's sum only when the chunk has at least this many bytes (below it
+# the extra cross-stream hand-offs cost more than the arithmetic they spread), and gives a
+# member a piece only if it gets at least MIN_PIECE_BYTES.
+SHARE_MIN_BYTES = 1 << 20
+MIN_PIECE_BYTES = 64 << 10
+
+
+def _shares(tree: Tree, base: Callable[[int], float]) -> dict[int, list[tuple[int, float]]]:
+    """For each parent whose children share its memory: its team as (member, fraction of
+    the parent's sum), the parent first.
+
+    ``base(r)`` is what rank r moves per element besides the sums (e.g. the copy down the
+    tree). A parent's sum costs each element's sources read and its result written; each
+    team's work is poured over its members' loads so far (lowest loads first), parents in
+    children-before-parents order, so the total per rank comes out about even."""
+    post, _ = _tree_orders(tree)
+    topo = tree.topology
+    load = {r: base(r) for r in range(tree.n)}
+    teams: dict[int, list[tuple[int, float]]] = {}
+    for r in post:
+        kids = tree.children(r)
+        if not kids:
+            continue
+        work = float(len(kids) + 2)  # own + children read, the result written
+        helpers = [k for k in kids if topo.link(r, k).kind == LinkKind.SAME_DEVICE]
+        # a helper reads every source: it must share memory with the parent's other
+        # children too
+        helpers = [
+            k
+            for k in helpers
+            if all(topo.link(k, j).kind in (LinkKind.SELF, LinkKind.SAME_DEVICE) for j in kids)
+        ]
+        if not helpers:
+            load[r] += work
+            continue
+        members = [r, *helpers]
+        # water-filling: the level h with sum(max(0, h - load)) == work
+        levels = sorted(load[m] for m in members)
+        left, h = work, levels[0]
+        for i in range(len(levels)):
+            nxt = levels[i + 1] if i + 1 < len(levels) else float("inf")
+            need = (nxt - levels[i]) * (i + 1)
+            if need >= left:
+                h = levels[i] + left / (i + 1)
+                break
+            left -= need
+        parts = [(m, max(0.0, h - load[m]) / work) for m in members]
+        for m, f in parts:
+            load[m] += f * work
+        teams[r] = parts
+    return teams
+
+
+def _pieces(
+    team: list[tuple[int, float]], c: int, align: int, itemsize: int
+) -> list[tuple[int, int, int]]:
+    """(member, offset, count) pieces of a chunk of ``c`` elements by the team's fractions,
+    in team order: offsets multiples of ``align``; a member whose piece would be smaller
+    than ``MIN_PIECE_BYTES`` gets none (the parent, first, takes what the others leave)."""
+    units = c // align
+    min_units = max(1, MIN_PIECE_BYTES // (itemsize * align))
+    sizes = [int(f * units) for _, f in team]
+    sizes = [0] + [u if u >= min_units else 0 for u in sizes[1:]]
+    sizes[0] = units - sum(sizes)
+    counts = [u * align for u in sizes]
+    # the elements past the last whole unit go to the last piece, so offsets stay aligned
+    last = max(i for i, x in enumerate(counts) if x) if any(counts) else 0
+    counts[last] += c - units * align
+    out, off = [], 0
+    for (m, _), cnt in zip(team, counts, strict=True):
+        if cnt:
+            out.append((m, off, cnt))
+        off += cnt
     return out
 
 
@@ -100,12 +187,22 @@ class _TreePlan:
     key)) and the landing areas in parents' scratch for children behind links without
     peer access (by (parent, child)). The phases below add to it chunk by chunk."""
 
-    def __init__(self, b: PlanBuilder, tree: Tree, req: PlanRequest) -> None:
+    def __init__(
+        self,
+        b: PlanBuilder,
+        tree: Tree,
+        req: PlanRequest,
+        base: Callable[[int], float] | None = None,
+    ) -> None:
+        """``base``: what each rank moves per element besides the sums up the tree (for
+        sizing shared sums, see :func:`_shares`); None: no team shares a sum."""
         self.b, self.tree, self.req = b, tree, req
         self.post, self.pre = _tree_orders(tree)
         self.stager = _Stager(b, tree, req.chunk)
         self.ready: dict[tuple[int, int], int] = {}
         self.landing: dict[tuple[int, int], Buf] = {}
+        self.itemsize = req.itemsize or 1
+        self.teams = _shares(tree, base) if base is not None else {}
 
     def reduce_up(
         self,
@@ -115,23 +212,30 @@ class _TreePlan:
         off: int,
         c: int,
         total: Buf,
-    ) -> None:
+        signal_root: bool = False,
+    ) -> int | None:
         """One chunk of the reduction up the tree: part(r) <- own(r) + sum(part(children)),
         finished in the root's ``total`` (a mean scaled there). On a tree of one rank the
-        root's input is copied to ``total`` unless it is that buffer.
+        root's input is copied to ``total`` unless it is that buffer. ``signal_root``: the
+        root records an event once the chunk is finished, returned (else None), so the
+        chunk can go down the tree before the root's later work.
 
         A child behind a link without peer access sends its chunk through the stager into
-        a landing area in the parent's scratch memory, which the fused pass then reads."""
+        a landing area in the parent's scratch memory, which the fused pass then reads. A
+        parent with a team (children sharing its memory) shares a large chunk's sum with
+        them: each member sums its piece into the parent's buffer, and the parent waits
+        for all of them before the chunk counts as summed."""
         b, tree, stager = self.b, self.tree, self.stager
         for r in self.post:
             kids = tree.children(r)
             if not kids:
                 continue
             srcs = [own(r).sub(off, c)]
+            waits: list[tuple[int, int]] = []  # (child, its "partial sum ready" event)
             for k in kids:
                 if stager.direct(r, k):
                     if (k, key) in self.ready:
-                        b.wait(r, self.ready[(k, key)])
+                        waits.append((k, self.ready[(k, key)]))
                     srcs.append(part(k).sub(off, c))
                 else:
                     if (r, k) not in self.landing:
@@ -139,7 +243,23 @@ class _TreePlan:
                     land = self.landing[(r, k)].sub(0, c)
                     stager.send(k, r, land, part(k).sub(off, c))
                     srcs.append(land)
-            reduce_many(b, r, part(r).sub(off, c), srcs, self.req.kernel_op)
+            team = self.teams.get(r)
+            if team is None or c * self.itemsize < SHARE_MIN_BYTES:
+                for _, e in waits:
+                    b.wait(r, e)
+                reduce_many(b, r, part(r).sub(off, c), srcs, self.req.kernel_op)
+            else:
+                helped: list[int] = []
+                for m, o, cnt in _pieces(team, c, self.req.align, self.itemsize):
+                    for k, e in waits:
+                        if k != m:  # a member's own partial sum is ordered on its stream
+                            b.wait(m, e)
+                    piece = [s.sub(o, cnt) for s in srcs]
+                    reduce_many(b, m, part(r).sub(off + o, cnt), piece, self.req.kernel_op)
+                    if m != r:
+                        helped.append(b.signal(m))
+                for e in helped:
+                    b.wait(r, e)
             if r != tree.root:
                 self.ready[(r, key)] = b.signal(r)
         root = tree.root
@@ -147,9 +267,15 @@ class _TreePlan:
         if tree.n == 1 and dst != mine:
             b.copy(root, dst, mine)
         finish_mean(b, root, dst, self.req.op, tree.n)
+        return b.signal(root) if signal_root else None
 
     def send_down(
-        self, src: Callable[[int], Buf], dst: Callable[[int], Buf], ranges: Ranges, pull: bool
+        self,
+        src: Callable[[int], Buf],
+        dst: Callable[[int], Buf],
+        ranges: Ranges,
+        pull: bool,
+        root_has: int | None = None,
     ) -> None:
         """Down the tree, parents before children, the most distant child first: child k
         gets the pieces ``ranges(k)`` of its parent's ``src`` in its ``dst``.
@@ -159,11 +285,14 @@ class _TreePlan:
         copy this one; the builders ask for it when a message has more than one chunk.
         Otherwise the parent writes the data into its children's buffers on its own
         stream, from its cache, and each child waits for that. A child without peer access
-        always gets the data through the parent's staging slots."""
+        always gets the data through the parent's staging slots. ``root_has``: an event
+        the root recorded when it had the data (else it records one now)."""
         b, stager = self.b, self.stager
         for r in self.pre:
             kids = self.tree.children(r)
-            has = b.signal(r) if pull and any(stager.direct(r, k) for k in kids) else None
+            has = None
+            if pull and any(stager.direct(r, k) for k in kids):
+                has = root_has if r == self.tree.root and root_has is not None else b.signal(r)
             for k in kids:
                 if not stager.direct(r, k):
                     for off, c in ranges(k):
@@ -199,7 +328,8 @@ def tree_all_reduce(req: PlanRequest) -> Plan:
     b = PlanBuilder(
         n, f"tree all_reduce {req.op} count={count}", same_buffer=req.in_place, align=req.align
     )
-    tp = _TreePlan(b, tree, req)
+    # besides the sums, every rank but the root copies the result down (a read, a write)
+    tp = _TreePlan(b, tree, req, base=lambda r: 0.0 if r == tree.root else 2.0)
 
     def own(r: int) -> Buf:
         return Buf(r, IN, 0, count)
@@ -213,13 +343,17 @@ def tree_all_reduce(req: PlanRequest) -> Plan:
         return own(r) if not tree.children(r) else res(r)
 
     pieces = list(chunked(count, req.chunk))
+    pull = len(pieces) > 1
+    summed: dict[int, int | None] = {}  # chunk -> the root's "summed" event
 
     def up(i: int) -> None:
         off, c = pieces[i]
-        tp.reduce_up(part, own, i, off, c, res(tree.root))
+        summed[i] = tp.reduce_up(part, own, i, off, c, res(tree.root), signal_root=pull)
 
     def down(i: int) -> None:
-        tp.send_down(res, res, _same_for_all([pieces[i]]), len(pieces) > 1)
+        # children pull a chunk as soon as the root has summed it, not after the root's
+        # sums of the chunks issued in between
+        tp.send_down(res, res, _same_for_all([pieces[i]]), pull, root_has=summed.pop(i))
 
     _interleave(len(pieces), max(1, tree.depth), up, down)
     return b.build()
@@ -237,7 +371,7 @@ def tree_reduce(req: PlanRequest) -> Plan:
         same_buffer=req.in_place,
         align=req.align,
     )
-    tp = _TreePlan(b, tree, req)
+    tp = _TreePlan(b, tree, req, base=lambda r: 0.0)
 
     def own(r: int) -> Buf:
         return Buf(r, IN, 0, count)
@@ -324,7 +458,8 @@ def tree_reduce_scatter(req: PlanRequest) -> Plan:
     n, root, count = tree.n, tree.root, req.count
     total = n * count
     b = PlanBuilder(n, f"tree reduce_scatter {req.op} count={count}", align=req.align)
-    tp = _TreePlan(b, tree, req)
+    # besides the sums, every rank copies its block of the result (a read, a write)
+    tp = _TreePlan(b, tree, req, base=lambda r: 2.0 / n)
 
     def own(r: int) -> Buf:
         return Buf(r, IN, 0, total)

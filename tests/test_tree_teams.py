@@ -212,3 +212,36 @@ def test_ranks_without_shared_memory_do_not_help():
         itemsize=4,
     )
     assert not _helped_steps(plan)
+
+
+@pytest.mark.parametrize("coll", ["all_reduce", "broadcast", "all_gather"])
+def test_ranks_in_one_memory_pull_from_the_root(coll):
+    # several chunks over shared memory: every rank copies the data from the root itself,
+    # once the root has it, instead of waiting for the levels in between
+    n = 5
+    with nt.World(nt.devices(f"cpu:{n}"), algorithm="tree", chunk_bytes=256) as w:
+        plan = w.plan(coll, 200)
+        tree = w.tree(0)
+        assert tree.depth >= 2  # some rank is not a child of the root: the check can fail
+        owners = plan.event_owners()
+        waited: dict[int, set[int]] = {r: set() for r in range(n)}
+        givers: dict[int, set[int]] = {r: set() for r in range(n)}
+        for st in plan.steps:
+            if st.kind == "wait":
+                waited[st.rank].add(owners[st.event])
+            if st.kind == "copy" and st.srcs[0].rank != st.dst.rank:
+                if coll != "all_gather" or st.rank == st.dst.rank:
+                    givers[st.dst.rank].add(st.srcs[0].rank)
+        for k in range(1, n):
+            if coll == "all_gather":
+                assert 0 in givers[k], k
+            else:
+                assert givers[k] == {0}, (k, givers[k])
+            assert 0 in waited[k]
+        xs = [np.full(200, float(r)) for r in range(n)]
+        if coll == "broadcast":
+            w.broadcast(xs, root=0)
+            assert all(np.all(x == 0.0) for x in xs)
+        elif coll == "all_reduce":
+            w.all_reduce(xs)
+            assert all(np.all(x == sum(range(n))) for x in xs)

@@ -203,6 +203,18 @@ class _TreePlan:
         self.landing: dict[tuple[int, int], Buf] = {}
         self.itemsize = req.itemsize or 1
         self.teams = _shares(tree, base) if base is not None else {}
+        # ranks that reach the root over shared memory all the way down: pulling a chunk
+        # from the root costs them what pulling it from their parent costs, without
+        # waiting for the levels in between
+        topo, root = tree.topology, tree.root
+        self.from_root: set[int] = set()
+        for k in self.pre[1:]:
+            parent = tree.parent(k)
+            assert parent is not None
+            if (parent == root or parent in self.from_root) and all(
+                topo.link(a, k).kind == LinkKind.SAME_DEVICE for a in (parent, root)
+            ):
+                self.from_root.add(k)
 
     def reduce_up(
         self,
@@ -282,26 +294,35 @@ class _TreePlan:
 
         ``pull``: a child with peer access copies the data on its own stream once its
         parent has it, so the parent's stream goes on to its next chunk while its children
-        copy this one; the builders ask for it when a message has more than one chunk.
-        Otherwise the parent writes the data into its children's buffers on its own
-        stream, from its cache, and each child waits for that. A child without peer access
-        always gets the data through the parent's staging slots. ``root_has``: an event
-        the root recorded when it had the data (else it records one now)."""
-        b, stager = self.b, self.stager
+        copy this one; the builders ask for it when a message has more than one chunk. A
+        rank that reaches the root over shared memory all the way down pulls from the root
+        itself as soon as the root has the data (the same bytes, no wait for the levels
+        in between). Otherwise the parent writes the data into its children's buffers on
+        its own stream, from its cache, and each child waits for that. A child without
+        peer access always gets the data through the parent's staging slots.
+        ``root_has``: an event the root recorded when it had the data (else it records one
+        now)."""
+        b, stager, root = self.b, self.stager, self.tree.root
+        from_root = self.from_root if pull else set()
+        root_event: int | None = None
         for r in self.pre:
             kids = self.tree.children(r)
             has = None
-            if pull and any(stager.direct(r, k) for k in kids):
-                has = root_has if r == self.tree.root and root_has is not None else b.signal(r)
+            pulls_from_r = [k for k in kids if stager.direct(r, k) and k not in from_root]
+            if pull and (pulls_from_r or (r == root and from_root)):
+                has = root_has if r == root and root_has is not None else b.signal(r)
+            if r == root:
+                root_event = has
             for k in kids:
                 if not stager.direct(r, k):
                     for off, c in ranges(k):
                         stager.send(r, k, dst(k).sub(off, c), src(r).sub(off, c))
                 elif pull:
-                    assert has is not None  # signalled above: k has peer access
-                    b.wait(k, has)
+                    giver, event = (root, root_event) if k in from_root else (r, has)
+                    assert event is not None  # signalled above: k has peer access
+                    b.wait(k, event)
                     for off, c in ranges(k):
-                        b.copy(k, dst(k).sub(off, c), src(r).sub(off, c))
+                        b.copy(k, dst(k).sub(off, c), src(giver).sub(off, c))
                 else:
                     for off, c in ranges(k):
                         b.copy(r, dst(k).sub(off, c), src(r).sub(off, c))

@@ -114,6 +114,7 @@ class World:
             raise ValueError(f"topology has {topology.n} devices, the World {self.size}")
         self.topology = topology
         self._topology_class = auto.topology_class(topology)
+        self._auto_choices: dict[int, str] = {}  # bytes per rank -> what "auto" ran
         self._trees: dict[int, Tree] = {}
         self._plans: dict[tuple[object, ...], Plan] = {}
         self._plan_steps = 0  # steps held by the cached plans
@@ -515,7 +516,15 @@ class World:
     def _choose(self, prep: Prepared) -> str:
         if self.algorithm != "auto":
             return self.algorithm
-        return auto.choose(self.backend, self._topology_class, prep.nbytes, self._usable)
+        # the choice depends only on the size once NCCL's usability is known (asked once,
+        # then kept): remember it, so a repeated call does not walk the table again
+        alg = self._auto_choices.get(prep.nbytes)
+        if alg is None:
+            alg = auto.choose(self.backend, self._topology_class, prep.nbytes, self._usable)
+            if len(self._auto_choices) >= 1024:
+                self._auto_choices.clear()
+            self._auto_choices[prep.nbytes] = alg
+        return alg
 
     def _usable(self, algorithm: str) -> bool:
         return algorithm != "nccl" or self._nccl_usable()

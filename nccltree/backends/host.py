@@ -281,20 +281,18 @@ SMALL_BYTES = 16 << 10
 _UFUNCS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
 
 
-def _op_copy(
-    dev: HostDevice, dst: np.ndarray, src: np.ndarray, rec: tuple[int, int] | None
-) -> None:
+def _op_copy(threads: int, dst: np.ndarray, src: np.ndarray, rec: tuple[int, int] | None) -> None:
     if dst.nbytes <= SMALL_BYTES:
         np.copyto(dst, src)
     else:
-        _native.copy(dst, src, nthreads=dev.threads)
+        _native.copy(dst, src, nthreads=threads)
     if rec is not None:
         _record(rec[0], rec[1], dst.nbytes, "copy")
 
 
 def _copy_op(
-    dev: HostDevice, c: CopyArgs
-) -> tuple[HostDevice, np.ndarray, np.ndarray, tuple[int, int] | None]:
+    threads: int, c: CopyArgs
+) -> tuple[int, np.ndarray, np.ndarray, tuple[int, int] | None]:
     """The arguments of ``_op_copy`` for a checked copy."""
     dst, src = c.dst, c.src
     if dst.dtype != src.dtype or dst.size != src.size:
@@ -302,17 +300,17 @@ def _copy_op(
         dst, src = dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8)
     # no src_device: host memory or this device, not a transfer between devices
     s_idx, d_idx = None if c.src_device is None else c.src_device.index, c.dst_device.index
-    return dev, dst, src, (s_idx, d_idx) if s_idx is not None and s_idx != d_idx else None
+    return threads, dst, src, (s_idx, d_idx) if s_idx is not None and s_idx != d_idx else None
 
 
-def _op_reduce(dev: HostDevice, r: ReduceArgs) -> None:
+def _op_reduce(threads: int, r: ReduceArgs) -> None:
     dst, srcs, op, alpha = r.dst, r.srcs, r.op, r.alpha
     if dst.nbytes <= SMALL_BYTES and dst.dtype != np.float16:
         _small_reduce(dst, srcs, _UFUNCS[op], alpha)
     else:
 
         def launch(out: np.ndarray, inputs: list[np.ndarray], a: float) -> None:
-            _native.reduce_n(out, inputs, op=op, nthreads=dev.threads, alpha=a)
+            _native.reduce_n(out, inputs, op=op, nthreads=threads, alpha=a)
 
         # longer lists than one kernel takes fold in passes, in the order of the sources
         aliases = [i for i, s in enumerate(srcs) if np.may_share_memory(dst, s)]
@@ -353,12 +351,12 @@ def _small_reduce(
         np.copyto(dst, acc)
 
 
-def _op_scale(dev: HostDevice, x: np.ndarray, alpha: float) -> None:
-    _native.scale(x, alpha, nthreads=dev.threads)
+def _op_scale(threads: int, x: np.ndarray, alpha: float) -> None:
+    _native.scale(x, alpha, nthreads=threads)
 
 
-def _op_sgd(dev: HostDevice, a: SgdArgs) -> None:
-    _native.sgd_update(*a, nthreads=dev.threads)
+def _op_sgd(threads: int, a: SgdArgs) -> None:
+    _native.sgd_update(*a, nthreads=threads)
 
 
 class HostEvent(Event):
@@ -403,17 +401,21 @@ class HostStream(Stream):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self._core.name}>"
 
+    def _threads(self) -> int:
+        """The threads each kernel of this stream uses: the device's."""
+        return self.device.threads
+
     def _copy(self, c: CopyArgs) -> None:
-        self._submit(_op_copy, _copy_op(self.device, c))
+        self._submit(_op_copy, _copy_op(self._threads(), c))
 
     def _reduce(self, r: ReduceArgs) -> None:
-        self._submit(_op_reduce, (self.device, r))
+        self._submit(_op_reduce, (self._threads(), r))
 
     def _scale(self, x: np.ndarray, alpha: float) -> None:
-        self._submit(_op_scale, (self.device, x, alpha))
+        self._submit(_op_scale, (self._threads(), x, alpha))
 
     def _sgd_update(self, a: SgdArgs) -> None:
-        self._submit(_op_sgd, (self.device, a))
+        self._submit(_op_sgd, (self._threads(), a))
 
     def _call(self, fn: Callable[..., object], args: tuple[object, ...]) -> None:
         self._submit(fn, args)
@@ -444,11 +446,16 @@ def _run_now(fn: Callable[..., object], args: tuple[object, ...]) -> None:
 class _InlineStream(HostStream):
     """A stream whose operations run at once, in the calling thread, checked and recorded
     as on any stream (``HostDevice.copy_now`` / ``reduce_now``); a wait blocks the
-    caller. Nothing is ever queued, so it is always idle."""
+    caller. Nothing is ever queued, so it is always idle. ``threads``: the threads each
+    kernel uses (None: the device's)."""
 
-    def __init__(self, device: HostDevice) -> None:
+    def __init__(self, device: HostDevice, threads: int | None = None) -> None:
         super().__init__(device, -1)
         self._submit = _run_now
+        self._fixed_threads = threads
+
+    def _threads(self) -> int:
+        return self._fixed_threads or self.device.threads
 
 
 class HostDevice(Device):
@@ -477,6 +484,17 @@ class HostDevice(Device):
         self.inline_stream: Stream = _InlineStream(self)
         self.copy_now = self.inline_stream.copy
         self.reduce_now = self.inline_stream.reduce
+        self._inline_by_threads: dict[int, Stream] = {}
+
+    def inline_stream_with(self, threads: int) -> Stream:
+        """An inline stream (see ``inline_stream``) whose kernels use ``threads`` threads:
+        a caller that performs every rank's steps itself, one after another, gives each
+        kernel the threads of all the ranks' devices."""
+        threads = check_int(threads, "threads", min=1)
+        stream = self._inline_by_threads.get(threads)
+        if stream is None:
+            stream = self._inline_by_threads[threads] = _InlineStream(self, threads)
+        return stream
 
     @property
     def threads(self) -> int:

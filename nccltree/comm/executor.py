@@ -107,9 +107,13 @@ def enqueue(
             _issue(s, st, bufs, devices)
 
 
-def run_inline(plan: Plan, bufs: Buffers, devices: Sequence[HostDevice]) -> None:
+def run_inline(
+    plan: Plan, bufs: Buffers, devices: Sequence[HostDevice], threads: int | None = None
+) -> None:
     """Perform ``plan`` now, in the calling thread (host backend only): its data steps in
-    list order, which is a valid schedule, so the events are not needed."""
-    now = [d.inline_stream for d in devices]  # streams that perform each op at once
+    list order, which is a valid schedule, so the events are not needed. ``threads``: the
+    threads every kernel uses (None: its device's)."""
+    # streams that perform each op at once
+    now = [d.inline_stream if threads is None else d.inline_stream_with(threads) for d in devices]
     for s in plan.data_steps():
         _issue(s, now[s.rank], bufs, devices)

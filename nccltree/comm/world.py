@@ -10,6 +10,7 @@ driver-side path for all of them.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -67,7 +68,9 @@ class World:
     16 MiB on the host backend, where every stream operation is a hand-off between Python
     threads, so fewer, larger pieces win (measured: see
     docs/performance.md#chunk-size-on-the-host-backend). On the host backend synchronous
-    calls of at most ``inline_bytes`` per rank run in the calling thread.
+    calls of at most ``inline_bytes`` per rank run in the calling thread, every step in
+    turn, each kernel on ``inline_threads`` threads (default: the devices' threads
+    together, at most the CPU count).
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class World:
         *,
         chunk_bytes: int | None = None,
         inline_bytes: int = 256 << 10,
+        inline_threads: int | None = None,
     ) -> None:
         if isinstance(devices, str):
             from ..backends import devices as make_devices
@@ -102,6 +106,13 @@ class World:
             chunk_bytes = (16 << 20) if devices[0].backend == "host" else (1 << 20)
         self.chunk_bytes = check_int(chunk_bytes, "chunk_bytes", min=64)
         self.inline_bytes = check_int(inline_bytes, "inline_bytes", min=0)
+        if inline_threads is None:
+            # one caller performs every rank's steps in turn: each kernel may use the
+            # threads of all the devices, up to the cores there are
+            inline_threads = min(
+                sum(getattr(d, "threads", 1) for d in devices), os.cpu_count() or 1
+            )
+        self.inline_threads = check_int(inline_threads, "inline_threads", min=1)
         self.devices: list[Device] = devices
         self.size = len(devices)
         self.backend = devices[0].backend
@@ -432,7 +443,9 @@ class World:
             if self._can_inline(prep, streams, async_op):
                 try:
                     # _can_inline checked these are host devices
-                    run_inline(plan, bufs, cast("list[HostDevice]", self.devices))
+                    run_inline(
+                        plan, bufs, cast("list[HostDevice]", self.devices), self.inline_threads
+                    )
                 except (ValueError, TypeError):
                     raise
                 except BaseException as exc:

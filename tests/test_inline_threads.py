@@ -1,0 +1,62 @@
+"""Inline calls: one caller performs every rank's steps in turn, each kernel on
+``World(inline_threads=)`` threads (default: the devices' threads together, at most the
+CPU count)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import nccltree as nt
+from nccltree import _native
+
+
+@pytest.fixture
+def kernel_threads(monkeypatch):
+    """The nthreads of every native copy and reduce, in call order."""
+    seen: list[int] = []
+    copy, reduce_n = _native.copy, _native.reduce_n
+
+    def spy_copy(dst, src, nthreads=1):
+        seen.append(nthreads)
+        return copy(dst, src, nthreads=nthreads)
+
+    def spy_reduce(dst, srcs, op="sum", nthreads=1, alpha=1.0):
+        seen.append(nthreads)
+        return reduce_n(dst, srcs, op=op, nthreads=nthreads, alpha=alpha)
+
+    monkeypatch.setattr(_native, "copy", spy_copy)
+    monkeypatch.setattr(_native, "reduce_n", spy_reduce)
+    return seen
+
+
+@pytest.mark.parametrize("alg", ["tree", "ring", "direct"])
+@pytest.mark.parametrize("inline_threads", [None, 1, 3])
+def test_inline_kernels_use_the_inline_threads(kernel_threads, alg, inline_threads):
+    n, count = 3, 64 << 10  # 256 KiB per rank: native kernels, not numpy's small path
+    with nt.World(
+        nt.devices(f"cpu:{n}"), algorithm=alg, inline_bytes=1 << 20, inline_threads=inline_threads
+    ) as w:
+        want = inline_threads or min(sum(d.threads for d in w.devices), os.cpu_count() or 1)
+        assert w.inline_threads == want
+        xs = [np.full(count, float(r + 1), np.float32) for r in range(n)]
+        w.all_reduce(xs)
+    assert kernel_threads and set(kernel_threads) == {want}
+    assert all(np.all(x == 6.0) for x in xs)
+
+
+def test_calls_on_streams_keep_the_device_threads(kernel_threads):
+    with nt.World(nt.devices("cpu:2"), inline_bytes=0, inline_threads=2) as w:
+        for d in w.devices:
+            d.threads = 1
+        xs = [np.ones(64 << 10, np.float32) for _ in range(2)]
+        w.all_reduce(xs)
+    assert kernel_threads and set(kernel_threads) == {1}
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True])
+def test_inline_threads_is_checked(bad):
+    with pytest.raises((TypeError, ValueError), match="inline_threads"):
+        nt.World(nt.devices("cpu:2"), inline_threads=bad)

@@ -17,6 +17,10 @@ started from here between the nccltree measurements):
 * ``issue`` — ``bench/issue_cost.py``: the executor's own cost of issuing a cached plan on
   the null backend (8 B, 1 MiB and 256 MiB on 2 and 8 ranks).
 
+``--busy N`` measures the latencies once more while N processes spin on the CPU: MPICH's
+ranks poll, which wins on idle cores and loses when the cores are taken, so both
+pictures are reported.
+
 Prints the Markdown tables of docs/performance.md and writes everything as JSON. The
 machine's load average is recorded before and after each section.
 """
@@ -24,11 +28,14 @@ machine's load average is recorded before and after each section.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -116,6 +123,21 @@ def regret_tables(sec: dict[str, Any]) -> list[str]:
     return out
 
 
+@contextlib.contextmanager
+def busy(n: int) -> Iterator[None]:
+    """``n`` processes spinning on a core each while the block runs (0: none): the
+    latency figures on a machine whose cores are taken, where polling loses its edge."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        time.sleep(0.5 if procs else 0.0)  # let them take their cores
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
 def _module_section(name: str, ranks: list[int], reps: int, log) -> dict[str, Any]:
     mod = _bench_module(name)
     return mod.measure(ranks=ranks, reps=reps, log=log)
@@ -133,6 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5, help="interleaved repetitions (>= 5)")
     p.add_argument("--out", default="engine_speed.json", help="JSON output file")
     p.add_argument("--skip", nargs="*", default=[], choices=SECTIONS, help="sections to skip")
+    p.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="measure the latencies a second time with N spinning processes running",
+    )
     args = p.parse_args(argv)
     if args.reps < 5:
         p.error("--reps must be at least 5")
@@ -166,6 +195,14 @@ def main(argv: list[str] | None = None) -> int:
             module = {"latency": "handoff", "issue": "issue_cost"}[name]
             sec = _module_section(module, ranks, args.reps, log)
             rows = _module_tables(module, sec)
+            if name == "latency" and args.busy:
+                log(f"latency again with {args.busy} spinning processes")
+                with busy(args.busy):
+                    loaded = _module_section(module, ranks, args.reps, log)
+                    loaded["load_average"] = _load()
+                sec["busy"] = {"spinning_processes": args.busy, "result": loaded}
+                rows += ["", f"With {args.busy} spinning processes:", ""]
+                rows += _module_tables(module, loaded)
         sec["load_average"] = {"before": before, "after": _load()}
         result["sections"][name] = sec
         tables += [f"### {name} (load {before} -> {sec['load_average']['after']})", "", *rows, ""]

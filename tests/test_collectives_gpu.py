@@ -31,8 +31,8 @@ import nccltree as nt
 from nccltree.comm._ops import reference
 
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter")
-# one element, an odd count (misaligned slices and tails), and a message of two GPU chunks
-# (the default chunk on GPUs is 1 MiB) plus a ragged tail
+# one element, an odd count (misaligned slices and tails), and a message of several GPU
+# chunks (1 MiB and a ragged tail: 256 KiB chunks under the GPU chunk policy)
 SMALL_COUNTS = (1, 1001)
 CHUNKED_COUNT = (1 << 18) + 3
 

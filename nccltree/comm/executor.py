@@ -1,29 +1,85 @@
 """Executors: put a :class:`Plan` to work on a backend.
 
-``enqueue`` issues every step on its rank's stream, in the plan's global order; the
-ranks' devices then work in parallel and the plan's events order them. ``run_inline``
-performs the steps one after another in the calling thread, with no streams at all; it is
-what a synchronous call on the host backend uses for small messages, where handing work
-to N worker threads costs more than the work (the steps are in a valid topological order,
-so running them in sequence is one legal schedule of the same plan).
+A plan is resolved once into a :class:`Program` when the World caches it: every step's
+kind, rank, devices, op and alpha; the memory ranges it touches, numbered so that each
+distinct range is sliced once per call however many steps use it; the events, created
+once and reused by every call of the plan; and a check, made once, that every range lies
+inside the buffer it names. A call then only slices its buffers into those ranges and
+issues the steps.
+
+``Program.enqueue`` issues every step on its rank's stream, in the plan's global order;
+the ranks' devices then work in parallel and the plan's events order them.
+``Program.run_inline`` performs the steps one after another in the calling thread, with
+no streams at all; it is what a synchronous call on the host backend uses for small
+messages, where handing work to N worker threads costs more than the work (the steps are
+in a valid topological order, so running them in sequence is one legal schedule of the
+same plan).
+
+Reusing a plan's events across calls is safe on every backend: a wait takes the event's
+state when it is enqueued (CUDA's ``cudaStreamWaitEvent``; the host backend's wait keeps
+the stream and sequence number it saw), so recording the event again for the next call
+does not change what an earlier wait waits for. The end events of an asynchronous call
+are the exception: a ``Work`` holds them after the call returns, so such a call gets
+fresh ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..backends.base import CopyArgs, ReduceArgs
 from ._args import Array
-from .plan import IN, OUT, STAGE, TMP, Buf, Plan, Step
+from .plan import IN, OUT, STAGE, TMP, Buf, Plan
 
 if TYPE_CHECKING:
     from ..backends.base import Device, Event, Stream
     from ..backends.host import HostDevice
 
 
+class _Sync(NamedTuple):
+    """A record (``wait`` False) or a wait of event ``event`` on ``rank``'s stream."""
+
+    rank: int
+    wait: bool
+    event: int
+
+
+class _Copy(NamedTuple):
+    """Range ``dst`` <- range ``src`` (range ids); ``same``: (rank, role, rank, role) of
+    the two buffers when the ranges have one offset and length (an in-place rank's "in"
+    and "out"): the copy is skipped when the two are one array."""
+
+    rank: int
+    dst: int
+    src: int
+    src_dev: Device | None
+    dst_dev: Device
+    same: tuple[int, str, int, str] | None
+
+
+class _Reduce(NamedTuple):
+    rank: int
+    dst: int
+    srcs: tuple[int, ...]
+    op: str
+    src_devs: list[Device]
+    dst_dev: Device
+    alpha: float
+
+
+class _Scale(NamedTuple):
+    rank: int
+    dst: int
+    alpha: float
+
+
+_Data = _Copy | _Reduce | _Scale
+Range = tuple[int, str, int, int]  # (rank, role, offset, count)
+
+
 class Buffers:
-    """The memory behind a plan's symbolic buffers for one call: flat views per rank."""
+    """The memory behind a plan's symbolic buffers for one call: flat arrays per rank."""
 
     __slots__ = ("arrays",)
 
@@ -52,68 +108,157 @@ class Buffers:
         )
 
 
-def _device_of(b: Buf, devices: Sequence[Device]) -> Device | None:
-    # staging memory is pinned host memory: no device holds it
-    return None if b.role == STAGE else devices[b.rank]
+class Program:
+    """A plan resolved for one World's devices (see the module docstring).
+
+    ``extents[role][rank]`` is the element count of each buffer a call passes (``in``,
+    ``out``) or the engine allocates (``tmp``, ``stage``); every range of the plan is
+    checked against it here, once, which is what lets every call issue its steps as
+    checked arguments (``Stream.copy_checked`` and the like)."""
+
+    __slots__ = ("plan", "ranges", "ops", "data_ops", "owners", "events", "devices", "memory")
+
+    def __init__(
+        self,
+        plan: Plan,
+        devices: Sequence[Device],
+        extents: Mapping[str, Sequence[int]],
+    ) -> None:
+        self.plan = plan
+        self.devices = list(devices)
+        index: dict[Range, int] = {}
+        self.ranges: list[Range] = []
+
+        def rid(b: Buf) -> int:
+            key = (b.rank, b.role, b.offset, b.count)
+            i = index.get(key)
+            if i is None:
+                size = extents[b.role][b.rank]
+                if b.offset < 0 or b.count < 0 or b.offset + b.count > size:
+                    raise AssertionError(
+                        f"plan range {b} lies outside rank {b.rank}'s {b.role} buffer of {size}"
+                    )
+                i = index[key] = len(self.ranges)
+                self.ranges.append(key)
+            return i
+
+        def dev(b: Buf) -> Device | None:
+            # staging memory is pinned host memory: no device holds it
+            return None if b.role == STAGE else devices[b.rank]
+
+        ops: list[_Sync | _Data] = []
+        for s in plan.steps:
+            k, r = s.kind, s.rank
+            if k == "record" or k == "wait":
+                ops.append(_Sync(r, k == "wait", s.event))
+            elif k == "copy":
+                dst, src = s.dst, s.srcs[0]
+                assert dst is not None, s
+                if dst == src:
+                    continue  # a copy onto itself moves nothing
+                same = (
+                    (dst.rank, dst.role, src.rank, src.role)
+                    if (dst.offset, dst.count) == (src.offset, src.count)
+                    else None
+                )
+                ops.append(_Copy(r, rid(dst), rid(src), dev(src), dev(dst) or devices[r], same))
+            elif k == "reduce":
+                dst = s.dst
+                assert dst is not None, s
+                dst_dev = devices[dst.rank]
+                ops.append(
+                    _Reduce(
+                        r,
+                        rid(dst),
+                        tuple(rid(b) for b in s.srcs),
+                        s.op,
+                        [dev(b) or dst_dev for b in s.srcs],
+                        dst_dev,
+                        float(s.alpha),
+                    )
+                )
+            elif k == "scale":
+                assert s.dst is not None, s
+                ops.append(_Scale(r, rid(s.dst), float(s.alpha)))
+            else:  # pragma: no cover - plans are built by this package
+                raise AssertionError(f"unknown step kind {k!r}")
+        self.ops = ops
+        self.data_ops: list[_Data] = [op for op in ops if not isinstance(op, _Sync)]
+        self.owners = plan.event_owners()
+        # created on first use: an inline call needs none
+        self.events: list[Event] | None = None
+        #: the World's scratch and staging buffers for this plan, with the key they were
+        #: looked up under (the World's scratch generation and the dtype); kept by the World
+        self.memory: tuple[object, list[Array | None], list[Array | None]] | None = None
+
+    def views(self, bufs: Buffers) -> list[Array]:
+        """Every range of the plan as a view of this call's buffers, by range id."""
+        arrays = bufs.arrays
+        return [arrays[r][role][o : o + c] for r, role, o, c in self.ranges]
+
+    def call_events(self, fresh_ends: bool) -> list[Event]:
+        """The events of one call: the plan's own, reused, with new end events when
+        ``fresh_ends`` (an asynchronous call, whose ``Work`` keeps them)."""
+        events = self.events
+        if events is None:
+            events = self.events = [self.devices[r].new_event() for r in self.owners]
+        if fresh_ends:
+            events = list(events)
+            for r, e in self.plan.end_events.items():
+                events[e] = self.devices[r].new_event()
+        return events
+
+    def enqueue(self, bufs: Buffers, streams: Sequence[Stream], events: Sequence[Event]) -> None:
+        """Issue every step on ``streams[step.rank]``, ordered by ``events``."""
+        views = self.views(bufs)
+        arrays = bufs.arrays
+        for op in self.ops:
+            st = streams[op.rank]
+            if isinstance(op, _Sync):
+                if op.wait:
+                    st.wait_event(events[op.event])
+                else:
+                    events[op.event].record(st)
+            else:
+                _issue(op, st, views, arrays)
+
+    def run_inline(
+        self, bufs: Buffers, devices: Sequence[HostDevice], threads: int | None = None
+    ) -> None:
+        """Perform the plan now, in the calling thread (host backend only): its data steps
+        in list order, which is a valid schedule, so the events are not needed.
+        ``threads``: the threads every kernel uses (None: its device's)."""
+        views = self.views(bufs)
+        arrays = bufs.arrays
+        # streams that perform each op at once
+        now = [
+            d.inline_stream if threads is None else d.inline_stream_with(threads) for d in devices
+        ]
+        for op in self.data_ops:
+            _issue(op, now[op.rank], views, arrays)
 
 
-def _issue(s: Step, st: Stream, bufs: Buffers, devices: Sequence[Device]) -> None:
+def _issue(op: _Data, st: Stream, views: list[Array], arrays: list[dict[str, Array]]) -> None:
     """Issue one data step (copy, reduce, scale) on ``st``.
 
     The arguments are not checked again: every rank's buffers were checked for the whole
-    collective by ``prepare`` (the scratch and staging buffers are the engine's own), and
-    the plan's ranges lie inside them, so the steps are issued as checked arguments."""
-    view = bufs.view
-    dst = s.dst
-    assert dst is not None, s  # every data step writes a range
-    if s.kind == "copy":
-        src = s.srcs[0]
-        if not bufs.same(dst, src):
-            dst_dev = _device_of(dst, devices) or st.device
-            st.copy_checked(CopyArgs(view(dst), view(src), _device_of(src, devices), dst_dev))
-    elif s.kind == "reduce":
-        dst_dev = devices[dst.rank]
+    collective by ``prepare``, the scratch and staging buffers are the engine's own, and
+    the program checked once that the plan's ranges lie inside them."""
+    if isinstance(op, _Reduce):
         st.reduce_checked(
             ReduceArgs(
-                view(dst),
-                [view(b) for b in s.srcs],
-                s.op,
-                [_device_of(b, devices) or dst_dev for b in s.srcs],
-                dst_dev,
-                float(s.alpha),
+                views[op.dst],
+                [views[i] for i in op.srcs],
+                op.op,
+                op.src_devs,
+                op.dst_dev,
+                op.alpha,
             )
         )
-    elif s.kind == "scale":
-        st.scale_checked(view(dst), float(s.alpha))
-    else:  # pragma: no cover - plans are built by this package
-        raise AssertionError(f"unknown step kind {s.kind!r}")
-
-
-def enqueue(
-    plan: Plan,
-    bufs: Buffers,
-    streams: Sequence[Stream],
-    devices: Sequence[Device],
-    events: Sequence[Event],
-) -> None:
-    """Issue every step of ``plan`` on ``streams[step.rank]``."""
-    for s in plan.steps:
-        st = streams[s.rank]
-        if s.kind == "record":
-            st.record(events[s.event])
-        elif s.kind == "wait":
-            st.wait_event(events[s.event])
-        else:
-            _issue(s, st, bufs, devices)
-
-
-def run_inline(
-    plan: Plan, bufs: Buffers, devices: Sequence[HostDevice], threads: int | None = None
-) -> None:
-    """Perform ``plan`` now, in the calling thread (host backend only): its data steps in
-    list order, which is a valid schedule, so the events are not needed. ``threads``: the
-    threads every kernel uses (None: its device's)."""
-    # streams that perform each op at once
-    now = [d.inline_stream if threads is None else d.inline_stream_with(threads) for d in devices]
-    for s in plan.data_steps():
-        _issue(s, now[s.rank], bufs, devices)
+    elif isinstance(op, _Copy):
+        same = op.same
+        if same is not None and arrays[same[0]][same[1]] is arrays[same[2]][same[3]]:
+            return
+        st.copy_checked(CopyArgs(views[op.dst], views[op.src], op.src_dev, op.dst_dev))
+    else:
+        st.scale_checked(views[op.dst], op.alpha)

@@ -24,10 +24,10 @@ from .._validate import check_index, check_int, check_real
 from . import auto
 from ._args import Array, Launched, Prepared, prepare
 from .algorithms import ALGORITHMS, build_plan
-from .collectives import collective_name
+from .collectives import COLLECTIVES, collective_name
 from .comm import Comm, MissingRanks, _Rendezvous
-from .executor import Buffers, enqueue, run_inline
-from .plan import Plan
+from .executor import Buffers, Program
+from .plan import IN, OUT, STAGE, TMP, Plan
 from .work import Work
 
 if TYPE_CHECKING:
@@ -43,6 +43,26 @@ ALGORITHM_CHOICES = (*ALGORITHMS, "nccl", "auto")
 # The plan cache keeps at most this many plans, and at most this many steps in all.
 _PLAN_CACHE_PLANS = 256
 _PLAN_CACHE_STEPS = 1 << 20
+
+# The GPU chunk policy (see World and gpu_chunk_bytes): a message is cut into about
+# GPU_CHUNKS chunks, each between GPU_CHUNK_MIN and GPU_CHUNK_MAX bytes.
+GPU_CHUNKS = 16
+GPU_CHUNK_MIN = 256 << 10
+GPU_CHUNK_MAX = 16 << 20
+# The host backend's default: one fixed size (docs/performance.md#chunk-size-on-the-host-backend).
+HOST_CHUNK_BYTES = 16 << 20
+
+
+def gpu_chunk_bytes(nbytes: int) -> int:
+    """The chunk of a message of ``nbytes`` bytes per rank under the GPU policy:
+    ``nbytes / GPU_CHUNKS`` rounded up to 256 bytes, within ``[GPU_CHUNK_MIN,
+    GPU_CHUNK_MAX]``. So a message of up to ``GPU_CHUNKS * GPU_CHUNK_MAX`` (256 MiB) bytes
+    has at most ``GPU_CHUNKS`` chunks, a larger one chunks of ``GPU_CHUNK_MAX``, and one of
+    at most ``GPU_CHUNK_MIN`` a single chunk."""
+    per = -(-nbytes // GPU_CHUNKS)
+    per = -(-per // 256) * 256
+    return min(GPU_CHUNK_MAX, max(GPU_CHUNK_MIN, per))
+
 
 # How often World.run, while no rank has failed, looks for an abort or a timeout (seconds).
 _RUN_POLL_S = 0.1
@@ -63,14 +83,27 @@ class World:
     raise ``CommTimeout``; a rank that fails makes them raise ``PeerFailure``; either way
     the World is then closed for good. Argument errors leave it usable.
 
-    ``chunk_bytes`` is the unit of pipelining: tree and ring cut messages into chunks of
-    this size, direct cuts each rank's slice. Default: 1 MiB on GPUs (as NCCL pipelines);
-    16 MiB on the host backend, where every stream operation is a hand-off between Python
-    threads, so fewer, larger pieces win (measured: see
-    docs/performance.md#chunk-size-on-the-host-backend). On the host backend synchronous
-    calls of at most ``inline_bytes`` per rank run in the calling thread, every step in
-    turn, each kernel on ``inline_threads`` threads (default: the devices' threads
-    together, at most the CPU count).
+    ``chunk_bytes`` is the unit of pipelining: tree and ring cut messages into chunks,
+    direct cuts each rank's slice. Given, it is one fixed size for every message. The
+    default depends on the backend:
+
+    * host: a fixed 16 MiB, since every stream operation is a hand-off between Python
+      threads, so fewer, larger pieces win (measured: see
+      docs/performance.md#chunk-size-on-the-host-backend);
+    * GPUs: chunks by count, not by size (:func:`gpu_chunk_bytes`): each rank's largest
+      buffer in ``GPU_CHUNKS`` (16) chunks of 256 KiB to 16 MiB. Every chunk is several
+      steps issued from Python, so a fixed 1 MiB made a 256 MiB all_reduce over 8 ranks
+      7,216 tree steps (milliseconds of host time where NCCL needs one or two), while a
+      small message still needs several chunks to pipeline; NCCL itself pipelines finer
+      (4 MiB per channel and peer in 8 slots, NCCL_BUFFSIZE), but inside one kernel, where
+      a step costs no host time. Why these bounds: docs/architecture.md#collectives-nccltreecomm.
+
+    ``chunk_for(nbytes)`` says which chunk a message gets; ``chunk_bytes`` is then the
+    largest. The chunk never changes which values are summed in which order, so results
+    are bitwise the same whatever it is. On the host backend synchronous calls of at most
+    ``inline_bytes`` per rank run in the calling thread, every step in turn, each kernel
+    on ``inline_threads`` threads (default: the devices' threads together, at most the CPU
+    count).
     """
 
     def __init__(
@@ -102,8 +135,12 @@ class World:
                 f"unknown algorithm {algorithm!r}; accepted: {', '.join(ALGORITHM_CHOICES)}"
             )
         self.timeout = check_real(timeout, "timeout", min=0.0, min_open=True)
+        #: whether every message is cut into chunks of ``chunk_bytes`` (given, or the host
+        #: default); else the GPU policy picks the chunk per message (``chunk_for``)
+        self.fixed_chunk = chunk_bytes is not None or devices[0].backend == "host"
         if chunk_bytes is None:
-            chunk_bytes = (16 << 20) if devices[0].backend == "host" else (1 << 20)
+            chunk_bytes = HOST_CHUNK_BYTES if devices[0].backend == "host" else GPU_CHUNK_MAX
+        #: the chunk when fixed; under the GPU policy the largest chunk a plan uses
         self.chunk_bytes = check_int(chunk_bytes, "chunk_bytes", min=64)
         self.inline_bytes = check_int(inline_bytes, "inline_bytes", min=0)
         if inline_threads is None:
@@ -128,9 +165,17 @@ class World:
         self._auto_choices: dict[int, str] = {}  # bytes per rank -> what "auto" ran
         self._trees: dict[int, Tree] = {}
         self._plans: dict[tuple[object, ...], Plan] = {}
+        # the cached plans resolved for this World's devices (executor.Program), same keys
+        self._programs: dict[tuple[object, ...], Program] = {}
         self._plan_steps = 0  # steps held by the cached plans
         self._scratch: dict[tuple[int, str, bool], Array] = {}
+        # changes whenever a scratch buffer is replaced, so that programs that kept the
+        # old ones look them up again
+        self._scratch_generation = 0
         self._streams = [d.new_stream() for d in devices]
+        # recorded on each rank's caller stream at every launch; reused, as the waits on
+        # them take their state when they are enqueued (see executor)
+        self._caller_events = [d.new_event() for d in devices]
         self._lock = threading.RLock()  # one collective is launched at a time
         self._failure: BaseException | None = None
         self._failed_at: float | None = None  # when _failure was set (run's deadline)
@@ -176,6 +221,7 @@ class World:
         self._rendezvous.wake_all()
         self._streams = []
         self._scratch.clear()
+        self._scratch_generation += 1
 
     def abort(self, reason: str | BaseException = "aborted by the caller") -> None:
         """Fail the World for good, from any thread: every rank waiting in a collective
@@ -431,32 +477,39 @@ class World:
             algorithm = self._choose(prep)
             if algorithm == "nccl":
                 return self._launch_nccl(prep, streams)
-            plan = self._plan(algorithm, prep)
-            tmps = [
-                self._scratch_for(r, prep.dtype, plan.scratch.get(r, 0)) for r in range(self.size)
-            ]
-            stages = [
-                self._scratch_for(r, prep.dtype, plan.stage.get(r, 0), pinned=True)
-                for r in range(self.size)
-            ]
-            bufs = Buffers(prep.ins, prep.outs, tmps, stages)
+            program = self._program(algorithm, prep)
+            plan = program.plan
+            memory = program.memory
+            mem_key = (self._scratch_generation, prep.dtype.str)
+            if memory is None or memory[0] != mem_key:
+                tmps = [
+                    self._scratch_for(r, prep.dtype, plan.scratch.get(r, 0))
+                    for r in range(self.size)
+                ]
+                stages = [
+                    self._scratch_for(r, prep.dtype, plan.stage.get(r, 0), pinned=True)
+                    for r in range(self.size)
+                ]
+                # looking them up may have replaced a buffer (a larger one)
+                memory = program.memory = ((self._scratch_generation, prep.dtype.str), tmps, stages)
+            bufs = Buffers(prep.ins, prep.outs, memory[1], memory[2])
             if self._can_inline(prep, streams, async_op):
                 try:
                     # _can_inline checked these are host devices
-                    run_inline(
-                        plan, bufs, cast("list[HostDevice]", self.devices), self.inline_threads
+                    program.run_inline(
+                        bufs, cast("list[HostDevice]", self.devices), self.inline_threads
                     )
                 except (ValueError, TypeError):
                     raise
                 except BaseException as exc:
                     raise self._on_stream_error(exc) from exc
                 return Launched(prep.results, None, list(streams), None)
-            events = [self.devices[r].new_event() for r in plan.event_owners()]
+            events = program.call_events(fresh_ends=async_op)
             try:
                 for r, cs in enumerate(streams):
                     if cs is not None:
-                        self._streams[r].wait_event(cs.record())
-                enqueue(plan, bufs, self._streams, self.devices, events)
+                        self._streams[r].wait_event(cs.record(self._caller_events[r]))
+                program.enqueue(bufs, self._streams, events)
             except (ValueError, TypeError):
                 raise
             except BaseException as exc:
@@ -595,8 +648,28 @@ class World:
             raise ValueError(f"no inspectable plan for algorithm {alg!r}")
         return self._plan(alg, prep)
 
+    def chunk_for(self, nbytes: int) -> int:
+        """The chunk (bytes) the plans cut a message into when each rank's largest buffer
+        holds ``nbytes`` bytes: ``chunk_bytes`` when it is fixed (given, or the host
+        backend's default); otherwise the GPU policy, :func:`gpu_chunk_bytes`."""
+        nbytes = check_int(nbytes, "nbytes", min=0)
+        return self.chunk_bytes if self.fixed_chunk else gpu_chunk_bytes(nbytes)
+
+    def _chunk_elements(self, prep: Prepared) -> int:
+        """The chunk of a call's plan, in elements."""
+        coll = COLLECTIVES[prep.collective]
+        itemsize = prep.dtype.itemsize
+        # the largest buffer a rank passes: the gathered output, the scattered input
+        biggest = max(coll.in_count(prep.count, self.size), coll.out_count(prep.count, self.size))
+        return max(1, self.chunk_for(biggest * itemsize) // itemsize)
+
     def _plan(self, algorithm: str, prep: Prepared) -> Plan:
-        chunk = max(1, self.chunk_bytes // prep.dtype.itemsize)
+        return self._program(algorithm, prep).plan
+
+    def _program(self, algorithm: str, prep: Prepared) -> Program:
+        """The cached plan of a call, resolved for this World (built on first use)."""
+        # the chunk follows from these and the World's chunk setting, so it is no part of
+        # the key; the itemsize lets the plan align what it chooses
         key = (
             algorithm,
             prep.collective,
@@ -604,11 +677,11 @@ class World:
             prep.op,
             prep.root,
             prep.in_place,
-            chunk,
             prep.dtype.itemsize,
         )
-        plan = self._plans.get(key)
-        if plan is None:
+        program = self._programs.get(key)
+        if program is None:
+            chunk = self._chunk_elements(prep)
             # the itemsize lets the plan align the slices and chunks it chooses (256 B), so
             # the vector kernels keep their vector path
             plan = build_plan(
@@ -623,15 +696,28 @@ class World:
                 tree_for=self.tree,
                 itemsize=prep.dtype.itemsize,
             )
+            coll = COLLECTIVES[prep.collective]
+            n = self.size
+            extents = {
+                IN: [coll.in_count(prep.count, n)] * n,
+                OUT: [coll.out_count(prep.count, n)] * n,
+                TMP: [plan.scratch.get(r, 0) for r in range(n)],
+                STAGE: [plan.stage.get(r, 0) for r in range(n)],
+            }
+            program = Program(plan, self.devices, extents)
             # bounded by count and by steps: a ring plan holds O(size^2) steps (about
-            # 180 B each), so a few large ones weigh more than hundreds of small ones
+            # 180 B each, plus its resolved form), so a few large ones weigh more than
+            # hundreds of small ones
             self._plan_steps += len(plan.steps)
             while self._plans and (
                 len(self._plans) >= _PLAN_CACHE_PLANS or self._plan_steps > _PLAN_CACHE_STEPS
             ):
-                self._plan_steps -= len(self._plans.pop(next(iter(self._plans))).steps)
+                old = next(iter(self._plans))
+                self._plan_steps -= len(self._plans.pop(old).steps)
+                del self._programs[old]
             self._plans[key] = plan
-        return plan
+            self._programs[key] = program
+        return program
 
     def _scratch_for(
         self, rank: int, dtype: np.dtype, count: int, pinned: bool = False
@@ -652,4 +738,5 @@ class World:
             else:
                 buf = dev.empty((count,), dtype, stream=self._streams[rank])
             self._scratch[key] = buf
+            self._scratch_generation += 1
         return buf[:count]

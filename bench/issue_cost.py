@@ -23,7 +23,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,21 +94,25 @@ def measure(
     reps: int = 5,
     min_time: float = 0.05,
     chunk_bytes: int | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Issue cost of all_reduce on the null backend: one row per (algorithm, ranks, size),
     with ``call_us`` (median over ``reps`` of the mean per call), ``steps`` and
     ``step_us``; plus the machine and the load average before and after. ``chunk_bytes``
     fixes the chunk (None: the GPU policy); ``min_time`` is the least time of one
-    repetition (seconds; at least one call)."""
+    repetition (seconds; at least one call); ``log`` gets a line per row as it is
+    measured."""
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
     load_before = os.getloadavg()
-    rows = [
-        _one(n, s, alg, topology, reps, min_time, chunk_bytes)
-        for alg in algorithms
-        for n in ranks
-        for s in sizes
-    ]
+    rows = []
+    for alg in algorithms:
+        for n in ranks:
+            for s in sizes:
+                row = _one(n, s, alg, topology, reps, min_time, chunk_bytes)
+                rows.append(row)
+                if log is not None:
+                    log(f"issue cost: {alg} {n} ranks {s} B: {row['call_us']:.1f} us per call")
     return {
         "what": "host time of issuing a driver-side all_reduce on the null backend (float32, "
         "in place, plan cached); a lower bound for GPUs",
@@ -130,8 +134,8 @@ def _size_text(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def table(result: dict[str, Any]) -> str:
-    """The rows as a Markdown table."""
+def table(result: dict[str, Any]) -> list[str]:
+    """The rows as the lines of a Markdown table."""
     lines = [
         "| algorithm | ranks | size | chunk | steps | per call (µs) | per step (µs) |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -142,7 +146,7 @@ def table(result: dict[str, Any]) -> str:
             f"{_size_text(r['chunk_bytes'])} | {r['steps']} | {r['call_us']:.1f} | "
             f"{r['step_us']:.2f} |"
         )
-    return "\n".join(lines)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"# {result['machine']}; topology {result['topology']}")
     print(f"# load average {' '.join(f'{x:.2f}' for x in result['load_before'])} (before)")
-    print(table(result))
+    print("\n".join(table(result)))
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0

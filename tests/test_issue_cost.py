@@ -177,7 +177,8 @@ def test_events_are_reused_and_async_calls_get_their_own_end_events():
 
 def test_scratch_follows_the_dtype_and_its_replacement():
     # float32 and int32 share a plan (same itemsize) but not their scratch; a larger call
-    # replaces the scratch, and the smaller plan then uses the new buffers
+    # replaces the scratch, and the smaller plan then uses the new buffers. The tree's
+    # reduce_scatter sums into scratch memory at the root.
     n = 3
     with nt.World(f"cpu:{n}", algorithm="tree", chunk_bytes=512, inline_bytes=0) as w:
         for dtype, count in (
@@ -187,11 +188,15 @@ def test_scratch_follows_the_dtype_and_its_replacement():
             ("float32", 1000),
             ("int32", 1000),
         ):
-            xs = [np.full(count, r + 1, dtype) for r in range(n)]
+            xs = [np.full(n * count, r + 1, dtype) for r in range(n)]
             outs = [np.zeros(count, dtype) for _ in range(n)]
-            w.reduce(xs, root=1, outs=outs)
-            assert np.all(outs[1] == 6), (dtype, count)
+            w.reduce_scatter(xs, outs)
+            assert all(np.all(o == 6) for o in outs), (dtype, count)
             assert all(np.all(xs[r] == r + 1) for r in range(n))
+            if count == 5000:
+                # the larger call replaced the scratch: the other plan keeps no old buffer
+                assert [p.plan.scratch != {} for p in w._programs.values()] == [True, True]
+                assert [p.memory is None for p in w._programs.values()] == [True, False]
 
 
 # -- the null backend ----------------------------------------------------------------------

@@ -187,9 +187,10 @@ class Program:
         self.owners = plan.event_owners()
         # created on first use: an inline call needs none
         self.events: list[Event] | None = None
-        #: the World's scratch and staging buffers for this plan, with the key they were
-        #: looked up under (the World's scratch generation and the dtype); kept by the World
-        self.memory: tuple[object, list[Array | None], list[Array | None]] | None = None
+        #: the World's scratch and staging buffers for this plan, with the dtype (``str``)
+        #: they were looked up for; kept by the World, which forgets them (None) whenever
+        #: it replaces a scratch buffer
+        self.memory: tuple[str, list[Array | None], list[Array | None]] | None = None
 
     def views(self, bufs: Buffers) -> list[Array]:
         """Every range of the plan as a view of this call's buffers, by range id."""

@@ -169,9 +169,6 @@ class World:
         self._programs: dict[tuple[object, ...], Program] = {}
         self._plan_steps = 0  # steps held by the cached plans
         self._scratch: dict[tuple[int, str, bool], Array] = {}
-        # changes whenever a scratch buffer is replaced, so that programs that kept the
-        # old ones look them up again
-        self._scratch_generation = 0
         self._streams = [d.new_stream() for d in devices]
         # recorded on each rank's caller stream at every launch; reused, as the waits on
         # them take their state when they are enqueued (see executor)
@@ -221,7 +218,7 @@ class World:
         self._rendezvous.wake_all()
         self._streams = []
         self._scratch.clear()
-        self._scratch_generation += 1
+        self._forget_memory()
 
     def abort(self, reason: str | BaseException = "aborted by the caller") -> None:
         """Fail the World for good, from any thread: every rank waiting in a collective
@@ -480,8 +477,7 @@ class World:
             program = self._program(algorithm, prep)
             plan = program.plan
             memory = program.memory
-            mem_key = (self._scratch_generation, prep.dtype.str)
-            if memory is None or memory[0] != mem_key:
+            if memory is None or memory[0] != prep.dtype.str:
                 tmps = [
                     self._scratch_for(r, prep.dtype, plan.scratch.get(r, 0))
                     for r in range(self.size)
@@ -491,7 +487,9 @@ class World:
                     for r in range(self.size)
                 ]
                 # looking them up may have replaced a buffer (a larger one)
-                memory = program.memory = ((self._scratch_generation, prep.dtype.str), tmps, stages)
+                # after the lookups, which forget every program's buffers when they
+                # replace one
+                memory = program.memory = (prep.dtype.str, tmps, stages)
             bufs = Buffers(prep.ins, prep.outs, memory[1], memory[2])
             if self._can_inline(prep, streams, async_op):
                 try:
@@ -738,5 +736,11 @@ class World:
             else:
                 buf = dev.empty((count,), dtype, stream=self._streams[rank])
             self._scratch[key] = buf
-            self._scratch_generation += 1
+            # programs that kept the replaced buffer look theirs up again (and do not keep
+            # the old memory alive meanwhile)
+            self._forget_memory()
         return buf[:count]
+
+    def _forget_memory(self) -> None:
+        for program in self._programs.values():
+            program.memory = None

@@ -48,7 +48,8 @@ enum {
     NT_ERR_INTERNAL = 9,    /* a kernel is missing from the dispatch table */
     NT_TIMEOUT = 10,        /* nt_counter_wait: the target was not reached in time */
     NT_ERR_PLATFORM = 11,   /* the wait primitive (or this flag) is not available here */
-    NT_ERR_ALIGN = 12       /* a counter not aligned to 8 bytes */
+    NT_ERR_ALIGN = 12,      /* a counter not aligned to 8 bytes */
+    NT_ERR_CPU = 13         /* nt_futex_pingpong: cannot pin a thread to that CPU */
 };
 
 /* dst += src */
@@ -107,9 +108,10 @@ NT_API int nt_counter_wait(uint32_t *counter, uint32_t target, int64_t timeout_n
    (may be NULL). */
 NT_API int nt_counter_add_wake(uint32_t *counter, uint32_t delta, int flags,
                                uint32_t *new_value);
-/* Two threads pass a counter back and forth `rounds` times (each waiting with spin_ns as
-   in nt_counter_wait): nanoseconds per round trip, or minus a status. */
-NT_API int64_t nt_futex_pingpong(int64_t rounds, int64_t spin_ns);
+/* Two new threads pass a counter back and forth `rounds` times (each waiting with spin_ns
+   as in nt_counter_wait), pinned to CPUs cpu_a and cpu_b (< 0: not pinned; Linux only):
+   nanoseconds per round trip, or minus a status. */
+NT_API int64_t nt_futex_pingpong(int64_t rounds, int64_t spin_ns, int cpu_a, int cpu_b);
 /* NT_SPIN_DEFAULT_NS, for the caller */
 NT_API int64_t nt_spin_default_ns(void);
 

@@ -782,6 +782,7 @@ NT_API const char *nt_strerror(int status) {
     case NT_TIMEOUT: return "timed out";
     case NT_ERR_PLATFORM: return "not available on this platform";
     case NT_ERR_ALIGN: return "counter address not aligned to 8 bytes";
+    case NT_ERR_CPU: return "cannot pin a thread to that CPU (not one this process may use)";
     default: return "unknown status";
     }
 }
@@ -1024,47 +1025,82 @@ NT_API int nt_counter_add_wake(uint32_t *counter, uint32_t delta, int flags,
 typedef struct {
     uint32_t *ping, *pong; /* two counters */
     int64_t rounds, spin_ns;
+    int cpu; /* pin the answering thread to this CPU (< 0: no pinning) */
     int status;
 } nt_pingpong_arg;
 
+/* Pin the calling thread to one CPU; 0 or a status. */
+static int nt_pin_self(int cpu) {
+    if (cpu < 0) return NT_OK;
+#ifdef NT_FUTEX
+    if (cpu >= CPU_SETSIZE) return NT_ERR_CPU;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    return pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0 ? NT_OK : NT_ERR_CPU;
+#else
+    return NT_ERR_PLATFORM;
+#endif
+}
+
 static void *nt_pong(void *p) {
     nt_pingpong_arg *a = (nt_pingpong_arg *)p;
-    for (int64_t i = 1; i <= a->rounds; ++i) {
+    a->status = nt_pin_self(a->cpu);
+    for (int64_t i = 1; i <= a->rounds && a->status == NT_OK; ++i) {
         int s = nt_counter_wait(a->ping, (uint32_t)i, NT_PINGPONG_TIMEOUT_NS, a->spin_ns, 0);
-        if (s != NT_OK) {
-            a->status = s;
-            /* let the other side see the failure instead of waiting out its timeout */
-            nt_counter_add_wake(a->pong, 0x40000000u, 0, NULL);
-            return NULL;
-        }
-        nt_counter_add_wake(a->pong, 1, 0, NULL);
+        if (s != NT_OK) a->status = s;
+        else nt_counter_add_wake(a->pong, 1, 0, NULL);
     }
+    /* on a failure, let the other side see it instead of waiting out its timeout */
+    if (a->status != NT_OK) nt_counter_add_wake(a->pong, 0x40000000u, 0, NULL);
     return NULL;
 }
 #endif
 
-NT_API int64_t nt_futex_pingpong(int64_t rounds, int64_t spin_ns) {
+#ifdef NT_HAVE_WAIT
+typedef struct {
+    nt_pingpong_arg *a; /* the shared counters and the answering side's status */
+    int cpu, status;
+    int64_t elapsed;
+} nt_ping_ctx;
+
+static void *nt_ping(void *p) {
+    nt_ping_ctx *c = (nt_ping_ctx *)p;
+    nt_pingpong_arg *a = c->a;
+    c->status = nt_pin_self(c->cpu);
+    int64_t t0 = nt_now_ns();
+    for (int64_t i = 1; i <= a->rounds && c->status == NT_OK; ++i) {
+        nt_counter_add_wake(a->ping, 1, 0, NULL);
+        c->status = nt_counter_wait(a->pong, (uint32_t)i, NT_PINGPONG_TIMEOUT_NS, a->spin_ns, 0);
+    }
+    c->elapsed = nt_now_ns() - t0;
+    if (c->status != NT_OK) nt_counter_add_wake(a->ping, 0x40000000u, 0, NULL);
+    return NULL;
+}
+#endif
+
+NT_API int64_t nt_futex_pingpong(int64_t rounds, int64_t spin_ns, int cpu_a, int cpu_b) {
 #ifdef NT_HAVE_WAIT
     if (rounds < 1) return -NT_ERR_SIZE;
     /* 8-byte aligned, each counter on its own cache line */
     _Alignas(64) uint32_t words[32] = {0};
-    nt_pingpong_arg a = {words, words + 16, rounds, spin_ns, NT_OK};
-    pthread_t t;
-    if (pthread_create(&t, NULL, nt_pong, &a) != 0) return -NT_ERR_INTERNAL;
-    int status = NT_OK;
-    int64_t t0 = nt_now_ns();
-    for (int64_t i = 1; i <= rounds && status == NT_OK; ++i) {
-        nt_counter_add_wake(a.ping, 1, 0, NULL);
-        status = nt_counter_wait(a.pong, (uint32_t)i, NT_PINGPONG_TIMEOUT_NS, spin_ns, 0);
+    nt_pingpong_arg a = {words, words + 16, rounds, spin_ns, cpu_b, NT_OK};
+    nt_ping_ctx c = {&a, cpu_a, NT_OK, 0};
+    /* two new threads, so that pinning them leaves the caller's affinity alone */
+    pthread_t tp, tq;
+    if (pthread_create(&tq, NULL, nt_pong, &a) != 0) return -NT_ERR_INTERNAL;
+    if (pthread_create(&tp, NULL, nt_ping, &c) != 0) {
+        nt_counter_add_wake(a.ping, 0x40000000u, 0, NULL);
+        pthread_join(tq, NULL);
+        return -NT_ERR_INTERNAL;
     }
-    int64_t elapsed = nt_now_ns() - t0;
-    if (status != NT_OK) nt_counter_add_wake(a.ping, 0x40000000u, 0, NULL);
-    pthread_join(t, NULL);
-    if (status == NT_OK) status = a.status;
+    pthread_join(tp, NULL);
+    pthread_join(tq, NULL);
+    int status = c.status != NT_OK ? c.status : a.status;
     if (status != NT_OK) return -status;
-    return elapsed / rounds;
+    return c.elapsed / rounds;
 #else
-    (void)rounds, (void)spin_ns;
+    (void)rounds, (void)spin_ns, (void)cpu_a, (void)cpu_b;
     return -NT_ERR_PLATFORM;
 #endif
 }

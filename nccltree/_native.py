@@ -77,6 +77,7 @@ ERR_INTERNAL = 9
 TIMEOUT = 10  # nt_counter_wait: not reached in time (no error)
 ERR_PLATFORM = 11
 ERR_ALIGN = 12
+ERR_CPU = 13
 _STATUS_EXC: dict[int, type[Exception]] = {
     ERR_DTYPE: TypeError,
     ERR_UNSUPPORTED: TypeError,
@@ -87,6 +88,7 @@ _STATUS_EXC: dict[int, type[Exception]] = {
     ERR_THREADS: ValueError,
     ERR_OVERLAP: ValueError,
     ERR_ALIGN: ValueError,
+    ERR_CPU: ValueError,
     ERR_PLATFORM: NotImplementedError,
 }
 
@@ -151,7 +153,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = i32
-    for name, argtypes in {"nt_futex_pingpong": [i64, i64], "nt_spin_default_ns": []}.items():
+    for name, argtypes in {
+        "nt_futex_pingpong": [i64, i64, i32, i32],
+        "nt_spin_default_ns": [],
+    }.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = i64
@@ -551,13 +556,21 @@ class Counter:
             check(status, "Counter.add")
 
 
-def futex_pingpong(rounds: int = 10000, spin: float = 0.0) -> float:
-    """Two C threads pass a :class:`Counter` back and forth ``rounds`` times: seconds
-    per round trip (``spin``: as in :meth:`Counter.wait`; None: adaptive). With
-    ``spin=0`` it is the floor of any hand-off between two sleeping threads."""
+def futex_pingpong(
+    rounds: int = 10000, spin: float | None = 0.0, cpus: tuple[int, int] | None = None
+) -> float:
+    """Two new C threads pass a :class:`Counter` back and forth ``rounds`` times: seconds
+    per round trip. ``spin``: as in :meth:`Counter.wait` (None: adaptive); with 0 it is
+    the floor of any hand-off between two sleeping threads. ``cpus=(a, b)`` pins the two
+    threads (Linux): the same CPU twice gives the cost of a switch on one CPU, two CPUs
+    the cost of waking a thread on another one; None lets the scheduler place them."""
     rounds = check_int(rounds, "rounds", min=1)
     spin_ns = -1 if spin is None else max(0, int(spin * 1e9))
-    ns = int(library().nt_futex_pingpong(rounds, spin_ns))
+    if cpus is None:
+        cpu_a = cpu_b = -1
+    else:
+        cpu_a, cpu_b = (check_int(c, "cpus[i]", min=0) for c in cpus)
+    ns = int(library().nt_futex_pingpong(rounds, spin_ns, cpu_a, cpu_b))
     if ns < 0:
         check(-ns, "futex_pingpong")
     return ns * 1e-9

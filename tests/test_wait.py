@@ -196,6 +196,18 @@ def test_futex_pingpong_reports_a_time(spin: float | None) -> None:
 def test_futex_pingpong_checks_rounds() -> None:
     with pytest.raises(ValueError):
         _native.futex_pingpong(0)
+    with pytest.raises(ValueError):
+        _native.futex_pingpong(10, 0.0, (-1, 0))
+
+
+@linux_only
+def test_futex_pingpong_pinned() -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    assert 0 < _native.futex_pingpong(100, 0.0, (cpus[0], cpus[0])) < 1.0
+    assert 0 < _native.futex_pingpong(100, 0.0, (cpus[0], cpus[-1])) < 1.0
+    # a CPU this process may not use: pinning fails with a clear error, nothing hangs
+    with pytest.raises(ValueError, match="pin"):
+        _native.futex_pingpong(10, 0.0, (cpus[0], 100_000))
 
 
 def test_condition_stand_in_behaves_alike(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,7 +5,12 @@ package.  Every wrapper checks its arguments in Python (numpy arrays, C-contiguo
 supported dtype, equal sizes, 1..8 sources) so that bad calls raise ``TypeError`` or
 ``ValueError`` naming what is accepted; the C library checks them again and
 :func:`check` turns any status it returns into the matching exception.  ctypes releases
-the GIL for the duration of each call, so kernels of different devices run in parallel.
+the GIL for the duration of each call, so kernels of different devices run in parallel
+(one exception: :meth:`Counter.add`, which never blocks, keeps it).
+
+It is also the face of the wait primitive: :class:`Counter`, a futex-backed sequence
+counter the host streams and the per-rank rendezvous sleep on, and
+:func:`futex_pingpong`, the two-thread hand-off it is measured against.
 """
 
 from __future__ import annotations
@@ -21,16 +26,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from ._errors import BackendUnavailable, NativeError
+from ._validate import check_int, check_real
+from .backends.base import FLOAT_DTYPES, MAX_FUSED, check_dtype, check_same
 
 if TYPE_CHECKING:
     from _typeshed import WriteableBuffer
-from ._validate import check_int, check_real
-from .backends.base import FLOAT_DTYPES, MAX_FUSED, check_dtype, check_same
 
 __all__ = [
     "Counter",
     "CounterLike",
-    "new_counter",
     "DTYPES",
     "FLOAT_DTYPES",
     "MAX_SOURCES",
@@ -42,6 +46,7 @@ __all__ = [
     "gather",
     "library",
     "library_path",
+    "new_counter",
     "reduce_n",
     "scale",
     "sgd_update",
@@ -464,23 +469,23 @@ def gather(dst: np.ndarray, views: Sequence[object], nthreads: int = 1) -> np.nd
 _COUNTER_SHARED = 1  # NT_COUNTER_SHARED
 _COUNTER_MASK = 0xFFFFFFFF
 _MAX_WAIT_S = 1e9  # about 31 years: longer timeouts (inf) are clamped to it
-_no_gil_lib: ctypes.PyDLL | None = None
+_gil_add: Callable[..., int] | None = None
 
 
 def _gil_holding_add() -> Callable[..., int]:
-    """``nt_counter_add_wake`` called *without* releasing the GIL: it never blocks (one
-    atomic add, a futex wake only when someone sleeps), and releasing the GIL there would
-    hand it to a waiting thread in the middle of the caller's work."""
-    global _no_gil_lib
-    if _no_gil_lib is None:
+    """``nt_counter_add_wake`` called *without* releasing the GIL (through ``PyDLL``): it
+    never blocks (one atomic add, a futex wake only when someone sleeps), and releasing
+    the GIL there would hand it to a woken thread in the middle of the caller's work."""
+    global _gil_add
+    if _gil_add is None:
         with _lock:
-            if _no_gil_lib is None:
+            if _gil_add is None:
                 library()  # loads and checks it first
-                _no_gil_lib = ctypes.PyDLL(os.fspath(library_path()))
-    fn = _no_gil_lib.nt_counter_add_wake
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
+                fn = ctypes.PyDLL(os.fspath(library_path())).nt_counter_add_wake
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_void_p]
+                fn.restype = ctypes.c_int
+                _gil_add = fn
+    return _gil_add
 
 
 class Counter:

@@ -214,8 +214,9 @@ class _Core:
                     f"stream {self.name}: op {seq} not done after {limit:g} s "
                     f"({self.done} of {self.enqueued} ops done)"
                 )
-            # at most 2**30 ops are ever queued, so seq is never more than 2**31 ahead
-            self.changed.wait(seq, remaining)
+            # at most 2**30 ops are ever queued, so seq is never more than 2**31 ahead;
+            # no spin: the worker that completes the op needs the GIL to say so
+            self.changed.wait(seq, remaining, 0.0)
 
     def check(self, seq: int) -> bool:
         """Non-blocking ``wait_for``: True if done, raises a failure at or before it."""

@@ -142,9 +142,9 @@ class _Pending:
 class _Rendezvous:
     """Where per-rank calls meet. Call k of every rank forms one collective.
 
-    Waiting ranks sleep on ``changed``, a native wait counter (futex, GIL released, a
-    short spin first while a core looks free) that moves at every completed collective,
-    abort and close: a waiter reads it, checks its collective, and sleeps until it moves.
+    Waiting ranks sleep on ``changed``, a native wait counter (futex, GIL released) that
+    moves at every completed collective, abort and close: a waiter reads it, checks its
+    collective, and sleeps until it moves.
     """
 
     def __init__(self, world: World) -> None:
@@ -177,11 +177,7 @@ class _Rendezvous:
                 p.runner = rank
                 del self.pending[idx]  # complete: later arrivals make a new one
         if not last:
-            # A short spin before sleeping pays only while the collective is a few
-            # microseconds of Python away (inline calls); a large one runs on the stream
-            # workers, which need the cores a spinning rank would take.
-            spin = None if getattr(call.x, "nbytes", 0) <= w.inline_bytes else 0.0
-            self._wait(p, rank, idx, call, arrived_at, spin)
+            self._wait(p, rank, idx, call, arrived_at)
             return self._result(p, rank)
         try:
             p.launched = self._run(p)
@@ -193,15 +189,7 @@ class _Rendezvous:
         self.changed.add(1)
         return self._result(p, rank)
 
-    def _wait(
-        self,
-        p: _Pending,
-        rank: int,
-        idx: int,
-        call: _Call,
-        arrived_at: float,
-        spin: float | None,
-    ) -> None:
+    def _wait(self, p: _Pending, rank: int, idx: int, call: _Call, arrived_at: float) -> None:
         w = self.world
         changed = self.changed
         while True:
@@ -237,7 +225,10 @@ class _Rendezvous:
                     exc = CommTimeout(f"{what} waiting for it to run")
                 w._abort(exc)
                 raise exc
-            changed.wait(seen + 1, min(remaining, 0.5), spin)
+            # no spin: the rank that wakes this one holds the GIL, which this rank needs
+            # next; a spinning rank only meets it on another CPU (see Waiting in
+            # docs/architecture.md)
+            changed.wait(seen + 1, min(remaining, 0.5), 0.0)
 
     def _result(self, p: _Pending, rank: int) -> Any:
         if p.error is not None:

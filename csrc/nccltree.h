@@ -45,7 +45,11 @@ enum {
     NT_ERR_UNSUPPORTED = 7, /* dtype not supported by this kernel (integer scale/SGD/
                                scaled sum) */
     NT_ERR_OVERLAP = 8,     /* dst partially overlaps a source (identical is allowed) */
-    NT_ERR_INTERNAL = 9     /* a kernel is missing from the dispatch table */
+    NT_ERR_INTERNAL = 9,    /* a kernel is missing from the dispatch table */
+    NT_TIMEOUT = 10,        /* nt_counter_wait: the target was not reached in time */
+    NT_ERR_PLATFORM = 11,   /* the wait primitive (or this flag) is not available here */
+    NT_ERR_ALIGN = 12,      /* a counter not aligned to 8 bytes */
+    NT_ERR_CPU = 13         /* nt_futex_pingpong: cannot pin a thread to that CPU */
 };
 
 /* dst += src */
@@ -78,6 +82,38 @@ NT_API int nt_max_sources(void);
 /* float16 kernels: enable = 1 uses F16C when the CPU has it (the default), 0 the portable
    conversions, -1 changes nothing; returns 1 when the F16C code is in use. */
 NT_API int nt_use_f16c(int enable);
+
+/* ---- the wait primitive: a sequence counter in plain memory ----
+ *
+ * A counter is two adjacent uint32 words, 8-byte aligned, zero-initialised: word 0 the
+ * value (wraps; "reached" means less than 2^31 ahead of the target), word 1 the number
+ * of threads blocked on it (so a wake costs no system call when nobody sleeps).  It may
+ * live in shared memory between processes: pass NT_COUNTER_SHARED to every call on it
+ * (Linux only; without it the futex is process-private, a little faster).
+ *
+ * Linux uses futex; other POSIX systems one process-wide condition variable (no
+ * NT_COUNTER_SHARED there); other platforms return NT_ERR_PLATFORM. */
+#define NT_COUNTER_SHARED 1
+/* spin_ns < 0 in nt_counter_wait: spin up to this long, only while a core looks free */
+#define NT_SPIN_DEFAULT_NS ((int64_t)50000)
+/* the bound of each wait in nt_futex_pingpong */
+#define NT_PINGPONG_TIMEOUT_NS ((int64_t)10000000000)
+
+/* Wait until counter[0] reaches target: first spin up to spin_ns (< 0: the adaptive
+   default above), then sleep on the futex; returns NT_OK, or NT_TIMEOUT after timeout_ns
+   (>= 0; 0 only looks).  Signals (EINTR) and spurious wake-ups resume the wait. */
+NT_API int nt_counter_wait(uint32_t *counter, uint32_t target, int64_t timeout_ns,
+                           int64_t spin_ns, int flags);
+/* counter[0] += delta atomically and wake every sleeper; the new value in *new_value
+   (may be NULL). */
+NT_API int nt_counter_add_wake(uint32_t *counter, uint32_t delta, int flags,
+                               uint32_t *new_value);
+/* Two new threads pass a counter back and forth `rounds` times (each waiting with spin_ns
+   as in nt_counter_wait), pinned to CPUs cpu_a and cpu_b (< 0: not pinned; Linux only):
+   nanoseconds per round trip, or minus a status. */
+NT_API int64_t nt_futex_pingpong(int64_t rounds, int64_t spin_ns, int cpu_a, int cpu_b);
+/* NT_SPIN_DEFAULT_NS, for the caller */
+NT_API int64_t nt_spin_default_ns(void);
 
 #ifdef __cplusplus
 }

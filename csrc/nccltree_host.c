@@ -12,6 +12,8 @@
  * ordinary store to a line that is not in cache first reads that line from memory
  * (write-allocate), which for a 2-source sum is a third more traffic than the job needs.
  */
+/* the futex syscall, clock_gettime and sched_yield are outside strict C11 */
+#define _GNU_SOURCE 1
 #include "nccltree.h"
 
 #include <stddef.h>
@@ -777,6 +779,330 @@ NT_API const char *nt_strerror(int status) {
     case NT_ERR_UNSUPPORTED: return "dtype not supported by this kernel";
     case NT_ERR_OVERLAP: return "arrays overlap in memory (only dst == a source is allowed)";
     case NT_ERR_INTERNAL: return "internal error: kernel missing from the dispatch table";
+    case NT_TIMEOUT: return "timed out";
+    case NT_ERR_PLATFORM: return "not available on this platform";
+    case NT_ERR_ALIGN: return "counter address not aligned to 8 bytes";
+    case NT_ERR_CPU: return "cannot pin a thread to that CPU (not one this process may use)";
     default: return "unknown status";
     }
 }
+
+/* ---- the wait primitive ------------------------------------------------------------------
+ *
+ * A counter is two adjacent 32-bit words in plain memory: word[0] the value (a sequence
+ * number that wraps), word[1] the number of threads blocked on it.  Nothing else is kept,
+ * so the same two words work in a numpy array or in a shared mapping between processes
+ * (flag NT_COUNTER_SHARED: futex without FUTEX_PRIVATE_FLAG).
+ *
+ * No lost wake-up: a waiter increments word[1] and then reads word[0]; a waker adds to
+ * word[0] and then reads word[1], both sequentially consistent.  So either the waiter sees
+ * the new value, or the waker sees it waiting and wakes the futex; and a waiter that has
+ * not yet slept then finds word[0] changed, which FUTEX_WAIT checks atomically.
+ *
+ * Linux: futex.  Other POSIX systems: one process-wide mutex and condition variable
+ * (threads of one process only; NT_COUNTER_SHARED is refused).  Elsewhere: NT_ERR_PLATFORM.
+ */
+#include <stdatomic.h>
+#include <time.h>
+#if defined(__linux__)
+#define NT_FUTEX 1
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <stdio.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#elif defined(__unix__) || defined(__APPLE__)
+#define NT_CONDVAR 1
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <unistd.h>
+static pthread_mutex_t nt_cv_mutex = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t nt_cv_cond = PTHREAD_COND_INITIALIZER;
+#endif
+
+#if defined(NT_FUTEX) || defined(NT_CONDVAR)
+#define NT_HAVE_WAIT 1
+#if defined(__x86_64__) || defined(__i386__)
+#define NT_CPU_RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define NT_CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#define NT_CPU_RELAX() ((void)0)
+#endif
+
+static int64_t nt_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static inline int nt_reached(uint32_t value, uint32_t target) {
+    /* wrap-safe: value is at or past target when it is less than 2^31 ahead of it */
+    return (int32_t)(value - target) >= 0;
+}
+
+static inline _Atomic uint32_t *nt_word(uint32_t *counter, int i) {
+    return (_Atomic uint32_t *)(counter + i);
+}
+
+/* ---- the adaptive spin: spin only while the machine has a core to spare ---- */
+static atomic_int nt_spinners;         /* threads of this process spinning now */
+static atomic_int nt_ncpu;             /* online CPUs, read once */
+static _Atomic int64_t nt_busy_until;  /* until then, a recent sample said "no core free" */
+static _Atomic int64_t nt_sampled_at;  /* when /proc/loadavg was last read */
+#define NT_SAMPLE_NS ((int64_t)2000000) /* the run-queue sample is trusted 2 ms */
+
+static int nt_cpus(void) {
+    int n = atomic_load_explicit(&nt_ncpu, memory_order_relaxed);
+    if (n == 0) {
+#ifdef NT_FUTEX
+        /* the CPUs this process may run on, not every CPU of the machine */
+        cpu_set_t set;
+        n = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 0;
+#endif
+        if (n <= 0) {
+            long c = sysconf(_SC_NPROCESSORS_ONLN);
+            n = c > 0 ? (int)c : 1;
+        }
+        atomic_store_explicit(&nt_ncpu, n, memory_order_relaxed);
+    }
+    return n;
+}
+
+/* Runnable threads on the whole machine now (the 4th field of /proc/loadavg, "R/T"),
+   including the caller; -1 where unknown. */
+static int nt_runnable(void) {
+#ifdef NT_FUTEX
+    FILE *f = fopen("/proc/loadavg", "r");
+    if (f == NULL) return -1;
+    double a, b, c;
+    int running = -1, total;
+    if (fscanf(f, "%lf %lf %lf %d/%d", &a, &b, &c, &running, &total) != 5) running = -1;
+    fclose(f);
+    return running;
+#else
+    return -1;
+#endif
+}
+
+/* Whether spinning now is likely to help: another spinner or a busy machine would take
+   the core the thread we wait for needs.  The run-queue sample costs a few microseconds,
+   so it is taken at most every NT_SAMPLE_NS by whichever thread comes first. */
+static int nt_spin_allowed(int64_t now) {
+    int ncpu = nt_cpus();
+    if (ncpu < 2) return 0;
+    if (atomic_load_explicit(&nt_spinners, memory_order_relaxed) >= ncpu - 1) return 0;
+    int64_t at = atomic_load_explicit(&nt_sampled_at, memory_order_relaxed);
+    if (now - at > NT_SAMPLE_NS &&
+        atomic_compare_exchange_strong_explicit(&nt_sampled_at, &at, now,
+                                                memory_order_relaxed, memory_order_relaxed)) {
+        int r = nt_runnable();
+        /* the caller and the thread it waits for both run: more than ncpu runnable means
+           someone is already queued for a core */
+        atomic_store_explicit(&nt_busy_until, r > ncpu ? now + NT_SAMPLE_NS : 0,
+                              memory_order_relaxed);
+    }
+    return now >= atomic_load_explicit(&nt_busy_until, memory_order_relaxed);
+}
+
+#ifdef NT_FUTEX
+static long nt_futex(_Atomic uint32_t *addr, int op, uint32_t val, const struct timespec *ts,
+                     int shared) {
+    if (!shared) op |= FUTEX_PRIVATE_FLAG;
+    return syscall(SYS_futex, (uint32_t *)addr, op, val, ts, NULL, 0);
+}
+#endif
+#endif /* NT_FUTEX || NT_CONDVAR */
+
+NT_API int nt_counter_wait(uint32_t *counter, uint32_t target, int64_t timeout_ns,
+                           int64_t spin_ns, int flags) {
+#ifdef NT_HAVE_WAIT
+    if (counter == NULL) return NT_ERR_NULL;
+    if (((uintptr_t)counter & 7u) != 0) return NT_ERR_ALIGN;
+    if (timeout_ns < 0) return NT_ERR_SIZE;
+    int shared = (flags & NT_COUNTER_SHARED) != 0;
+#ifdef NT_CONDVAR
+    if (shared) return NT_ERR_PLATFORM;
+#endif
+    _Atomic uint32_t *value = nt_word(counter, 0), *waiters = nt_word(counter, 1);
+    if (nt_reached(atomic_load_explicit(value, memory_order_acquire), target)) return NT_OK;
+    int64_t start = nt_now_ns();
+    int64_t deadline = start + timeout_ns;
+    if (spin_ns < 0) spin_ns = nt_spin_allowed(start) ? NT_SPIN_DEFAULT_NS : 0;
+    if (spin_ns > timeout_ns) spin_ns = timeout_ns;
+    if (spin_ns > 0) {
+        atomic_fetch_add_explicit(&nt_spinners, 1, memory_order_relaxed);
+        int64_t spin_end = start + spin_ns;
+        int done = 0;
+        for (unsigned i = 1;; ++i) {
+            if (nt_reached(atomic_load_explicit(value, memory_order_acquire), target)) {
+                done = 1;
+                break;
+            }
+            NT_CPU_RELAX();
+            if ((i & 63u) == 0 && nt_now_ns() >= spin_end) break;
+        }
+        atomic_fetch_sub_explicit(&nt_spinners, 1, memory_order_relaxed);
+        if (done) return NT_OK;
+    }
+    int status = NT_OK;
+    atomic_fetch_add_explicit(waiters, 1, memory_order_seq_cst);
+#ifdef NT_FUTEX
+    for (;;) {
+        uint32_t v = atomic_load_explicit(value, memory_order_seq_cst);
+        if (nt_reached(v, target)) break;
+        int64_t left = deadline - nt_now_ns();
+        if (left <= 0) {
+            status = NT_TIMEOUT;
+            break;
+        }
+        struct timespec ts = {(time_t)(left / 1000000000), (long)(left % 1000000000)};
+        /* returns at a wake, a timeout, a signal (EINTR) or when *value != v (EAGAIN):
+           every case re-reads the value and the clock */
+        (void)nt_futex(value, FUTEX_WAIT, v, &ts, shared);
+    }
+#else
+    pthread_mutex_lock(&nt_cv_mutex);
+    for (;;) {
+        if (nt_reached(atomic_load_explicit(value, memory_order_seq_cst), target)) break;
+        int64_t left = deadline - nt_now_ns();
+        if (left <= 0) {
+            status = NT_TIMEOUT;
+            break;
+        }
+        /* the condition variable's clock is the realtime one */
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        int64_t at = (int64_t)ts.tv_nsec + left;
+        ts.tv_sec += (time_t)(at / 1000000000);
+        ts.tv_nsec = (long)(at % 1000000000);
+        (void)pthread_cond_timedwait(&nt_cv_cond, &nt_cv_mutex, &ts);
+    }
+    pthread_mutex_unlock(&nt_cv_mutex);
+#endif
+    atomic_fetch_sub_explicit(waiters, 1, memory_order_seq_cst);
+    return status;
+#else
+    (void)counter, (void)target, (void)timeout_ns, (void)spin_ns, (void)flags;
+    return NT_ERR_PLATFORM;
+#endif
+}
+
+NT_API int nt_counter_add_wake(uint32_t *counter, uint32_t delta, int flags,
+                               uint32_t *new_value) {
+#ifdef NT_HAVE_WAIT
+    if (counter == NULL) return NT_ERR_NULL;
+    if (((uintptr_t)counter & 7u) != 0) return NT_ERR_ALIGN;
+    int shared = (flags & NT_COUNTER_SHARED) != 0;
+#ifdef NT_CONDVAR
+    if (shared) return NT_ERR_PLATFORM;
+#endif
+    _Atomic uint32_t *value = nt_word(counter, 0), *waiters = nt_word(counter, 1);
+    uint32_t v = atomic_fetch_add_explicit(value, delta, memory_order_seq_cst) + delta;
+    if (new_value != NULL) *new_value = v;
+    /* the syscall only when someone sleeps (spinners see the value by themselves) */
+    if (atomic_load_explicit(waiters, memory_order_seq_cst) != 0) {
+#ifdef NT_FUTEX
+        (void)nt_futex(value, FUTEX_WAKE, INT_MAX, NULL, shared);
+#else
+        pthread_mutex_lock(&nt_cv_mutex);
+        pthread_cond_broadcast(&nt_cv_cond);
+        pthread_mutex_unlock(&nt_cv_mutex);
+#endif
+    }
+    return NT_OK;
+#else
+    (void)counter, (void)delta, (void)flags, (void)new_value;
+    return NT_ERR_PLATFORM;
+#endif
+}
+
+#ifdef NT_HAVE_WAIT
+#include <pthread.h>
+typedef struct {
+    uint32_t *ping, *pong; /* two counters */
+    int64_t rounds, spin_ns;
+    int cpu; /* pin the answering thread to this CPU (< 0: no pinning) */
+    int status;
+} nt_pingpong_arg;
+
+/* Pin the calling thread to one CPU; 0 or a status. */
+static int nt_pin_self(int cpu) {
+    if (cpu < 0) return NT_OK;
+#ifdef NT_FUTEX
+    if (cpu >= CPU_SETSIZE) return NT_ERR_CPU;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    return pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0 ? NT_OK : NT_ERR_CPU;
+#else
+    return NT_ERR_PLATFORM;
+#endif
+}
+
+static void *nt_pong(void *p) {
+    nt_pingpong_arg *a = (nt_pingpong_arg *)p;
+    a->status = nt_pin_self(a->cpu);
+    for (int64_t i = 1; i <= a->rounds && a->status == NT_OK; ++i) {
+        int s = nt_counter_wait(a->ping, (uint32_t)i, NT_PINGPONG_TIMEOUT_NS, a->spin_ns, 0);
+        if (s != NT_OK) a->status = s;
+        else nt_counter_add_wake(a->pong, 1, 0, NULL);
+    }
+    /* on a failure, let the other side see it instead of waiting out its timeout */
+    if (a->status != NT_OK) nt_counter_add_wake(a->pong, 0x40000000u, 0, NULL);
+    return NULL;
+}
+#endif
+
+#ifdef NT_HAVE_WAIT
+typedef struct {
+    nt_pingpong_arg *a; /* the shared counters and the answering side's status */
+    int cpu, status;
+    int64_t elapsed;
+} nt_ping_ctx;
+
+static void *nt_ping(void *p) {
+    nt_ping_ctx *c = (nt_ping_ctx *)p;
+    nt_pingpong_arg *a = c->a;
+    c->status = nt_pin_self(c->cpu);
+    int64_t t0 = nt_now_ns();
+    for (int64_t i = 1; i <= a->rounds && c->status == NT_OK; ++i) {
+        nt_counter_add_wake(a->ping, 1, 0, NULL);
+        c->status = nt_counter_wait(a->pong, (uint32_t)i, NT_PINGPONG_TIMEOUT_NS, a->spin_ns, 0);
+    }
+    c->elapsed = nt_now_ns() - t0;
+    if (c->status != NT_OK) nt_counter_add_wake(a->ping, 0x40000000u, 0, NULL);
+    return NULL;
+}
+#endif
+
+NT_API int64_t nt_futex_pingpong(int64_t rounds, int64_t spin_ns, int cpu_a, int cpu_b) {
+#ifdef NT_HAVE_WAIT
+    if (rounds < 1) return -NT_ERR_SIZE;
+    /* 8-byte aligned, each counter on its own cache line */
+    _Alignas(64) uint32_t words[32] = {0};
+    nt_pingpong_arg a = {words, words + 16, rounds, spin_ns, cpu_b, NT_OK};
+    nt_ping_ctx c = {&a, cpu_a, NT_OK, 0};
+    /* two new threads, so that pinning them leaves the caller's affinity alone */
+    pthread_t tp, tq;
+    if (pthread_create(&tq, NULL, nt_pong, &a) != 0) return -NT_ERR_INTERNAL;
+    if (pthread_create(&tp, NULL, nt_ping, &c) != 0) {
+        nt_counter_add_wake(a.ping, 0x40000000u, 0, NULL);
+        pthread_join(tq, NULL);
+        return -NT_ERR_INTERNAL;
+    }
+    pthread_join(tp, NULL);
+    pthread_join(tq, NULL);
+    int status = c.status != NT_OK ? c.status : a.status;
+    if (status != NT_OK) return -status;
+    return c.elapsed / rounds;
+#else
+    (void)rounds, (void)spin_ns, (void)cpu_a, (void)cpu_b;
+    return -NT_ERR_PLATFORM;
+#endif
+}
+
+NT_API int64_t nt_spin_default_ns(void) { return NT_SPIN_DEFAULT_NS; }

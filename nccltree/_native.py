@@ -5,7 +5,12 @@ package.  Every wrapper checks its arguments in Python (numpy arrays, C-contiguo
 supported dtype, equal sizes, 1..8 sources) so that bad calls raise ``TypeError`` or
 ``ValueError`` naming what is accepted; the C library checks them again and
 :func:`check` turns any status it returns into the matching exception.  ctypes releases
-the GIL for the duration of each call, so kernels of different devices run in parallel.
+the GIL for the duration of each call, so kernels of different devices run in parallel
+(one exception: :meth:`Counter.add`, which never blocks, keeps it).
+
+It is also the face of the wait primitive: :class:`Counter`, a futex-backed sequence
+counter the host streams and the per-rank rendezvous sleep on, and
+:func:`futex_pingpong`, the two-thread hand-off it is measured against.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -24,7 +29,12 @@ from ._errors import BackendUnavailable, NativeError
 from ._validate import check_int, check_real
 from .backends.base import FLOAT_DTYPES, MAX_FUSED, check_dtype, check_same
 
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
+
 __all__ = [
+    "Counter",
+    "CounterLike",
     "DTYPES",
     "FLOAT_DTYPES",
     "MAX_SOURCES",
@@ -32,9 +42,11 @@ __all__ = [
     "check",
     "check_host_array",
     "copy",
+    "futex_pingpong",
     "gather",
     "library",
     "library_path",
+    "new_counter",
     "reduce_n",
     "scale",
     "sgd_update",
@@ -67,6 +79,10 @@ ERR_THREADS = 6
 ERR_UNSUPPORTED = 7
 ERR_OVERLAP = 8
 ERR_INTERNAL = 9
+TIMEOUT = 10  # nt_counter_wait: not reached in time (no error)
+ERR_PLATFORM = 11
+ERR_ALIGN = 12
+ERR_CPU = 13
 _STATUS_EXC: dict[int, type[Exception]] = {
     ERR_DTYPE: TypeError,
     ERR_UNSUPPORTED: TypeError,
@@ -76,6 +92,9 @@ _STATUS_EXC: dict[int, type[Exception]] = {
     ERR_NULL: ValueError,
     ERR_THREADS: ValueError,
     ERR_OVERLAP: ValueError,
+    ERR_ALIGN: ValueError,
+    ERR_CPU: ValueError,
+    ERR_PLATFORM: NotImplementedError,
 }
 
 _LIB_NAMES = {
@@ -132,11 +151,20 @@ def _declare(lib: ctypes.CDLL) -> None:
         "nt_gather": [vp, vp, vp, i32, i32],
         "nt_use_f16c": [i32],
         "nt_max_sources": [],
+        "nt_counter_wait": [vp, ctypes.c_uint32, i64, i64, i32],
+        "nt_counter_add_wake": [vp, ctypes.c_uint32, i32, vp],
     }
     for name, argtypes in sigs.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = i32
+    for name, argtypes in {
+        "nt_futex_pingpong": [i64, i64, i32, i32],
+        "nt_spin_default_ns": [],
+    }.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = i64
     lib.nt_strerror.argtypes = [i32]
     lib.nt_strerror.restype = ctypes.c_char_p
 
@@ -434,3 +462,186 @@ def gather(dst: np.ndarray, views: Sequence[object], nthreads: int = 1) -> np.nd
         for j in range(held):
             _release_buffer(base + j * step)
     return dst
+
+
+# ---- the wait primitive ----
+
+_COUNTER_SHARED = 1  # NT_COUNTER_SHARED
+_COUNTER_MASK = 0xFFFFFFFF
+_MAX_WAIT_S = 1e9  # about 31 years: longer timeouts (inf) are clamped to it
+_gil_add: Callable[..., int] | None = None
+
+
+def _gil_holding_add() -> Callable[..., int]:
+    """``nt_counter_add_wake`` called *without* releasing the GIL (through ``PyDLL``): it
+    never blocks (one atomic add, a futex wake only when someone sleeps), and releasing
+    the GIL there would hand it to a woken thread in the middle of the caller's work."""
+    global _gil_add
+    if _gil_add is None:
+        with _lock:
+            if _gil_add is None:
+                library()  # loads and checks it first
+                fn = ctypes.PyDLL(os.fspath(library_path())).nt_counter_add_wake
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_void_p]
+                fn.restype = ctypes.c_int
+                _gil_add = fn
+    return _gil_add
+
+
+class Counter:
+    """A 32-bit sequence counter that threads, or processes sharing memory, wait on.
+
+    Two adjacent ``uint32`` words (8-byte aligned): the value, which wraps at 2**32, and
+    the number of threads sleeping on it. ``Counter()`` allocates them; ``Counter(buf,
+    offset, shared=True)`` uses 8 zeroed bytes of a writable buffer, e.g. an ``mmap``
+    shared with another process (every process must pass the same ``shared``).
+
+    :meth:`wait` blocks until the value reaches a target (wrap-safe: "reached" means at
+    most 2**31 - 1 ahead), spinning briefly when a core looks free, then sleeping on a
+    futex with the GIL released; it always returns within its timeout. :meth:`add` adds
+    and wakes every sleeper (no system call when none sleeps). Linux uses futex; other
+    POSIX systems a process-wide condition variable (``shared=True`` is refused there).
+    """
+
+    __slots__ = ("_buf", "_wait", "_add", "addr", "flags", "_words")
+
+    def __init__(
+        self, buffer: WriteableBuffer | None = None, offset: int = 0, *, shared: bool = False
+    ) -> None:
+        offset = check_int(offset, "offset", min=0)
+        if buffer is None:
+            words = np.zeros(2, np.uint32)  # numpy data is at least 16-byte aligned
+            self._buf: object = words
+            self.addr = _addr(words)
+        else:
+            try:
+                raw = (ctypes.c_char * 8).from_buffer(buffer, offset)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(
+                    f"a Counter needs 8 writable bytes at offset {offset} of the buffer: {exc}"
+                ) from None
+            self._buf = raw
+            self.addr = ctypes.addressof(raw)
+        if self.addr % 8:
+            raise ValueError(f"a Counter must be 8-byte aligned; address {self.addr:#x} is not")
+        self._words = (ctypes.c_uint32 * 2).from_address(self.addr)
+        self.flags = _COUNTER_SHARED if shared else 0
+        lib = library()
+        self._wait = lib.nt_counter_wait
+        self._add = _gil_holding_add()
+
+    @property
+    def value(self) -> int:
+        """The value now (0 .. 2**32 - 1)."""
+        return int(self._words[0])
+
+    @property
+    def sleepers(self) -> int:
+        """Threads sleeping on the counter now."""
+        return int(self._words[1])
+
+    def wait(self, target: int, timeout: float, spin: float | None = None) -> bool:
+        """Block until the value reaches ``target`` (mod 2**32): True, or False once
+        ``timeout`` seconds passed. ``spin``: seconds to spin before sleeping (0: sleep at
+        once; None: the adaptive default, a short spin only while a core looks free)."""
+        if not timeout >= 0:  # also NaN
+            raise ValueError(f"timeout must be >= 0 seconds, got {timeout!r}")
+        spin_ns = -1 if spin is None else max(0, int(min(spin, _MAX_WAIT_S) * 1e9))
+        timeout_ns = int(min(timeout, _MAX_WAIT_S) * 1e9)  # inf: a wait of years
+        status = self._wait(self.addr, target & _COUNTER_MASK, timeout_ns, spin_ns, self.flags)
+        if status == TIMEOUT:
+            return False
+        check(status, "Counter.wait")
+        return True
+
+    def add(self, delta: int = 1) -> None:
+        """Add ``delta`` (mod 2**32) and wake every thread sleeping on the counter."""
+        status = self._add(self.addr, delta & _COUNTER_MASK, self.flags, None)
+        if status:
+            check(status, "Counter.add")
+
+
+def futex_pingpong(
+    rounds: int = 10000, spin: float | None = 0.0, cpus: tuple[int, int] | None = None
+) -> float:
+    """Two new C threads pass a :class:`Counter` back and forth ``rounds`` times: seconds
+    per round trip. ``spin``: as in :meth:`Counter.wait` (None: adaptive); with 0 it is
+    the floor of any hand-off between two sleeping threads. ``cpus=(a, b)`` pins the two
+    threads (Linux): the same CPU twice gives the cost of a switch on one CPU, two CPUs
+    the cost of waking a thread on another one; None lets the scheduler place them."""
+    rounds = check_int(rounds, "rounds", min=1)
+    spin_ns = -1 if spin is None else max(0, int(spin * 1e9))
+    if cpus is None:
+        cpu_a = cpu_b = -1
+    else:
+        cpu_a, cpu_b = (check_int(c, "cpus[i]", min=0) for c in cpus)
+    ns = int(library().nt_futex_pingpong(rounds, spin_ns, cpu_a, cpu_b))
+    if ns < 0:
+        check(-ns, "futex_pingpong")
+    return ns * 1e-9
+
+
+def spin_default() -> float:
+    """Seconds :meth:`Counter.wait` spins by default when a core looks free."""
+    return int(library().nt_spin_default_ns()) * 1e-9
+
+
+class CounterLike(Protocol):
+    """What :func:`new_counter` returns: :class:`Counter` or its portable stand-in."""
+
+    @property
+    def value(self) -> int: ...
+
+    def wait(self, target: int, timeout: float, spin: float | None = None) -> bool: ...
+
+    def add(self, delta: int = 1) -> None: ...
+
+
+class _ConditionCounter:
+    """:class:`Counter`'s behaviour for threads of one process, on a condition variable:
+    the stand-in where the native wait primitive is missing (no library, or a platform
+    without futex or POSIX threads)."""
+
+    __slots__ = ("_value", "_cond")
+
+    def __init__(self) -> None:
+        self._value = 0
+        self._cond = threading.Condition(threading.Lock())
+
+    @property
+    def value(self) -> int:
+        return self._value
+
+    def wait(self, target: int, timeout: float, spin: float | None = None) -> bool:
+        if not timeout >= 0:  # also NaN
+            raise ValueError(f"timeout must be >= 0 seconds, got {timeout!r}")
+        target &= _COUNTER_MASK
+        timeout = min(timeout, _MAX_WAIT_S)
+
+        def reached() -> bool:
+            return ((self._value - target) & _COUNTER_MASK) < (1 << 31)
+
+        with self._cond:
+            return self._cond.wait_for(reached, timeout)
+
+    def add(self, delta: int = 1) -> None:
+        with self._cond:
+            self._value = (self._value + delta) & _COUNTER_MASK
+            self._cond.notify_all()
+
+
+_native_wait: bool | None = None
+
+
+def new_counter() -> CounterLike:
+    """A process-private :class:`Counter`, or where the native wait primitive is not
+    available, a condition-variable stand-in with the same methods."""
+    global _native_wait
+    if _native_wait is None:
+        try:
+            probe = Counter()
+            status = probe._wait(probe.addr, 1, 0, 0, 0)
+            _native_wait = status == TIMEOUT
+        except BackendUnavailable:
+            _native_wait = False
+    return Counter() if _native_wait else _ConditionCounter()

@@ -139,18 +139,24 @@ _Item = tuple[int, Callable[..., object], tuple[object, ...]]  # (sequence numbe
 class _Core:
     """The state a stream's worker needs, kept apart from the ``HostStream`` object so the
     worker does not keep the stream alive: when the stream is garbage collected its worker
-    finishes the queued work and exits."""
+    finishes the queued work and exits.
+
+    Completion is published on ``changed``, a native wait counter: the worker adds one per
+    op it completes, so its value is ``done`` (mod 2**32) and a waiter for op ``seq``
+    sleeps until the counter reaches ``seq``, with the GIL released. A failure or a
+    shutdown jumps the counter once by 2**30, past every op still queued, which wakes
+    every waiter to see why."""
 
     __slots__ = (
         "name",
         "q",
         "lock",
-        "cv",
+        "changed",
         "enqueued",
         "done",
         "error",
         "failed_seq",
-        "waiters",
+        "jumped",
         "thread",
         "closed",
         "rng",
@@ -162,12 +168,12 @@ class _Core:
         self.name = name
         self.q: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self.lock = threading.Lock()
-        self.cv = threading.Condition(self.lock)
+        self.changed = _native.new_counter()
         self.enqueued = 0  # sequence number of the last op enqueued
         self.done = 0  # sequence number of the last op completed
         self.error: BaseException | None = None
         self.failed_seq = 0
-        self.waiters = 0
+        self.jumped = False  # the counter was moved past every queued op (under lock)
         self.thread: threading.Thread | None = None
         self.closed = False
         if jitter is None:
@@ -196,23 +202,21 @@ class _Core:
         if self.done >= seq:
             return
         deadline = time.monotonic() + limit
-        with self.lock:
-            self.waiters += 1
-            try:
-                while self.done < seq:
-                    if self.error is not None and self.failed_seq <= seq:
-                        raise self.error
-                    if self.closed:
-                        raise _StreamShutdown(f"stream {self.name} was shut down")
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise CommTimeout(
-                            f"stream {self.name}: op {seq} not done after {limit:g} s "
-                            f"({self.done} of {self.enqueued} ops done)"
-                        )
-                    self.cv.wait(remaining)
-            finally:
-                self.waiters -= 1
+        while self.done < seq:
+            # the flags are set before the counter jumps: read them first, then wait
+            if self.error is not None and self.failed_seq <= seq:
+                raise self.error
+            if self.closed:
+                raise _StreamShutdown(f"stream {self.name} was shut down")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CommTimeout(
+                    f"stream {self.name}: op {seq} not done after {limit:g} s "
+                    f"({self.done} of {self.enqueued} ops done)"
+                )
+            # at most 2**30 ops are ever queued, so seq is never more than 2**31 ahead;
+            # no spin: the worker that completes the op needs the GIL to say so
+            self.changed.wait(seq, remaining, 0.0)
 
     def check(self, seq: int) -> bool:
         """Non-blocking ``wait_for``: True if done, raises a failure at or before it."""
@@ -227,6 +231,12 @@ class _Core:
         """The stream object is gone: let the worker finish the queue, then exit."""
         self.q.put(None)
 
+    def _jump(self) -> None:
+        """Wake every waiter for good (called with the lock held, flags already set)."""
+        if not self.jumped:
+            self.jumped = True
+            self.changed.add(1 << 30)
+
     def close(self) -> None:
         """Shut down: drop pending work and wake every waiter with an error."""
         with self.lock:
@@ -234,12 +244,13 @@ class _Core:
                 return
             self.closed = True
             self.q.put(None)
-            self.cv.notify_all()
+            self._jump()
 
 
 def _worker(core: _Core) -> None:
     q = core.q
     sleep = time.sleep
+    changed = core.changed
     while True:
         item = q.get()
         if item is None:
@@ -257,12 +268,10 @@ def _worker(core: _Core) -> None:
             with core.lock:
                 core.error = exc
                 core.failed_seq = seq
-                core.cv.notify_all()
+                core._jump()
         else:
-            with core.lock:
-                core.done = seq
-                if core.waiters:
-                    core.cv.notify_all()
+            core.done = seq
+            changed.add(1)  # wakes a waiter for this op (no system call if none sleeps)
         del fn, args
 
 

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .. import _native
 from .._errors import CommError, CommTimeout, MissingRanks, NcclTreeError, PeerFailure
 from ._args import Array, Launched
 from .collectives import COLLECTIVES
@@ -139,23 +140,29 @@ class _Pending:
 
 
 class _Rendezvous:
-    """Where per-rank calls meet. Call k of every rank forms one collective."""
+    """Where per-rank calls meet. Call k of every rank forms one collective.
+
+    Waiting ranks sleep on ``changed``, a native wait counter (futex, GIL released) that
+    moves at every completed collective, abort and close: a waiter reads it, checks its
+    collective, and sleeps until it moves.
+    """
 
     def __init__(self, world: World) -> None:
         self.world = world
-        self.cond = threading.Condition()
+        self.lock = threading.Lock()
+        self.changed = _native.new_counter()
         self.next_index = [0] * world.size
         self.pending: dict[int, _Pending] = {}
 
     def wake_all(self) -> None:
-        with self.cond:
-            self.cond.notify_all()
+        """Wake every waiting rank to look at the World again (abort, close)."""
+        self.changed.add(1)
 
     def arrive(self, rank: int, call: _Call) -> Any:
         w = self.world
         n = w.size
         arrived_at = time.monotonic()
-        with self.cond:
+        with self.lock:
             w._check_usable()
             idx = self.next_index[rank]
             self.next_index[rank] += 1
@@ -164,26 +171,31 @@ class _Rendezvous:
                 p = self.pending[idx] = _Pending([None] * n)
             p.calls[rank] = call
             p.arrived += 1
-            if p.arrived < n:
-                self._wait(p, rank, idx, call, arrived_at)
-                return self._result(p, rank)
-            p.all_arrived_at = time.monotonic()
-            p.runner = rank
+            last = p.arrived == n
+            if last:
+                p.all_arrived_at = time.monotonic()
+                p.runner = rank
+                del self.pending[idx]  # complete: later arrivals make a new one
+        if not last:
+            self._wait(p, rank, idx, call, arrived_at)
+            return self._result(p, rank)
         try:
             p.launched = self._run(p)
         except BaseException as exc:  # noqa: BLE001 - handed to every rank
             p.error = exc
             if not isinstance(exc, (ValueError, TypeError)):
                 w._abort(exc if isinstance(exc, NcclTreeError) else CommError(repr(exc)))
-        with self.cond:
-            p.done = True
-            self.pending.pop(idx, None)
-            self.cond.notify_all()
+        p.done = True  # before the counter moves: a waiter checks it after reading it
+        self.changed.add(1)
         return self._result(p, rank)
 
     def _wait(self, p: _Pending, rank: int, idx: int, call: _Call, arrived_at: float) -> None:
         w = self.world
-        while not p.done:
+        changed = self.changed
+        while True:
+            seen = changed.value
+            if p.done:
+                return
             failure = w._failure
             if failure is not None:
                 # a timeout seen by another rank of this collective is this rank's timeout
@@ -201,7 +213,8 @@ class _Rendezvous:
             limit = w.timeout if p.all_arrived_at is None else 2 * w.timeout
             remaining = start + limit - time.monotonic()
             if remaining <= 0:
-                missing = [r for r, c in enumerate(p.calls) if c is None]
+                with self.lock:
+                    missing = [r for r, c in enumerate(p.calls) if c is None]
                 what = f"rank {rank}: {call.collective} #{idx} timed out after {w.timeout:g} s"
                 if missing:
                     # the blame goes to the ranks that did not arrive, not to this one
@@ -212,7 +225,10 @@ class _Rendezvous:
                     exc = CommTimeout(f"{what} waiting for it to run")
                 w._abort(exc)
                 raise exc
-            self.cond.wait(min(remaining, 0.5))
+            # no spin: the rank that wakes this one holds the GIL, which this rank needs
+            # next; a spinning rank only meets it on another CPU (see Waiting in
+            # docs/architecture.md)
+            changed.wait(seen + 1, min(remaining, 0.5), 0.0)
 
     def _result(self, p: _Pending, rank: int) -> Any:
         if p.error is not None:
@@ -246,13 +262,13 @@ class _Rendezvous:
         calls = [c for c in p.calls if c is not None]
         assert len(calls) == len(p.calls)  # the last rank to arrive runs it
         first = calls[0]
+        key = (first.collective, first.op, first.root, first.async_op)
         for r, c in enumerate(calls):
-            for field in ("collective", "op", "root", "async_op"):
-                if getattr(c, field) != getattr(first, field):
-                    raise ValueError(
-                        f"ranks disagree on the collective: rank 0 called "
-                        f"{_describe(first)}, rank {r} called {_describe(c)}"
-                    )
+            if (c.collective, c.op, c.root, c.async_op) != key:
+                raise ValueError(
+                    f"ranks disagree on the collective: rank 0 called "
+                    f"{_describe(first)}, rank {r} called {_describe(c)}"
+                )
         if first.collective == "barrier":
             return None
         return self.world._launch(

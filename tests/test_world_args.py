@@ -30,7 +30,7 @@ def world():
         ({"chunk_bytes": 4096.0}, TypeError, "chunk_bytes must be an integer"),
         ({"chunk_bytes": True}, TypeError, "chunk_bytes must be an integer"),
         ({"inline_bytes": -1}, ValueError, "inline_bytes must be >= 0"),
-        ({"inline_bytes": None}, TypeError, "inline_bytes must be an integer"),
+        ({"inline_bytes": 1.5}, TypeError, "inline_bytes must be an integer"),
     ],
 )
 def test_bad_world_arguments(kwargs, err, match):

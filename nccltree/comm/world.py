@@ -101,9 +101,12 @@ class World:
     ``chunk_for(nbytes)`` says which chunk a message gets; ``chunk_bytes`` is then the
     largest. The chunk never changes which values are summed in which order, so results
     are bitwise the same whatever it is. On the host backend synchronous calls of at most
-    ``inline_bytes`` per rank run in the calling thread, every step in turn, each kernel
-    on ``inline_threads`` threads (default: the devices' threads together, at most the CPU
-    count).
+    ``inline_bytes`` per rank (default None: any size) run in the calling thread, every
+    step in turn, each kernel on ``inline_threads`` threads (default: the devices' threads
+    together, at most the CPU count): every rank's memory is the host's, so one caller
+    giving each kernel all the cores reaches the memory bandwidth without a hand-off
+    between threads (measured: docs/performance.md#inline-calls-on-the-host-backend).
+    Calls with ``async_op=True`` or explicit streams go to the streams.
     """
 
     def __init__(
@@ -114,7 +117,7 @@ class World:
         timeout: float = 60.0,
         *,
         chunk_bytes: int | None = None,
-        inline_bytes: int = 256 << 10,
+        inline_bytes: int | None = None,
         inline_threads: int | None = None,
     ) -> None:
         if isinstance(devices, str):
@@ -142,7 +145,9 @@ class World:
             chunk_bytes = HOST_CHUNK_BYTES if devices[0].backend == "host" else GPU_CHUNK_MAX
         #: the chunk when fixed; under the GPU policy the largest chunk a plan uses
         self.chunk_bytes = check_int(chunk_bytes, "chunk_bytes", min=64)
-        self.inline_bytes = check_int(inline_bytes, "inline_bytes", min=0)
+        self.inline_bytes: int | None = (
+            None if inline_bytes is None else check_int(inline_bytes, "inline_bytes", min=0)
+        )
         if inline_threads is None:
             # one caller performs every rank's steps in turn: each kernel may use the
             # threads of all the devices, up to the cores there are
@@ -572,7 +577,7 @@ class World:
         return (
             self.backend == "host"
             and not async_op
-            and prep.nbytes <= self.inline_bytes
+            and (self.inline_bytes is None or prep.nbytes <= self.inline_bytes)
             and all(cs is None for cs in streams)
             and all(st.query() for st in self._streams)
         )

@@ -384,6 +384,50 @@ def copy(dst: np.ndarray, src: np.ndarray, nthreads: int = 1) -> np.ndarray:
     return dst
 
 
+# ---- for callers that checked their arguments already ----
+#
+# The host backend's stream operations reach the kernels with arguments the ``Stream``
+# methods checked once (numpy arrays, C-contiguous, one dtype, equal sizes, no partial
+# overlap; the C library checks sizes and overlap again). These skip the Python checks,
+# which cost more than the kernel itself below about 64 KiB.
+
+_from_buffer = ctypes.c_char.from_buffer
+_addressof = ctypes.addressof
+
+
+def _fast_addr(x: np.ndarray) -> int:
+    """The address of a contiguous array's first byte: through the buffer protocol for a
+    writeable array (a fraction of ``__array_interface__``'s cost), else numpy's."""
+    try:
+        return _addressof(_from_buffer(x.data))
+    except (TypeError, ValueError):  # read-only, or empty
+        return int(x.ctypes.data)
+
+
+def reduce_n_checked(
+    dst: np.ndarray, srcs: Sequence[np.ndarray], op: str, nthreads: int, alpha: float = 1.0
+) -> None:
+    """:func:`reduce_n` for arguments already checked (see above)."""
+    k = len(srcs)
+    ptrs = (ctypes.c_void_p * k)(*[_fast_addr(s) for s in srcs])
+    lib, code, dtype = library(), OPS[op], DTYPES[dst.dtype]
+    if alpha != 1.0:
+        status = lib.nt_reduce_n_scaled(
+            code, dtype, _fast_addr(dst), ptrs, k, dst.size, alpha, nthreads
+        )
+    else:
+        status = lib.nt_reduce_n(code, dtype, _fast_addr(dst), ptrs, k, dst.size, nthreads)
+    if status:
+        check(status, "reduce_n")
+
+
+def copy_checked(dst: np.ndarray, src: np.ndarray, nthreads: int) -> None:
+    """:func:`copy` for arguments already checked (see above)."""
+    status = library().nt_copy(_fast_addr(dst), _fast_addr(src), dst.nbytes, nthreads)
+    if status:
+        check(status, "copy")
+
+
 class _PyBuffer(ctypes.Structure):
     """CPython's ``Py_buffer`` (part of the stable ABI since 3.11)."""
 

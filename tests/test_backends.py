@@ -227,7 +227,7 @@ def test_scaled_reduce_is_bitwise_reduce_then_scale(dev, dtype, k, n):
     assert dev.to_host(got).tobytes() == dev.to_host(want).tobytes()
 
 
-# the host backend's native path starts above SMALL_BYTES; float16 always takes it
+# the host backend's native path starts above SMALL_BYTES of passes; float16 always takes it
 @pytest.mark.parametrize(
     ("dtype", "n"), [(np.float32, 5000), (np.float32, 33), (np.float16, 300), (np.int32, 5000)]
 )

@@ -17,18 +17,18 @@ from nccltree import _native
 def kernel_threads(monkeypatch):
     """The nthreads of every native copy and reduce, in call order."""
     seen: list[int] = []
-    copy, reduce_n = _native.copy, _native.reduce_n
+    copy, reduce_n = _native.copy_checked, _native.reduce_n_checked
 
-    def spy_copy(dst, src, nthreads=1):
+    def spy_copy(dst, src, nthreads):
         seen.append(nthreads)
-        return copy(dst, src, nthreads=nthreads)
+        copy(dst, src, nthreads)
 
-    def spy_reduce(dst, srcs, op="sum", nthreads=1, alpha=1.0):
+    def spy_reduce(dst, srcs, op, nthreads, alpha=1.0):
         seen.append(nthreads)
-        return reduce_n(dst, srcs, op=op, nthreads=nthreads, alpha=alpha)
+        reduce_n(dst, srcs, op, nthreads, alpha)
 
-    monkeypatch.setattr(_native, "copy", spy_copy)
-    monkeypatch.setattr(_native, "reduce_n", spy_reduce)
+    monkeypatch.setattr(_native, "copy_checked", spy_copy)
+    monkeypatch.setattr(_native, "reduce_n_checked", spy_reduce)
     return seen
 
 

@@ -14,23 +14,27 @@ from nccltree.comm._args import Prepared
 
 # message sizes per rank: zero, tiny, each threshold and its neighbours, large
 SIZES = sorted(
-    {0, 4, 1000}
+    {0, 4, 252, 256, 260, 1000}
     | {t + d for t in (64 << 10, 256 << 10, 1 << 20) for d in (-4, 0, 4)}
     | {4 << 20, 64 << 20}
 )
 
 
 def old_choose(world: nt.World, nbytes: int) -> str:
-    """World._choose as it was written before the table (the oracle of this test)."""
+    """World._choose written as an if-chain (the oracle of this test): as before the table,
+    plus direct for messages of one 256-byte unit on uniform host links."""
     if world.backend == "cuda" and nbytes >= 256 << 10 and world._nccl_usable():
         return "nccl"
-    if nbytes <= {"host": 1 << 20, "cuda": 64 << 10}[world.backend]:
-        return "tree"
     topo, n = world.topology, world.size
     links = {
         (topo.link(i, j).kind, topo.link(i, j).p2p) for i in range(n) for j in range(n) if i != j
     }
-    return "direct" if len(links) == 1 and next(iter(links))[1] else "tree"
+    uniform = len(links) == 1 and next(iter(links))[1]
+    if world.backend == "host" and uniform and nbytes <= 256:
+        return "direct"
+    if nbytes <= {"host": 1 << 20, "cuda": 64 << 10}[world.backend]:
+        return "tree"
+    return "direct" if uniform else "tree"
 
 
 def choices(world: nt.World) -> list[tuple[int, str, str]]:

@@ -47,10 +47,17 @@ _NCCL = Rule(
     min_bytes=256 << 10,
 )
 # measured: see docs/performance.md#algorithm-choice-per-size-auto
+_HOST_DIRECT_TINY = Rule(
+    "direct",
+    "at most one 256-byte alignment unit per rank: direct's plan is one fused sum at one "
+    "rank and a copy to each other rank, the fewest steps (measured on the host backend, "
+    "docs/performance.md#algorithm-choice-per-size-auto)",
+    max_bytes=256,
+)
 _HOST_TREE = Rule(
     "tree",
     "measured on the host backend: the tree led direct up to 1 MiB per rank on 2 and 4 "
-    "ranks, direct led from 4 MiB (docs/performance.md#algorithm-choice-per-size-auto); inline up to 256 KiB",
+    "ranks, direct led from 2 MiB (docs/performance.md#algorithm-choice-per-size-auto)",
     max_bytes=1 << 20,
 )
 _CUDA_TREE = Rule(
@@ -62,7 +69,7 @@ _DIRECT = Rule("direct", "uniform links with peer access: direct moves the fewes
 _TREE = Rule("tree", "mixed links: the topology-aware tree keeps slow links for few transfers")
 
 AUTO: dict[tuple[str, str], tuple[Rule, ...]] = {
-    ("host", UNIFORM_PEER): (_HOST_TREE, _DIRECT),
+    ("host", UNIFORM_PEER): (_HOST_DIRECT_TINY, _HOST_TREE, _DIRECT),
     ("host", OTHER): (_TREE,),
     ("cuda", UNIFORM_PEER): (_NCCL, _CUDA_TREE, _DIRECT),
     ("cuda", OTHER): (_NCCL, _TREE),

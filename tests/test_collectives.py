@@ -275,8 +275,11 @@ def test_async_work_and_explicit_streams():
 
 def test_auto_choice_and_plan_inspection():
     with nt.World(nt.devices("cpu:4"), algorithm="auto") as w:
-        assert "tree" in w.plan("all_reduce", 16).description
-        # on the host the tree takes up to 1 MiB per rank (float32: 2**18 elements)
+        # on uniform host links direct takes up to 256 B per rank, the tree up to 1 MiB
+        # (float32: 2**18 elements), direct above
+        assert "direct" in w.plan("all_reduce", 16).description
+        assert "direct" in w.plan("all_reduce", 64).description
+        assert "tree" in w.plan("all_reduce", 65).description
         assert "tree" in w.plan("all_reduce", 1 << 18).description
         assert "direct" in w.plan("all_reduce", (1 << 18) + 1).description
         assert "direct" in w.plan("all_reduce", 1 << 20).description

@@ -35,7 +35,7 @@ def kernel_threads(monkeypatch):
 @pytest.mark.parametrize("alg", ["tree", "ring", "direct"])
 @pytest.mark.parametrize("inline_threads", [None, 1, 3])
 def test_inline_kernels_use_the_inline_threads(kernel_threads, alg, inline_threads):
-    n, count = 3, 64 << 10  # 256 KiB per rank: native kernels, not numpy's small path
+    n, count = 3, 160 << 10  # 640 KiB per rank: every core from 512 KiB (driver side)
     with nt.World(
         nt.devices(f"cpu:{n}"), algorithm=alg, inline_bytes=1 << 20, inline_threads=inline_threads
     ) as w:
@@ -60,3 +60,26 @@ def test_calls_on_streams_keep_the_device_threads(kernel_threads):
 def test_inline_threads_is_checked(bad):
     with pytest.raises((TypeError, ValueError), match="inline_threads"):
         nt.World(nt.devices("cpu:2"), inline_threads=bad)
+
+
+def test_smaller_calls_and_calls_by_the_ranks_keep_the_device_threads(kernel_threads):
+    # below 512 KiB per rank a driver-side call, and below 8 MiB a call made by the ranks'
+    # threads, run each kernel on its device's threads (measured: performance.md)
+    n = 2
+    with nt.World(nt.devices(f"cpu:{n}"), inline_threads=2) as w:
+        for d in w.devices:
+            d.threads = 1
+        xs = [np.ones(64 << 10, np.float32) for _ in range(n)]  # 256 KiB
+        w.all_reduce(xs)
+        assert kernel_threads and set(kernel_threads) == {1}
+        kernel_threads.clear()
+        big = [np.ones(256 << 10, np.float32) for _ in range(n)]  # 1 MiB
+        w.all_reduce(big)
+        assert set(kernel_threads) == {2}
+        kernel_threads.clear()
+        w.run(lambda comm: comm.all_reduce(big[comm.rank]))
+        assert kernel_threads and set(kernel_threads) == {1}
+        kernel_threads.clear()
+        huge = [np.ones(2 << 20, np.float32) for _ in range(n)]  # 8 MiB
+        w.run(lambda comm: comm.all_reduce(huge[comm.rank]))
+        assert set(kernel_threads) == {2}

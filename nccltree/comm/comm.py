@@ -279,6 +279,7 @@ class _Rendezvous:
             first.root,
             [c.stream for c in calls],
             first.async_op,
+            by_ranks=True,
         )
 
 

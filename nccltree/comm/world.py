@@ -73,6 +73,15 @@ def _add_note(exc: BaseException, note: str) -> None:
         exc.add_note(note)
 
 
+# Inline kernels run on ``inline_threads`` threads from these message sizes per rank, on
+# their device's threads below (measured:
+# docs/performance.md#inline-calls-on-the-host-backend). A driver-side call has one calling thread, whose OpenMP team serves every call:
+# every core pays from a few hundred KiB. A call the ranks' threads make together is run
+# by whichever arrives last, so each rank thread keeps a team of its own; the teams contend
+# for the cores, and every core paid only from several MiB.
+_INLINE_EVERY_CORE_FROM = {False: 512 << 10, True: 8 << 20}
+
+
 class World:
     """All ranks of one process: ``World(devices, algorithm="tree", topology=None,
     timeout=60.0)``.
@@ -103,7 +112,8 @@ class World:
     are bitwise the same whatever it is. On the host backend synchronous calls of at most
     ``inline_bytes`` per rank (default None: any size) run in the calling thread, every
     step in turn, each kernel on ``inline_threads`` threads (default: the devices' threads
-    together, at most the CPU count): every rank's memory is the host's, so one caller
+    together, at most the CPU count; from 512 KiB per rank, or 8 MiB when the ranks'
+    threads make the call together): every rank's memory is the host's, so one caller
     giving each kernel all the cores reaches the memory bandwidth without a hand-off
     between threads (measured: docs/performance.md#inline-calls-on-the-host-backend).
     Calls with ``async_op=True`` or explicit streams go to the streams.
@@ -472,7 +482,10 @@ class World:
         root: object,
         streams: list[Stream | None],
         async_op: bool,
+        by_ranks: bool = False,
     ) -> Launched:
+        """``by_ranks``: the ranks' own threads made the call together (the last to arrive
+        runs it), rather than one driver thread."""
         with self._lock:
             self._check_usable()
             prep = prepare(self.devices, collective, xs, outs, op, root)
@@ -499,8 +512,11 @@ class World:
             if self._can_inline(prep, streams, async_op):
                 try:
                     # _can_inline checked these are host devices
+                    every_core = prep.nbytes >= _INLINE_EVERY_CORE_FROM[by_ranks]
                     program.run_inline(
-                        bufs, cast("list[HostDevice]", self.devices), self.inline_threads
+                        bufs,
+                        cast("list[HostDevice]", self.devices),
+                        self.inline_threads if every_core else None,
                     )
                 except (ValueError, TypeError):
                     raise

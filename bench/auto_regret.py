@@ -22,6 +22,7 @@ import statistics
 import time
 
 import numpy as np
+from collectives_table import sizes_up_to  # this directory: the sweep's sizes
 
 from nccltree.cli._common import open_devices
 from nccltree.comm import World
@@ -29,14 +30,6 @@ from nccltree.comm.bench import machine_description, parse_size
 
 ALGORITHMS = ("tree", "ring", "direct", "auto")
 TARGET = 1.10  # regret at most 10%
-
-
-def sizes_up_to(maxbytes: int) -> list[int]:
-    sizes, s = [], 8
-    while s < maxbytes:
-        sizes.append(s)
-        s *= 8
-    return [*sizes, maxbytes]
 
 
 def calls_for(size: int) -> int:

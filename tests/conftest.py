@@ -9,6 +9,8 @@ verification; see ``tests/fakecupy``).
 from __future__ import annotations
 
 import functools
+import importlib.util
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -175,3 +177,16 @@ def fake_cupy(
         misuse = list(fake.misuse)
     if misuse:
         pytest.fail("the fake CuPy recorded misuse:\n" + "\n".join(misuse))
+
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+
+
+def bench_module(name: str) -> Any:
+    """``bench/<name>.py`` imported as a module (the bench scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH_DIR / f"{name}.py")
+    assert spec is not None and spec.loader is not None, name
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod

@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+from conftest import bench_module
 
 from nccltree.comm import World
 from nccltree.comm import bench as drv
 from nccltree.comm.collectives import COLLECTIVES
-
-BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
-
-
-def _bench_module(name: str):
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH_DIR / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 class MaxInsteadOfSum(World):
@@ -307,7 +294,7 @@ def test_machine_description(host_devs):
 
 
 def test_make_tables_renders_driver_json(host_devs):
-    mt = _bench_module("make_tables")
+    mt = bench_module("make_tables")
     recs = drv.run_benchmark(
         host_devs(2), algorithms=["tree", "ring"], sizes=[8, 4096], iters=1, warmup=0
     )

@@ -6,12 +6,9 @@ check the structure (step and chunk counts, which events are reused) and the res
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+from conftest import bench_module
 
 import nccltree as nt
 from nccltree.comm.executor import Buffers, Program
@@ -24,21 +21,12 @@ from nccltree.comm.world import (
     gpu_chunk_bytes,
 )
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 MiB = 1 << 20
-
-
-def _bench_module(name: str):
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH_DIR / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def null():
-    return _bench_module("null_backend")
+    return bench_module("null_backend")
 
 
 # -- the GPU chunk policy -------------------------------------------------------------------
@@ -224,7 +212,7 @@ def test_the_null_backend_is_no_device_spec(null):
 
 
 def test_measure(null):
-    mod = _bench_module("issue_cost")
+    mod = bench_module("issue_cost")
     lines: list[str] = []
     result = mod.measure((2,), (8, MiB), ("tree", "direct"), reps=1, min_time=0.0, log=lines.append)
     assert len(lines) == 4

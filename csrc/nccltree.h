@@ -74,6 +74,31 @@ NT_API int nt_sgd_update(int dtype, void *w, void *g, void *v, double lr, double
 NT_API int nt_copy(void *dst, const void *src, int64_t nbytes, int nthreads);
 /* dst = srcs[0][0, nbytes[0]) ++ ... ++ srcs[k-1][0, nbytes[k-1]), back to back; k >= 0,
    no source may overlap the destination */
+/* One step of a plan that a caller performs in order (nt_run_steps): a copy, a reduction
+   of k sources (alpha != 1.0: scaled, sum only) or a scale, on elements of one dtype.
+   Buffers are numbered slots whose base addresses the caller passes per call; offsets
+   count elements. A copy whose source is its destination moves nothing. */
+typedef struct {
+    int32_t kind; /* NT_STEP_COPY, NT_STEP_REDUCE or NT_STEP_SCALE */
+    int32_t op;   /* reduce: NT_SUM ... */
+    int32_t k;    /* reduce: 1 .. NT_MAX_SOURCES sources */
+    int32_t rank; /* whose thread count the step uses */
+    int64_t count;
+    double alpha;
+    int32_t dst;
+    int32_t src[NT_MAX_SOURCES];
+    int64_t dst_off;
+    int64_t src_off[NT_MAX_SOURCES];
+} nt_step;
+
+enum { NT_STEP_COPY = 0, NT_STEP_REDUCE = 1, NT_STEP_SCALE = 2 };
+
+/* Perform steps[0 .. nsteps) in order: the inline execution of a plan in one call.
+   bases[slot] is each buffer's address, threads[rank] each rank's kernel threads. On an
+   error, *failed is the index of the step that failed and its status is returned. */
+NT_API int nt_run_steps(int dtype, const nt_step *steps, int nsteps, void *const *bases,
+                        const int *threads, int *failed);
+
 NT_API int nt_gather(void *dst, const void *const *srcs, const int64_t *nbytes, int k,
                      int nthreads);
 NT_API const char *nt_strerror(int status);

@@ -728,6 +728,50 @@ NT_API int nt_copy(void *dst, const void *src, int64_t nbytes, int nthreads) {
     return NT_OK;
 }
 
+NT_API int nt_run_steps(int dtype, const nt_step *steps, int nsteps, void *const *bases,
+                        const int *threads, int *failed) {
+    if (dtype < 0 || dtype >= NT_NDTYPES) return NT_ERR_DTYPE;
+    if (nsteps < 0) return NT_ERR_SIZE;
+    if (nsteps > 0 && (steps == NULL || bases == NULL || threads == NULL)) return NT_ERR_NULL;
+    const int64_t item = nt_itemsize[dtype];
+    for (int i = 0; i < nsteps; ++i) {
+        const nt_step *s = &steps[i];
+        char *dst = (char *)bases[s->dst] + s->dst_off * item;
+        const int nthreads = threads[s->rank];
+        int st;
+        switch (s->kind) {
+        case NT_STEP_COPY:
+            st = nt_copy(dst, (const char *)bases[s->src[0]] + s->src_off[0] * item,
+                         s->count * item, nthreads);
+            break;
+        case NT_STEP_REDUCE: {
+            if (s->k < 1 || s->k > NT_MAX_SOURCES) {
+                st = NT_ERR_NSOURCES;
+                break;
+            }
+            const void *srcs[NT_MAX_SOURCES];
+            for (int j = 0; j < s->k; ++j)
+                srcs[j] = (const char *)bases[s->src[j]] + s->src_off[j] * item;
+            st = s->alpha != 1.0
+                     ? nt_reduce_n_scaled(s->op, dtype, dst, srcs, s->k, s->count, s->alpha,
+                                          nthreads)
+                     : nt_reduce_n(s->op, dtype, dst, srcs, s->k, s->count, nthreads);
+            break;
+        }
+        case NT_STEP_SCALE:
+            st = nt_scale(dtype, dst, s->alpha, s->count, nthreads);
+            break;
+        default:
+            st = NT_ERR_UNSUPPORTED;
+        }
+        if (st != NT_OK) {
+            if (failed != NULL) *failed = i;
+            return st;
+        }
+    }
+    return NT_OK;
+}
+
 NT_API int nt_gather(void *dst, const void *const *srcs, const int64_t *nbytes, int k,
                      int nthreads) {
     if (k < 0) return NT_ERR_SIZE;

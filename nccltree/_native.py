@@ -48,6 +48,7 @@ __all__ = [
     "library_path",
     "new_counter",
     "reduce_n",
+    "run_steps",
     "scale",
     "sgd_update",
     "sum_into",
@@ -153,6 +154,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "nt_max_sources": [],
         "nt_counter_wait": [vp, ctypes.c_uint32, i64, i64, i32],
         "nt_counter_add_wake": [vp, ctypes.c_uint32, i32, vp],
+        "nt_run_steps": [i32, vp, i32, vp, vp, vp],
     }
     for name, argtypes in sigs.items():
         fn = getattr(lib, name)
@@ -426,6 +428,50 @@ def copy_checked(dst: np.ndarray, src: np.ndarray, nthreads: int) -> None:
     status = library().nt_copy(_fast_addr(dst), _fast_addr(src), dst.nbytes, nthreads)
     if status:
         check(status, "copy")
+
+
+class Step(ctypes.Structure):
+    """One step of a plan performed by :func:`run_steps` (``nt_step`` in csrc/nccltree.h):
+    buffers are slots whose addresses each call passes, offsets count elements."""
+
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("op", ctypes.c_int32),
+        ("k", ctypes.c_int32),
+        ("rank", ctypes.c_int32),
+        ("count", ctypes.c_int64),
+        ("alpha", ctypes.c_double),
+        ("dst", ctypes.c_int32),
+        ("src", ctypes.c_int32 * MAX_SOURCES),
+        ("dst_off", ctypes.c_int64),
+        ("src_off", ctypes.c_int64 * MAX_SOURCES),
+    ]
+
+
+STEP_COPY, STEP_REDUCE, STEP_SCALE = 0, 1, 2
+
+
+def run_steps(
+    dtype: np.dtype[np.generic],
+    steps: ctypes.Array[Step],
+    bases: Sequence[int],
+    threads: Sequence[int],
+) -> None:
+    """Perform ``steps`` in order in one native call: a plan run inline (the engine checked
+    every range against its buffer once, and the arguments of the call; the library checks
+    each kernel's overlap rules again). ``bases[slot]`` is each buffer's address,
+    ``threads[rank]`` each rank's kernel threads."""
+    failed = ctypes.c_int(-1)
+    status = library().nt_run_steps(
+        DTYPES[dtype],
+        steps,
+        len(steps),
+        (ctypes.c_void_p * len(bases))(*bases),
+        (ctypes.c_int * len(threads))(*threads),
+        ctypes.byref(failed),
+    )
+    if status:
+        check(status, f"step {failed.value} of the plan")
 
 
 class _PyBuffer(ctypes.Structure):

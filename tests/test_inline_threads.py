@@ -11,12 +11,44 @@ import pytest
 
 import nccltree as nt
 from nccltree import _native
+from nccltree.comm.executor import Program
+
+
+@pytest.fixture(params=["native program", "step by step"])
+def kernel_threads(request, monkeypatch):
+    """The nthreads of every native copy and reduce: of the steps the whole inline program
+    hands the library in one call (the thread count of each step's rank), or, with that
+    path off, of each step issued on the inline streams."""
+    seen: list[int] = []
+    if request.param == "native program":
+        lower = Program._lower
+
+        def spying_lower(self):
+            lowered = lower(self)
+            if not lowered:
+                return lowered
+            run = lowered.run
+
+            def spy(code, steps, n, bases, threads, failed):
+                seen.extend(threads[st.rank] for st in steps)
+                return run(code, steps, n, bases, threads, failed)
+
+            self._native = lowered._replace(run=spy)
+            return self._native
+
+        monkeypatch.setattr(Program, "_lower", spying_lower)
+        return seen
+    monkeypatch.setattr(Program, "_lower", lambda self: False)
+    return _spy_step_kernels(monkeypatch, seen)
 
 
 @pytest.fixture
-def kernel_threads(monkeypatch):
-    """The nthreads of every native copy and reduce, in call order."""
-    seen: list[int] = []
+def stream_kernel_threads(monkeypatch):
+    """The nthreads of every native copy and reduce the streams' operations run."""
+    return _spy_step_kernels(monkeypatch, [])
+
+
+def _spy_step_kernels(monkeypatch, seen: list[int]) -> list[int]:
     copy, reduce_n = _native.copy_checked, _native.reduce_n_checked
 
     def spy_copy(dst, src, nthreads):
@@ -47,7 +79,8 @@ def test_inline_kernels_use_the_inline_threads(kernel_threads, alg, inline_threa
     assert all(np.all(x == 6.0) for x in xs)
 
 
-def test_calls_on_streams_keep_the_device_threads(kernel_threads):
+def test_calls_on_streams_keep_the_device_threads(stream_kernel_threads):
+    kernel_threads = stream_kernel_threads
     with nt.World(nt.devices("cpu:2"), inline_bytes=0, inline_threads=2) as w:
         for d in w.devices:
             d.threads = 1

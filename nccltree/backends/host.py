@@ -98,6 +98,11 @@ def record_transfers() -> Iterator[list[Transfer]]:
                     break
 
 
+def recording_transfers() -> bool:
+    """Whether a ``record_transfers()`` block is open (then each operation is logged)."""
+    return bool(_recorders)
+
+
 def _record(src: int, dst: int, nbytes: int, kind: str) -> None:
     if not _recorders:  # the common case costs one truth test
         return

@@ -25,10 +25,14 @@ fresh ones.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import ctypes
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+from .. import _native
+from .._errors import NcclTreeError
 from ..backends.base import CopyArgs, ReduceArgs
+from ..backends.host import recording_transfers
 from ._args import Array
 from .plan import IN, OUT, STAGE, TMP, Buf, Plan
 
@@ -116,7 +120,17 @@ class Program:
     checked against it here, once, which is what lets every call issue its steps as
     checked arguments (``Stream.copy_checked`` and the like)."""
 
-    __slots__ = ("plan", "ranges", "ops", "data_ops", "owners", "events", "devices", "memory")
+    __slots__ = (
+        "plan",
+        "ranges",
+        "ops",
+        "data_ops",
+        "owners",
+        "events",
+        "devices",
+        "memory",
+        "_native",
+    )
 
     def __init__(
         self,
@@ -191,6 +205,9 @@ class Program:
         #: they were looked up for; kept by the World, which forgets them (None) whenever
         #: it replaces a scratch buffer
         self.memory: tuple[str, list[Array | None], list[Array | None]] | None = None
+        #: the data steps lowered for the host library's ``nt_run_steps`` (built on first
+        #: inline use; False: they cannot be)
+        self._native: _Lowered | bool | None = None
 
     def views(self, bufs: Buffers) -> list[Array]:
         """Every range of the plan as a view of this call's buffers, by range id."""
@@ -229,14 +246,87 @@ class Program:
         """Perform the plan now, in the calling thread (host backend only): its data steps
         in list order, which is a valid schedule, so the events are not needed.
         ``threads``: the threads every kernel uses (None: its device's)."""
-        views = self.views(bufs)
         arrays = bufs.arrays
-        # streams that perform each op at once
+        native = self._native if self._native is not None else self._lower()
+        if isinstance(native, _Lowered) and not recording_transfers():
+            # every step in one native call: no Python between the kernels
+            code = _native.DTYPES.get(arrays[0][IN].dtype)
+            if code is not None:
+                bases, nthreads, failed = native.bases, native.threads, native.failed
+                for i, (r, role) in enumerate(native.slots):
+                    bases[i] = _native._fast_addr(arrays[r][role])
+                for r, d in enumerate(devices):
+                    nthreads[r] = threads or d.threads
+                steps = native.steps
+                status = native.run(code, steps, len(steps), bases, nthreads, ctypes.byref(failed))
+                if status:
+                    _native.check(status, f"step {failed.value} of the plan")
+                return
+        views = self.views(bufs)
+        # streams that perform each op at once (they record transfers, when asked)
         now = [
             d.inline_stream if threads is None else d.inline_stream_with(threads) for d in devices
         ]
         for op in self.data_ops:
             _issue(op, now[op.rank], views, arrays)
+
+    def _lower(self) -> _Lowered | bool:
+        """The data steps lowered for the host library's ``nt_run_steps``, built once;
+        False when a step does not fit (more sources than one kernel takes) or the library
+        is missing."""
+        self._native = False
+        try:
+            lib = _native.library()
+        except NcclTreeError:
+            return False
+        slot: dict[tuple[int, str], int] = {}
+
+        def place(i: int) -> tuple[int, int]:
+            r, role, off, _ = self.ranges[i]
+            return slot.setdefault((r, role), len(slot)), off
+
+        steps = (_native.Step * len(self.data_ops))()
+        for st, op in zip(steps, self.data_ops, strict=True):
+            st.rank = op.rank
+            st.dst, st.dst_off = place(op.dst)
+            st.count = self.ranges[op.dst][3]
+            st.alpha = 1.0
+            if isinstance(op, _Copy):
+                st.kind, st.k = _native.STEP_COPY, 1
+                st.src[0], st.src_off[0] = place(op.src)
+            elif isinstance(op, _Reduce):
+                if len(op.srcs) > _native.MAX_SOURCES:
+                    return False
+                st.kind, st.k, st.op = _native.STEP_REDUCE, len(op.srcs), _native.OPS[op.op]
+                st.alpha = op.alpha
+                for j, i in enumerate(op.srcs):
+                    st.src[j], st.src_off[j] = place(i)
+            else:
+                st.kind, st.alpha = _native.STEP_SCALE, op.alpha
+        lowered = _Lowered(
+            lib.nt_run_steps,
+            steps,
+            sorted(slot, key=slot.__getitem__),
+            (ctypes.c_void_p * max(1, len(slot)))(),
+            (ctypes.c_int * len(self.devices))(),
+            ctypes.c_int(-1),
+        )
+        self._native = lowered
+        return lowered
+
+
+class _Lowered(NamedTuple):
+    """A program's data steps for the host library's ``nt_run_steps`` (see
+    :meth:`Program.run_inline`): the function, the steps, the (rank, role) of each buffer
+    slot they name, and the argument arrays each call fills (a World runs one call at a
+    time)."""
+
+    run: Callable[..., int]
+    steps: ctypes.Array[_native.Step]
+    slots: list[tuple[int, str]]
+    bases: ctypes.Array[ctypes.c_void_p]
+    threads: ctypes.Array[ctypes.c_int]
+    failed: ctypes.c_int
 
 
 def _issue(op: _Data, st: Stream, views: list[Array], arrays: list[dict[str, Array]]) -> None:

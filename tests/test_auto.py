@@ -22,7 +22,7 @@ SIZES = sorted(
 
 def old_choose(world: nt.World, nbytes: int) -> str:
     """World._choose written as an if-chain (the oracle of this test): as before the table,
-    plus direct for messages of one 256-byte unit on uniform host links."""
+    except that uniform host links take direct at every size."""
     if world.backend == "cuda" and nbytes >= 256 << 10 and world._nccl_usable():
         return "nccl"
     topo, n = world.topology, world.size
@@ -30,7 +30,7 @@ def old_choose(world: nt.World, nbytes: int) -> str:
         (topo.link(i, j).kind, topo.link(i, j).p2p) for i in range(n) for j in range(n) if i != j
     }
     uniform = len(links) == 1 and next(iter(links))[1]
-    if world.backend == "host" and uniform and nbytes <= 256:
+    if world.backend == "host" and uniform:
         return "direct"
     if nbytes <= {"host": 1 << 20, "cuda": 64 << 10}[world.backend]:
         return "tree"
@@ -63,7 +63,8 @@ def test_host_choices_are_unchanged(preset: str | None) -> None:
     n = 4 if topo is None else topo.n
     with nt.World(nt.devices(f"cpu:{n}"), algorithm="auto", topology=topo) as w:
         used = assert_same(w)
-    assert "tree" in used and "nccl" not in used
+        uniform = auto.topology_class(w.topology) == auto.UNIFORM_PEER
+    assert used == ({"direct"} if uniform else {"tree"})
 
 
 def test_host_one_device() -> None:

@@ -275,14 +275,13 @@ def test_async_work_and_explicit_streams():
 
 def test_auto_choice_and_plan_inspection():
     with nt.World(nt.devices("cpu:4"), algorithm="auto") as w:
-        # on uniform host links direct takes up to 256 B per rank, the tree up to 1 MiB
-        # (float32: 2**18 elements), direct above
-        assert "direct" in w.plan("all_reduce", 16).description
-        assert "direct" in w.plan("all_reduce", 64).description
-        assert "tree" in w.plan("all_reduce", 65).description
-        assert "tree" in w.plan("all_reduce", 1 << 18).description
-        assert "direct" in w.plan("all_reduce", (1 << 18) + 1).description
-        assert "direct" in w.plan("all_reduce", 1 << 20).description
+        # on uniform host links direct takes every size
+        for count in (16, 65, 1 << 18, (1 << 18) + 1, 1 << 20):
+            assert "direct" in w.plan("all_reduce", count).description
+        # the topology-aware tree where links differ
+    with nt.World(nt.devices("cpu:8"), algorithm="auto", topology=nt.Topology.preset("dgx1")) as w:
+        assert "tree" in w.plan("all_reduce", 1 << 20).description
+    with nt.World(nt.devices("cpu:4"), algorithm="auto") as w:
         xs = make_inputs(4, 1 << 18, "float32", "sum", 1)
         want = reference("sum", xs)
         w.all_reduce(xs)

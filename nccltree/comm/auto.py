@@ -6,12 +6,13 @@ wins; the last rule of a row takes every size. Whether an algorithm is usable is
 only once its size range matched (asking whether NCCL is usable creates communicators).
 
 Why these shapes: small messages are latency-bound, and the tree has the fewest dependent
-steps (log2 N) and on the host backend runs inline; large messages are bandwidth-bound,
-and on fully connected devices with uniform links (one host, NVSwitch) the direct
-algorithm moves the fewest bytes, while elsewhere the topology-aware tree keeps the slow
-links for the few top-level transfers. NCCL, where usable, takes large messages on GPUs.
-The host thresholds follow measurements (see
-docs/performance.md#algorithm-choice-per-size-auto); the GPU ones are not measured yet.
+steps (log2 N); large messages are bandwidth-bound, and on fully connected devices with
+uniform links (one host, NVSwitch) the direct algorithm moves the fewest bytes, while
+elsewhere the topology-aware tree keeps the slow links for the few top-level transfers.
+NCCL, where usable, takes large messages on GPUs. On one host a synchronous call runs its
+whole plan in one native call, so dependent steps cost nothing and direct takes every
+size (measured: docs/performance.md#algorithm-choice-per-size-auto); the GPU thresholds
+are not measured yet.
 """
 
 from __future__ import annotations
@@ -47,18 +48,12 @@ _NCCL = Rule(
     min_bytes=256 << 10,
 )
 # measured: see docs/performance.md#algorithm-choice-per-size-auto
-_HOST_DIRECT_TINY = Rule(
+_HOST_DIRECT = Rule(
     "direct",
-    "at most one 256-byte alignment unit per rank: direct's plan is one fused sum at one "
-    "rank and a copy to each other rank, the fewest steps (measured on the host backend, "
-    "docs/performance.md#algorithm-choice-per-size-auto)",
-    max_bytes=256,
-)
-_HOST_TREE = Rule(
-    "tree",
-    "measured on the host backend: the tree led direct up to 1 MiB per rank on 2 and 4 "
-    "ranks, direct led from 2 MiB (docs/performance.md#algorithm-choice-per-size-auto)",
-    max_bytes=1 << 20,
+    "measured on the host backend: a synchronous call runs the whole plan in one native "
+    "call, so the plan's steps cost nothing in Python and the fewest bytes win at every "
+    "size; direct moves the fewest and led or tied the tree and ring from 8 B to 64 MiB "
+    "on 2 and 4 ranks (docs/performance.md#algorithm-choice-per-size-auto)",
 )
 _CUDA_TREE = Rule(
     "tree",
@@ -69,7 +64,7 @@ _DIRECT = Rule("direct", "uniform links with peer access: direct moves the fewes
 _TREE = Rule("tree", "mixed links: the topology-aware tree keeps slow links for few transfers")
 
 AUTO: dict[tuple[str, str], tuple[Rule, ...]] = {
-    ("host", UNIFORM_PEER): (_HOST_DIRECT_TINY, _HOST_TREE, _DIRECT),
+    ("host", UNIFORM_PEER): (_HOST_DIRECT,),
     ("host", OTHER): (_TREE,),
     ("cuda", UNIFORM_PEER): (_NCCL, _CUDA_TREE, _DIRECT),
     ("cuda", OTHER): (_NCCL, _TREE),

@@ -452,24 +452,19 @@ STEP_COPY, STEP_REDUCE, STEP_SCALE = 0, 1, 2
 
 
 def run_steps(
-    dtype: np.dtype[np.generic],
+    dtype: int,
     steps: ctypes.Array[Step],
-    bases: Sequence[int],
-    threads: Sequence[int],
+    bases: ctypes.Array[ctypes.c_void_p],
+    threads: ctypes.Array[ctypes.c_int],
+    failed: ctypes.c_int,
 ) -> None:
     """Perform ``steps`` in order in one native call: a plan run inline (the engine checked
     every range against its buffer once, and the arguments of the call; the library checks
-    each kernel's overlap rules again). ``bases[slot]`` is each buffer's address,
-    ``threads[rank]`` each rank's kernel threads."""
-    failed = ctypes.c_int(-1)
-    status = library().nt_run_steps(
-        DTYPES[dtype],
-        steps,
-        len(steps),
-        (ctypes.c_void_p * len(bases))(*bases),
-        (ctypes.c_int * len(threads))(*threads),
-        ctypes.byref(failed),
-    )
+    each kernel's overlap rules again). ``dtype`` is the C dtype code (:data:`DTYPES`),
+    ``bases[slot]`` each buffer's address, ``threads[rank]`` each rank's kernel threads;
+    the arrays are the caller's, reused from call to call, and ``failed`` receives the
+    index of a step that fails (named in the exception)."""
+    status = library().nt_run_steps(dtype, steps, len(steps), bases, threads, ctypes.byref(failed))
     if status:
         check(status, f"step {failed.value} of the plan")
 

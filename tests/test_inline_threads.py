@@ -21,22 +21,13 @@ def kernel_threads(request, monkeypatch):
     path off, of each step issued on the inline streams."""
     seen: list[int] = []
     if request.param == "native program":
-        lower = Program._lower
+        run = _native.run_steps
 
-        def spying_lower(self):
-            lowered = lower(self)
-            if not lowered:
-                return lowered
-            run = lowered.run
+        def spy(code, steps, bases, threads, failed):
+            seen.extend(threads[st.rank] for st in steps)
+            run(code, steps, bases, threads, failed)
 
-            def spy(code, steps, n, bases, threads, failed):
-                seen.extend(threads[st.rank] for st in steps)
-                return run(code, steps, n, bases, threads, failed)
-
-            self._native = lowered._replace(run=spy)
-            return self._native
-
-        monkeypatch.setattr(Program, "_lower", spying_lower)
+        monkeypatch.setattr(_native, "run_steps", spy)
         return seen
     monkeypatch.setattr(Program, "_lower", lambda self: False)
     return _spy_step_kernels(monkeypatch, seen)

@@ -5,6 +5,8 @@ whose transfers are being recorded; a failing step names itself."""
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -110,11 +112,10 @@ def test_a_failing_step_names_itself():
     steps[1].kind, steps[1].k, steps[1].count = _native.STEP_COPY, 1, 100
     steps[1].src_off[0] = 1
     buf = np.zeros(1000, np.float32)
-    other = np.zeros(1000, np.float32)
+    bases = (ctypes.c_void_p * 1)(buf.ctypes.data)
+    threads = (ctypes.c_int * 1)(1)
+    failed = ctypes.c_int(-1)
+    code = _native.DTYPES[np.dtype(np.float32)]
     with pytest.raises((ValueError, nt.NcclTreeError), match="step 1"):
-        _native.run_steps(
-            np.dtype(np.float32),
-            steps,
-            [buf.ctypes.data, other.ctypes.data],
-            [1],
-        )
+        _native.run_steps(code, steps, bases, threads, failed)
+    assert failed.value == 1

@@ -10,10 +10,12 @@ issues the steps.
 ``Program.enqueue`` issues every step on its rank's stream, in the plan's global order;
 the ranks' devices then work in parallel and the plan's events order them.
 ``Program.run_inline`` performs the steps one after another in the calling thread, with
-no streams at all; it is what a synchronous call on the host backend uses for small
-messages, where handing work to N worker threads costs more than the work (the steps are
-in a valid topological order, so running them in sequence is one legal schedule of the
-same plan).
+no streams at all; it is what a synchronous call on the host backend uses (at every size
+by default): the steps are in a valid topological order, so running them in sequence is
+one legal schedule of the same plan. On the host the data steps are lowered once into
+the kernel library's step list, and a call runs them all in one native call
+(``nt_run_steps``); calls whose transfers are being recorded issue them one by one on the
+inline streams, which log each transfer.
 
 Reusing a plan's events across calls is safe on every backend: a wait takes the event's
 state when it is enqueued (CUDA's ``cudaStreamWaitEvent``; the host backend's wait keeps
@@ -26,7 +28,7 @@ fresh ones.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from .. import _native
@@ -257,10 +259,7 @@ class Program:
                     bases[i] = _native._fast_addr(arrays[r][role])
                 for r, d in enumerate(devices):
                     nthreads[r] = threads or d.threads
-                steps = native.steps
-                status = native.run(code, steps, len(steps), bases, nthreads, ctypes.byref(failed))
-                if status:
-                    _native.check(status, f"step {failed.value} of the plan")
+                _native.run_steps(code, native.steps, bases, nthreads, failed)
                 return
         views = self.views(bufs)
         # streams that perform each op at once (they record transfers, when asked)
@@ -276,7 +275,7 @@ class Program:
         is missing."""
         self._native = False
         try:
-            lib = _native.library()
+            _native.library()
         except NcclTreeError:
             return False
         slot: dict[tuple[int, str], int] = {}
@@ -304,7 +303,6 @@ class Program:
             else:
                 st.kind, st.alpha = _native.STEP_SCALE, op.alpha
         lowered = _Lowered(
-            lib.nt_run_steps,
             steps,
             sorted(slot, key=slot.__getitem__),
             (ctypes.c_void_p * max(1, len(slot)))(),
@@ -317,11 +315,9 @@ class Program:
 
 class _Lowered(NamedTuple):
     """A program's data steps for the host library's ``nt_run_steps`` (see
-    :meth:`Program.run_inline`): the function, the steps, the (rank, role) of each buffer
-    slot they name, and the argument arrays each call fills (a World runs one call at a
-    time)."""
+    :meth:`Program.run_inline`): the steps, the (rank, role) of each buffer slot they
+    name, and the argument arrays each call fills (a World runs one call at a time)."""
 
-    run: Callable[..., int]
     steps: ctypes.Array[_native.Step]
     slots: list[tuple[int, str]]
     bases: ctypes.Array[ctypes.c_void_p]

@@ -115,7 +115,12 @@ class NcclEngine:
         coll = COLLECTIVES[prep.collective]
         try:
             dtype = getattr(nccl, _DTYPES[prep.dtype.name])
-            op = getattr(nccl, _OPS[prep.op]) if coll.reduces else None
+            # One rank: the mean is the sum (x / 1 == x, exactly). NCCL before 2.29.7 runs
+            # its one-rank average as a kernel that leaves the last elements of a count
+            # not divisible by its block count unwritten (NVIDIA/nccl#1950); the sum of
+            # one rank is a plain copy there.
+            name = "sum" if prep.op == "mean" and len(self.comms) == 1 else prep.op
+            op = getattr(nccl, _OPS[name]) if coll.reduces else None
         except (KeyError, AttributeError) as exc:
             raise BackendUnavailable(
                 f"this NCCL build has no {exc} ({prep.dtype}, op {prep.op!r})"

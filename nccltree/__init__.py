@@ -37,6 +37,8 @@ _LAZY = {
     "build_tree": "nccltree.tree",
     "Tree": "nccltree.tree",
     "World": "nccltree.comm",
+    "init_process_group": "nccltree.comm.group",
+    "ProcessGroup": "nccltree.comm.group",
     "Comm": "nccltree.comm",
     "Work": "nccltree.comm",
     "FlatParams": "nccltree.params",

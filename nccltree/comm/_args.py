@@ -61,37 +61,48 @@ def prepare(
     outputs: object,
     op: str,
     root: object,
+    ranks: Sequence[int] | None = None,
+    size: int | None = None,
 ) -> Prepared:
     """Check every rank's arguments together (ValueError/TypeError naming the rank) and
-    return flat views and the call's shape; nothing is written."""
+    return flat views and the call's shape; nothing is written.
+
+    ``ranks``/``size``: the devices are ranks ``ranks`` of a group of ``size`` ranks (the
+    local ranks of one process of a process group); by default every rank, ``0..n-1``.
+    Shapes that depend on the group (blocks, in-place offsets, the root) follow ``size``
+    and the global rank; errors name the global rank."""
     coll = COLLECTIVES[collective]
-    n = len(devices)
-    xs = _as_list(inputs, "inputs", n)
-    outs = [None] * n if outputs is None else _as_list(outputs, "outputs", n)
+    local = len(devices)
+    n = local if size is None else size
+    ids = list(range(local)) if ranks is None else list(ranks)
+    xs = _as_list(inputs, "inputs", local)
+    outs = [None] * local if outputs is None else _as_list(outputs, "outputs", local)
     at = check_index(root, "root", n) if coll.rooted else 0
     ins: list[Array] = []
     outs_arr: list[Array | None] = []
-    for r in range(n):
-        dev = devices[r]
-        ins.append(_device_array(dev, xs[r], f"rank {r}: input"))
+    for i, r in enumerate(ids):
+        dev = devices[i]
+        ins.append(_device_array(dev, xs[i], f"rank {r}: input"))
         outs_arr.append(
-            None if outs[r] is None else _device_array(dev, outs[r], f"rank {r}: output")
+            None if outs[i] is None else _device_array(dev, outs[i], f"rank {r}: output")
         )
     dtype = ins[0].dtype
-    for r, x in enumerate(ins):
+    for i, x in enumerate(ins):
+        r = ids[i]
         if x.dtype != dtype:
-            raise TypeError(f"dtype mismatch: rank 0 has {dtype}, rank {r} has {x.dtype}")
-        o = outs_arr[r]
+            raise TypeError(f"dtype mismatch: rank {ids[0]} has {dtype}, rank {r} has {x.dtype}")
+        o = outs_arr[i]
         if o is not None and o.dtype != dtype:
             raise TypeError(f"rank {r}: output dtype {o.dtype} differs from input {dtype}")
     dtype = _ops.check_dtype(dtype)
     if coll.reduces:
         _ops.check_op(op, dtype)
     size = ins[0].size
-    for r, x in enumerate(ins):
+    for i, x in enumerate(ins):
         if x.size != size:
             raise ValueError(
-                f"size mismatch: rank 0 passes {size} elements, rank {r} passes {x.size}"
+                f"size mismatch: rank {ids[0]} passes {size} elements, rank {ids[i]} passes "
+                f"{x.size}"
             )
     if not coll.one_buffer and any(o is None for o in outs_arr):
         raise ValueError(f"{collective} needs an output array on every rank")
@@ -106,13 +117,13 @@ def prepare(
     flat_out: list[Array] = []
     results: list[object] = []
     in_place: list[bool] = []
-    for r in range(n):
-        x, o = ins[r], outs_arr[r]
+    for i, r in enumerate(ids):
+        x, o = ins[i], outs_arr[i]
         fx = x.reshape(-1)
         if o is None:
             flat_in.append(fx)
             flat_out.append(fx)
-            results.append(xs[r])
+            results.append(xs[i])
             in_place.append(True)
             continue
         if o.size != want:
@@ -122,17 +133,18 @@ def prepare(
         flat_in.append(fx)
         # one object for one memory, so the executor can tell copies onto themselves
         flat_out.append(fx if same and fo.size == fx.size else fo)
-        results.append(outs[r])
+        results.append(outs[i])
         in_place.append(same)
     all_in_place = all(in_place)
     if not coll.one_buffer and any(in_place) != all_in_place:
         raise ValueError(
             f"{collective}: either every rank or no rank may call in place "
-            f"(in place: ranks {[r for r in range(n) if in_place[r]]})"
+            f"(in place: ranks {[ids[i] for i in range(local) if in_place[i]]})"
         )
     if coll.root_output:
-        # only the root's output is written, so only its placement matters
-        all_in_place = in_place[at]
+        # only the root's output is written, so only its placement matters (a process
+        # without the root: its own ranks' placement, which every process then checks)
+        all_in_place = in_place[ids.index(at)] if at in ids else all_in_place
     return Prepared(collective, flat_in, flat_out, results, dtype, count, all_in_place, op, at)
 
 

@@ -1,0 +1,975 @@
+"""ProcessGroup: the collectives of a World whose ranks live in several processes.
+
+Every process builds the same plan and cuts it into one schedule per process
+(:mod:`.schedule`); each performs its own. Within a node, processes read and write each
+other's buffers in shared memory and order their steps with progress counters there
+(the C wait primitive: a short spin, then a futex; every wait bounded). Between nodes,
+data and "I have got this far" notifications travel as non-blocking MPI point-to-point
+messages. After bootstrap no MPI collective runs (except with ``algorithm="mpi"``), and
+no payload between processes of one node goes through MPI.
+
+One call, in one process:
+
+1. the local arguments are checked and the plan's schedules looked up (cached);
+2. the user's buffers that another process of the node reads or writes are copied into
+   this process's shared arena ("mirrors"; buffers from :meth:`ProcessGroup.empty` are
+   shared already and used in place);
+3. the call's signature and buffer locations are published (shared memory within the
+   node, a small message to every process of another node), and this process arrives;
+4. every signature is compared with this process's own: a mismatch raises ``ValueError``
+   on every process before any buffer is written (each process sees every signature, so
+   all decide alike). This is the only round trip a call adds, and within a node it is
+   the start fence the plan needs anyway: nobody may read a buffer before its owner
+   arrived;
+5. the schedule runs; the mirrors are copied back into the user's outputs.
+
+Faults: every wait is bounded by the group's timeout and checks, while it waits, the
+node's abort word (set by a process that failed) and whether the node's other processes
+are still alive; a dead process raises ``PeerFailure`` naming its ranks, a process that
+never arrives ``CommTimeout`` naming them. Either way the group is closed for good and
+the flight recorder (the last collectives of this process) is printed.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, cast
+
+import numpy as np
+
+from ... import _native
+from ..._errors import CommError, CommTimeout, PeerFailure
+from ..._validate import check_index, check_int, check_real
+from ...backends import devices as make_devices
+from ...backends.base import data_ptr
+from ...topology import Link, LinkKind, Topology
+from .._args import Prepared, prepare
+from ..algorithms import ALGORITHMS, build_plan
+from ..collectives import COLLECTIVES, collective_name
+from ..executor import Buffers, Program
+from ..plan import IN, OUT, STAGE, TMP, Plan
+from .flight import Entry, FlightRecorder
+from .schedule import RECV, Item, Schedule, split
+
+if TYPE_CHECKING:
+    from mpi4py import MPI as _MPI
+    from numpy.typing import DTypeLike
+
+    from ...backends.host import HostDevice
+    from ...tree import Tree
+from .shm import Segment, remove_stale, segment_name
+
+GROUP_ALGORITHMS = ("tree", "ring", "direct", "mpi", "auto")
+
+# control segment layout (one per node): the abort word and its reason, then a slot per
+# process of the node
+_ABORT = 0
+_REASON = 8
+_REASON_BYTES = 1024
+_SLOTS = 4096
+_SLOT = 4096
+_ARRIVE, _PROGRESS, _ACK, _SYNC = 0, 8, 16, 24  # counters (8 bytes each)
+_PID, _ARENA_GEN, _ARENA_SIZE = 32, 40, 48  # int64
+_DESC = (128, 2112)  # descriptor, by call parity
+_SIG_BYTES = 512
+MAX_LOCAL_RANKS = 16
+_DESC_LOC = _SIG_BYTES + 16  # offset of the buffer locations in a descriptor
+_CTL_TAG_MOD = 1 << 14
+_POLL = 0.05  # seconds between liveness checks while waiting
+
+
+@dataclass
+class _Run:
+    """A stretch of a schedule: ``steps`` (a program of consecutive steps without waits,
+    ``count`` of them), ``wait`` (the waits of ``item``) or ``send`` (``item``: a send or
+    notify)."""
+
+    kind: str
+    program: Program | None = None
+    item: Item | None = None
+    count: int = 0
+
+
+_Requests = dict[tuple[int, int], "_MPI.Request"]
+
+
+@dataclass
+class _Compiled:
+    plan: Plan
+    scheds: list[Schedule]
+    mine: Schedule
+    # per same-node process q: (rank, role) -> offset (bytes) in q's arena, and its size
+    layouts: dict[int, tuple[dict[tuple[int, str], int], int]]
+    # runs of this process's items: ("steps", Program, first item) or ("item", Item)
+    runs: list[_Run]
+    writes: set[tuple[int, str]]  # (rank, role) that some step writes
+
+
+class ProcessGroup:
+    """Ranks across processes and nodes (see the module docstring). Made by
+    :func:`init_process_group`."""
+
+    def __init__(
+        self,
+        comm: _MPI.Intracomm | None = None,
+        devices: str = "cpu",
+        algorithm: str = "auto",
+        timeout: float = 60.0,
+    ) -> None:
+        if algorithm not in GROUP_ALGORITHMS:
+            raise ValueError(
+                f"unknown algorithm {algorithm!r} for a process group; accepted: "
+                f"{', '.join(GROUP_ALGORITHMS)}"
+            )
+        self.algorithm = algorithm
+        self.timeout = check_real(timeout, "timeout", min=0.0, min_open=True)
+        if not isinstance(devices, str) or not (devices == "cpu" or devices.startswith("cpu:")):
+            raise ValueError(
+                f"devices must be 'cpu' (one rank in this process) or 'cpu:N' (N ranks), "
+                f"got {devices!r}; GPUs in process groups are not supported yet"
+            )
+        nlocal = (
+            1
+            if devices == "cpu"
+            else check_int(
+                int(devices[4:]) if devices[4:].isdigit() else -1, "ranks in devices", min=1
+            )
+        )
+        if nlocal > MAX_LOCAL_RANKS:
+            raise ValueError(f"at most {MAX_LOCAL_RANKS} ranks per process, got {nlocal}")
+        if comm is None:
+            from mpi4py import MPI
+
+            comm = MPI.COMM_WORLD
+        self._user_comm = comm
+        self._comm = comm.Dup()  # our own message space: data and notifications
+        self._ctl_comm = comm.Dup()  # signatures
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        nprocs = self._comm.Get_size()
+        me = self._comm.Get_rank()
+        node_name = os.environ.get("NCCLTREE_NODE") or MPI.Get_processor_name()
+        job = secrets.token_hex(4) if me == 0 else None
+        info = self._comm.allgather((node_name, nlocal, os.getpid()))
+        job = self._comm.bcast(job, root=0)
+        # processes numbered node-major: nodes in order of their first MPI rank
+        order: list[str] = []
+        for name, _, _ in info:
+            if name not in order:
+                order.append(name)
+        procs = sorted(range(nprocs), key=lambda i: (order.index(info[i][0]), i))
+        self._mpi_rank_of_proc = procs
+        self.proc = procs.index(me)
+        self.nprocs = nprocs
+        self._node_of_proc = [order.index(info[i][0]) for i in procs]
+        self._nlocal_of_proc = [info[i][1] for i in procs]
+        self._pid_of_proc = [info[i][2] for i in procs]
+        first = np.cumsum([0, *self._nlocal_of_proc]).tolist()
+        self.size = int(first[-1])
+        self.ranks = tuple(range(first[self.proc], first[self.proc + 1]))
+        self._proc_of_rank = [p for p in range(nprocs) for _ in range(self._nlocal_of_proc[p])]
+        self.node = node_name
+        self.node_index = self._node_of_proc[self.proc]
+        self._node_procs = [p for p in range(nprocs) if self._node_of_proc[p] == self.node_index]
+        self._remote_procs = [p for p in range(nprocs) if p not in self._node_procs]
+        node_ranks = [r for r in range(self.size) if self._proc_of_rank[r] in self._node_procs]
+        self.rank = self.ranks[0]
+        self.local_rank = self.rank - node_ranks[0]
+        self.local_size = len(node_ranks)
+        self.nodes = len(order)
+        self._job = job
+        # devices: this process's ranks; other ranks' steps never run here, but the
+        # executor names a device per rank: they share this process's first
+        local_devs = cast("list[HostDevice]", make_devices(f"cpu:{nlocal}"))
+        threads = max(1, (os.cpu_count() or 1) // max(1, len(self._node_procs)))
+        for d in local_devs:
+            d.threads = max(1, threads // nlocal)
+        self.devices = local_devs
+        self._all_devices = [
+            local_devs[r - self.rank] if r in self.ranks else local_devs[0]
+            for r in range(self.size)
+        ]
+        self._threads = threads
+        # topology: one memory within a node, the network between nodes
+        same, net = Link(LinkKind.SAME_DEVICE), Link(getattr(LinkKind, "NET", LinkKind.SYS))
+        self.topology = Topology(
+            [
+                [
+                    Link(LinkKind.SELF)
+                    if a == b
+                    else same
+                    if self._node_of_proc[self._proc_of_rank[a]]
+                    == self._node_of_proc[self._proc_of_rank[b]]
+                    else net
+                    for b in range(self.size)
+                ]
+                for a in range(self.size)
+            ],
+            names=[f"r{r}" for r in range(self.size)],
+        )
+        self._trees: dict[int, Tree] = {}
+        self._compiled: dict[tuple[object, ...], _Compiled] = {}
+        self._seq = 0  # collectives called (the flight recorder's numbering)
+        self._arrivals = 0  # collectives that arrive through shared memory (not "mpi")
+        self._base = dict.fromkeys(self._node_procs, 0)  # steps completed before this call
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._lock = threading.RLock()
+        self.flight = FlightRecorder()
+        self.sent_bytes = 0  # payload this process sent to other nodes (its own count)
+        self._heaps: list[dict[int, Segment]] = []  # pg.empty segments, by allocation
+        self._heap_bases: list[int] = []  # their addresses in this process
+        self._arenas: dict[int, Segment] = {}  # the node's arenas (own and attached)
+        self._arena_gen = dict.fromkeys(self._node_procs, 0)
+        self._pending_unlink: list[tuple[Segment, int]] = []
+        self._bootstrap_shm()
+
+    # -- bootstrap ------------------------------------------------------------------------
+    def _bootstrap_shm(self) -> None:
+        """The node's control segment: made by its first process, attached by the others
+        (MPI barriers are allowed here, at bootstrap), then unlinked at once."""
+        MPI = self._MPI
+        self._node_comm = self._comm.Split(self.node_index, self.proc)
+        lead = self._node_comm.Get_rank() == 0
+        name = None
+        if lead:
+            remove_stale()
+            seg = Segment.create(
+                segment_name(self._job, f"ctl{self.node_index}"),
+                _SLOTS + _SLOT * len(self._node_procs),
+            )
+            name = seg.name
+        name = self._node_comm.bcast(name, root=0)
+        if not lead:
+            seg = Segment.attach(name)
+        self._node_comm.Barrier()
+        if lead:
+            seg.unlink()
+        self._ctl = seg
+        self._slot_of = {p: i for i, p in enumerate(self._node_procs)}
+        buf = seg.buf
+
+        def counter(p: int, field: int) -> _native.Counter:
+            return _native.Counter(buf, _SLOTS + _SLOT * self._slot_of[p] + field, shared=True)
+
+        self._arrive = {p: counter(p, _ARRIVE) for p in self._node_procs}
+        self._progress = {p: counter(p, _PROGRESS) for p in self._node_procs}
+        self._ack = {p: counter(p, _ACK) for p in self._node_procs}
+        self._sync = {p: counter(p, _SYNC) for p in self._node_procs}
+        self._sync_n = 0
+        self._acks_expected = 0
+        self._i64 = np.frombuffer(buf, np.int64, (_SLOTS + _SLOT * len(self._node_procs)) // 8)
+        self._slot_i64(self.proc, _PID)[0] = os.getpid()
+        del MPI
+
+    def _slot_i64(self, p: int, field: int) -> np.ndarray:
+        at = (_SLOTS + _SLOT * self._slot_of[p] + field) // 8
+        return self._i64[at : at + 1]
+
+    def _desc(self, p: int, parity: int) -> memoryview:
+        at = _SLOTS + _SLOT * self._slot_of[p] + _DESC[parity]
+        return memoryview(self._ctl.buf)[at : at + _DESC[1] - _DESC[0]]
+
+    # -- life cycle -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Release shared memory and the group's communicator. Idempotent; after it,
+        :func:`init_process_group` may be called again."""
+        if self._closed:
+            return
+        self._closed = True
+        for seg, _ in self._pending_unlink:
+            seg.unlink()
+        for seg in self._arenas.values():
+            seg.close()
+        for heap in self._heaps:
+            for seg in heap.values():
+                seg.close()
+        self._ctl.close()
+        for c in (self._node_comm, self._ctl_comm, self._comm):
+            try:
+                c.Free()
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+        global _current
+        if _current is self:
+            _current = None
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise CommError("the process group is closed")
+        if self._failure is not None:
+            raise PeerFailure(f"the process group failed earlier: {self._failure}")
+
+    # -- public collectives (one rank per process) ---------------------------------------
+    def _one(self, name: str) -> None:
+        if len(self.ranks) != 1:
+            raise ValueError(
+                f"{name}: this process holds {len(self.ranks)} ranks; call the collectives "
+                f"of each from its own thread through pg.comm(i), or pass a list per rank "
+                f"to pg.call"
+            )
+
+    def all_reduce(
+        self, x: np.ndarray, *, out: np.ndarray | None = None, op: str = "sum"
+    ) -> np.ndarray:
+        self._one("all_reduce")
+        return self.call("all_reduce", [x], None if out is None else [out], op=op)[0]
+
+    def reduce(
+        self, x: np.ndarray, *, root: int = 0, out: np.ndarray | None = None, op: str = "sum"
+    ) -> np.ndarray:
+        self._one("reduce")
+        return self.call("reduce", [x], None if out is None else [out], op=op, root=root)[0]
+
+    def broadcast(
+        self, x: np.ndarray, *, root: int = 0, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        self._one("broadcast")
+        return self.call("broadcast", [x], None if out is None else [out], root=root)[0]
+
+    def all_gather(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        self._one("all_gather")
+        return self.call("all_gather", [x], [out])[0]
+
+    def reduce_scatter(self, x: np.ndarray, out: np.ndarray, *, op: str = "sum") -> np.ndarray:
+        self._one("reduce_scatter")
+        return self.call("reduce_scatter", [x], [out], op=op)[0]
+
+    def barrier(self) -> None:
+        """Every rank of the group has arrived (a one-element all_reduce)."""
+        xs = [np.zeros(1, np.float32) for _ in self.ranks]
+        self.call("all_reduce", xs)
+
+    def empty(self, shape: int | Sequence[int], dtype: DTypeLike = np.float32) -> np.ndarray:
+        """A symmetric buffer: an array in shared memory that the node's other processes
+        read and write in place (no staging). Collective: every process of the group
+        calls it, in the same order, with the same shape and dtype."""
+        self._check_usable()
+        shape_t = (shape,) if isinstance(shape, int) else tuple(shape)
+        dt = np.dtype(dtype)
+        nbytes = max(1, int(np.prod(shape_t)) * dt.itemsize)
+        idx = len(self._heaps)
+        own = Segment.create(segment_name(self._job, f"heap{idx}"), nbytes)
+        heap = {self.proc: own}
+        self._node_sync()
+        for p in self._node_procs:
+            if p != self.proc:
+                pid = int(self._slot_i64(p, _PID)[0])
+                heap[p] = Segment.attach(_name_for(self._job, pid, f"heap{idx}"))
+        self._node_sync()
+        own.unlink()
+        self._heaps.append(heap)
+        self._heap_bases.append(_addr(own))
+        return np.frombuffer(own.buf, dt, int(np.prod(shape_t))).reshape(shape_t)
+
+    def _node_sync(self) -> None:
+        self._sync_n += 1
+        self._sync[self.proc].add(1)
+        for p in self._node_procs:
+            self._wait_counter(self._sync[p], self._sync_n, p, "a shared-memory allocation")
+
+    # -- the engine -----------------------------------------------------------------------
+    def call(
+        self,
+        collective: str,
+        xs: Sequence[np.ndarray],
+        outs: Sequence[np.ndarray] | None = None,
+        *,
+        op: str = "sum",
+        root: int = 0,
+    ) -> list[np.ndarray]:
+        """A collective with one array per rank of this process (``xs[i]`` for rank
+        ``ranks[i]``); returns each rank's result."""
+        with self._lock:
+            self._check_usable()
+            collective = collective_name(collective)
+            prep = prepare(
+                self.devices, collective, list(xs), None if outs is None else list(outs),
+                op, root, ranks=self.ranks, size=self.size,
+            )  # fmt: skip
+            algorithm = self._choose(prep)
+            self._seq += 1
+            entry = self.flight.start(self._seq, collective, prep.count, prep.dtype.name, algorithm)
+            try:
+                if algorithm == "mpi":
+                    self._run_mpi(prep, entry)
+                else:
+                    self._run(algorithm, prep, entry)
+            except (ValueError, TypeError):
+                entry.state = "argument error"
+                raise
+            except BaseException as exc:
+                entry.state = f"failed: {type(exc).__name__}"
+                self._fail(exc)
+                raise
+            entry.state = "done"
+            entry.ended = time.monotonic()
+            return cast("list[np.ndarray]", prep.results)
+
+    def _choose(self, prep: Prepared) -> str:
+        if self.algorithm != "auto":
+            return self.algorithm
+        return "tree" if self.nodes > 1 else "direct"
+
+    def tree(self, root: int = 0) -> Tree:
+        root = check_index(root, "root", self.size)
+        if root not in self._trees:
+            from ...tree import build_tree
+
+            self._trees[root] = build_tree(self.topology, root=root)
+        return self._trees[root]
+
+    def plan(self, collective: str, count: int, *, algorithm: str = "tree", op: str = "sum",
+             root: int = 0, in_place: bool = False, dtype: DTypeLike = np.float32) -> Plan:  # fmt: skip
+        """The plan a call runs (every process builds the same)."""
+        return build_plan(
+            algorithm, collective_name(collective), size=self.size, count=count, op=op,
+            root=root, in_place=in_place, chunk=max(1, (16 << 20) // np.dtype(dtype).itemsize),
+            tree_for=self.tree, itemsize=np.dtype(dtype).itemsize,
+        )  # fmt: skip
+
+    def _compile(self, algorithm: str, prep: Prepared, in_place: bool) -> _Compiled:
+        key = (algorithm, prep.collective, prep.count, prep.op, prep.root, in_place,
+               prep.dtype.itemsize)  # fmt: skip
+        got = self._compiled.get(key)
+        if got is not None:
+            return got
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm {algorithm!r} has no plan")
+        plan = self.plan(prep.collective, prep.count, algorithm=algorithm, op=prep.op,
+                         root=prep.root, in_place=in_place, dtype=prep.dtype)  # fmt: skip
+        scheds = split(plan, self._proc_of_rank, self._node_of_proc)
+        mine = scheds[self.proc]
+        coll = COLLECTIVES[prep.collective]
+        n = self.size
+        item = prep.dtype.itemsize
+        extents = {
+            IN: [coll.in_count(prep.count, n)] * n,
+            OUT: [coll.out_count(prep.count, n)] * n,
+            TMP: [plan.scratch.get(r, 0) for r in range(n)],
+            STAGE: [plan.stage.get(r, 0) for r in range(n)],
+            RECV: [mine.arena] * n,
+        }
+        layouts = {}
+        for q in self._node_procs:
+            lay: dict[tuple[int, str], int] = {}
+            off = 0
+            for r in range(n):
+                if self._proc_of_rank[r] != q:
+                    continue
+                roles = [TMP, STAGE]
+                exposed = scheds[q].exposed
+                if (r, IN) in exposed or (in_place and (r, OUT) in exposed):
+                    roles.append(IN)
+                if not in_place and (r, OUT) in exposed:
+                    roles.append(OUT)
+                for role in roles:
+                    cnt = extents[role][r]
+                    if cnt:
+                        lay[(r, role)] = off
+                        off += -(-cnt * item // 256) * 256
+                if in_place and (r, IN) in lay:
+                    lay[(r, OUT)] = lay[(r, IN)]
+            layouts[q] = (lay, off)
+        # this process's items, consecutive steps without waits fused into one program
+        runs: list[_Run] = []
+        group: list[Item] = []
+
+        def flush() -> None:
+            if group:
+                sub = Plan(n, [it.step for it in group if it.step is not None], 0, dict(plan.scratch), dict(plan.stage),
+                           plan.same_buffer)  # fmt: skip
+                runs.append(
+                    _Run("steps", Program(sub, self._all_devices, extents), None, len(group))
+                )
+                group.clear()
+
+        for it in mine.items:
+            if it.kind == "step" and not it.waits and not it.recvs:
+                group.append(it)
+                continue
+            flush()
+            if it.kind in ("step", "end"):
+                runs.append(_Run("wait", item=it))
+                if it.kind == "step":
+                    group.append(it)
+            else:
+                runs.append(_Run("send", item=it))
+        flush()
+        writes = {(s.dst.rank, s.dst.role) for s in plan.steps if s.dst is not None}
+        got = _Compiled(plan, scheds, mine, layouts, runs, writes)
+        self._compiled[key] = got
+        return got
+
+    def _run(self, algorithm: str, prep: Prepared, entry: Entry) -> None:
+        coll = COLLECTIVES[prep.collective]
+        # a rooted call whose output is the root's only: in place there is planned as out of
+        # place (the root's output is made distinct memory, then copied back)
+        in_place = prep.in_place and not coll.root_output
+        c = self._compile(algorithm, prep, in_place)
+        self._arrivals += 1
+        seq = self._arrivals
+        dt = prep.dtype
+        sig = _signature(prep, algorithm, in_place)
+        # 1. this process's arena, grown (a new segment) when the call needs more
+        self._ensure_arena(c.layouts[self.proc][1])
+        arena = self._arenas.get(self.proc)
+        # 2. where this process's ranks' buffers are, and the mirrors filled
+        ins = {r: prep.ins[i] for i, r in enumerate(self.ranks)}
+        outs = {r: prep.outs[i] for i, r in enumerate(self.ranks)}
+        if coll.root_output and prep.in_place and prep.root in ins:
+            outs[prep.root] = np.empty_like(prep.outs[self.ranks.index(prep.root)])
+        lay = c.layouts[self.proc][0]
+        loc = np.full((MAX_LOCAL_RANKS, 4), -1, np.int64)
+        copy_back: list[tuple[np.ndarray, np.ndarray]] = []
+        mine_in: dict[int, np.ndarray] = {}
+        mine_out: dict[int, np.ndarray] = {}
+        for i, r in enumerate(self.ranks):
+            user_in, user_out = ins[r], outs[r]
+            if user_out is not prep.outs[i]:  # the root's output made distinct (see above)
+                copy_back.append((prep.outs[i], user_out))
+            for j, role in enumerate((IN, OUT)):
+                if role == OUT and in_place:
+                    mine_out[r] = mine_in[r]
+                    loc[i, 2:] = loc[i, :2]
+                    continue
+                arr = user_in if role == IN else user_out
+                table = mine_in if role == IN else mine_out
+                heap = self._heap_of(arr)
+                if heap is not None:
+                    loc[i, 2 * j], loc[i, 2 * j + 1] = heap
+                    table[r] = arr
+                elif (r, role) in lay:
+                    assert arena is not None
+                    m = np.frombuffer(arena.buf, dt, arr.size, lay[(r, role)])
+                    table[r] = m
+                    if role == IN:
+                        np.copyto(m, arr)
+                    written = (r, role) in c.writes or (in_place and (r, OUT) in c.writes)
+                    if written:
+                        # before the de-aliased root output's own copy back
+                        copy_back.insert(0, (arr, m))
+                else:
+                    table[r] = arr
+        # 3. publish the signature and the locations, arrive
+        parity = seq & 1
+        d = self._desc(self.proc, parity)
+        head = np.frombuffer(d, np.int64, 2)
+        raw = sig.encode()[:_SIG_BYTES]
+        d[16 : 16 + len(raw)] = raw
+        head[1] = len(raw)
+        head[0] = seq
+        np.frombuffer(d, np.int64, MAX_LOCAL_RANKS * 4, _DESC_LOC)[:] = loc.reshape(-1)
+        self._slot_i64(self.proc, _ARENA_GEN)[0] = self._arena_gen[self.proc]
+        reqs, recv = self._post_receives(c, dt)
+        ctl = self._exchange_signatures(sig, seq)
+        self._arrive[self.proc].add(1)
+        entry.state = "arrived"
+        # 4. everybody's signature
+        for p in self._node_procs:
+            if p == self.proc:
+                continue
+            self._wait_counter(self._arrive[p], seq, p, "arrival")
+        theirs = self._finish_signatures(ctl)
+        self._refresh_arenas()
+        for p in self._node_procs:
+            if p != self.proc:
+                pd = self._desc(p, parity)
+                n = int(np.frombuffer(pd, np.int64, 2)[1])
+                theirs[p] = bytes(pd[16 : 16 + n]).decode(errors="replace")
+        bad = {p: s for p, s in theirs.items() if s != sig}
+        if bad:
+            for req in reqs.values():
+                req.Cancel()
+                req.Wait()
+            raise ValueError(_mismatch(self, sig, bad))
+        entry.state = "running"
+        # 5. the buffers of every rank this process touches
+        bufs = self._buffers(c, prep, mine_in, mine_out, parity, recv, in_place)
+        self._execute(c, bufs, reqs)
+        for dst, src in copy_back:
+            np.copyto(dst, src)
+        for q in self._node_procs:
+            self._base[q] += c.scheds[q].n_steps
+        self._settle_arenas()
+
+    def _buffers(self, c: _Compiled, prep: Prepared, mine_in: dict[int, np.ndarray],
+                 mine_out: dict[int, np.ndarray], parity: int, recv: np.ndarray | None,
+                 in_place: bool) -> Buffers:  # fmt: skip
+        n = self.size
+        dt = prep.dtype
+        coll = COLLECTIVES[prep.collective]
+        nin, nout = coll.in_count(prep.count, n), coll.out_count(prep.count, n)
+        empty = np.empty(0, dt)
+        arrays: list[dict[str, np.ndarray]] = [
+            {IN: empty, OUT: empty, TMP: empty, STAGE: empty, RECV: empty} for _ in range(n)
+        ]
+        for q in self._node_procs:
+            lay, _ = c.layouts[q]
+            seg = self._arenas.get(q)
+            for r in range(n):
+                if self._proc_of_rank[r] != q:
+                    continue
+                a = arrays[r]
+                for role, cnt in ((TMP, c.plan.scratch.get(r, 0)), (STAGE, c.plan.stage.get(r, 0))):
+                    if cnt and seg is not None:
+                        a[role] = np.frombuffer(seg.buf, dt, cnt, lay[(r, role)])
+                if q == self.proc:
+                    a[IN], a[OUT] = mine_in[r], mine_out[r]
+                else:
+                    loc = np.frombuffer(
+                        self._desc(q, parity), np.int64, MAX_LOCAL_RANKS * 4, _DESC_LOC
+                    )
+                    i = r - self._first_rank(q)
+                    for j, (role, cnt) in enumerate(((IN, nin), (OUT, nout))):
+                        h, off = int(loc[4 * i + 2 * j]), int(loc[4 * i + 2 * j + 1])
+                        if h >= 0:
+                            a[role] = np.frombuffer(self._heaps[h][q].buf, dt, cnt, off)
+                        elif (r, role) in lay and seg is not None:
+                            a[role] = np.frombuffer(seg.buf, dt, cnt, lay[(r, role)])
+                    if in_place:
+                        a[OUT] = a[IN]
+                if recv is not None:
+                    a[RECV] = recv
+        for r in range(n):
+            if recv is not None:
+                arrays[r][RECV] = recv
+        b = Buffers.__new__(Buffers)
+        b.arrays = arrays
+        return b
+
+    def _first_rank(self, q: int) -> int:
+        return sum(self._nlocal_of_proc[:q])
+
+    def _execute(self, c: _Compiled, bufs: Buffers, reqs: _Requests) -> None:
+        mine = self._progress[self.proc]
+        sends: list[_MPI.Request] = []
+        MPI = self._MPI
+        for run in c.runs:
+            if run.program is not None:
+                run.program.run_inline(bufs, self._all_devices, self._threads)
+                mine.add(run.count)
+                continue
+            it = run.item
+            assert it is not None
+            if it.kind != "notify":
+                for q, k in it.waits:
+                    self._wait_counter(self._progress[q], self._base[q] + k, q, "a step")
+            if run.kind == "wait":
+                for q, tag in it.recvs:
+                    self._wait_request(reqs[(q, tag)], q, "a message")
+                continue
+            dest = self._mpi_rank_of_proc[it.peer]
+            if it.kind == "send":
+                assert it.src is not None
+                src = bufs.view(it.src)
+                sends.append(
+                    self._comm.Isend([src, _mpi_type(MPI, src.dtype)], dest, it.tag % 32768)
+                )
+                self.sent_bytes += src.nbytes
+            else:
+                sends.append(self._comm.Isend([_NOTHING, MPI.BYTE], dest, it.tag % 32768))
+        for req in sends:
+            self._wait_request(req, -1, "a send to finish")
+        for (q, _), req in reqs.items():
+            self._wait_request(req, q, "a message")
+
+    def _post_receives(self, c: _Compiled, dt: np.dtype) -> tuple[_Requests, np.ndarray | None]:
+        """Every message this process will receive in the call, posted at once."""
+        reqs: _Requests = {}
+        if not c.mine.recvs:
+            return reqs, None
+        arena = np.empty(max(1, c.mine.arena), dt)
+        MPI = self._MPI
+        for q, tag, count, off in c.mine.recvs:
+            src = self._mpi_rank_of_proc[q]
+            if count:
+                view = arena[off : off + count]
+                reqs[(q, tag)] = self._comm.Irecv([view, _mpi_type(MPI, dt)], src, tag % 32768)
+            else:
+                reqs[(q, tag)] = self._comm.Irecv([_NOTHING, MPI.BYTE], src, tag % 32768)
+        return reqs, arena
+
+    def _exchange_signatures(
+        self, sig: str, seq: int
+    ) -> list[tuple[int, _MPI.Request, np.ndarray]]:
+        """Non-blocking: this call's signature to every process of another node."""
+        if not self._remote_procs:
+            return []
+        MPI = self._MPI
+        raw = np.frombuffer(sig.encode()[:_SIG_BYTES].ljust(_SIG_BYTES, b"\0"), np.uint8).copy()
+        tag = 0
+        out = []
+        for p in self._remote_procs:
+            dest = self._mpi_rank_of_proc[p]
+            box = np.zeros(_SIG_BYTES, np.uint8)
+            out.append((p, self._ctl_comm.Irecv([box, MPI.BYTE], dest, tag), box))
+            out.append((p, self._ctl_comm.Isend([raw, MPI.BYTE], dest, tag), raw))
+        return out
+
+    def _finish_signatures(self, ctl: list[tuple[int, _MPI.Request, np.ndarray]]) -> dict[int, str]:
+        got: dict[int, str] = {}
+        for i, (p, req, box) in enumerate(ctl):
+            self._wait_request(req, p, "its signature")
+            if i % 2 == 0:
+                got[p] = bytes(box).rstrip(b"\0").decode(errors="replace")
+        return got
+
+    # -- shared arenas ---------------------------------------------------------------------
+    def _ensure_arena(self, need: int) -> None:
+        cur = self._arenas.get(self.proc)
+        if need == 0 or (cur is not None and cur.size >= need):
+            return
+        size = 1 << max(16, (need - 1).bit_length())
+        gen = self._arena_gen[self.proc] + 1
+        seg = Segment.create(segment_name(self._job, f"arena{gen}"), size)
+        if cur is not None:
+            cur.close()
+        self._arenas[self.proc] = seg
+        self._arena_gen[self.proc] = gen
+        self._slot_i64(self.proc, _ARENA_SIZE)[0] = size
+        others = len(self._node_procs) - 1
+        if others:
+            self._acks_expected += others
+            self._pending_unlink.append((seg, self._acks_expected))
+        else:
+            seg.unlink()
+
+    def _refresh_arenas(self) -> None:
+        """Map the node's arenas that grew since the last call (every process maps every
+        new arena, so its creator can unlink it once all have acknowledged)."""
+        for q in self._node_procs:
+            if q == self.proc:
+                continue
+            gen = int(self._slot_i64(q, _ARENA_GEN)[0])
+            if gen and self._arena_gen[q] != gen:
+                old = self._arenas.pop(q, None)
+                if old is not None:
+                    old.close()
+                pid = int(self._slot_i64(q, _PID)[0])
+                self._arenas[q] = Segment.attach(_name_for(self._job, pid, f"arena{gen}"))
+                self._arena_gen[q] = gen
+                self._ack[q].add(1)
+
+    def _settle_arenas(self) -> None:
+        """Unlink this process's new arenas once every process of the node mapped them."""
+        keep = []
+        for seg, want in self._pending_unlink:
+            if self._ack[self.proc].wait(want, 0.0):
+                seg.unlink()
+            else:
+                keep.append((seg, want))
+        self._pending_unlink = keep
+
+    def _heap_of(self, arr: np.ndarray) -> tuple[int, int] | None:
+        if not self._heaps:
+            return None
+        p = data_ptr(arr)
+        for i, heap in enumerate(self._heaps):
+            seg = heap[self.proc]
+            base = self._heap_bases[i]
+            if base <= p < base + seg.size:
+                return i, p - base
+        return None
+
+    # -- waits ----------------------------------------------------------------------------
+    def _wait_counter(self, counter: _native.Counter, target: int, proc: int, what: str) -> None:
+        if counter.wait(target, 0.0005):
+            return
+        deadline = time.monotonic() + self.timeout
+        while not counter.wait(target, _POLL):
+            self._check_peers()
+            if time.monotonic() > deadline:
+                raise CommTimeout(self._timed_out(proc, what))
+
+    def _wait_request(self, req: _MPI.Request, proc: int, what: str) -> None:
+        if req.Test():
+            return
+        deadline = time.monotonic() + self.timeout
+        spin_until = time.perf_counter() + 0.0002
+        last_check = time.monotonic()
+        while not req.Test():
+            if time.perf_counter() < spin_until:
+                continue
+            time.sleep(0.00005)
+            now = time.monotonic()
+            if now - last_check > _POLL:
+                last_check = now
+                self._check_peers()
+                if now > deadline:
+                    raise CommTimeout(self._timed_out(proc, what))
+
+    def _ranks_of(self, proc: int) -> list[int]:
+        return [r for r in range(self.size) if self._proc_of_rank[r] == proc]
+
+    def _timed_out(self, proc: int, what: str) -> str:
+        who = f"ranks {self._ranks_of(proc)} (process {proc})" if proc >= 0 else "a peer"
+        return (
+            f"rank {self.rank}: waited {self.timeout:g} s for {who}: {what} of collective "
+            f"#{self._seq} never came"
+        )
+
+    def _check_peers(self) -> None:
+        word = int(self._i64[_ABORT // 8])
+        if word:
+            raw = bytes(self._ctl.buf[_REASON : _REASON + _REASON_BYTES]).rstrip(b"\0")
+            raise PeerFailure(f"rank {self.rank}: {raw.decode(errors='replace')}")
+        for p in self._node_procs:
+            if p == self.proc:
+                continue
+            pid = int(self._slot_i64(p, _PID)[0])
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                raise PeerFailure(
+                    f"rank {self.rank}: the process of ranks {self._ranks_of(p)} (pid {pid}) "
+                    f"died during collective #{self._seq}"
+                ) from None
+            except PermissionError:
+                pass
+
+    def _fail(self, exc: BaseException) -> None:
+        """Close the group for good; tell the node; print the flight recorder."""
+        if self._failure is None:
+            self._failure = exc
+            if not isinstance(exc, PeerFailure) and not self._closed:
+                reason = f"ranks {list(self.ranks)} failed: {type(exc).__name__}: {exc}"
+                raw = reason.encode()[: _REASON_BYTES - 1]
+                self._ctl.buf[_REASON : _REASON + len(raw)] = raw
+                self._i64[_ABORT // 8] = self.proc + 1
+            text = self.flight.dump(f"rank {self.rank} (process {self.proc}, node {self.node})")
+            if isinstance(exc, CommError) and hasattr(exc, "add_note"):
+                exc.add_note(text)  # Python >= 3.11
+            print(text, file=sys.stderr, flush=True)
+
+    # -- algorithm="mpi" ------------------------------------------------------------------
+    def _run_mpi(self, prep: Prepared, entry: Entry) -> None:
+        """MPI's own collectives (one rank per process)."""
+        self._one(f"algorithm 'mpi' ({prep.collective})")
+        MPI = self._MPI
+        if prep.dtype == np.float16 and COLLECTIVES[prep.collective].reduces:
+            raise TypeError("algorithm 'mpi' cannot reduce float16 (MPI has no such type)")
+        x, o = prep.ins[0], prep.outs[0]
+        t = _mpi_type(MPI, prep.dtype)
+        mop = {"sum": MPI.SUM, "mean": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX,
+               "min": MPI.MIN}[prep.op]  # fmt: skip
+        comm = self._comm
+        # MPI's ranks in this group's numbering: the communicator is the group's own dup, so
+        # map roots through it
+        root = self._mpi_rank_of_proc[self._proc_of_rank[prep.root]]
+        coll = prep.collective
+        entry.state = "running"
+        if coll == "all_reduce":
+            comm.Allreduce(MPI.IN_PLACE if prep.in_place else [x, t], [o, t], op=mop)
+            if prep.op == "mean":
+                o /= self.size
+        elif coll == "reduce":
+            me_root = comm.Get_rank() == root
+            if me_root:
+                comm.Reduce(MPI.IN_PLACE if prep.in_place else [x, t], [o, t], op=mop, root=root)
+                if prep.op == "mean":
+                    o /= self.size
+            else:
+                comm.Reduce([x, t], None, op=mop, root=root)
+        elif coll == "broadcast":
+            if not prep.in_place and comm.Get_rank() == root:
+                np.copyto(o, x)
+            comm.Bcast([o, t], root=root)
+        elif coll == "all_gather":
+            if self._mpi_rank_of_proc != list(range(self.nprocs)):
+                raise ValueError("algorithm 'mpi' needs MPI's rank order to be the group's")
+            comm.Allgather(MPI.IN_PLACE if prep.in_place else [x, t], [o, t])
+        else:
+            if self._mpi_rank_of_proc != list(range(self.nprocs)):
+                raise ValueError("algorithm 'mpi' needs MPI's rank order to be the group's")
+            comm.Reduce_scatter_block([x, t], [o, t], op=mop)
+            if prep.op == "mean":
+                o /= self.size
+
+
+def _addr(seg: Segment) -> int:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(seg.buf))
+
+
+def _name_for(job: str, pid: int, what: str) -> str:
+    from .shm import PREFIX, user_tag
+
+    return f"{PREFIX}-{user_tag()}-{job}-p{pid}-{what}"
+
+
+def _signature(prep: Prepared, algorithm: str, in_place: bool) -> str:
+    return (
+        f"{prep.collective} count={prep.count} dtype={prep.dtype.name} op={prep.op} "
+        f"root={prep.root} in_place={in_place} algorithm={algorithm}"
+    )
+
+
+def _mismatch(pg: ProcessGroup, sig: str, bad: dict[int, str]) -> str:
+    lines = [f"collective arguments differ between processes: ranks {list(pg.ranks)} call {sig}"]
+    for p, s in sorted(bad.items()):
+        lines.append(f"  ranks {pg._ranks_of(p)} call {s}")
+    return "\n".join(lines)
+
+
+def _mpi_type(MPI: ModuleType, dtype: np.dtype) -> _MPI.Datatype:
+    table = {
+        "float32": MPI.FLOAT,
+        "float64": MPI.DOUBLE,
+        "int32": MPI.INT32_T,
+        "int64": MPI.INT64_T,
+        "float16": MPI.UINT16_T,  # moved as bytes; MPI never reduces it here
+        "uint8": MPI.BYTE,
+    }
+    t = table.get(np.dtype(dtype).name)
+    if t is None:
+        raise TypeError(f"no MPI datatype for {dtype}")
+    return t
+
+
+_current: ProcessGroup | None = None
+_NOTHING = np.empty(0, np.uint8)  # the payload of a notify
+
+
+def init_process_group(
+    comm: _MPI.Intracomm | None = None,
+    devices: str = "cpu",
+    algorithm: str = "auto",
+    timeout: float = 60.0,
+) -> ProcessGroup:
+    """The process group of every process of ``comm`` (default ``MPI.COMM_WORLD``: run
+    under ``mpiexec`` or ``srun``). ``devices``: ``"cpu"`` (one rank in this process) or
+    ``"cpu:N"``. Ranks are numbered node-major, then by process, then by local rank; the
+    node of a process is its host name, or ``NCCLTREE_NODE`` where set. Collective: every
+    process calls it. ``close()`` the group before calling it again."""
+    global _current
+    if _current is not None and not _current._closed:
+        raise CommError("a process group is open in this process; close() it first")
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError as exc:
+        from ..._errors import BackendUnavailable
+
+        raise BackendUnavailable(
+            "process groups need mpi4py and an MPI library: pip install 'nccltree[mpi]'"
+        ) from exc
+    _current = ProcessGroup(comm, devices, algorithm, timeout)
+    return _current
+
+
+__all__ = ["ProcessGroup", "init_process_group", "GROUP_ALGORITHMS"]

@@ -37,7 +37,7 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, cast
@@ -56,6 +56,7 @@ from ..collectives import COLLECTIVES, collective_name
 from ..executor import Buffers, Program
 from ..plan import IN, OUT, STAGE, TMP, Plan
 from .flight import Entry, FlightRecorder
+from .local import GroupComm, LocalRendezvous, run_local
 from .schedule import RECV, Item, Schedule, split
 
 if TYPE_CHECKING:
@@ -231,6 +232,8 @@ class ProcessGroup:
         self._arena_gen = dict.fromkeys(self._node_procs, 0)
         self._pending_unlink: list[tuple[Segment, int]] = []
         self._bootstrap_shm()
+        self._local = LocalRendezvous(self)
+        self._comms = [GroupComm(self, i) for i in range(len(self.ranks))]
 
     # -- bootstrap ------------------------------------------------------------------------
     def _bootstrap_shm(self) -> None:
@@ -313,6 +316,27 @@ class ProcessGroup:
             raise CommError("the process group is closed")
         if self._failure is not None:
             raise PeerFailure(f"the process group failed earlier: {self._failure}")
+
+    @property
+    def aborted(self) -> bool:
+        """Whether the group failed or was aborted (closed for good)."""
+        return self._failure is not None
+
+    def abort(self, reason: str = "aborted by the caller") -> None:
+        """Fail the group now: this process's ranks waiting in a collective, and the
+        node's other processes, raise ``PeerFailure``."""
+        self._fail(CommError(reason))
+        self._local.abort(CommError(reason))
+
+    def comm(self, index: int) -> GroupComm:
+        """The per-rank face of this process's ``index``-th rank (``ranks[index]``), used
+        from that rank's own thread."""
+        return self._comms[check_index(index, "local rank index", len(self.ranks))]
+
+    def run(self, fn: Callable[..., object], *args: object) -> list[object]:
+        """``fn(pg.comm(i), *args)`` in a thread per rank of this process; each result."""
+        self._check_usable()
+        return run_local(self, fn, *args)
 
     # -- public collectives (one rank per process) ---------------------------------------
     def _one(self, name: str) -> None:
@@ -415,6 +439,7 @@ class ProcessGroup:
             except BaseException as exc:
                 entry.state = f"failed: {type(exc).__name__}"
                 self._fail(exc)
+                self._local.abort(exc)
                 raise
             entry.state = "done"
             entry.ended = time.monotonic()

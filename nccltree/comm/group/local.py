@@ -1,0 +1,184 @@
+"""Several ranks in one process of a group: each rank's thread calls its own
+:class:`GroupComm`; the calls of the process's ranks meet here and the last to arrive
+runs the group collective for all of them (as per-rank calls meet in a World)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..._errors import CommError, CommTimeout, PeerFailure
+
+if TYPE_CHECKING:
+    from .group import ProcessGroup
+
+
+class _Meeting:
+    __slots__ = ("collective", "args", "root", "op", "results", "error", "done")
+
+    def __init__(self, n: int) -> None:
+        self.collective: list[str | None] = [None] * n
+        self.args: list[tuple[np.ndarray, np.ndarray | None] | None] = [None] * n
+        self.root: list[int] = [0] * n
+        self.op: list[str] = ["sum"] * n
+        self.results: list[np.ndarray] | None = None
+        self.error: BaseException | None = None
+        self.done = False
+
+
+class LocalRendezvous:
+    """Call k of every local rank forms one group collective."""
+
+    def __init__(self, pg: ProcessGroup) -> None:
+        self.pg = pg
+        self.n = len(pg.ranks)
+        self.cv = threading.Condition()
+        self.next = [0] * self.n
+        self.meetings: dict[int, _Meeting] = {}
+        self.aborted: BaseException | None = None
+
+    def abort(self, exc: BaseException) -> None:
+        with self.cv:
+            if self.aborted is None:
+                self.aborted = exc
+            self.cv.notify_all()
+
+    def arrive(
+        self, i: int, collective: str, x: np.ndarray, out: np.ndarray | None, op: str, root: int
+    ) -> np.ndarray:
+        pg = self.pg
+        with self.cv:
+            if self.aborted is not None:
+                raise PeerFailure(f"rank {pg.ranks[i]}: {self.aborted}")
+            k = self.next[i]
+            self.next[i] += 1
+            m = self.meetings.setdefault(k, _Meeting(self.n))
+            m.collective[i], m.args[i], m.op[i], m.root[i] = collective, (x, out), op, root
+            last = all(c is not None for c in m.collective)
+        if last:
+            try:
+                if len(set(m.collective)) != 1 or len(set(m.op)) != 1 or len(set(m.root)) != 1:
+                    raise ValueError(
+                        f"the ranks of this process call different collectives: "
+                        f"{list(zip(m.collective, m.op, m.root, strict=True))}"
+                    )
+                args = [a for a in m.args if a is not None]
+                outs = [o for _, o in args]
+                m.results = pg.call(
+                    str(m.collective[0]),
+                    [x for x, _ in args],
+                    None if all(o is None for o in outs) else outs,  # type: ignore[arg-type]
+                    op=m.op[0],
+                    root=m.root[0],
+                )
+            except BaseException as exc:  # noqa: BLE001 - handed to every local rank
+                m.error = exc
+            with self.cv:
+                m.done = True
+                del self.meetings[k]
+                self.cv.notify_all()
+        else:
+            deadline = time.monotonic() + pg.timeout
+            with self.cv:
+                while not m.done:
+                    if self.aborted is not None:
+                        raise PeerFailure(f"rank {pg.ranks[i]}: {self.aborted}")
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        missing = [pg.ranks[j] for j, c in enumerate(m.collective) if c is None]
+                        raise CommTimeout(
+                            f"rank {pg.ranks[i]}: waited {pg.timeout:g} s for ranks {missing} "
+                            f"of this process to call {collective}"
+                        )
+                    self.cv.wait(min(left, 0.1))
+        if m.error is not None:
+            raise m.error
+        assert m.results is not None
+        return m.results[i]
+
+
+class GroupComm:
+    """The per-rank face of a process group's rank (``pg.comm(i)``), used from that
+    rank's own thread; the same collectives as :class:`~nccltree.comm.Comm`, host arrays,
+    synchronous."""
+
+    def __init__(self, pg: ProcessGroup, index: int) -> None:
+        self.pg = pg
+        self.index = index
+        self.rank = pg.ranks[index]
+        self.size = pg.size
+
+    def _call(
+        self, collective: str, x: np.ndarray, out: np.ndarray | None, op: str, root: int
+    ) -> np.ndarray:
+        if len(self.pg.ranks) == 1:
+            return self.pg.call(collective, [x], None if out is None else [out], op=op, root=root)[
+                0
+            ]
+        return self.pg._local.arrive(self.index, collective, x, out, op, root)
+
+    def all_reduce(
+        self, x: np.ndarray, *, out: np.ndarray | None = None, op: str = "sum"
+    ) -> np.ndarray:
+        return self._call("all_reduce", x, out, op, 0)
+
+    def reduce(
+        self, x: np.ndarray, *, root: int = 0, out: np.ndarray | None = None, op: str = "sum"
+    ) -> np.ndarray:
+        return self._call("reduce", x, out, op, root)
+
+    def broadcast(
+        self, x: np.ndarray, *, root: int = 0, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        return self._call("broadcast", x, out, "sum", root)
+
+    def all_gather(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        return self._call("all_gather", x, out, "sum", 0)
+
+    def reduce_scatter(self, x: np.ndarray, out: np.ndarray, *, op: str = "sum") -> np.ndarray:
+        return self._call("reduce_scatter", x, out, op, 0)
+
+    def barrier(self) -> None:
+        self._call("all_reduce", np.zeros(1, np.float32), None, "sum", 0)
+
+
+def run_local(pg: ProcessGroup, fn: Callable[..., object], *args: object) -> list[object]:
+    """``fn(pg.comm(i), *args)`` in a thread per rank of this process; each result. An
+    exception in one rank's thread releases the others (``PeerFailure``) and is re-raised
+    here, naming the rank."""
+    n = len(pg.ranks)
+    results: list[object] = [None] * n
+    errors: list[tuple[int, BaseException]] = []
+
+    def target(i: int) -> None:
+        try:
+            results[i] = fn(pg.comm(i), *args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            errors.append((i, exc))
+            if not isinstance(exc, (ValueError, TypeError, PeerFailure)):
+                pg._local.abort(CommError(f"rank {pg.ranks[i]} failed: {exc!r}"))
+
+    if n == 1:
+        target(0)
+    else:
+        threads = [
+            threading.Thread(
+                target=target, args=(i,), name=f"nccltree-rank{pg.ranks[i]}", daemon=True
+            )
+            for i in range(n)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    if errors:
+        errors.sort(key=lambda e: isinstance(e[1], PeerFailure))
+        i, exc = errors[0]
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"(raised on rank {pg.ranks[i]} of {pg.size})")
+        raise exc
+    return results

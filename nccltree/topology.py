@@ -11,7 +11,7 @@ import dataclasses
 import json
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
@@ -37,6 +37,7 @@ class LinkKind(IntEnum):
     PHB = 6  #: through a PCIe host bridge
     NODE = 7  #: between host bridges within one NUMA node
     SYS = 8  #: across NUMA nodes / sockets (QPI, UPI); older drivers print SOC
+    NET = 9  #: between nodes, over the network; worse than every intra-node kind
 
 
 # Weight of one link in tree costs: about 1200 / (nominal unidirectional GB/s), kept
@@ -50,13 +51,20 @@ _COST = {
     LinkKind.PHB: 160,  # ~7.5 GB/s
     LinkKind.NODE: 200,  # ~6 GB/s
     LinkKind.SYS: 300,  # ~4 GB/s
+    # Between nodes. A 100 Gb/s NIC (12.5 GB/s, which alone would be ~96) is slower than
+    # any path inside a node once it is shared: every rank of the node goes through it
+    # (8 ranks: ~1.6 GB/s each), and each transfer pays the network's latency. So the
+    # figure is set well above every intra-node cost (the worst, SYS without peer access,
+    # is 600), so that the tree takes any link inside a node before a crossing. A network link
+    # never has peer access; this figure already counts the staging, so it is not doubled.
+    LinkKind.NET: 1000,
 }
 # Without peer access a copy is staged through pinned host memory: two transfers.
 _NO_PEER_FACTOR = 2
 
 # Spellings in nvidia-smi output. nvidia-smi has no token for "same board" (a K80's
-# twins print as PIX) nor for "same device"; BRD and DEV are this library's own, so
-# that ``str(topology)`` can be read back.
+# twins print as PIX), for "same device" nor for "another node" (it sees one machine);
+# BRD, DEV and NET are this library's own, so that ``str(topology)`` can be read back.
 _TOKEN_KIND = {
     "X": LinkKind.SELF,
     "DEV": LinkKind.SAME_DEVICE,
@@ -67,10 +75,11 @@ _TOKEN_KIND = {
     "NODE": LinkKind.NODE,
     "SYS": LinkKind.SYS,
     "SOC": LinkKind.SYS,
+    "NET": LinkKind.NET,
 }
 _KIND_TOKEN = {kind: tok for tok, kind in _TOKEN_KIND.items() if tok != "SOC"}
 _NV_TOKEN = re.compile(r"^NV([1-9]\d*)$")
-_ACCEPTED = "X, NV#, BRD, DEV, PIX, PXB, PHB, NODE, SYS, SOC"
+_ACCEPTED = "X, NV#, BRD, DEV, PIX, PXB, PHB, NODE, SYS, SOC, NET"
 
 _LEGEND = {
     LinkKind.SELF: "X    = Self",
@@ -82,6 +91,7 @@ _LEGEND = {
     LinkKind.PHB: "PHB  = Connection traversing PCIe as well as a PCIe Host Bridge (typically the CPU)",
     LinkKind.NODE: "NODE = Connection traversing PCIe as well as the interconnect between PCIe Host Bridges within a NUMA node",
     LinkKind.SYS: "SYS  = Connection traversing PCIe as well as the SMP interconnect between NUMA nodes (e.g., QPI/UPI)",
+    LinkKind.NET: "NET  = Between nodes, over the network (nvidia-smi sees one node only)",
 }
 
 # `nvidia-smi topo -p2p r` statuses; only OK means peer reads work.
@@ -108,15 +118,19 @@ class Link:
             raise TypeError(f"p2p must be a bool, got {type(self.p2p).__name__}")
         if self.kind in (LinkKind.SELF, LinkKind.SAME_DEVICE) and not self.p2p:
             raise ValueError(f"a {self.kind.name} link always has peer access")
+        if self.kind == LinkKind.NET and self.p2p:
+            # no device reads another node's memory: Link(LinkKind.NET, p2p=False)
+            raise ValueError("a NET link never has peer access: pass p2p=False")
 
     @property
     def cost(self) -> int:
-        """Tree weight of the link: ~1200 / nominal GB/s, doubled without peer access."""
+        """Tree weight of the link: ~1200 / nominal GB/s, doubled without peer access
+        (except NET, which never has it and whose weight already counts that)."""
         if self.kind == LinkKind.NVLINK:
             base = max(2, (48 + self.nvlinks // 2) // self.nvlinks)
         else:
             base = _COST[self.kind]
-        return base if self.p2p else base * _NO_PEER_FACTOR
+        return base if self.p2p or self.kind == LinkKind.NET else base * _NO_PEER_FACTOR
 
     @property
     def rank(self) -> tuple[int, int, int]:
@@ -125,12 +139,14 @@ class Link:
 
     @property
     def token(self) -> str:
-        """The nvidia-smi spelling (``X``, ``NV2``, ``PIX``...; ``BRD``/``DEV`` are ours)."""
+        """The nvidia-smi spelling (``X``, ``NV2``, ``PIX``...; ``BRD``/``DEV``/``NET`` are
+        ours)."""
         return f"NV{self.nvlinks}" if self.kind == LinkKind.NVLINK else _KIND_TOKEN[self.kind]
 
     @classmethod
     def from_token(cls, token: str, p2p: bool | None = None) -> Link:
-        """The link an nvidia-smi cell names; ``p2p=None``: peer access unless ``SYS``."""
+        """The link an nvidia-smi cell names; ``p2p=None``: peer access unless ``SYS`` or
+        ``NET`` (``NET`` never has it, ``X`` and ``DEV`` always do, whatever ``p2p`` says)."""
         tok = token.upper()
         m = _NV_TOKEN.match(tok)
         if m:
@@ -139,8 +155,8 @@ class Link:
             kind, nvlinks = _TOKEN_KIND[tok], 0
         else:
             raise ValueError(f"unknown link token {token!r} (accepted: {_ACCEPTED})")
-        if p2p is None or kind in (LinkKind.SELF, LinkKind.SAME_DEVICE):
-            p2p = kind != LinkKind.SYS
+        if p2p is None or kind in (LinkKind.SELF, LinkKind.SAME_DEVICE, LinkKind.NET):
+            p2p = kind not in (LinkKind.SYS, LinkKind.NET)
         return cls(kind, nvlinks, p2p)
 
 
@@ -224,6 +240,89 @@ class Topology:
         return cls([[_SELF if i == j else link for j in range(n)] for i in range(n)])
 
     @classmethod
+    def cluster(
+        cls,
+        nodes: Sequence[Hashable],
+        intra: Topology | Link | None = None,
+        names: Sequence[str] | None = None,
+    ) -> Topology:
+        """Ranks spread over several nodes: rank ``i`` lives on node ``nodes[i]``.
+
+        Ranks must be node-major (each node's ranks contiguous), as launchers number
+        them; a node that reappears after another is a ``ValueError``. Ranks of
+        different nodes are linked by ``NET`` (no peer access). Within a node every pair
+        has the ``Link`` ``intra`` (default ``SAME_DEVICE``: processes of one node
+        sharing host memory), or, when ``intra`` is a ``Topology``, its matrix over the
+        node's ranks in order, which needs every node to have ``intra.n`` ranks. Node
+        labels are only compared, never printed. ``names`` default to ``GPU0``,
+        ``GPU1``..., so that ``str()`` reads back through ``from_smi``.
+        """
+        if isinstance(nodes, (str, bytes)):
+            raise TypeError("nodes must be a sequence of node labels, one per rank, not a str")
+        labels = list(nodes)
+        if not labels:
+            raise ValueError("a cluster needs at least one rank")
+        node_of: list[int] = []  # rank -> node index, in order of first appearance
+        first: dict[Hashable, int] = {}
+        for i, label in enumerate(labels):
+            try:
+                index = first.setdefault(label, len(first))
+            except TypeError:
+                raise TypeError(
+                    f"nodes[{i}] must be hashable, got {type(label).__name__}"
+                ) from None
+            if node_of and index != node_of[-1] and index != len(first) - 1:
+                raise ValueError(
+                    f"ranks must be node-major (each node's ranks contiguous): rank {i} is "
+                    f"on node {label!r} again after rank {i - 1} on node {labels[i - 1]!r}"
+                )
+            node_of.append(index)
+        local = [0] * len(labels)  # rank -> its index among its node's ranks
+        sizes = [0] * len(first)
+        for i, index in enumerate(node_of):
+            local[i] = sizes[index]
+            sizes[index] += 1
+        if intra is None:
+            intra = Link(LinkKind.SAME_DEVICE)
+        if isinstance(intra, Link):
+            if intra.kind in (LinkKind.SELF, LinkKind.NET):
+                raise ValueError(f"the link within a node cannot be {intra.kind.name}")
+            link = intra
+
+            def within(a: int, b: int) -> Link:
+                return link
+        elif isinstance(intra, Topology):
+            inner = intra
+            wrong = sorted({s for s in sizes if s != inner.n})
+            if wrong:
+                raise ValueError(
+                    f"intra is a topology of {inner.n} devices, but nodes have "
+                    f"{', '.join(map(str, wrong))} ranks (an intra topology needs every "
+                    f"node to have {inner.n})"
+                )
+            if any(
+                inner.link(a, b).kind == LinkKind.NET
+                for a in range(inner.n)
+                for b in range(inner.n)
+            ):
+                raise ValueError("the topology within a node cannot contain NET links")
+
+            def within(a: int, b: int) -> Link:
+                return inner.link(a, b)
+        else:
+            raise TypeError(f"intra must be a Topology, a Link or None, got {type(intra).__name__}")
+        net = Link(LinkKind.NET, p2p=False)
+        n = len(labels)
+        links = [
+            [
+                _SELF if i == j else within(local[i], local[j]) if node_of[i] == node_of[j] else net
+                for j in range(n)
+            ]
+            for i in range(n)
+        ]
+        return cls(links, names)
+
+    @classmethod
     def presets(cls) -> dict[str, str]:
         """Names of the presets, each with a one-line description."""
         out = {name: desc for name, (desc, _) in PRESETS.items()}
@@ -250,9 +349,10 @@ class Topology:
 
         ``p2p`` is optionally what ``nvidia-smi topo -p2p r`` prints for the same
         machine; without it, peer access is assumed everywhere except across sockets
-        (``SYS``/``SOC``). ``PIX`` stays ``PIX`` (nvidia-smi prints twin-board GPUs so
-        too); this library's ``BRD`` and ``DEV`` are read back as SAME_BOARD and
-        SAME_DEVICE. Unknown tokens are a ``ValueError`` naming the row and column.
+        (``SYS``/``SOC``) and between nodes. ``PIX`` stays ``PIX`` (nvidia-smi prints
+        twin-board GPUs so too); this library's ``BRD``, ``DEV`` and ``NET`` are read back
+        as SAME_BOARD, SAME_DEVICE and NET. Unknown tokens are a ``ValueError`` naming
+        the row and column.
         """
         names, grid = _smi.parse_matrix(text, _is_link_token, _ACCEPTED)
         n = len(names)

@@ -16,8 +16,11 @@ level:
 - at most ``EXACT_LEADERS`` (8) leaders: an exact search over every level-by-level
   pairing, memoised on the set of leaders left (the cost of the levels above depends on
   nothing else). For N <= 8 the tree is therefore optimal (tests compare it with brute
-  force). Ties go to the smallest sequence of (parent, child) edges, level 0 first,
-  counted from the root: on a uniform topology the binomial tree.
+  force). Ties go first to the tree whose levels cost least from level 0 up (slow links
+  as high as they go: ranks of one node, linked to other nodes only by ``NET``, pair
+  among themselves before one of them crosses, and a broadcast crosses first), then to
+  the smallest sequence of (parent, child) edges, level 0 first, counted from the
+  root: on a uniform topology the binomial tree.
 - more leaders (a heuristic): the first levels one at a time — a minimum-cost pairing
   (exact over bitmasks up to ``MATCHING_DP_LEADERS`` leaders, else greedy by link rank
   then partner swaps), the member of a pair with the cheaper links to the other leaders
@@ -231,15 +234,24 @@ def _perfect(xs: tuple[int, ...]) -> Iterator[list[tuple[int, int]]]:
             yield [(a, xs[k]), *m]
 
 
+_Best = tuple[int, tuple[int, ...], tuple[Level, ...]]
+
+
 @lru_cache(maxsize=64)
 def _exact(
     leaders: tuple[int, ...], cost: tuple[tuple[int, ...], ...], root: int | None
 ) -> tuple[int, tuple[Level, ...]]:
-    memo: dict[tuple[int, ...], tuple[int, tuple[Level, ...]]] = {}
+    """The least-cost levels pairing ``leaders`` down to one: (cost, levels).
 
-    def best(ls: tuple[int, ...]) -> tuple[int, tuple[Level, ...]]:
+    Among trees of equal cost, the one whose levels cost least from level 0 up (its
+    slow links as high as they can be, where a broadcast sends first and a reduce sends
+    last), then the smallest levels.
+    """
+    memo: dict[tuple[int, ...], _Best] = {}
+
+    def best(ls: tuple[int, ...]) -> _Best:
         if len(ls) == 1:
-            return (0, ())
+            return (0, (), ())
         got = memo.get(ls)
         if got is not None:
             return got
@@ -258,15 +270,16 @@ def _exact(
             for choice in _product(options):
                 level = tuple(sorted(choice))
                 nxt = tuple(sorted(out + tuple(p for p, _ in choice)))
-                rest_cost, rest = best(nxt)
-                cand = (here + rest_cost, (level, *rest))
+                rest_cost, rest_by_level, rest = best(nxt)
+                cand = (here + rest_cost, (here, *rest_by_level), (level, *rest))
                 if result is None or cand < result:
                     result = cand
         assert result is not None
         memo[ls] = result
         return result
 
-    return best(leaders)
+    total, _, levels = best(leaders)
+    return total, levels
 
 
 def _product(options: Sequence[tuple[T, ...]]) -> Iterator[tuple[T, ...]]:

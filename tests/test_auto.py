@@ -106,6 +106,15 @@ def test_cuda_without_peer_access(fake_cupy: Any) -> None:
         assert "direct" not in assert_same(w)
 
 
+def test_nodes_over_the_network_take_the_tree() -> None:
+    cluster = nt.Topology.cluster([0, 0, 1, 1])
+    assert auto.topology_class(cluster) == auto.OTHER
+    # even when every pair crosses (one rank per node)
+    assert auto.topology_class(nt.Topology.cluster([0, 1, 2])) == auto.OTHER
+    for size in (8, 1 << 20):
+        assert auto.choose("host", auto.OTHER, size, lambda a: True) == "tree"
+
+
 def test_the_table_is_declarative() -> None:
     for (backend, topo_class), rules in auto.AUTO.items():
         assert backend in ("host", "cuda") and topo_class in (auto.UNIFORM_PEER, auto.OTHER)

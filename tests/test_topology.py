@@ -41,6 +41,7 @@ def test_link_kinds_are_ordered_best_first():
     assert list(K) == sorted(K)
     assert [k.name for k in K] == [
         "SELF", "SAME_DEVICE", "NVLINK", "SAME_BOARD", "PIX", "PXB", "PHB", "NODE", "SYS",
+        "NET",
     ]  # fmt: skip
 
 
@@ -59,12 +60,17 @@ def test_link_cost_follows_kind_and_nvlink_count():
         Link(K.PHB),
         Link(K.NODE),
         Link(K.SYS),
+        Link(K.NET, p2p=False),
     ]
     costs = [link.cost for link in best_to_worst]
     assert costs == sorted(costs) and len(set(costs)) == len(costs)
     assert [link.rank for link in best_to_worst] == sorted(link.rank for link in best_to_worst)
     assert Link(K.NVLINK, 2).cost == 24 and Link(K.NVLINK, 1).cost == 48
     assert Link(K.PIX, p2p=False).cost == 2 * Link(K.PIX).cost
+    # Between nodes is worse than every link inside a node, with or without peer access.
+    inside = [Link(k, 1 if k == K.NVLINK else 0, p2p) for k in K if k not in (K.SELF, K.NET)
+              for p2p in ((True,) if k == K.SAME_DEVICE else (True, False))]  # fmt: skip
+    assert Link(K.NET, p2p=False).cost > max(link.cost for link in inside) == 600
     # More NVLinks never rank worse, even where the integer cost saturates.
     ranks = [Link(K.NVLINK, m).rank for m in range(1, 40)]
     assert ranks == sorted(ranks, reverse=True) and len(set(ranks)) == len(ranks)
@@ -81,6 +87,8 @@ def test_link_cost_follows_kind_and_nvlink_count():
         (dict(kind=K.PIX, nvlinks=-1), ValueError),
         (dict(kind=K.PIX, p2p=1), TypeError),
         (dict(kind=K.SAME_DEVICE, p2p=False), ValueError),
+        (dict(kind=K.NET), ValueError),  # never peer access across nodes
+        (dict(kind=K.NET, nvlinks=1, p2p=False), ValueError),
         (dict(kind=42), ValueError),
     ],
 )
@@ -103,18 +111,99 @@ def test_link_rejects_bad_fields(kwargs, err):
         ("SOC", Link(K.SYS, p2p=False)),
         ("BRD", Link(K.SAME_BOARD)),
         ("DEV", Link(K.SAME_DEVICE)),
+        ("NET", Link(K.NET, p2p=False)),
+        ("net", Link(K.NET, p2p=False)),
     ],
 )
 def test_link_tokens(token, link):
     assert Link.from_token(token) == link
-    assert link.token == ("SYS" if token == "SOC" else token)
+    assert link.token == ("SYS" if token == "SOC" else token.upper())
     assert Link.from_token(link.token, link.p2p) == link
 
 
-@pytest.mark.parametrize("token", ["NV0", "NVX", "PCI", "", "N/A"])
+def test_net_token_never_has_peer_access():
+    # as DEV always has it, whatever a p2p matrix says
+    assert Link.from_token("NET", True) == Link(K.NET, p2p=False)
+    assert Link.from_token("DEV", False) == Link(K.SAME_DEVICE)
+
+
+@pytest.mark.parametrize("token", ["NV0", "NVX", "PCI", "", "N/A", "NETWORK"])
 def test_link_unknown_token(token):
-    with pytest.raises(ValueError, match="accepted: X, NV#"):
+    with pytest.raises(ValueError, match="accepted: X, NV#.*NET"):
         Link.from_token(token)
+
+
+# -- clusters ------------------------------------------------------------------------------
+
+
+def test_cluster_links_nodes_by_net():
+    topo = Topology.cluster(["a", "a", "b", "b", "b"])
+    assert tokens(topo) == [
+        "X DEV NET NET NET",
+        "DEV X NET NET NET",
+        "NET NET X DEV DEV",
+        "NET NET DEV X DEV",
+        "NET NET DEV DEV X",
+    ]
+    assert p2p_rows(topo) == ["11...", "11...", "..111", "..111", "..111"]
+    assert topo.names == ("GPU0", "GPU1", "GPU2", "GPU3", "GPU4")
+    # Any hashable labels, compared only; one node is a plain uniform topology.
+    assert Topology.cluster([("h", 1), ("h", 1), 7, 7]) == Topology.cluster([0, 0, 1, 1])
+    assert Topology.cluster(["x"] * 3) == Topology.uniform(3, Link(K.SAME_DEVICE))
+    assert Topology.cluster([5]) == Topology.uniform(1, Link(K.SAME_DEVICE))
+    assert Topology.cluster(np.array([0, 0, 1])) == Topology.cluster([0, 0, 1])
+    named = Topology.cluster([0, 1], names=["n0.r0", "n1.r0"])
+    assert named.names == ("n0.r0", "n1.r0")
+
+
+def test_cluster_intra_link_and_topology():
+    topo = Topology.cluster([0, 0, 1, 1], Link(K.NVLINK, 4))
+    assert tokens(topo) == ["X NV4 NET NET", "NV4 X NET NET", "NET NET X NV4", "NET NET NV4 X"]
+    dgx1 = Topology.preset("dgx1")
+    two = Topology.cluster(["n0"] * 8 + ["n1"] * 8, dgx1)
+    for i in range(16):
+        for j in range(16):
+            if i // 8 == j // 8:
+                assert two.link(i, j) == dgx1.link(i % 8, j % 8)
+            else:
+                assert two.link(i, j) == Link(K.NET, p2p=False)
+
+
+def test_cluster_reads_back():
+    for topo in (
+        Topology.cluster([0, 0, 1, 1, 1]),
+        Topology.cluster([0] * 8 + [1] * 8, Topology.preset("pcie2s8")),
+    ):
+        text = str(topo)
+        assert "NET  = Between nodes" in text
+        assert Topology.from_smi(text) == topo
+        assert Topology.from_json(topo.to_json()) == topo
+
+
+@pytest.mark.parametrize(
+    "nodes, intra, err, match",
+    [
+        ([0, 1, 0], None, ValueError, "node-major.*rank 2 is on node 0 again"),
+        (["a", "a", "b", "a"], None, ValueError, "node-major"),
+        ([], None, ValueError, "at least one rank"),
+        ("aabb", None, TypeError, "not a str"),
+        ([[0], [0]], None, TypeError, r"nodes\[0\] must be hashable"),
+        ([0, 0, 1, 1], Link(K.NET, p2p=False), ValueError, "cannot be NET"),
+        ([0, 0, 1, 1], Link(K.SELF), ValueError, "cannot be SELF"),
+        ([0, 0, 1, 1], "PIX", TypeError, "intra must be"),
+        ([0, 0, 1, 1, 1], Topology.preset("flat:2"), ValueError, "nodes have 3 ranks"),
+        ([0, 0, 1, 1], Topology.preset("flat:4"), ValueError, "nodes have 2 ranks"),
+        ([0, 0, 1, 1], Topology.cluster([0, 1]), ValueError, "cannot contain NET"),
+    ],
+)
+def test_cluster_rejects(nodes, intra, err, match):
+    with pytest.raises(err, match=match):
+        Topology.cluster(nodes, intra)
+
+
+def test_cluster_names_checked():
+    with pytest.raises(ValueError, match="3 names for 2 devices"):
+        Topology.cluster([0, 1], names=["a", "b", "c"])
 
 
 # -- the Topology value --------------------------------------------------------------------
@@ -404,6 +493,7 @@ _LINKS = st.one_of(
         st.booleans(),
     ),
     st.just(Link(K.SAME_DEVICE)),
+    st.just(Link(K.NET, p2p=False)),
 )
 
 

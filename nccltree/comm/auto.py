@@ -73,7 +73,12 @@ AUTO: dict[tuple[str, str], tuple[Rule, ...]] = {
 
 def topology_class(topology: Topology) -> str:
     """``UNIFORM_PEER`` when every pair of distinct devices has one link kind with peer
-    access (one host, NVSwitch), else ``OTHER`` (a single device included)."""
+    access (one host, NVSwitch), else ``OTHER`` (a single device included).
+
+    A topology with ``NET`` links (ranks on several nodes) is ``OTHER``, as a ``NET`` link
+    never has peer access: the topology-aware tree, which crosses between nodes as
+    rarely as it can and at the top, is the hand-built algorithm for it. In-process
+    worlds never detect ``NET``, so their choices do not change."""
     n = topology.n
     links = {
         (topology.link(i, j).kind, topology.link(i, j).p2p)

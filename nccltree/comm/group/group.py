@@ -49,7 +49,7 @@ from ..._errors import CommError, CommTimeout, PeerFailure
 from ..._validate import check_index, check_int, check_real
 from ...backends import devices as make_devices
 from ...backends.base import data_ptr
-from ...topology import Link, LinkKind, Topology
+from ...topology import Topology
 from .._args import Prepared, prepare
 from ..algorithms import ALGORITHMS, build_plan
 from ..collectives import COLLECTIVES, collective_name
@@ -68,6 +68,18 @@ if TYPE_CHECKING:
 from .shm import Segment, remove_stale, segment_name
 
 GROUP_ALGORITHMS = ("tree", "ring", "direct", "mpi", "auto")
+BASE = "base"  # an in-place rank's one buffer (its mirror holds the input and the output)
+
+
+def _in_place_shape(collective: str, rank: int, count: int, size: int) -> tuple[int, int]:
+    """In place: (where the input starts minus where the output starts, in elements; the
+    elements of the one buffer holding both)."""
+    coll = COLLECTIVES[collective]
+    off_in, off_out = coll.in_place(rank, count, size)
+    shift = off_in - off_out
+    nin, nout = coll.in_count(count, size), coll.out_count(count, size)
+    return shift, max(nin + max(shift, 0), nout + max(-shift, 0))
+
 
 # control segment layout (one per node): the abort word and its reason, then a slot per
 # process of the node
@@ -200,21 +212,8 @@ class ProcessGroup:
         ]
         self._threads = threads
         # topology: one memory within a node, the network between nodes
-        same, net = Link(LinkKind.SAME_DEVICE), Link(getattr(LinkKind, "NET", LinkKind.SYS))
-        self.topology = Topology(
-            [
-                [
-                    Link(LinkKind.SELF)
-                    if a == b
-                    else same
-                    if self._node_of_proc[self._proc_of_rank[a]]
-                    == self._node_of_proc[self._proc_of_rank[b]]
-                    else net
-                    for b in range(self.size)
-                ]
-                for a in range(self.size)
-            ],
-            names=[f"r{r}" for r in range(self.size)],
+        self.topology = Topology.cluster(
+            [self._node_of_proc[self._proc_of_rank[r]] for r in range(self.size)]
         )
         self._trees: dict[int, Tree] = {}
         self._compiled: dict[tuple[object, ...], _Compiled] = {}
@@ -496,19 +495,24 @@ class ProcessGroup:
             for r in range(n):
                 if self._proc_of_rank[r] != q:
                     continue
-                roles = [TMP, STAGE]
                 exposed = scheds[q].exposed
-                if (r, IN) in exposed or (in_place and (r, OUT) in exposed):
-                    roles.append(IN)
-                if not in_place and (r, OUT) in exposed:
-                    roles.append(OUT)
+                roles = [TMP, STAGE]
+                if not in_place:
+                    roles += [role for role in (IN, OUT) if (r, role) in exposed]
                 for role in roles:
                     cnt = extents[role][r]
                     if cnt:
                         lay[(r, role)] = off
                         off += -(-cnt * item // 256) * 256
-                if in_place and (r, IN) in lay:
-                    lay[(r, OUT)] = lay[(r, IN)]
+                if in_place and ((r, IN) in exposed or (r, OUT) in exposed):
+                    # one mirror for the one buffer: input and output at their in-place
+                    # offsets inside it (all_gather: the input inside the output;
+                    # reduce_scatter: the output inside the input)
+                    shift, base = _in_place_shape(prep.collective, r, prep.count, n)
+                    lay[(r, BASE)] = off
+                    lay[(r, IN)] = off + max(shift, 0) * item
+                    lay[(r, OUT)] = off + max(-shift, 0) * item
+                    off += -(-base * item // 256) * 256
             layouts[q] = (lay, off)
         # this process's items, consecutive steps without waits fused into one program
         runs: list[_Run] = []
@@ -567,11 +571,25 @@ class ProcessGroup:
             user_in, user_out = ins[r], outs[r]
             if user_out is not prep.outs[i]:  # the root's output made distinct (see above)
                 copy_back.append((prep.outs[i], user_out))
+            if in_place:
+                base_user = user_out if user_out.size >= user_in.size else user_in
+                hin, hout = self._heap_of(user_in), self._heap_of(user_out)
+                if hin is not None and hout is not None:
+                    loc[i] = (*hin, *hout)
+                    mine_in[r], mine_out[r] = user_in, user_out
+                elif (r, IN) in lay:
+                    assert arena is not None
+                    shift, base = _in_place_shape(prep.collective, r, prep.count, self.size)
+                    m = np.frombuffer(arena.buf, dt, base, lay[(r, BASE)])
+                    mine_in[r] = m[max(shift, 0) : max(shift, 0) + user_in.size]
+                    mine_out[r] = m[max(-shift, 0) : max(-shift, 0) + user_out.size]
+                    np.copyto(mine_in[r], user_in)
+                    if (r, IN) in c.writes or (r, OUT) in c.writes:
+                        copy_back.insert(0, (base_user, m))
+                else:
+                    mine_in[r], mine_out[r] = user_in, user_out
+                continue
             for j, role in enumerate((IN, OUT)):
-                if role == OUT and in_place:
-                    mine_out[r] = mine_in[r]
-                    loc[i, 2:] = loc[i, :2]
-                    continue
                 arr = user_in if role == IN else user_out
                 table = mine_in if role == IN else mine_out
                 heap = self._heap_of(arr)
@@ -584,8 +602,7 @@ class ProcessGroup:
                     table[r] = m
                     if role == IN:
                         np.copyto(m, arr)
-                    written = (r, role) in c.writes or (in_place and (r, OUT) in c.writes)
-                    if written:
+                    if (r, role) in c.writes:
                         # before the de-aliased root output's own copy back
                         copy_back.insert(0, (arr, m))
                 else:
@@ -666,8 +683,6 @@ class ProcessGroup:
                             a[role] = np.frombuffer(self._heaps[h][q].buf, dt, cnt, off)
                         elif (r, role) in lay and seg is not None:
                             a[role] = np.frombuffer(seg.buf, dt, cnt, lay[(r, role)])
-                    if in_place:
-                        a[OUT] = a[IN]
                 if recv is not None:
                     a[RECV] = recv
         for r in range(n):
@@ -898,32 +913,42 @@ class ProcessGroup:
         root = self._mpi_rank_of_proc[self._proc_of_rank[prep.root]]
         coll = prep.collective
         entry.state = "running"
-        if coll == "all_reduce":
-            comm.Allreduce(MPI.IN_PLACE if prep.in_place else [x, t], [o, t], op=mop)
-            if prep.op == "mean":
-                o /= self.size
-        elif coll == "reduce":
-            me_root = comm.Get_rank() == root
-            if me_root:
-                comm.Reduce(MPI.IN_PLACE if prep.in_place else [x, t], [o, t], op=mop, root=root)
-                if prep.op == "mean":
-                    o /= self.size
+        me_root = comm.Get_rank() == root
+        # non-blocking collectives, waited on with the group's timeout (a blocking MPI
+        # call could not be bounded)
+        try:
+            if coll == "all_reduce":
+                req = comm.Iallreduce(MPI.IN_PLACE if prep.in_place else [x, t], [o, t], op=mop)
+            elif coll == "reduce":
+                if me_root:
+                    send = MPI.IN_PLACE if prep.in_place else [x, t]
+                    req = comm.Ireduce(send, [o, t], op=mop, root=root)
+                else:
+                    req = comm.Ireduce([x, t], None, op=mop, root=root)
+            elif coll == "broadcast":
+                if not prep.in_place and me_root:
+                    np.copyto(o, x)
+                req = comm.Ibcast([o, t], root=root)
+            elif coll == "all_gather":
+                self._mpi_order(coll)
+                req = comm.Iallgather(MPI.IN_PLACE if prep.in_place else [x, t], [o, t])
             else:
-                comm.Reduce([x, t], None, op=mop, root=root)
-        elif coll == "broadcast":
-            if not prep.in_place and comm.Get_rank() == root:
-                np.copyto(o, x)
-            comm.Bcast([o, t], root=root)
-        elif coll == "all_gather":
-            if self._mpi_rank_of_proc != list(range(self.nprocs)):
-                raise ValueError("algorithm 'mpi' needs MPI's rank order to be the group's")
-            comm.Allgather(MPI.IN_PLACE if prep.in_place else [x, t], [o, t])
-        else:
-            if self._mpi_rank_of_proc != list(range(self.nprocs)):
-                raise ValueError("algorithm 'mpi' needs MPI's rank order to be the group's")
-            comm.Reduce_scatter_block([x, t], [o, t], op=mop)
-            if prep.op == "mean":
-                o /= self.size
+                self._mpi_order(coll)
+                # in place the output lies inside the input: reduce from a copy
+                send = x.copy() if prep.in_place else x
+                req = comm.Ireduce_scatter_block([send, t], [o, t], op=mop)
+            self._wait_request(req, -1, f"MPI's {coll}")
+        except MPI.Exception as exc:
+            raise CommError(f"rank {self.rank}: MPI {coll} failed: {exc}") from exc
+        if prep.op == "mean" and (coll != "reduce" or me_root):
+            o /= self.size
+
+    def _mpi_order(self, coll: str) -> None:
+        if self._mpi_rank_of_proc != list(range(self.nprocs)):
+            raise ValueError(
+                f"algorithm 'mpi' ({coll}) needs MPI's rank order to be the group's "
+                "(node-major); launch the processes of each node contiguously"
+            )
 
 
 def _addr(seg: Segment) -> int:

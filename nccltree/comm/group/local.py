@@ -67,11 +67,13 @@ class LocalRendezvous:
                         f"{list(zip(m.collective, m.op, m.root, strict=True))}"
                     )
                 args = [a for a in m.args if a is not None]
-                outs = [o for _, o in args]
+                given = [o for _, o in args if o is not None]
+                if given and len(given) != len(args):
+                    raise ValueError("either every rank of this process passes out= or none")
                 m.results = pg.call(
                     str(m.collective[0]),
                     [x for x, _ in args],
-                    None if all(o is None for o in outs) else outs,  # type: ignore[arg-type]
+                    given or None,
                     op=m.op[0],
                     root=m.root[0],
                 )

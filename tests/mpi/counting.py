@@ -1,0 +1,80 @@
+"""A wrapper of an mpi4py communicator that counts what goes through the MPI layer:
+collective calls, and point-to-point payload bytes to processes of this node and of
+other nodes (by host name or NCCLTREE_NODE, exchanged once when wrapped). Independent of
+the process group's own counters."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from mpi4py import MPI
+
+_COLLECTIVES = {
+    "Allreduce", "Reduce", "Bcast", "Allgather", "Reduce_scatter_block", "Barrier",
+    "allgather", "bcast", "allreduce", "barrier", "gather", "scatter", "Split", "Dup",
+    "Alltoall", "Gather", "Scatter", "Iallreduce", "Ireduce", "Ibcast", "Iallgather",
+    "Ireduce_scatter_block", "Ibarrier",
+}  # fmt: skip
+
+
+class _Shared:
+    def __init__(self) -> None:
+        self.collectives = 0
+        self.local_bytes = 0
+        self.remote_bytes = 0
+
+
+class CountingComm:
+    def __init__(self, comm: Any, shared: _Shared | None = None, nodes: list[str] | None = None):
+        self._c = comm
+        self._s = shared or _Shared()
+        if nodes is None:
+            name = os.environ.get("NCCLTREE_NODE") or MPI.Get_processor_name()
+            nodes = comm.allgather(name)
+        self._nodes = nodes
+        self._me = comm.Get_rank()
+
+    # counters, shared by every communicator made from this one
+    @property
+    def collectives(self) -> int:
+        return self._s.collectives
+
+    @property
+    def local_bytes(self) -> int:
+        return self._s.local_bytes
+
+    @property
+    def remote_bytes(self) -> int:
+        return self._s.remote_bytes
+
+    def reset(self) -> None:
+        self._s.collectives = self._s.local_bytes = self._s.remote_bytes = 0
+
+    def Dup(self) -> CountingComm:
+        self._s.collectives += 1
+        return CountingComm(self._c.Dup(), self._s, self._nodes)
+
+    def Split(self, color: int, key: int) -> Any:
+        self._s.collectives += 1
+        return self._c.Split(color, key)
+
+    def Isend(self, buf: Any, dest: int, tag: int = 0) -> Any:
+        arr = buf[0] if isinstance(buf, (list, tuple)) else buf
+        nbytes = int(getattr(arr, "nbytes", 0))
+        if self._nodes[dest] == self._nodes[self._me]:
+            self._s.local_bytes += nbytes
+        else:
+            self._s.remote_bytes += nbytes
+        return self._c.Isend(buf, dest, tag)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._c, name)
+        if name in _COLLECTIVES:
+
+            def counted(*a: Any, **k: Any) -> Any:
+                self._s.collectives += 1
+                return attr(*a, **k)
+
+            return counted
+        return attr

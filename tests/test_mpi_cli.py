@@ -205,3 +205,13 @@ def test_bench_train_under_mpi(tmp_path: Path) -> None:
         ("cpu:2 x 2 MPI processes", 4),
     ]
     assert all(p["examples_per_s"] > 0 for p in points)
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_a_setup_failure_on_rank_0_ends_every_process(tmp_path: Path) -> None:
+    held = _single(tmp_path, "held", "cpu:1", 1)  # an --out holding a run: refused
+    args = [*TRAIN, "--devices", "cpu", "--iters", "2", "--out", str(held)]
+    r = run_mpi(2, CLI, "train", *args, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "MPI process 0 failed before training" in r.stderr

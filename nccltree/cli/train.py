@@ -1272,14 +1272,18 @@ def _interrupted(exc: KeyboardInterrupt, outputs: _Outputs, err: TextIO) -> int:
 def _agree_on_setup(failure: BaseException | None) -> None:
     """Under MPI, before training: every process learns whether any failed to set up, so
     that none waits for the others in the first collective; a process that did not fail
-    itself raises :class:`RuntimeFailure` naming the first that did."""
+    itself raises the same kind of error (:class:`UsageError` or :class:`RuntimeFailure`)
+    naming the first that did."""
     from mpi4py import MPI
 
-    said = MPI.COMM_WORLD.allgather(None if failure is None else str(failure) or repr(failure))
+    mine = None if failure is None else (str(failure) or repr(failure))
+    usage = isinstance(failure, UsageError)
+    said = MPI.COMM_WORLD.allgather((mine, usage))
     if failure is None:
-        for proc, text in enumerate(said):
-            if text is not None:
-                raise RuntimeFailure(f"MPI process {proc} failed before training: {text}")
+        for proc, (text, was_usage) in enumerate(said):
+            if text is not None:  # the same exit status as the process that failed
+                error = UsageError if was_usage else RuntimeFailure
+                raise error(f"MPI process {proc} failed before training: {text}")
 
 
 @contextlib.contextmanager

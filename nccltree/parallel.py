@@ -22,6 +22,13 @@ callback with every rank's solver, as Caffe's P2PSync does with
 With the round-robin data rule, N ranks with batch ``b`` each see exactly the records of one
 rank with batch ``N*b``, so weak-scaling training is the 1-device computation with the larger
 batch, up to floating-point summation order. Snapshots are :mod:`nccltree.snapshot`'s.
+
+Over a :class:`~nccltree.comm.group.ProcessGroup` (``group=``), the ranks live in several
+processes: each process holds the replicas of its own ranks only (``pg.ranks``), runs their
+loops through ``pg.run`` and feeds them from its own data source (a reader with the process
+filter). Global rank 0 is the root: its process alone calls ``on_step``. The mean loss
+and a stop flag travel in one small all-gather per iteration, so every rank of every
+process stops after the same iteration.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from numpy.typing import DTypeLike
@@ -48,6 +55,8 @@ from .solver import SGD, Callback, Diverged
 if TYPE_CHECKING:
     from .backends.base import Device
     from .comm import Comm, World
+    from .comm.group import ProcessGroup
+    from .comm.group.local import GroupComm
 
 __all__ = [
     "SCALING_MODES",
@@ -185,7 +194,7 @@ class Sync(Callback):
 
     updates = True
 
-    def __init__(self, comm: Comm, params: FlatParams) -> None:
+    def __init__(self, comm: Comm | GroupComm, params: FlatParams) -> None:
         self.comm, self.params = comm, params
 
     def begin(self) -> None:
@@ -210,7 +219,7 @@ class RootSync(Sync):
     """Caffe's P2PSync: gradients summed at the root, which alone updates; the root's
     parameters are broadcast at the start of the next iteration, and at :meth:`finish`."""
 
-    def __init__(self, comm: Comm, params: FlatParams, root: int = 0) -> None:
+    def __init__(self, comm: Comm | GroupComm, params: FlatParams, root: int = 0) -> None:
         super().__init__(comm, params)
         self.root = root
         self.updates = comm.rank == root
@@ -259,6 +268,7 @@ class _Run:
         self.losses = [[0.0, 0.0] for _ in range(size)]
         self.alive = size
         self.done = threading.Condition(self.lock)
+        self.agreed_stop = False  # over a process group: every rank saw a stop flag
 
 
 class DataParallel:
@@ -275,6 +285,14 @@ class DataParallel:
 
     ``grad_hook(rank, iteration, params)`` runs on every rank after the backward pass and
     before communication (tests inject faults with it).
+
+    ``group`` (a :class:`~nccltree.comm.group.ProcessGroup`) trains over several
+    processes: ``devices`` are this process's ranks' (``group.devices``), the collectives
+    are the group's (its algorithm; ``algorithm`` is ignored), the data source serves this
+    process's ranks only, and ``on_step`` runs in the process of global rank 0. A
+    :meth:`stop` in any process ends the run after the same iteration on every rank (the
+    ranks agree through a small all-gather each iteration); run every process's ``fit``
+    with the same ``iters``.
 
     Every rank's solver checks that its loss and the gradient it applies are finite (see
     :class:`~nccltree.solver.SGD`'s ``check_finite``, which may be passed here): a
@@ -295,6 +313,7 @@ class DataParallel:
         timeout: float = 60.0,
         blas_threads: int | None = None,
         grad_hook: Callable[[int, int, FlatParams], None] | None = None,
+        group: ProcessGroup | None = None,
         **sgd: Any,
     ) -> None:
         from .backends import devices as make_devices
@@ -320,9 +339,21 @@ class DataParallel:
             blas_threads = check_int(blas_threads, "blas_threads", min=1)
         if grad_hook is not None and not callable(grad_hook):
             raise TypeError("grad_hook must be callable(rank, iteration, params)")
+        if group is not None:
+            if len(devices) != len(group.ranks):
+                raise ValueError(
+                    f"the process group holds {len(group.ranks)} ranks in this process, "
+                    f"but {len(devices)} devices were given: pass group.devices"
+                )
+            if not comm:
+                raise ValueError("comm=False (no communication) is not supported over a group")
+            algorithm = group.algorithm
         self.model = model
         self.devices = devices
-        self.size = len(devices)
+        self.group = group
+        self.local_size = len(devices)  # ranks in this process
+        self.size = group.size if group is not None else len(devices)  # over all processes
+        self.is_root = group is None or group.rank == 0  # holds global rank 0
         self.algorithm = algorithm
         self.update_mode = update_mode
         self.comm_enabled = bool(comm)
@@ -409,6 +440,8 @@ class DataParallel:
         if run is None or run.stop.is_set():
             return
         run.stop.set()
+        if self.group is not None:
+            return  # the ranks agree on the iteration to stop after (see _agree)
         world, self._world = self._world, None  # the next fit makes a fresh one
         if world is not None:
             world.abort("the run was stopped")  # wakes every rank waiting in a collective
@@ -457,9 +490,9 @@ class DataParallel:
                 "data must be a BatchSource (ranks, start, round_size, next_batch), "
                 f"got {type(data).__name__}"
             )
-        if data.ranks != self.size:
+        if data.ranks != self.local_size:
             raise ValueError(
-                f"the data serve {data.ranks} ranks, the driver has {self.size} devices"
+                f"the data serve {data.ranks} ranks, the driver has {self.local_size} devices"
             )
         start = data.start
         if self._restored and start is not None and start != self.position:
@@ -474,8 +507,8 @@ class DataParallel:
             start_iter=self.iter,
             iter=self.iter,
             position=self.position,
-            rank_comm_s=[0.0] * self.size,
-            rank_step_s=[0.0] * self.size,
+            rank_comm_s=[0.0] * self.local_size,
+            rank_step_s=[0.0] * self.local_size,
         )
         if iters <= self.iter:
             return result
@@ -483,8 +516,10 @@ class DataParallel:
             # no communication: every replica starts from the root's initial parameters
             for p in self.params[1:]:
                 p.copy_from(self.params[0])
-        world = self.world() if self.comm_enabled or self.size > 1 else None
-        run = self._run = _Run(data, iters, on_step, result, self.size)
+        world = None
+        if self.group is None and (self.comm_enabled or self.size > 1):
+            world = self.world()
+        run = self._run = _Run(data, iters, on_step, result, self.local_size)
         try:
             with _blas_limit(self._blas_threads()):
                 self._launch(world, run)
@@ -505,13 +540,19 @@ class DataParallel:
     def _blas_threads(self) -> int:
         if self.blas_threads is not None:
             return self.blas_threads
+        if self.group is not None:  # the ranks of every process of this node
+            return max(1, (os.cpu_count() or 1) // self.group.local_size)
         return max(1, (os.cpu_count() or 1) // self.size)
+
+    def _global_rank(self, index: int) -> int:
+        """The global rank of this process's ``index``-th rank."""
+        return self.group.ranks[index] if self.group is not None else index
 
     def _launch(self, world: World | None, run: _Run) -> None:
         """Run every rank's loop in its own thread (one thread without a World) and turn
         the first rank's error into :class:`RankFailure`."""
 
-        def body(rank: int, comm: Comm | None) -> None:
+        def body(rank: int, comm: Comm | GroupComm | None) -> None:
             try:
                 with self.devices[rank].activate():
                     self._rank_loop(rank, comm, run)
@@ -530,7 +571,9 @@ class DataParallel:
                     run.done.notify_all()
 
         try:
-            if world is not None:
+            if self.group is not None:
+                self.group.run(lambda comm: body(comm.index, comm))
+            elif world is not None:
                 world.run(lambda comm: body(comm.rank, comm))
             else:
                 body(0, None)
@@ -539,16 +582,16 @@ class DataParallel:
                 raise
             if run.errors:
                 rank, err = run.errors[0]
-                raise RankFailure(rank, self.size, err) from err
+                raise RankFailure(self._global_rank(rank), self.size, err) from err
             if isinstance(exc, MissingRanks):  # a rank stuck in its own code: blame it
                 raise RankFailure(exc.ranks[0], self.size, exc) from exc
             raise
         if run.errors:  # an error swallowed on the way (cannot happen with world.run)
             rank, err = run.errors[0]
-            raise RankFailure(rank, self.size, err) from err
-        run.result.stopped = run.stop.is_set()
+            raise RankFailure(self._global_rank(rank), self.size, err) from err
+        run.result.stopped = run.agreed_stop if self.group is not None else run.stop.is_set()
 
-    def _make_sync(self, comm: Comm | None, params: FlatParams) -> Sync | None:
+    def _make_sync(self, comm: Comm | GroupComm | None, params: FlatParams) -> Sync | None:
         """The rank's sync callback for the update mode; None without communication."""
         if not self.comm_enabled:
             return None
@@ -557,11 +600,24 @@ class DataParallel:
             return RootSync(comm, params)
         return AllReduceSync(comm, params)
 
-    def _rank_loop(self, rank: int, comm: Comm | None, run: _Run) -> None:
+    def _rank_loop(self, rank: int, comm: Comm | GroupComm | None, run: _Run) -> None:
         """One rank's training: register the sync callback with the rank's solver, then
         run the solver's iterations until ``run.iters``."""
         solver = self.solvers[rank]
         sync = self._make_sync(comm, self.params[rank])
+        if self.group is not None:
+            assert comm is not None and sync is not None, "a group always communicates"
+            sync.begin()
+            solver.add_callback(sync)
+            try:
+                while solver.iter < run.iters:
+                    self._iteration(rank, run, update=sync.updates, comm=cast("GroupComm", comm))
+                    if run.agreed_stop:
+                        raise _Stopped
+            finally:
+                solver.remove_callback(sync)
+            sync.finish()
+            return
         if sync is None:
             while solver.iter < run.iters:
                 self._iteration(rank, run, update=True)
@@ -575,15 +631,18 @@ class DataParallel:
             solver.remove_callback(sync)
         sync.finish()
 
-    def _iteration(self, rank: int, run: _Run, *, update: bool) -> None:
+    def _iteration(
+        self, rank: int, run: _Run, *, update: bool, comm: GroupComm | None = None
+    ) -> None:
         """One iteration of one rank (``solver.iteration`` over its next batch); the root
-        then records it and calls ``on_step``."""
-        if run.stop.is_set():
+        then records it and calls ``on_step``. Over a group (``comm`` given), every rank
+        then all-gathers its loss and stop flag (:meth:`_agree`)."""
+        if comm is None and run.stop.is_set():
             raise _Stopped
         params, solver = self.params[rank], self.solvers[rank]
         it, comm_before = solver.iter, solver.callback_s
         t0 = time.perf_counter()
-        with _next_batch(run.data, rank, run) as batch:
+        with _next_batch(run.data, rank, run, stoppable=comm is None) as batch:
             x, y = batch
             n_local, batch_pos = len(y), batch.position
             lr = solver.learning_rate()
@@ -602,10 +661,14 @@ class DataParallel:
         result = run.result
         result.rank_comm_s[rank] += comm_s
         result.rank_step_s[rank] += step_s
+        losses = self._agree(comm, loss, run) if comm is not None else None
         if rank != 0:
             return
         round_size = run.data.round_size
-        if self.comm_enabled:
+        if losses is not None:
+            mean_loss = math.fsum(losses) / self.size
+            examples = round_size
+        elif self.comm_enabled:
             mean_loss = math.fsum(run.losses[k][it % 2] for k in range(self.size)) / self.size
             examples = round_size
         else:
@@ -616,7 +679,7 @@ class DataParallel:
         result.step_times.append(step_s)
         result.comm_times.append(comm_s)
         result.examples += examples
-        if run.on_step is not None:
+        if run.on_step is not None and self.is_root:
             run.on_step(
                 StepInfo(
                     solver.iter,
@@ -631,14 +694,26 @@ class DataParallel:
                 )
             )
 
+    def _agree(self, comm: GroupComm, loss: float, run: _Run) -> list[float]:
+        """Over a process group: all-gather every rank's ``(loss, stop flag)``; returns the
+        losses in global rank order, and sets ``run.agreed_stop`` when any rank's process
+        was asked to stop, so that every rank stops after this same iteration."""
+        mine = np.array([loss, 1.0 if run.stop.is_set() else 0.0], dtype=np.float64)
+        every = np.empty(2 * self.size, dtype=np.float64)
+        comm.all_gather(mine, every)
+        if every[1::2].any():
+            run.agreed_stop = True
+        return [float(v) for v in every[0::2]]
 
-def _next_batch(data: BatchSource, rank: int, run: _Run) -> RankBatch:
-    """The rank's next batch, looking at the stop flag while it waits."""
+
+def _next_batch(data: BatchSource, rank: int, run: _Run, *, stoppable: bool = True) -> RankBatch:
+    """The rank's next batch, looking at the stop flag while it waits (unless the ranks
+    stop only where they agree to, over a process group)."""
     while True:
         try:
             return data.next_batch(rank, timeout=_DATA_POLL_S)
         except TimeoutError:
-            if run.stop.is_set():
+            if stoppable and run.stop.is_set():
                 raise _Stopped from None
 
 

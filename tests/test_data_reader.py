@@ -117,7 +117,7 @@ def test_multi_process_filter_matches_single_process(db10, procs, ranks, shuffle
             got = take(r, rounds)
         for i in range(rounds):
             for local in range(ranks):
-                assert got[i][local] == ref[i][local * procs + p]
+                assert got[i][local] == ref[i][p * ranks + local]
 
 
 # -- order: shuffle, epochs, resume ------------------------------------------------------

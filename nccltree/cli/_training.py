@@ -4,11 +4,16 @@
 with a :class:`DriverConfig` and get the devices, the model, the
 :class:`~nccltree.parallel.DataParallel` driver and (given a database) the
 :class:`~nccltree.data.DataReader` from :func:`build_training`, which also releases them.
+
+Under MPI (:func:`mpi_world_size`), the command lines make a process group
+(:func:`open_group`) and pass it to :func:`build_training`: each process then holds only
+its own ranks' devices, replicas and records.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,6 +24,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from ..backends.base import Device
+    from ..comm.group import ProcessGroup
     from ..data import DataReader
     from ..models import Model
     from ..parallel import DataParallel
@@ -89,10 +95,64 @@ class Training:
     driver: DataParallel
     per_rank_batch: int
     reader: DataReader | None = None
+    group: ProcessGroup | None = None
 
     @property
     def ranks(self) -> int:
-        return len(self.devices)
+        """Ranks over every process (this process's devices without a group)."""
+        return self.group.size if self.group is not None else len(self.devices)
+
+
+# The launchers' variables that give the number of processes: MPICH and Intel MPI (Hydra,
+# PMI), Open MPI, MVAPICH; Slurm's srun with PMIx sets PMIX_RANK and SLURM_NTASKS.
+MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def mpi_world_size(env: Mapping[str, str] | None = None) -> int:
+    """The number of processes an MPI launcher started this one among (1 when none did):
+    ``PMI_SIZE``, ``OMPI_COMM_WORLD_SIZE``, ``MV2_COMM_WORLD_SIZE``, or ``SLURM_NTASKS``
+    where ``PMIX_RANK`` is set."""
+    env = os.environ if env is None else env
+    names = [*MPI_SIZE_VARIABLES, *(["SLURM_NTASKS"] if "PMIX_RANK" in env else [])]
+    for name in names:
+        value = env.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
+def group_devices(spec: str, flag: str = "--devices") -> str:
+    """The devices of each process under MPI: ``cpu`` (one rank) or ``cpu:N`` (N ranks);
+    ``auto`` is ``cpu``. Process groups hold host ranks only: anything else is a
+    ValueError."""
+    spec = spec.strip()
+    if spec == "auto":
+        return "cpu"
+    if spec == "cpu" or (spec.startswith("cpu:") and spec[4:].isdigit() and int(spec[4:]) > 0):
+        return spec
+    raise ValueError(
+        f"{flag} {spec}: under MPI each process holds 'cpu' (one rank) or 'cpu:N' (N ranks); "
+        "GPUs in process groups are not supported yet"
+    )
+
+
+@contextlib.contextmanager
+def open_group(devices: str, algorithm: str, timeout: float) -> Iterator[ProcessGroup]:
+    """The process group of every MPI process (``devices``: each process's, see
+    :func:`group_devices`), closed when the block ends. Every process must hold the same
+    number of ranks (the data are dealt that way)."""
+    from ..comm.group import init_process_group
+
+    pg = init_process_group(devices=devices, algorithm=algorithm, timeout=timeout)
+    try:
+        if pg.size != len(pg.ranks) * pg.nprocs:
+            raise ValueError(
+                f"every process must hold the same number of ranks; this one holds "
+                f"{len(pg.ranks)} of {pg.size} over {pg.nprocs} processes"
+            )
+        yield pg
+    finally:
+        pg.close()
 
 
 def make_model(name: str, shape: tuple[int, ...], classes: int, hidden: tuple[int, ...]) -> Model:
@@ -118,6 +178,7 @@ def build_training(
     transform: TransformConfig = NO_TRANSFORM,
     resume: Snapshot | None = None,
     weights: Mapping[str, np.ndarray] | None = None,
+    group: ProcessGroup | None = None,
 ) -> Iterator[Training]:
     """Make the devices of ``cfg.devices``, the model for examples of ``shape`` and
     ``classes``, the driver (restored from ``resume`` if given) and, when ``data`` names a
@@ -131,13 +192,22 @@ def build_training(
 
     Batches go straight to the devices' memory on GPUs; on virtual CPU devices they stay
     the reader's host arrays.
+
+    With ``group`` (a process group, see :func:`open_group`), ``cfg.devices`` is ignored:
+    the devices are the group's ranks in this process, the per-rank batch counts every
+    rank of the group, the driver trains over the group and the reader deals this
+    process's ranks' records only (``process_rank=group.proc``).
     """
     from ..data import DataReader
     from ..parallel import DataParallel, per_rank_batch
 
     with contextlib.ExitStack() as stack:
-        devs = stack.enter_context(open_devices(cfg.devices))
-        per_rank = per_rank_batch(cfg.batch_size, len(devs), cfg.scaling)
+        if group is not None:
+            devs: list[Device] = list(group.devices)  # the group releases them
+        else:
+            devs = stack.enter_context(open_devices(cfg.devices))
+        total = group.size if group is not None else len(devs)
+        per_rank = per_rank_batch(cfg.batch_size, total, cfg.scaling)
         model = make_model(cfg.model, shape, classes, cfg.hidden)
         s = cfg.solver
         dp = stack.enter_context(
@@ -159,6 +229,7 @@ def build_training(
                 stepsize=s.stepsize,
                 stepvalue=s.stepvalue,
                 max_iter=s.max_iter,
+                group=group,
             )
         )
         start = 0
@@ -178,6 +249,8 @@ def build_training(
                     len(devs),
                     start=start,
                     shuffle=shuffle,
+                    process_rank=group.proc if group is not None else 0,
+                    process_count=group.nprocs if group is not None else 1,
                     scale=scale,
                     mean=transform.mean,
                     crop=transform.crop,
@@ -190,4 +263,4 @@ def build_training(
                     log_on_wait=None,
                 )
             )
-        yield Training(devs, model, dp, per_rank, reader)
+        yield Training(devs, model, dp, per_rank, reader, group)

@@ -39,9 +39,17 @@ from ._common import (
     run_main,
     write_output,
 )
-from ._training import DriverConfig, SolverConfig, build_training
+from ._training import (
+    DriverConfig,
+    SolverConfig,
+    build_training,
+    group_devices,
+    mpi_world_size,
+    open_group,
+)
 
 if TYPE_CHECKING:
+    from ..comm.group import ProcessGroup
     from ..topology import Topology
     from ..tree import Tree
 
@@ -203,7 +211,7 @@ def using_devices(bench: drv.Benchmark, per_group: int) -> list[str]:
     gpus = bench.machine.get("gpus")
     host, pid = socket.gethostname(), os.getpid()
     lines = ["# Using devices"]
-    for r, d in enumerate(bench.devices):
+    for r, d in zip(bench.local_ranks, bench.devices, strict=True):
         if isinstance(gpus, list) and r < len(gpus):
             what = str(gpus[r])
         else:
@@ -214,6 +222,12 @@ def using_devices(bench: drv.Benchmark, per_group: int) -> list[str]:
         lines.append(
             f"#  Rank {r:2d} Group {r // max(1, per_group):2d} Pid {pid:6d} on {host} "
             f"device {d.physical_id:2d} [{d.name}] {what}"
+        )
+    others = bench.n - len(bench.devices)
+    if bench.group is not None and others:
+        lines.append(
+            f"#  (and {others} more rank{'s' if others > 1 else ''} in the other "
+            f"{bench.group.nprocs - 1} MPI process{'es' if bench.group.nprocs > 2 else ''})"
         )
     return lines
 
@@ -421,30 +435,76 @@ def _variants(args: argparse.Namespace) -> list[tuple[str, str]]:
     return pairs
 
 
-def make_benchmark(
-    args: argparse.Namespace, world_factory: drv.WorldFactory | None = None
-) -> drv.Benchmark:
-    """Check every collectives flag and create the Worlds; nothing runs yet."""
-    from ..comm import ALGORITHM_CHOICES
+def mpi_devices(args: argparse.Namespace) -> str:
+    """Each process's devices under MPI: ``-g N`` (times ``-t T``) host ranks, else
+    --devices (``cpu`` or ``cpu:N``; ``auto`` is one rank)."""
+    if args.ngpus is None and args.nthreads is None:
+        return group_devices(args.devices or "auto")
+    want = (args.ngpus or 1) * (args.nthreads or 1)
+    if args.devices is not None and _spec_count(group_devices(args.devices)) != want:
+        raise UsageError(
+            f"-g/-t ask for {want} local rank(s) per process but --devices {args.devices} "
+            "names another count; give one of them, or make them agree"
+        )
+    return f"cpu:{want}"
 
+
+def make_benchmark(
+    args: argparse.Namespace,
+    world_factory: drv.WorldFactory | None = None,
+    group: ProcessGroup | None = None,
+    devices: str | None = None,
+) -> drv.Benchmark:
+    """Check every collectives flag and create the Worlds; nothing runs yet. Under MPI,
+    ``group`` is the process group and ``devices`` each process's spec."""
+    from ..comm import ALGORITHM_CHOICES
+    from ..comm.group import GROUP_ALGORITHMS
+
+    choices = GROUP_ALGORITHMS if group is not None else ALGORITHM_CHOICES
     sizes = _sizes(args)
     algorithms = _split(args.algorithm)
     if not algorithms:
-        raise UsageError(f"--algorithm is empty; accepted: {', '.join(ALGORITHM_CHOICES)}")
+        raise UsageError(f"--algorithm is empty; accepted: {', '.join(choices)}")
     if world_factory is None:
-        bad = [a for a in algorithms if a not in ALGORITHM_CHOICES]
+        bad = [a for a in algorithms if a not in choices]
         if bad:
+            extra = "" if group is not None else "; mpi under MPI only"
             raise UsageError(
                 f"unknown algorithm {', '.join(bad)}; accepted: "
-                f"{', '.join(ALGORITHM_CHOICES)} (several: tree,ring)"
+                f"{', '.join(choices)} (several: tree,ring){extra}"
             )
     collectives = [collective_name(c) for c in _split(args.collective)]
     _refuse_inapplicable(args)
     if not args.timeout > 0:
         raise UsageError(f"-T/--timeout must be > 0 seconds, got {args.timeout:g}")
     variants = _variants(args)
-    devices = resolve_devices(args)
     _check_outputs(args, ("json", "csv", "plot"))
+    if group is not None:
+        assert devices is not None, "under MPI the caller resolves each process's devices"
+        if "mpi" in algorithms and len(group.ranks) > 1:
+            raise UsageError(
+                "--algorithm mpi runs MPI's own collectives, one rank per process: use -g 1 "
+                f"(this process holds {len(group.ranks)} ranks)"
+            )
+        label = f"{devices} x {group.nprocs} MPI processes"
+        return drv.Benchmark(
+            group.devices,
+            algorithms,
+            collectives,
+            sizes,
+            variants=variants,
+            root=args.root,
+            iters=args.iters,
+            warmup=args.warmup,
+            check=args.check,
+            cycles=args.cycles,
+            aggregate=AVERAGE_MODES[args.average],
+            timeout=args.timeout,
+            devices_label=label,
+            names=FLAG_NAMES,
+            group=group,
+        )
+    devices = resolve_devices(args)
     return drv.Benchmark(
         devices,
         algorithms,
@@ -623,11 +683,16 @@ def _synthetic_shape(args: argparse.Namespace) -> tuple[int, ...]:
 
 
 def train_point(
-    spec: str, scaling: str, args: argparse.Namespace, dataset: tuple[str, tuple[int, ...], int]
+    spec: str,
+    scaling: str,
+    args: argparse.Namespace,
+    dataset: tuple[str, tuple[int, ...], int],
+    group: ProcessGroup | None = None,
 ) -> dict[str, object]:
     """Train ``args.warmup + args.iters`` iterations on ``spec``; figures over the timed
     iterations (those after the warm-up), as the root sees them, and the machine and
-    devices they were measured on."""
+    devices they were measured on. Over a process ``group`` (``spec``: each process's
+    devices) only global rank 0's process has them; the others return ``{}``."""
     from ..parallel import StepInfo
 
     path, shape, classes = dataset
@@ -642,12 +707,16 @@ def train_point(
         solver=SolverConfig(lr=0.01, momentum=0.9),
     )
     steps: list[StepInfo] = []
-    with build_training(cfg, shape, classes, data=path) as t:
+    with build_training(cfg, shape, classes, data=path, group=group) as t:
         assert t.reader is not None, "build_training makes a reader when given data"
         t.driver.fit(t.reader, args.warmup + args.iters, on_step=steps.append)
         machine = drv.machine_description(t.devices)
         backend = t.devices[0].backend
+    if group is not None and group.rank != 0:
+        return {}
     n, per_rank = t.ranks, t.per_rank_batch
+    if group is not None:
+        spec = f"{spec} x {group.nprocs} MPI processes"
     timed = steps[args.warmup :]
     t0 = steps[args.warmup - 1].elapsed_s if args.warmup else 0.0
     secs = timed[-1].elapsed_s - t0
@@ -739,18 +808,19 @@ def plot_train(path: str, points: Sequence[dict]) -> None:
     plt.close(fig)
 
 
-def check_train_args(args: argparse.Namespace) -> None:
-    """Every train flag, before the first device set trains."""
+def check_train_args(args: argparse.Namespace, *, mpi: bool = False) -> None:
+    """Every train flag, before the first device set trains (``mpi``: each device set is
+    every process's, see :func:`group_devices`)."""
     from ..comm import ALGORITHM_CHOICES
+    from ..comm.group import GROUP_ALGORITHMS
     from ..models import MODELS
     from ..parallel import per_rank_batch
 
+    choices = GROUP_ALGORITHMS if mpi else ALGORITHM_CHOICES
     if args.model not in MODELS:
         raise UsageError(f"unknown model {args.model!r}; accepted: {', '.join(MODELS)}")
-    if args.algorithm not in ALGORITHM_CHOICES:
-        raise UsageError(
-            f"unknown algorithm {args.algorithm!r}; accepted: {', '.join(ALGORITHM_CHOICES)}"
-        )
+    if args.algorithm not in choices:
+        raise UsageError(f"unknown algorithm {args.algorithm!r}; accepted: {', '.join(choices)}")
     for flag, v, lo in (
         ("--iters", args.iters, 1),
         ("-w/--warmup-iters", args.warmup, 0),
@@ -768,6 +838,10 @@ def check_train_args(args: argparse.Namespace) -> None:
     if any(h < 1 for h in hidden):
         raise UsageError(f"--hidden takes comma-separated layer widths >= 1, got {args.hidden!r}")
     _check_outputs(args, ("json", "plot"))
+    if mpi:
+        args.devices = [group_devices(spec) for spec in args.devices]
+        _check_model(args, hidden)
+        return
     for spec in args.devices:
         with open_devices(spec) as devs:
             for mode in args.scaling:
@@ -797,17 +871,34 @@ def _check_model(args: argparse.Namespace, hidden: list[int]) -> None:
         ) from None
 
 
-def run_train(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+def run_train(args: argparse.Namespace, out: TextIO, err: TextIO, *, mpi: bool = False) -> int:
+    """The training sweep; ``mpi``: each device set is every MPI process's (a process
+    group per set), and global rank 0 alone reports."""
     points: list[dict] = []
     total = len(args.devices) * len(args.scaling)
+    root = True
+    if mpi:
+        from mpi4py import MPI
+
+        root = MPI.COMM_WORLD.Get_rank() == 0  # the group's rank 0 (see ProcessGroup)
+        if not root:
+            args.quiet, args.json, args.plot = True, None, None
     progress = SweepProgress(total, args.quiet, err, every_s=0.0)
     with contextlib.ExitStack() as stack:
         dataset = _train_dataset(args, stack)
         for spec in args.devices:
             for mode in args.scaling:
-                points.append(train_point(spec, mode, args, dataset))
-                progress.step(f"{spec} {mode}: {points[-1]['examples_per_s']:,.0f} examples/s")
+                if mpi:
+                    with open_group(spec, args.algorithm, 60.0) as group:
+                        point = train_point(spec, mode, args, dataset, group)
+                else:
+                    point = train_point(spec, mode, args, dataset)
+                if root:
+                    points.append(point)
+                    progress.step(f"{spec} {mode}: {point['examples_per_s']:,.0f} examples/s")
     progress.clear()
+    if not root:
+        return ExitStatus.OK
     add_speedups(points)
     if not args.quiet:
         print(
@@ -960,7 +1051,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--algorithm",
         default=d["algorithm"],
         help="comma-separated algorithms compared side by side: tree, ring, "
-        "direct, nccl, auto (default: %(default)s)",
+        "direct, nccl, auto; under MPI: tree, ring, direct, auto and mpi (MPI's own "
+        "collectives, a peer line) (default: %(default)s)",
+    )
+    c.add_argument(
+        "--mpi",
+        action="store_true",
+        help="MPI mode even where no launcher variable says so. Under mpiexec (PMI_SIZE, "
+        "OMPI_COMM_WORLD_SIZE, MV2_COMM_WORLD_SIZE, or SLURM_NTASKS with PMIX_RANK, above "
+        "1) it is on by itself: every process is part of one process group, -g N gives "
+        "each N host ranks (--devices cpu or cpu:N), and global rank 0 prints one table, "
+        "as nccl-tests' MPI mode: each rank times its calls, the time shown is the slowest "
+        "rank's (-a), and #wrong sums every rank's",
     )
     c.add_argument(
         "--collective",
@@ -1133,7 +1235,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--algorithm",
         default="tree",
-        help="collective algorithm: tree, ring, direct, nccl, auto (default: %(default)s)",
+        help="collective algorithm: tree, ring, direct, nccl, auto; under MPI tree, ring, "
+        "direct, mpi, auto (default: %(default)s)",
+    )
+    t.add_argument(
+        "--mpi",
+        action="store_true",
+        help="MPI mode even where no launcher variable says so (under mpiexec it is on by "
+        "itself): each --devices set (cpu or cpu:N) is every process's, the ranks of all "
+        "processes train together, and global rank 0 reports",
     )
     t.add_argument(
         "--blas-threads",
@@ -1223,6 +1333,8 @@ def main(argv: list[str] | None = None, *, world_factory: drv.WorldFactory | Non
     """
 
     def body(args: argparse.Namespace) -> int:
+        if args.command != "topo" and (args.mpi or mpi_world_size() > 1):
+            return _under_mpi(args)
         # first every flag is checked (and Worlds created): errors here run nothing
         with checking():
             if args.command == "collectives":
@@ -1244,6 +1356,26 @@ def main(argv: list[str] | None = None, *, world_factory: drv.WorldFactory | Non
         return run_topo(topo, where, tree, args, sys.stdout)
 
     return run_main(build_parser(), argv, body, prog=lambda a: f"nccltree-bench {a.command}")
+
+
+def _under_mpi(args: argparse.Namespace) -> int:
+    """``collectives`` or ``train`` as one process of an MPI job: a process group over
+    every process; global rank 0 prints and writes the outputs."""
+    with contextlib.ExitStack() as stack:
+        with checking():
+            if args.command == "collectives":
+                spec = mpi_devices(args)
+                first = _split(args.algorithm)[:1] or ["auto"]
+                group = stack.enter_context(open_group(spec, first[0], args.timeout))
+                bench = stack.enter_context(make_benchmark(args, group=group, devices=spec))
+            else:
+                check_train_args(args, mpi=True)
+        if args.command == "train":
+            return run_train(args, sys.stdout, sys.stderr, mpi=True)
+        if group.rank != 0:  # one table, from global rank 0
+            args.quiet, args.json, args.csv, args.plot = True, None, None, None
+        # no memory fitting: every process must run the same sweep
+        return run_collectives(bench, args, sys.stdout, sys.stderr, {})
 
 
 if __name__ == "__main__":

@@ -54,11 +54,15 @@ from ._training import (
     Training,
     TransformConfig,
     build_training,
+    group_devices,
     make_model,
+    mpi_world_size,
+    open_group,
 )
 
 if TYPE_CHECKING:
-    from ..parallel import StepInfo
+    from ..comm.group import ProcessGroup
+    from ..parallel import DataParallel, StepInfo
     from ..params import FlatParams
     from ..snapshot import Snapshot
 
@@ -79,7 +83,13 @@ EPILOG = (
     EXIT_STATUS_EPILOG
     + " On Ctrl-C or SIGTERM the iteration reached is snapshotted in --out. Caffe's -gpu, "
     "-solver, -weights, -snapshot and -model are answered with the flags to use instead "
-    "(status 2)."
+    "(status 2). Under MPI (mpiexec -n P nccltree-train ...; detected from PMI_SIZE, "
+    "OMPI_COMM_WORLD_SIZE, MV2_COMM_WORLD_SIZE, or SLURM_NTASKS with PMIX_RANK, when above 1; "
+    "or forced with --mpi) the processes form one process group: --devices cpu (one rank "
+    "each, the default) or cpu:N (N ranks each), global rank 0 prints and writes --out, each "
+    "process reads only its own ranks' records, and the result is that of one process with "
+    "the same total ranks. SIGTERM or SIGINT to the processes stops every rank after the "
+    "same iteration, snapshotted by rank 0."
 )
 
 # The built-in data cache's temporaries: the writer's process id after the prefix.
@@ -339,9 +349,17 @@ def build_parser() -> argparse.ArgumentParser:
         f"(every GPU, else cpu:2) (default: {_d('devices')})",
     )
     g.add_argument(
+        "--mpi",
+        action="store_true",
+        help="run as one process of an MPI job even where no launcher variable says so "
+        "(they are read otherwise: PMI_SIZE, OMPI_COMM_WORLD_SIZE, MV2_COMM_WORLD_SIZE, "
+        "SLURM_NTASKS with PMIX_RANK; above 1 means MPI mode)",
+    )
+    g.add_argument(
         "--algorithm",
-        choices=["tree", "ring", "direct", "nccl", "auto"],
-        help=f"collective algorithm (default: {_d('algorithm')})",
+        choices=["tree", "ring", "direct", "nccl", "mpi", "auto"],
+        help="collective algorithm (nccl: GPUs in one process; mpi: MPI's own collectives, "
+        f"under MPI only) (default: {_d('algorithm')})",
     )
     g.add_argument(
         "--update-mode",
@@ -946,7 +964,12 @@ def _print_header(
         "nccltree-train",
         f"  data       {ds.description}",
         f"  model      {t.model!r}: {p.count:,} parameters, {p.dtype}",
-        f"  devices    {cfg.devices} -> {names} ({n} rank{'s' if n > 1 else ''})",
+        (
+            f"  devices    {cfg.devices} -> {names} ({n} rank{'s' if n > 1 else ''})"
+            if t.group is None
+            else f"  devices    {cfg.devices} in each of {t.group.nprocs} MPI processes on "
+            f"{t.group.nodes} node{'s' if t.group.nodes > 1 else ''} ({n} ranks)"
+        ),
         f"  algorithm  {cfg.algorithm}, update mode {cfg.update_mode}",
         f"  scaling    {cfg.scaling}: batch {per_rank} per rank, effective batch {effective}"
         + (
@@ -1042,23 +1065,43 @@ def run(
     quiet: bool = False,
     target: float | None = None,
     overwrite: bool = False,
+    mpi: bool = False,
 ) -> int:
     """Train as ``cfg`` says (continuing ``snap``); returns the exit status.
 
     ``overwrite`` replaces a run held in ``cfg.out``, which is refused otherwise (unless
-    continuing ``snap``).
+    continuing ``snap``). ``mpi``: this process is one of an MPI job; they train together
+    over a process group, global rank 0 alone prints and writes ``cfg.out``.
     """
     from ..parallel import Diverged, RankFailure
 
     with contextlib.ExitStack() as stack:
-        with checking():  # everything before the first iteration: an error is a usage error
-            if cfg.out:
-                _check_out(cfg.out, resuming=snap is not None, overwrite=overwrite)
-            ds = load_dataset(cfg, stack)
-            weights = None
-            if cfg.weights and snap is None:  # a resumed run has its own
-                shapes = make_model(cfg.model, ds.shape, ds.classes, cfg.hidden).shapes()
-                weights = fitting_weights(cfg.weights, shapes, "--weights")
+        group: ProcessGroup | None = None
+        if mpi:
+            with checking():
+                spec = group_devices(cfg.devices)
+                group = stack.enter_context(open_group(spec, cfg.algorithm, cfg.timeout))
+        elif cfg.algorithm == "mpi":
+            raise UsageError("--algorithm mpi needs MPI mode: run under mpiexec (or --mpi)")
+        root = group is None or group.rank == 0
+        quiet = quiet or not root
+        failure: BaseException | None = None
+        try:
+            with checking():  # everything before the first iteration: a usage error
+                if cfg.out and root:
+                    _check_out(cfg.out, resuming=snap is not None, overwrite=overwrite)
+                ds = load_dataset(cfg, stack)
+                weights = None
+                if cfg.weights and snap is None:  # a resumed run has its own
+                    shapes = make_model(cfg.model, ds.shape, ds.classes, cfg.hidden).shapes()
+                    weights = fitting_weights(cfg.weights, shapes, "--weights")
+        except Exception as exc:  # noqa: BLE001 - raised again once the processes agree
+            failure = exc
+        if group is not None:
+            _agree_on_setup(failure)
+        if failure is not None:
+            raise failure
+        with checking():
             t = stack.enter_context(
                 build_training(
                     cfg.driver(),
@@ -1071,11 +1114,12 @@ def run(
                     transform=cfg.transform(),
                     resume=snap,
                     weights=weights,
+                    group=group,
                 )
             )
-            if cfg.out:
+            if cfg.out and root:
                 _prepare_out(cfg.out, snap, overwrite=overwrite)
-            metrics = Metrics(os.path.join(cfg.out, METRICS_NAME) if cfg.out else None)
+            metrics = Metrics(os.path.join(cfg.out, METRICS_NAME) if cfg.out and root else None)
             stack.callback(metrics.close)
         dp = t.driver
         if not quiet:
@@ -1094,7 +1138,14 @@ def run(
                 outputs.snapshot_iter = load_snapshot(outputs.snapshot_path).iter
         assert t.reader is not None, "build_training makes a reader when given data"
         try:
-            result = dp.fit(t.reader, cfg.iters, on_step=outputs.on_step)
+            if group is not None:
+                with _signals_stop(dp) as received:
+                    result = dp.fit(t.reader, cfg.iters, on_step=outputs.on_step)
+                if result.stopped:
+                    progress.finish()
+                    return _stopped_together(received, outputs, err, root=root)
+            else:
+                result = dp.fit(t.reader, cfg.iters, on_step=outputs.on_step)
         except KeyboardInterrupt as exc:
             progress.finish()
             return _interrupted(exc, outputs, err)
@@ -1112,6 +1163,8 @@ def run(
                 report_error(PROG, exc, err)
             return ExitStatus.FAILURE
         progress.finish()
+        if not root:  # global rank 0 evaluates, writes and reports
+            return ExitStatus.OK
         if ds.val is not None and outputs.accuracy is None:  # nothing trained: still report
             outputs.evaluate(dp.params[0])
         if cfg.out:
@@ -1214,6 +1267,65 @@ def _interrupted(exc: KeyboardInterrupt, outputs: _Outputs, err: TextIO) -> int:
         flush=True,
     )
     return TERMINATED if isinstance(exc, Terminated) else ExitStatus.INTERRUPTED
+
+
+def _agree_on_setup(failure: BaseException | None) -> None:
+    """Under MPI, before training: every process learns whether any failed to set up, so
+    that none waits for the others in the first collective; a process that did not fail
+    itself raises the same kind of error (:class:`UsageError` or :class:`RuntimeFailure`)
+    naming the first that did."""
+    from mpi4py import MPI
+
+    mine = None if failure is None else (str(failure) or repr(failure))
+    usage = isinstance(failure, UsageError)
+    said = MPI.COMM_WORLD.allgather((mine, usage))
+    if failure is None:
+        for proc, (text, was_usage) in enumerate(said):
+            if text is not None:  # the same exit status as the process that failed
+                error = UsageError if was_usage else RuntimeFailure
+                raise error(f"MPI process {proc} failed before training: {text}")
+
+
+@contextlib.contextmanager
+def _signals_stop(dp: DataParallel) -> Iterator[list[int]]:
+    """Under MPI, inside: SIGTERM and SIGINT ask ``dp`` to stop (the ranks of every process
+    agree on the iteration) instead of raising; yields the signals received."""
+    import threading
+
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        received.append(signum)
+        dp.stop()
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield received
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _stopped_together(received: list[int], outputs: _Outputs, err: TextIO, *, root: bool) -> int:
+    """After a signal stopped every process's ranks at the same iteration: global rank 0
+    snapshots it (with --out) and says so; the exit status is the signal's (SIGTERM's
+    where this process got none: another process did)."""
+    dp = outputs.t.driver
+    sigint = bool(received) and received[0] == signal.SIGINT
+    name = "SIGINT" if sigint else "SIGTERM"
+    if root:
+        if outputs.snapshot_path:
+            outputs.snapshot()
+        outputs.metrics.write(event="interrupted", iter=dp.iter, signal=name)
+        print(
+            f"interrupted ({name}) at iteration {dp.iter}; {outputs.last_snapshot()}",
+            file=err,
+            flush=True,
+        )
+    return ExitStatus.INTERRUPTED if sigint else TERMINATED
 
 
 def _report_accuracy(acc: float | None, target: float | None, cfg: TrainConfig, out: TextIO) -> int:
@@ -1351,6 +1463,7 @@ def _train(args: argparse.Namespace) -> int:
                 quiet=args.quiet,
                 target=args.target_accuracy,
                 overwrite=args.overwrite,
+                mpi=args.mpi or mpi_world_size() > 1,
             )
     except Terminated:  # before or after training: nothing to snapshot
         print("terminated (SIGTERM)", file=sys.stderr, flush=True)

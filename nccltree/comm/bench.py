@@ -13,6 +13,12 @@ Figures mean what nccl-tests' mean: ``algbw = S / t`` and ``busbw = algbw * fact
 ``S = count * itemsize`` (for all_gather and reduce_scatter the whole gathered array) and
 factor ``2(n-1)/n`` for all_reduce, ``(n-1)/n`` for all_gather and reduce_scatter, ``1``
 for broadcast and reduce. GB = 1e9 bytes.
+
+Over a process group (``Benchmark(..., group=pg)``, the command line under MPI), each
+process makes and checks only its own ranks' buffers and calls the group's collectives
+(:class:`GroupWorld`); as in nccl-tests' MPI mode every rank times its calls and the
+reported time aggregates every rank's (the slowest by default), and ``#wrong`` sums every
+rank's count, both gathered through the group.
 """
 
 from __future__ import annotations
@@ -38,11 +44,14 @@ from .plan import ALIGN_BYTES
 
 if TYPE_CHECKING:
     from ..backends.base import Device
+    from ..topology import Topology
+    from .group import ProcessGroup
     from .world import World
 
 __all__ = [
     "Benchmark",
     "BenchRecord",
+    "GroupWorld",
     "MemoryNeed",
     "available_memory",
     "reference",
@@ -307,7 +316,79 @@ class MemoryNeed:
     device_bytes: dict[int, int]
 
 
-def _no_peer_access(world: World) -> bool:
+class GroupWorld:
+    """The face of a process group the benchmark calls as it calls a World: one call per
+    collective with this process's ranks' buffers (``pg.call``), under ``algorithm``
+    (set on the group for each call: every process makes the same calls in the same
+    order, so they agree)."""
+
+    def __init__(self, pg: ProcessGroup, algorithm: str) -> None:
+        from .group import GROUP_ALGORITHMS
+
+        if algorithm not in GROUP_ALGORITHMS:
+            raise ValueError(
+                f"unknown algorithm {algorithm!r} for a process group; accepted: "
+                f"{', '.join(GROUP_ALGORITHMS)}"
+            )
+        self.pg, self.algorithm = pg, algorithm
+        self.topology: Topology = pg.topology
+        self.chunk_bytes = 16 << 20  # the group's plans' chunk (see ProcessGroup.plan)
+
+    def _call(
+        self,
+        collective: str,
+        xs: Sequence[np.ndarray],
+        outs: Sequence[np.ndarray] | None,
+        op: str = "sum",
+        root: int = 0,
+    ) -> list[np.ndarray]:
+        self.pg.algorithm = self.algorithm
+        return self.pg.call(collective, xs, outs, op=op, root=root)
+
+    def all_reduce(
+        self, xs: Sequence[np.ndarray], *, outs: Sequence[np.ndarray] | None = None, op: str = "sum"
+    ) -> list[np.ndarray]:
+        return self._call("all_reduce", xs, outs, op)
+
+    def reduce(
+        self,
+        xs: Sequence[np.ndarray],
+        *,
+        outs: Sequence[np.ndarray] | None = None,
+        root: int = 0,
+        op: str = "sum",
+    ) -> list[np.ndarray]:
+        return self._call("reduce", xs, outs, op, root)
+
+    def broadcast(
+        self, xs: Sequence[np.ndarray], *, outs: Sequence[np.ndarray] | None = None, root: int = 0
+    ) -> list[np.ndarray]:
+        return self._call("broadcast", xs, outs, root=root)
+
+    def all_gather(
+        self, xs: Sequence[np.ndarray], *, outs: Sequence[np.ndarray] | None = None
+    ) -> list[np.ndarray]:
+        return self._call("all_gather", xs, outs)
+
+    def reduce_scatter(
+        self, xs: Sequence[np.ndarray], *, outs: Sequence[np.ndarray] | None = None, op: str = "sum"
+    ) -> list[np.ndarray]:
+        return self._call("reduce_scatter", xs, outs, op)
+
+    def barrier(self) -> None:
+        self.all_reduce([np.zeros(1, np.float32) for _ in self.pg.ranks])
+
+    def gather_values(self, values: Sequence[float]) -> list[float]:
+        """Every rank's value (``values``: this process's ranks'), in global rank order."""
+        xs = [np.array([v], dtype=np.float64) for v in values]
+        outs = [np.empty(self.pg.size, dtype=np.float64) for _ in values]
+        return [float(v) for v in self._call("all_gather", xs, outs)[0]]
+
+    def close(self) -> None:
+        """Nothing to release: the group is its owner's."""
+
+
+def _no_peer_access(world: World | GroupWorld) -> bool:
     topo = world.topology
     return any(not topo.link(i, j).p2p for i in range(topo.n) for j in range(topo.n) if i != j)
 
@@ -398,6 +479,11 @@ class Benchmark:
     ``variants``: (dtype, op) pairs measured in turn (default the one pair ``dtype, op``);
     ``cycles``: how many times the whole sweep runs; ``aggregate``: how the ranks' times
     make one (:data:`AGGREGATES`; on host every rank has the same time).
+
+    ``group`` (a :class:`~nccltree.comm.group.ProcessGroup`): the ranks are the group's,
+    over every process; ``devices`` must be ``group.devices`` (this process's ranks) and
+    each algorithm a group's (``mpi`` among them). Every process iterates the same sweep;
+    the records are the same on all (times and ``#wrong`` gathered over every rank).
     """
 
     def __init__(
@@ -422,6 +508,7 @@ class Benchmark:
         world_factory: WorldFactory | None = None,
         devices_label: str | None = None,
         names: Mapping[str, str] | None = None,
+        group: ProcessGroup | None = None,
     ) -> None:
         self._own_runtime: Any = None  # the host runtime made here, shut down by close()
         if isinstance(devices, str):
@@ -431,7 +518,8 @@ class Benchmark:
             devices = make_devices(devices)
             if devices[0].backend == "host":
                 self._own_runtime = devices[0].runtime
-        self.worlds: dict[str, World] = {}
+        self.worlds: dict[str, World | GroupWorld] = {}
+        self.group = group
         try:
             # check every argument, then create the Worlds
             name = {k: k for k in ("root", "iters", "warmup", "check", "cycles")}
@@ -439,7 +527,11 @@ class Benchmark:
             self.devices = list(devices)
             if not self.devices:
                 raise ValueError("the benchmark needs at least one device")
-            n = self.n = len(self.devices)
+            if group is not None and len(self.devices) != len(group.ranks):
+                raise ValueError("over a process group, the devices are group.devices")
+            n = self.n = group.size if group is not None else len(self.devices)
+            # the global ranks whose buffers this process makes, in device order
+            self.local_ranks = list(group.ranks) if group is not None else list(range(n))
             self.label = devices_label or ",".join(d.name for d in self.devices)
             self.collectives = [collective_name(c) for c in collectives]
             if not self.collectives:
@@ -475,7 +567,9 @@ class Benchmark:
                 raise ValueError("no algorithm given")
             for a in self.algorithms:
                 if a not in self.worlds:
-                    if world_factory is None:
+                    if group is not None:
+                        self.worlds[a] = GroupWorld(group, a)
+                    elif world_factory is None:
                         self.worlds[a] = default_world(self.devices, a, self.timeout)
                     else:
                         self.worlds[a] = world_factory(self.devices, a)
@@ -614,7 +708,7 @@ class Benchmark:
     ) -> tuple[list[Array], list[Array] | None, list[Array]]:
         """Device buffers of one call: (inputs, outputs or None, result buffers)."""
         ins, outs = [], []
-        for r, dev in enumerate(self.devices):
+        for r, dev in zip(self.local_ranks, self.devices, strict=True):
             x = data.inputs[r]
             if in_place:
                 oi, oo = coll.in_place(r, data.count, self.n)
@@ -642,8 +736,15 @@ class Benchmark:
 
         for _ in range(self.warmup):
             run()
-        times = [self._timer(run, self.timeout) for _ in range(self.iters)]
-        t = statistics.median(times)
+        world = self.worlds[algorithm]
+        if isinstance(world, GroupWorld):
+            # each rank's median, then one time over every rank of every process
+            per_call = [self._timer.rank_times(run) for _ in range(self.iters)]
+            mine = [statistics.median(col) for col in zip(*per_call, strict=True)]
+            t = aggregate_times(world.gather_values(mine), self.aggregate)
+        else:
+            times = [self._timer(run, self.timeout) for _ in range(self.iters)]
+            t = statistics.median(times)
         wrong = None
         if self.check:
             wrong = 0
@@ -653,6 +754,9 @@ class Benchmark:
                 run()
                 self.worlds[algorithm].barrier()
                 wrong += self._count_wrong(data, ins, outs)
+            if isinstance(world, GroupWorld):  # every rank's count, summed
+                counts = [float(wrong)] + [0.0] * (len(self.devices) - 1)
+                wrong = int(sum(world.gather_values(counts)))
         size = coll.nbytes(data.count, self.n, self.dtype.itemsize)
         factor = coll.bus_factor(self.n)
         algbw, busbw = bandwidths(size, t, factor)
@@ -679,9 +783,11 @@ class Benchmark:
 
     def _count_wrong(self, data: _SizeData, ins: list[Array], outs: list[Array]) -> int:
         wrong = 0
-        for r, (which, want) in enumerate(data.expected or []):
-            dev = self.devices[r]
-            got = ins[r] if which == "in" else outs[r]
+        expected = data.expected or []
+        for i, r in enumerate(self.local_ranks if expected else []):
+            which, want = expected[r]
+            dev = self.devices[i]
+            got = ins[i] if which == "in" else outs[i]
             host = got if dev.backend == "host" else dev.to_host(got)
             wrong += count_wrong(host, want, self.dtype)
         return wrong

@@ -4,8 +4,9 @@ The endless sequence: position ``g`` is database record ``g mod n`` in key order
 ``shuffle=seed``: record ``perm_e[g mod n]`` where ``e = g // n`` is the epoch and
 ``perm_e`` a seeded permutation). Position ``g`` goes to global rank ``g mod T`` where
 ``T = ranks * process_count``; local rank ``r`` of process ``p`` is global rank
-``r * process_count + p``, so a process keeps exactly the positions ``g`` with
-``g mod process_count == p``. Batch ``i`` of every rank comes from round ``i``: the
+``p * ranks + r`` (the process group's node-major numbering: process ``p`` holds the
+consecutive ranks ``p * ranks .. p * ranks + ranks - 1``), so a process keeps exactly the
+positions ``g`` with ``g mod T`` in that range. Batch ``i`` of every rank comes from round ``i``: the
 ``T * batch_size`` positions starting at ``start + i * T * batch_size``.
 """
 
@@ -44,7 +45,7 @@ class Dealing:
         return self.total_ranks * self.batch_size
 
     def global_rank(self, rank: int) -> int:
-        return rank * self.process_count + self.process_rank
+        return self.process_rank * self.ranks + rank
 
     def round_start(self, i: int) -> int:
         return self.start + i * self.round_size

@@ -55,9 +55,11 @@ class DataReader:
         start: begin at sequence position ``start``; see ``position`` for resuming.
         shuffle: None (key order) or an int seed: a permutation per epoch, the same on
             every run; the round-robin rule applies to the permuted sequence.
-        process_rank, process_count: run as process ``p`` of ``P``: this reader keeps the
-            positions ``g`` with ``g mod P == p``, so the data order over all processes
-            is the single-process order (local rank ``r`` is global rank ``r * P + p``).
+        process_rank, process_count: run as process ``p`` of ``P`` with ``ranks=R`` each:
+            local rank ``r`` is global rank ``p * R + r`` of ``R * P`` (the process
+            group's numbering), so this reader keeps the positions ``g`` with
+            ``g mod (R * P)`` in ``p * R .. p * R + R - 1`` and the data order over all
+            processes is the single-process order with ``R * P`` ranks.
         dtype, scale, mean: Caffe's transforms, applied while the batch is assembled:
             ``(x - mean) * scale`` in ``dtype`` (float32 by default when a mean or scale
             is given). ``mean``: scalar, one value per channel (axis 0), or full shape.

@@ -12,6 +12,7 @@ anything.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -43,7 +44,7 @@ needs_mpi = pytest.mark.skipif(
     mpiexec() is None or not _have_mpi4py(), reason="needs mpiexec and mpi4py (the mpi extra)"
 )
 
-Part = tuple[int, Mapping[str, str]]
+Part = tuple[int, Mapping[str, str]] | tuple[int, Mapping[str, str], str]
 
 
 def run_mpi(
@@ -53,9 +54,11 @@ def run_mpi(
     timeout: float = 120,
     faults: bool = False,
     env: Mapping[str, str] | None = None,
+    extra: Sequence[str] = (),
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python script args`` under mpiexec; ``parts``: a process count, or
-    ``[(count, {env})...]`` for an MPMD launch. Output is captured (text)."""
+    ``[(count, {env})...]`` for an MPMD launch, a part optionally with a shell line
+    around the program (``"{cmd}; sleep 10"``). Output is captured (text)."""
     exe = mpiexec()
     assert exe is not None, "needs_mpi should have skipped this test"
     if isinstance(parts, int):
@@ -63,13 +66,19 @@ def run_mpi(
     cmd = [exe]
     if faults:
         cmd.append("-disable-auto-cleanup")
-    for i, (n, penv) in enumerate(parts):
+    cmd += list(extra)
+    for i, part in enumerate(parts):
+        n, penv = part[0], part[1]
         if i:
             cmd.append(":")
         cmd += ["-n", str(n)]
         for k, v in penv.items():
             cmd += ["-env", k, v]
-        cmd += [sys.executable, str(script), *args]
+        line = [sys.executable, str(script), *args]
+        if len(part) == 3:
+            # a shell line around the program: "{cmd}" stands for it
+            line = ["sh", "-c", part[2].replace("{cmd}", shlex.join(line))]  # type: ignore[misc]
+        cmd += line
     full = dict(os.environ)
     full.update(env or {})
     full.setdefault("PYTHONUNBUFFERED", "1")

@@ -23,11 +23,17 @@ class _Shared:
         self.collectives = 0
         self.local_bytes = 0
         self.remote_bytes = 0
+        self.control_bytes = 0  # point-to-point bytes on communicators duplicated later
+        self.dups = 0
 
 
 class CountingComm:
-    def __init__(self, comm: Any, shared: _Shared | None = None, nodes: list[str] | None = None):
+    def __init__(
+        self, comm: Any, shared: _Shared | None = None, nodes: list[str] | None = None,
+        payload: bool = True,
+    ):  # fmt: skip
         self._c = comm
+        self._payload = payload
         self._s = shared or _Shared()
         if nodes is None:
             name = os.environ.get("NCCLTREE_NODE") or MPI.Get_processor_name()
@@ -48,12 +54,20 @@ class CountingComm:
     def remote_bytes(self) -> int:
         return self._s.remote_bytes
 
+    @property
+    def control_bytes(self) -> int:
+        return self._s.control_bytes
+
     def reset(self) -> None:
-        self._s.collectives = self._s.local_bytes = self._s.remote_bytes = 0
+        s = self._s
+        s.collectives = s.local_bytes = s.remote_bytes = s.control_bytes = 0
 
     def Dup(self) -> CountingComm:
+        # the group duplicates the communicator for its payload first, then for control
+        # messages (signatures): bytes on the later ones are counted apart
         self._s.collectives += 1
-        return CountingComm(self._c.Dup(), self._s, self._nodes)
+        self._s.dups += 1
+        return CountingComm(self._c.Dup(), self._s, self._nodes, payload=self._s.dups % 2 == 1)
 
     def Split(self, color: int, key: int) -> Any:
         self._s.collectives += 1
@@ -62,7 +76,9 @@ class CountingComm:
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> Any:
         arr = buf[0] if isinstance(buf, (list, tuple)) else buf
         nbytes = int(getattr(arr, "nbytes", 0))
-        if self._nodes[dest] == self._nodes[self._me]:
+        if not self._payload:
+            self._s.control_bytes += nbytes
+        elif self._nodes[dest] == self._nodes[self._me]:
             self._s.local_bytes += nbytes
         else:
             self._s.remote_bytes += nbytes
@@ -78,3 +94,17 @@ class CountingComm:
 
             return counted
         return attr
+
+
+def report(d: dict[str, Any], key: object) -> None:
+    """One JSON line on stdout, and the file $NCCLTREE_TEST_OUT/<key>.json when set: the
+    launcher interleaves the processes' output, and may stop forwarding it once a process
+    died."""
+    import json
+
+    text = json.dumps(d)
+    print(text, flush=True)
+    where = os.environ.get("NCCLTREE_TEST_OUT")
+    if where:
+        with open(os.path.join(where, f"{key}.json"), "w") as f:
+            f.write(text)

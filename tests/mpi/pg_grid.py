@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 
 import numpy as np
@@ -20,7 +19,7 @@ import nccltree as nt
 from nccltree.comm.collectives import COLLECTIVES
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from counting import CountingComm  # noqa: E402
+from counting import CountingComm, report
 
 p = argparse.ArgumentParser()
 p.add_argument("--devices", default="cpu")
@@ -33,7 +32,7 @@ args = p.parse_args()
 counting = CountingComm(MPI.COMM_WORLD)
 failures: list[str] = []
 checked = 0
-report: dict[str, object] = {}
+seen: dict[str, object] = {}
 DTYPES = args.dtypes.split(",")
 OPS = args.ops.split(",")
 counts = [int(c) for c in args.counts.split(",")]
@@ -121,7 +120,7 @@ for alg in args.algorithms.split(","):
             ):
                 failures.append(f"{what} rank {r}: not bitwise the in-process World's")
             checked += 1
-    report[alg] = {
+    seen[alg] = {
         "collectives_after_init": counting.collectives,
         "payload_to_other_nodes": counting.remote_bytes,
         "payload_within_node": counting.local_bytes,
@@ -129,5 +128,6 @@ for alg in args.algorithms.split(","):
     }
     ref.close()
     pg.close()
-print(json.dumps({"ranks": list(pg.ranks), "nodes": pg.nodes, "checked": checked,
-                  "failures": failures[:20], "mpi": report}), flush=True)  # fmt: skip
+summary = {"ranks": list(pg.ranks), "nodes": pg.nodes, "checked": checked,
+           "failures": failures[:20], "mpi": seen}  # fmt: skip
+report(summary, MPI.COMM_WORLD.Get_rank())

@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -95,7 +96,7 @@ _SIG_BYTES = 512
 MAX_LOCAL_RANKS = 16
 _DESC_LOC = _SIG_BYTES + 16  # offset of the buffer locations in a descriptor
 _CTL_TAG_MOD = 1 << 14
-_POLL = 0.05  # seconds between liveness checks while waiting
+_POLL = 0.01  # seconds between liveness checks while waiting
 
 
 @dataclass
@@ -231,6 +232,7 @@ class ProcessGroup:
         self._arena_gen = dict.fromkeys(self._node_procs, 0)
         self._pending_unlink: list[tuple[Segment, int]] = []
         self._bootstrap_shm()
+        self._watch_launcher()
         self._local = LocalRendezvous(self)
         self._comms = [GroupComm(self, i) for i in range(len(self.ranks))]
 
@@ -272,6 +274,23 @@ class ProcessGroup:
         self._slot_i64(self.proc, _PID)[0] = os.getpid()
         del MPI
 
+    def _watch_launcher(self) -> None:
+        """MPICH's launcher run with ``-disable-auto-cleanup`` tells the survivors of a
+        dead process with SIGUSR1, whose default action ends the process: where nobody
+        handles SIGUSR1, note it instead, so the waits raise ``PeerFailure`` (restored
+        at close)."""
+        self._launcher_reported = False
+        self._old_usr1: Any = None
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGUSR1) != signal.SIG_DFL:
+            return
+
+        def noted(signum: int, frame: object) -> None:
+            self._launcher_reported = True
+
+        self._old_usr1 = signal.signal(signal.SIGUSR1, noted)
+
     def _slot_i64(self, p: int, field: int) -> np.ndarray:
         at = (_SLOTS + _SLOT * self._slot_of[p] + field) // 8
         return self._i64[at : at + 1]
@@ -295,6 +314,11 @@ class ProcessGroup:
             for seg in heap.values():
                 seg.close()
         self._ctl.close()
+        if self._old_usr1 is not None:
+            try:
+                signal.signal(signal.SIGUSR1, self._old_usr1)
+            except ValueError:  # not the main thread
+                pass
         for c in (self._node_comm, self._ctl_comm, self._comm):
             try:
                 c.Free()
@@ -872,26 +896,39 @@ class ProcessGroup:
             if p == self.proc:
                 continue
             pid = int(self._slot_i64(p, _PID)[0])
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+            if not _alive(pid):
                 raise PeerFailure(
                     f"rank {self.rank}: the process of ranks {self._ranks_of(p)} (pid {pid}) "
                     f"died during collective #{self._seq}"
-                ) from None
-            except PermissionError:
-                pass
+                )
+        self._check_launcher()
+
+    def _check_launcher(self) -> None:
+        if self._launcher_reported:
+            raise PeerFailure(
+                f"rank {self.rank}: the launcher reported that a process of the job died "
+                f"(SIGUSR1) during collective #{self._seq}"
+            )
 
     def _fail(self, exc: BaseException) -> None:
         """Close the group for good; tell the node; print the flight recorder."""
         if self._failure is None:
             self._failure = exc
+            # nobody may map this process's new segments any more: free their names now
+            for seg, _ in self._pending_unlink:
+                seg.unlink()
+            self._pending_unlink = []
             if not isinstance(exc, PeerFailure) and not self._closed:
                 reason = f"ranks {list(self.ranks)} failed: {type(exc).__name__}: {exc}"
                 raw = reason.encode()[: _REASON_BYTES - 1]
                 self._ctl.buf[_REASON : _REASON + len(raw)] = raw
                 self._i64[_ABORT // 8] = self.proc + 1
+            if isinstance(exc, (PeerFailure, CommTimeout)):
+                import atexit
+
+                atexit.register(_exit_without_finalize)
             text = self.flight.dump(f"rank {self.rank} (process {self.proc}, node {self.node})")
+            text = f"nccltree: {type(exc).__name__}: {exc}\n{text}"
             if isinstance(exc, CommError) and hasattr(exc, "add_note"):
                 exc.add_note(text)  # Python >= 3.11
             print(text, file=sys.stderr, flush=True)
@@ -949,6 +986,31 @@ class ProcessGroup:
                 f"algorithm 'mpi' ({coll}) needs MPI's rank order to be the group's "
                 "(node-major); launch the processes of each node contiguously"
             )
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this machine runs (a zombie, killed but not yet reaped
+    by its launcher, counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc: trust kill()
+    return state not in (b"Z", b"X")
+
+
+def _exit_without_finalize() -> None:
+    """At exit after a failed group: MPI_Finalize would wait for the failed process for
+    ever (it synchronises every process), so leave without it, with status 1."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _addr(seg: Segment) -> int:

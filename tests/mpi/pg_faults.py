@@ -1,0 +1,75 @@
+"""Worker: faults in a process group. Prints one JSON line per surviving process.
+
+    mpiexec -disable-auto-cleanup -n 3 python tests/mpi/pg_faults.py MODE
+
+MODE: ``kill`` (process 1 is SIGKILLed by a timer while the group runs collectives),
+``absent`` (process 1 never calls the collective), ``mismatch`` (process 1 passes
+another count; then every process calls correctly). Survivors exit with status 3 after a
+fault, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+
+import nccltree as nt
+from nccltree import CommTimeout, PeerFailure
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from counting import report as _report
+
+
+def report(d: dict[str, object]) -> None:
+    _report(d, d["rank"])
+
+
+mode = sys.argv[1]
+timeout = float(sys.argv[2]) if len(sys.argv) > 2 else 3.0
+pg = nt.init_process_group(algorithm=os.environ.get("ALG", "tree"), timeout=timeout)
+out: dict[str, object] = {"rank": pg.rank, "mode": mode}
+victim = 1
+t0 = time.monotonic()
+try:
+    if mode == "kill":
+        if pg.rank == victim:
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        x = np.ones(1 << 18, np.float32)
+        for _ in range(100000):
+            pg.all_reduce(x)
+            x /= pg.size
+    elif mode == "absent":
+        if pg.rank == victim:
+            time.sleep(timeout + 2)
+            report({"rank": pg.rank, "absent": True})
+            sys.exit(0)
+        pg.all_reduce(np.ones(8, np.float32))
+    elif mode == "mismatch":
+        n = 9 if pg.rank == victim else 8
+        try:
+            pg.all_reduce(np.ones(n, np.float32))
+            out["mismatch"] = "not raised"
+        except ValueError as exc:
+            out["mismatch"] = str(exc)
+        x = np.full(8, pg.rank + 1.0, np.float32)
+        pg.all_reduce(x)
+        out["after"] = float(x[0])
+        report(out)
+        pg.close()
+        sys.exit(0)
+except (PeerFailure, CommTimeout) as exc:
+    out["raised"] = type(exc).__name__
+    out["message"] = str(exc)
+    out["elapsed"] = time.monotonic() - t0
+    report(out)
+    # MPICH's launcher ends the remaining processes as soon as one exits after a failure
+    # (even with -disable-auto-cleanup): give the other survivors time to report
+    time.sleep(2)
+    sys.exit(3)
+out["raised"] = None
+report(out)

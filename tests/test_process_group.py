@@ -1,0 +1,176 @@
+"""Process groups under mpiexec: every collective and algorithm against numpy and,
+bitwise, against the in-process World of the same ranks and topology; one node and two
+simulated nodes (NCCLTREE_NODE); several ranks per process; the MPI layer counted
+(no collective after bootstrap, no payload between processes of one node, cross-node
+bytes equal to the plan's top-level traffic); faults.
+
+Each test is one mpiexec launch running a whole grid (tests/mpi/*.py), so the suite
+pays a handful of process start-ups, not one per case."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.mpirun import needs_mpi, run_mpi
+
+pytestmark = [pytest.mark.mpi, needs_mpi]
+HERE = Path(__file__).resolve().parent / "mpi"
+
+
+def _reports(tmp: Path, parts: Any, script: str, *args: str, **kw: Any) -> list[dict[str, Any]]:
+    out = tmp / "out"
+    out.mkdir(exist_ok=True)
+    proc = run_mpi(parts, HERE / script, *args, env={"NCCLTREE_TEST_OUT": str(out)}, **kw)
+    got = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    if not kw.get("faults"):
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return got
+
+
+def _nodes(*sizes: int) -> list[tuple[int, dict[str, str]]]:
+    return [(n, {"NCCLTREE_NODE": f"node{chr(97 + i)}"}) for i, n in enumerate(sizes)]
+
+
+GRIDS = {
+    # (mpiexec parts, grid arguments)
+    "2 processes, every algorithm, dtype and op": (2, []),
+    "3 processes": (3, ["--algorithms", "tree,ring,direct,mpi", "--dtypes", "float32,float64",
+                        "--ops", "sum,mean,max"]),
+    "4 processes": (4, ["--algorithms", "tree,ring,direct", "--dtypes", "float32",
+                        "--ops", "sum,max", "--counts", "1,1000,70001"]),
+    "2 nodes x 2 processes": (_nodes(2, 2), ["--dtypes", "float32,int32", "--ops", "sum,mean"]),
+    "2 nodes, 2 + 1 processes of 2 ranks": (
+        _nodes(2, 1), ["--devices", "cpu:2", "--algorithms", "tree,ring,direct",
+                       "--dtypes", "float32", "--ops", "sum", "--counts", "1,1000,70001"]),
+    "2 processes of 2 ranks": (2, ["--devices", "cpu:2", "--algorithms", "tree,ring,direct,auto",
+                                   "--dtypes", "float64", "--ops", "sum,prod"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(GRIDS))
+def test_every_collective_against_numpy_and_the_world(name: str, tmp_path: Path) -> None:
+    parts, args = GRIDS[name]
+    reports = _reports(tmp_path, parts, "pg_grid.py", *args, timeout=240)
+    nprocs = parts if isinstance(parts, int) else sum(n for n, _ in parts)
+    assert len(reports) == nprocs
+    for rep in reports:
+        assert rep["failures"] == [], rep["failures"]
+        assert rep["checked"] > 50
+        for alg, seen in rep["mpi"].items():
+            # within a node no payload goes through MPI, whatever the algorithm but "mpi"
+            if alg != "mpi":
+                assert seen["collectives_after_init"] == 0, (alg, seen)
+                assert seen["payload_within_node"] == 0, (alg, seen)
+                # the transport's own count of bytes to other nodes is the MPI layer's
+                assert seen["payload_to_other_nodes"] == seen["sent_bytes"], (alg, seen)
+            else:
+                # the counting wrapper sees MPI's own collectives: it can count
+                assert seen["collectives_after_init"] > 0
+        if rep["nodes"] > 1:
+            assert any(s["payload_to_other_nodes"] > 0 for a, s in rep["mpi"].items() if a != "mpi")
+
+
+def test_numbering_bytes_symmetric_buffers_and_reinit(tmp_path: Path) -> None:
+    # node a's processes are MPI ranks 0 and 2, node b's is MPI rank 1: global ranks are
+    # node-major, so MPI rank 2 becomes rank 1 and MPI rank 1 becomes rank 2
+    parts = [(1, {"NCCLTREE_NODE": "a"}), (1, {"NCCLTREE_NODE": "b"}),
+             (1, {"NCCLTREE_NODE": "a"})]  # fmt: skip
+    reports = {r["mpi_rank"]: r for r in _reports(tmp_path, parts, "pg_misc.py")}
+    assert {m: r["rank"] for m, r in reports.items()} == {0: 0, 1: 2, 2: 1}
+    assert {m: (r["local_rank"], r["local_size"]) for m, r in reports.items()} == {
+        0: (0, 2),
+        1: (0, 1),
+        2: (1, 2),
+    }
+    for r in reports.values():
+        assert r["nodes"] == 2 and r["size"] == 3
+        assert r["sum_ok"] and r["symmetric_ok"] and r["again_ok"]
+        assert r["collectives"] == 0 and r["local_bytes"] == 0
+    # the bytes that crossed between nodes, counted at the MPI layer, are the plan's
+    # transfers between nodes: the tree crosses once, at the top (both directions)
+    crossed = sum(r["remote_bytes"] for r in reports.values())
+    assert crossed == reports[0]["plan_cross_bytes"] == 2 * 4 * (1 << 16)
+
+
+def test_cross_node_bytes_two_by_two(tmp_path: Path) -> None:
+    reports = _reports(tmp_path, _nodes(2, 2), "pg_misc.py")
+    crossed = sum(r["remote_bytes"] for r in reports)
+    assert crossed == reports[0]["plan_cross_bytes"] == 2 * 4 * (1 << 16)
+
+
+def _shm_names() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith(f"nccltree-{os.getuid()}-")}
+    except OSError:
+        return set()
+
+
+def _failure_lines(stderr: str) -> dict[int, str]:
+    """Each process's failure line (``nccltree: <error>: rank R: ...``), printed when its
+    group failed, before its flight recorder; the launcher may interleave the processes'
+    output, so the lines are found by pattern, not by position."""
+    got = {}
+    for m in re.finditer(r"nccltree: (\w+): rank (\d+): [^\n]*?(?=nccltree: |\n|$)", stderr):
+        got.setdefault(int(m.group(2)), m.group(0))
+    return got
+
+
+@pytest.mark.parametrize("alg", ["tree", "direct"])
+def test_a_killed_process_is_named_by_every_survivor(alg: str, tmp_path: Path) -> None:
+    before = _shm_names()
+    t0 = time.monotonic()
+    # MPICH's launcher (5.0) ends the other processes soon after it sees one die, even
+    # with -disable-auto-cleanup: the victim runs under a shell that lingers, so the
+    # launcher sees nothing and the survivors must find the death themselves
+    parts = [(1, {}), (1, {}, "{cmd}; sleep 20"), (1, {})]
+    proc = run_mpi(parts, HERE / "pg_faults.py", "kill", "5", faults=True, timeout=60,
+                   env={"ALG": alg}, extra=["-print-all-exitcodes"])  # fmt: skip
+    took = time.monotonic() - t0
+    failed = _failure_lines(proc.stderr)
+    assert set(failed) == {0, 2}, proc.stderr[-3000:]
+    for line in failed.values():
+        assert line.startswith("nccltree: PeerFailure: "), line
+        assert "ranks [1]" in line and "died" in line, line
+    # the survivors exit on their own, non-zero (status 1: a process whose group failed
+    # leaves without MPI_Finalize, which would wait for the dead one), while the victim's
+    # shell still waits: the launcher prints each exit status (times 256)
+    codes = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines()
+             if "Exit codes" in line]  # fmt: skip
+    assert codes, proc.stdout[-2000:]
+    statuses = codes[-1].rsplit("]", 1)[1].strip().split(",")
+    assert statuses[0] == statuses[2] == str(1 * 256), codes
+    assert proc.returncode != 0
+    assert took < 40
+    assert _shm_names() <= before
+
+
+def test_a_process_that_never_calls_times_out_by_name(tmp_path: Path) -> None:
+    before = _shm_names()
+    t0 = time.monotonic()
+    proc = run_mpi(3, HERE / "pg_faults.py", "absent", "2", faults=True, timeout=60)
+    failed = _failure_lines(proc.stderr)
+    assert set(failed) == {0, 2}, proc.stderr[-3000:]  # the absent process exits cleanly
+    # the first to time out names rank 1; the other may see its abort first, which names
+    # rank 1 too
+    assert any(line.startswith("nccltree: CommTimeout: ") for line in failed.values())
+    for line in failed.values():
+        assert "ranks [1]" in line, line
+    assert proc.returncode != 0
+    assert time.monotonic() - t0 < 40
+    assert _shm_names() <= before
+
+
+def test_argument_mismatch_raises_on_every_process_and_the_group_goes_on(tmp_path: Path) -> None:
+    reports = _reports(tmp_path, 3, "pg_faults.py", "mismatch")
+    assert len(reports) == 3
+    for r in reports:
+        assert r["mismatch"].startswith("collective arguments differ between processes"), r
+        assert "count=9" in r["mismatch"] and "count=8" in r["mismatch"]
+        assert r["after"] == 6.0

@@ -1,0 +1,44 @@
+"""bench/pg_table.py runs end to end: tiny sizes, one repetition, both the one-node jobs
+and the 2 simulated nodes x 2 processes placement, every case correct."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mpirun import ROOT, needs_mpi
+
+
+@needs_mpi
+@pytest.mark.mpi
+def test_pg_table_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "pg.json"
+    cmd = [
+        sys.executable, str(ROOT / "bench" / "pg_table.py"), "--procs", "2", "--sizes", "8,4K",
+        "--reps", "1", "--budget", "0.001", "--pingpong-rounds", "50",
+        "--placement-size", "4K", "--json", str(out), "--job-timeout", "60",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| procs | size | case |" in proc.stdout and "mpich" in proc.stdout
+    got = json.loads(out.read_text())
+    (run,) = got["runs"]
+    cases = {r["case"] for r in run["rows"]}
+    assert cases == {f"{a}/{b}" for a in ("tree", "ring", "direct") for b in ("user", "sym")} | {
+        "mpich"
+    }
+    assert all(r["wrong"] == 0 for r in run["rows"]), run["rows"]
+    assert all(r["bound_us"] > 0 for r in run["rows"] if r["case"] != "mpich")
+    assert run["nt_copy"]["gbps"] > 0
+    assert run["pingpong"][0]["shm_us"] > 0 and run["pingpong"][0]["mpi_us"] > 0
+    place = got["placement"]
+    assert place["nodes"] == 2 and place["node_of_rank"] == ["a", "a", "b", "b"]
+    for r in place["rows"]:
+        assert r["wrong"] == 0
+        if r["case"] != "mpich":  # every byte the plan sends between nodes, and no more
+            assert r["cross_node_bytes"] == r["plan_cross_node_bytes"] > 0
+    tree = next(r for r in place["rows"] if r["case"] == "tree/sym")
+    assert tree["cross_node_bytes"] == 2 * tree["size"]  # the tree's top level: up, down

@@ -40,8 +40,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import ModuleType
-from typing import TYPE_CHECKING, Any, cast
+from types import FrameType, ModuleType
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -69,6 +69,7 @@ if TYPE_CHECKING:
 from .shm import Segment, remove_stale, segment_name
 
 GROUP_ALGORITHMS = ("tree", "ring", "direct", "mpi", "auto")
+_Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers
 BASE = "base"  # an in-place rank's one buffer (its mirror holds the input and the output)
 
 
@@ -280,13 +281,13 @@ class ProcessGroup:
         handles SIGUSR1, note it instead, so the waits raise ``PeerFailure`` (restored
         at close)."""
         self._launcher_reported = False
-        self._old_usr1: Any = None
+        self._old_usr1: _Handler | None = None
         if threading.current_thread() is not threading.main_thread():
             return
         if signal.getsignal(signal.SIGUSR1) != signal.SIG_DFL:
             return
 
-        def noted(signum: int, frame: object) -> None:
+        def noted(signum: int, frame: FrameType | None) -> None:
             self._launcher_reported = True
 
         self._old_usr1 = signal.signal(signal.SIGUSR1, noted)

@@ -20,7 +20,7 @@ class Entry:
     seq: int
     collective: str
     count: int
-    dtype: str
+    dtype: object  # a numpy dtype (named when printed)
     algorithm: str
     state: str
     started: float
@@ -35,7 +35,7 @@ class FlightRecorder:
             entries = int(os.environ.get("NCCLTREE_FLIGHT_ENTRIES", DEFAULT_ENTRIES) or 0)
         self.entries: collections.deque[Entry] = collections.deque(maxlen=max(1, entries))
 
-    def start(self, seq: int, collective: str, count: int, dtype: str, algorithm: str) -> Entry:
+    def start(self, seq: int, collective: str, count: int, dtype: object, algorithm: str) -> Entry:
         e = Entry(seq, collective, count, dtype, algorithm, "issued", time.monotonic())
         self.entries.append(e)
         return e
@@ -47,7 +47,7 @@ class FlightRecorder:
         for e in self.entries:
             took = (e.ended if e.ended is not None else now) - e.started
             lines.append(
-                f"  #{e.seq:<6} {e.collective:<14} count={e.count:<10} {e.dtype:<8} "
+                f"  #{e.seq:<6} {e.collective:<14} count={e.count:<10} {str(e.dtype):<8} "
                 f"{e.algorithm:<7} {e.state:<24} {took * 1e3:9.3f} ms"
             )
         return "\n".join(lines)

@@ -125,6 +125,14 @@ class _Compiled:
     # runs of this process's items: ("steps", Program, first item) or ("item", Item)
     runs: list[_Run]
     writes: set[tuple[int, str]]  # (rank, role) that some step writes
+    sig: str = ""  # the call's signature, compared between processes
+    sig_raw: bytes = b""
+    # the buffers of every rank, as the last call left them (see _buffers), and what they
+    # were made for: the node's arena generations and heap use
+    arrays: list[dict[str, np.ndarray]] | None = None
+    arrays_for: tuple[object, ...] = ()
+    # this process's mirrors in its arena: (arena segment, {(rank, role): view})
+    mirrors: tuple[Segment | None, dict[tuple[int, str], np.ndarray]] = (None, {})
 
 
 class ProcessGroup:
@@ -273,6 +281,21 @@ class ProcessGroup:
         self._acks_expected = 0
         self._i64 = np.frombuffer(buf, np.int64, (_SLOTS + _SLOT * len(self._node_procs)) // 8)
         self._slot_i64(self.proc, _PID)[0] = os.getpid()
+        self._own_gen = self._slot_i64(self.proc, _ARENA_GEN)
+
+        def desc(p: int, parity: int) -> tuple[memoryview, np.ndarray, np.ndarray]:
+            d = self._desc(p, parity)
+            return (
+                d,
+                np.frombuffer(d, np.int64, 2),
+                np.frombuffer(d, np.int64, MAX_LOCAL_RANKS * 4, _DESC_LOC),
+            )
+
+        self._peer_desc = {p: (desc(p, 0), desc(p, 1)) for p in self._node_procs}
+        self._own_desc = self._peer_desc[self.proc]
+        self._desc_written: list[bytes | None] = [None, None]
+        self._desc_loc_set = [True, True]  # (zeroed memory: write -1 the first time)
+        self._peer_gen = {p: self._slot_i64(p, _ARENA_GEN) for p in self._node_procs}
         del MPI
 
     def _watch_launcher(self) -> None:
@@ -451,7 +474,7 @@ class ProcessGroup:
             )  # fmt: skip
             algorithm = self._choose(prep)
             self._seq += 1
-            entry = self.flight.start(self._seq, collective, prep.count, prep.dtype.name, algorithm)
+            entry = self.flight.start(self._seq, collective, prep.count, prep.dtype, algorithm)
             try:
                 if algorithm == "mpi":
                     self._run_mpi(prep, entry)
@@ -566,6 +589,11 @@ class ProcessGroup:
         flush()
         writes = {(s.dst.rank, s.dst.role) for s in plan.steps if s.dst is not None}
         got = _Compiled(plan, scheds, mine, layouts, runs, writes)
+        got.sig = (
+            f"{prep.collective} count={prep.count} dtype={prep.dtype.name} op={prep.op} "
+            f"root={prep.root} in_place={in_place} algorithm={algorithm}"
+        )
+        got.sig_raw = got.sig.encode()[:_SIG_BYTES]
         self._compiled[key] = got
         return got
 
@@ -578,17 +606,21 @@ class ProcessGroup:
         self._arrivals += 1
         seq = self._arrivals
         dt = prep.dtype
-        sig = _signature(prep, algorithm, in_place)
+        sig = c.sig
         # 1. this process's arena, grown (a new segment) when the call needs more
         self._ensure_arena(c.layouts[self.proc][1])
         arena = self._arenas.get(self.proc)
+        if c.mirrors[0] is not arena:
+            c.mirrors = (arena, {})
+        mirrors = c.mirrors[1]
+        heaps = bool(self._heaps)
         # 2. where this process's ranks' buffers are, and the mirrors filled
         ins = {r: prep.ins[i] for i, r in enumerate(self.ranks)}
         outs = {r: prep.outs[i] for i, r in enumerate(self.ranks)}
         if coll.root_output and prep.in_place and prep.root in ins:
             outs[prep.root] = np.empty_like(prep.outs[self.ranks.index(prep.root)])
         lay = c.layouts[self.proc][0]
-        loc = np.full((MAX_LOCAL_RANKS, 4), -1, np.int64)
+        loc = np.full((MAX_LOCAL_RANKS, 4), -1, np.int64) if heaps else None
         copy_back: list[tuple[np.ndarray, np.ndarray]] = []
         mine_in: dict[int, np.ndarray] = {}
         mine_out: dict[int, np.ndarray] = {}
@@ -598,16 +630,21 @@ class ProcessGroup:
                 copy_back.append((prep.outs[i], user_out))
             if in_place:
                 base_user = user_out if user_out.size >= user_in.size else user_in
-                hin, hout = self._heap_of(user_in), self._heap_of(user_out)
+                hin = self._heap_of(user_in) if heaps else None
+                hout = self._heap_of(user_out) if heaps else None
                 if hin is not None and hout is not None:
+                    assert loc is not None
                     loc[i] = (*hin, *hout)
                     mine_in[r], mine_out[r] = user_in, user_out
                 elif (r, IN) in lay:
                     assert arena is not None
-                    shift, base = _in_place_shape(prep.collective, r, prep.count, self.size)
-                    m = np.frombuffer(arena.buf, dt, base, lay[(r, BASE)])
-                    mine_in[r] = m[max(shift, 0) : max(shift, 0) + user_in.size]
-                    mine_out[r] = m[max(-shift, 0) : max(-shift, 0) + user_out.size]
+                    m = mirrors.get((r, BASE))
+                    if m is None:
+                        shift, base = _in_place_shape(prep.collective, r, prep.count, self.size)
+                        m = mirrors[(r, BASE)] = np.frombuffer(arena.buf, dt, base, lay[(r, BASE)])
+                        mirrors[(r, IN)] = m[max(shift, 0) : max(shift, 0) + user_in.size]
+                        mirrors[(r, OUT)] = m[max(-shift, 0) : max(-shift, 0) + user_out.size]
+                    mine_in[r], mine_out[r] = mirrors[(r, IN)], mirrors[(r, OUT)]
                     np.copyto(mine_in[r], user_in)
                     if (r, IN) in c.writes or (r, OUT) in c.writes:
                         copy_back.insert(0, (base_user, m))
@@ -617,13 +654,18 @@ class ProcessGroup:
             for j, role in enumerate((IN, OUT)):
                 arr = user_in if role == IN else user_out
                 table = mine_in if role == IN else mine_out
-                heap = self._heap_of(arr)
+                heap = self._heap_of(arr) if heaps else None
                 if heap is not None:
+                    assert loc is not None
                     loc[i, 2 * j], loc[i, 2 * j + 1] = heap
                     table[r] = arr
                 elif (r, role) in lay:
                     assert arena is not None
-                    m = np.frombuffer(arena.buf, dt, arr.size, lay[(r, role)])
+                    m = mirrors.get((r, role))
+                    if m is None:
+                        m = mirrors[(r, role)] = np.frombuffer(
+                            arena.buf, dt, arr.size, lay[(r, role)]
+                        )
                     table[r] = m
                     if role == IN:
                         np.copyto(m, arr)
@@ -634,14 +676,20 @@ class ProcessGroup:
                     table[r] = arr
         # 3. publish the signature and the locations, arrive
         parity = seq & 1
-        d = self._desc(self.proc, parity)
-        head = np.frombuffer(d, np.int64, 2)
-        raw = sig.encode()[:_SIG_BYTES]
-        d[16 : 16 + len(raw)] = raw
-        head[1] = len(raw)
+        d, head, dloc = self._own_desc[parity]
+        raw = c.sig_raw
+        if self._desc_written[parity] is not raw:  # the same signature as last time: as is
+            d[16 : 16 + len(raw)] = raw
+            head[1] = len(raw)
+            self._desc_written[parity] = raw
         head[0] = seq
-        np.frombuffer(d, np.int64, MAX_LOCAL_RANKS * 4, _DESC_LOC)[:] = loc.reshape(-1)
-        self._slot_i64(self.proc, _ARENA_GEN)[0] = self._arena_gen[self.proc]
+        if loc is not None:
+            dloc[:] = loc.reshape(-1)
+            self._desc_written[parity] = None  # rewrite the locations next time
+        elif self._desc_loc_set[parity]:
+            dloc[:] = -1
+        self._desc_loc_set[parity] = loc is not None
+        self._own_gen[0] = self._arena_gen[self.proc]
         reqs, recv = self._post_receives(c, dt)
         ctl = self._exchange_signatures(sig, seq)
         self._arrive[self.proc].add(1)
@@ -655,9 +703,10 @@ class ProcessGroup:
         self._refresh_arenas()
         for p in self._node_procs:
             if p != self.proc:
-                pd = self._desc(p, parity)
-                n = int(np.frombuffer(pd, np.int64, 2)[1])
-                theirs[p] = bytes(pd[16 : 16 + n]).decode(errors="replace")
+                pd, phead, _ = self._peer_desc[p][parity]
+                n = int(phead[1])
+                if bytes(pd[16 : 16 + n]) != raw:
+                    theirs[p] = bytes(pd[16 : 16 + n]).decode(errors="replace")
         bad = {p: s for p, s in theirs.items() if s != sig}
         if bad:
             for req in reqs.values():
@@ -677,6 +726,30 @@ class ProcessGroup:
     def _buffers(self, c: _Compiled, prep: Prepared, mine_in: dict[int, np.ndarray],
                  mine_out: dict[int, np.ndarray], parity: int, recv: np.ndarray | None,
                  in_place: bool) -> Buffers:  # fmt: skip
+        """Every rank's buffers for this call: this process's ranks' from the call, the
+        node's other ranks' from their arenas (or their symmetric buffers), kept from the
+        last call while the arenas are the same and no symmetric buffer is in use."""
+        key: tuple[object, ...] = (
+            tuple(self._arena_gen[q] for q in self._node_procs),
+            parity if self._heaps else -1,
+        )
+        arrays = c.arrays
+        if arrays is None or c.arrays_for != key:
+            arrays = self._remote_arrays(c, prep, parity)
+            c.arrays, c.arrays_for = arrays, key
+        for r in self.ranks:
+            a = arrays[r]
+            a[IN], a[OUT] = mine_in[r], mine_out[r]
+        if recv is not None:
+            for a in arrays:
+                a[RECV] = recv
+        b = Buffers.__new__(Buffers)
+        b.arrays = arrays
+        return b
+
+    def _remote_arrays(
+        self, c: _Compiled, prep: Prepared, parity: int
+    ) -> list[dict[str, np.ndarray]]:
         n = self.size
         dt = prep.dtype
         coll = COLLECTIVES[prep.collective]
@@ -696,26 +769,16 @@ class ProcessGroup:
                     if cnt and seg is not None:
                         a[role] = np.frombuffer(seg.buf, dt, cnt, lay[(r, role)])
                 if q == self.proc:
-                    a[IN], a[OUT] = mine_in[r], mine_out[r]
-                else:
-                    loc = np.frombuffer(
-                        self._desc(q, parity), np.int64, MAX_LOCAL_RANKS * 4, _DESC_LOC
-                    )
-                    i = r - self._first_rank(q)
-                    for j, (role, cnt) in enumerate(((IN, nin), (OUT, nout))):
-                        h, off = int(loc[4 * i + 2 * j]), int(loc[4 * i + 2 * j + 1])
-                        if h >= 0:
-                            a[role] = np.frombuffer(self._heaps[h][q].buf, dt, cnt, off)
-                        elif (r, role) in lay and seg is not None:
-                            a[role] = np.frombuffer(seg.buf, dt, cnt, lay[(r, role)])
-                if recv is not None:
-                    a[RECV] = recv
-        for r in range(n):
-            if recv is not None:
-                arrays[r][RECV] = recv
-        b = Buffers.__new__(Buffers)
-        b.arrays = arrays
-        return b
+                    continue
+                loc = self._peer_desc[q][parity][2]
+                i = r - self._first_rank(q)
+                for j, (role, cnt) in enumerate(((IN, nin), (OUT, nout))):
+                    h, off = int(loc[4 * i + 2 * j]), int(loc[4 * i + 2 * j + 1])
+                    if h >= 0 and self._heaps:
+                        a[role] = np.frombuffer(self._heaps[h][q].buf, dt, cnt, off)
+                    elif (r, role) in lay and seg is not None:
+                        a[role] = np.frombuffer(seg.buf, dt, cnt, lay[(r, role)])
+        return arrays
 
     def _first_rank(self, q: int) -> int:
         return sum(self._nlocal_of_proc[:q])
@@ -820,7 +883,7 @@ class ProcessGroup:
         for q in self._node_procs:
             if q == self.proc:
                 continue
-            gen = int(self._slot_i64(q, _ARENA_GEN)[0])
+            gen = int(self._peer_gen[q][0])
             if gen and self._arena_gen[q] != gen:
                 old = self._arenas.pop(q, None)
                 if old is not None:
@@ -1024,13 +1087,6 @@ def _name_for(job: str, pid: int, what: str) -> str:
     from .shm import PREFIX, user_tag
 
     return f"{PREFIX}-{user_tag()}-{job}-p{pid}-{what}"
-
-
-def _signature(prep: Prepared, algorithm: str, in_place: bool) -> str:
-    return (
-        f"{prep.collective} count={prep.count} dtype={prep.dtype.name} op={prep.op} "
-        f"root={prep.root} in_place={in_place} algorithm={algorithm}"
-    )
 
 
 def _mismatch(pg: ProcessGroup, sig: str, bad: dict[int, str]) -> str:

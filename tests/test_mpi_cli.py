@@ -175,8 +175,11 @@ def _cmdline(pid: int) -> list[str]:
 def test_bench_collectives_one_table_checked_over_every_rank(
     tmp_path: Path, g: str, algorithms: str
 ) -> None:
-    # in-place all_gather is left out: the process group's in-place all_gather is wrong
-    colls = "all_reduce,broadcast,reduce,reduce_scatter" if g == "2" else "all_reduce,reduce"
+    colls = (
+        "all_reduce,broadcast,reduce,all_gather,reduce_scatter"
+        if g == "2"
+        else "all_reduce,reduce,all_gather"
+    )
     out = tmp_path / "c.json"
     args = ["-g", g, "-b", "64", "-e", "4K", "-f", "8", "-n", "2", "-w", "1"]
     args += ["--algorithm", algorithms, "--collective", colls, "--json", str(out)]

@@ -59,6 +59,12 @@ try:
         x = np.full(8, pg.rank + 1.0, np.float32)
         pg.all_reduce(x)
         out["after"] = float(x[0])
+        # the same sizes in another dtype of the same itemsize: still a mismatch
+        try:
+            pg.all_reduce(np.ones(8, np.int32 if pg.rank == victim else np.float32))
+            out["dtype_mismatch"] = "not raised"
+        except ValueError as exc:
+            out["dtype_mismatch"] = str(exc)
         report(out)
         pg.close()
         sys.exit(0)

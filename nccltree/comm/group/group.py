@@ -69,6 +69,8 @@ if TYPE_CHECKING:
 from .shm import Segment, remove_stale, segment_name
 
 GROUP_ALGORITHMS = ("tree", "ring", "direct", "mpi", "auto")
+#: ``auto`` hands messages of at most this many bytes per rank to MPI (see _choose)
+AUTO_MPI_BYTES = 256 << 10
 _Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers
 BASE = "base"  # an in-place rank's one buffer (its mirror holds the input and the output)
 
@@ -493,8 +495,22 @@ class ProcessGroup:
             return cast("list[np.ndarray]", prep.results)
 
     def _choose(self, prep: Prepared) -> str:
+        """``auto``: MPI's own collectives for small messages where MPI can run the call
+        (one rank per process, MPI's rank order the group's, no float16 reduction): a
+        call through the shared-memory engine pays a signature handshake and a few
+        Python steps, tens of microseconds, where MPICH's shared-memory collectives take
+        a few (measured: docs/performance.md#process-groups). Above that, the tree
+        across nodes (it crosses each node boundary once) and direct within one node
+        (the fewest bytes)."""
         if self.algorithm != "auto":
             return self.algorithm
+        if (
+            prep.nbytes <= AUTO_MPI_BYTES
+            and len(self.ranks) == 1
+            and self._mpi_rank_of_proc == list(range(self.nprocs))
+            and not (prep.dtype == np.float16 and COLLECTIVES[prep.collective].reduces)
+        ):
+            return "mpi"
         return "tree" if self.nodes > 1 else "direct"
 
     def tree(self, root: int = 0) -> Tree:
@@ -515,8 +531,10 @@ class ProcessGroup:
         )  # fmt: skip
 
     def _compile(self, algorithm: str, prep: Prepared, in_place: bool) -> _Compiled:
+        # the dtype itself, not its size: the compiled call keeps typed views and the
+        # signature
         key = (algorithm, prep.collective, prep.count, prep.op, prep.root, in_place,
-               prep.dtype.itemsize)  # fmt: skip
+               prep.dtype.str)  # fmt: skip
         got = self._compiled.get(key)
         if got is not None:
             return got

@@ -100,6 +100,7 @@ MAX_LOCAL_RANKS = 16
 _DESC_LOC = _SIG_BYTES + 16  # offset of the buffer locations in a descriptor
 _CTL_TAG_MOD = 1 << 14
 _POLL = 0.01  # seconds between liveness checks while waiting
+_MPI_SLICE = 0.0002  # seconds between MPI progress calls while sends are in flight
 
 
 @dataclass
@@ -242,6 +243,7 @@ class ProcessGroup:
         self._arenas: dict[int, Segment] = {}  # the node's arenas (own and attached)
         self._arena_gen = dict.fromkeys(self._node_procs, 0)
         self._pending_unlink: list[tuple[Segment, int]] = []
+        self._inflight: list[_MPI.Request] = []  # this call's sends not known finished
         self._bootstrap_shm()
         self._watch_launcher()
         self._local = LocalRendezvous(self)
@@ -804,6 +806,7 @@ class ProcessGroup:
     def _execute(self, c: _Compiled, bufs: Buffers, reqs: _Requests) -> None:
         mine = self._progress[self.proc]
         sends: list[_MPI.Request] = []
+        self._inflight = sends
         MPI = self._MPI
         for run in c.runs:
             if run.program is not None:
@@ -829,6 +832,7 @@ class ProcessGroup:
                 self.sent_bytes += src.nbytes
             else:
                 sends.append(self._comm.Isend([_NOTHING, MPI.BYTE], dest, it.tag % 32768))
+        self._inflight = []
         for req in sends:
             self._wait_request(req, -1, "a send to finish")
         for (q, _), req in reqs.items():
@@ -937,10 +941,25 @@ class ProcessGroup:
         if counter.wait(target, 0.0005):
             return
         deadline = time.monotonic() + self.timeout
-        while not counter.wait(target, _POLL):
-            self._check_peers()
-            if time.monotonic() > deadline:
-                raise CommTimeout(self._timed_out(proc, what))
+        # while sends are in flight, MPI moves their data only inside MPI calls (large
+        # messages go in pieces, each handed over when both sides call MPI): wait in
+        # short slices and let MPI progress between them
+        slice_s = _MPI_SLICE if self._inflight else _POLL
+        last_check = time.monotonic()
+        while not counter.wait(target, slice_s):
+            if self._inflight:
+                self._progress_mpi()
+            now = time.monotonic()
+            if now - last_check >= _POLL:
+                last_check = now
+                self._check_peers()
+                if now > deadline:
+                    raise CommTimeout(self._timed_out(proc, what))
+
+    def _progress_mpi(self) -> None:
+        """Let MPI move the data of the call's sends (finished ones are null requests,
+        which cost nothing to test)."""
+        self._MPI.Request.Testall(self._inflight)
 
     def _wait_request(self, req: _MPI.Request, proc: int, what: str) -> None:
         if req.Test():
@@ -949,6 +968,8 @@ class ProcessGroup:
         spin_until = time.perf_counter() + 0.0002
         last_check = time.monotonic()
         while not req.Test():
+            if self._inflight:
+                self._progress_mpi()
             if time.perf_counter() < spin_until:
                 continue
             time.sleep(0.00005)

@@ -177,3 +177,17 @@ def test_argument_mismatch_raises_on_every_process_and_the_group_goes_on(tmp_pat
         assert "count=9" in r["mismatch"] and "count=8" in r["mismatch"]
         assert r["after"] == 6.0
         assert "dtype=int32" in r["dtype_mismatch"] and "dtype=float32" in r["dtype_mismatch"]
+
+
+def test_without_shared_memory_the_data_goes_over_mpi(tmp_path: Path) -> None:
+    # NCCLTREE_SHM=0 (what a too small /dev/shm does by itself): every process is its own
+    # transport node, the tree keeps the real topology, and all payload is MPI's
+    parts = [(3, {"NCCLTREE_SHM": "0"})]
+    args = ["--algorithms", "tree,ring,direct", "--dtypes", "float32", "--ops", "sum,max"]
+    reports = _reports(tmp_path, parts, "pg_grid.py", *args, timeout=200)
+    assert len(reports) == 3
+    for rep in reports:
+        assert rep["failures"] == [], rep["failures"]
+        for alg, seen in rep["mpi"].items():
+            assert seen["collectives_after_init"] == 0, (alg, seen)
+            assert seen["payload_within_node"] == seen["sent_bytes"] > 0, (alg, seen)

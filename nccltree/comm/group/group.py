@@ -32,6 +32,7 @@ the flight recorder (the last collectives of this process) is printed.
 
 from __future__ import annotations
 
+import mmap
 import os
 import secrets
 import signal
@@ -66,7 +67,7 @@ if TYPE_CHECKING:
 
     from ...backends.host import HostDevice
     from ...tree import Tree
-from .shm import Segment, remove_stale, segment_name
+from .shm import SHM_DIR, Segment, remove_stale, segment_name
 
 GROUP_ALGORITHMS = ("tree", "ring", "direct", "mpi", "auto")
 #: ``auto`` hands messages of at most this many bytes per rank to MPI (see _choose)
@@ -148,6 +149,7 @@ class ProcessGroup:
         devices: str = "cpu",
         algorithm: str = "auto",
         timeout: float = 60.0,
+        shm: bool | None = None,
     ) -> None:
         if algorithm not in GROUP_ALGORITHMS:
             raise ValueError(
@@ -184,11 +186,11 @@ class ProcessGroup:
         me = self._comm.Get_rank()
         node_name = os.environ.get("NCCLTREE_NODE") or MPI.Get_processor_name()
         job = secrets.token_hex(4) if me == 0 else None
-        info = self._comm.allgather((node_name, nlocal, os.getpid()))
+        info = self._comm.allgather((node_name, nlocal, os.getpid(), _shm_usable(shm)))
         job = self._comm.bcast(job, root=0)
         # processes numbered node-major: nodes in order of their first MPI rank
         order: list[str] = []
-        for name, _, _ in info:
+        for name, *_ in info:
             if name not in order:
                 order.append(name)
         procs = sorted(range(nprocs), key=lambda i: (order.index(info[i][0]), i))
@@ -204,9 +206,25 @@ class ProcessGroup:
         self._proc_of_rank = [p for p in range(nprocs) for _ in range(self._nlocal_of_proc[p])]
         self.node = node_name
         self.node_index = self._node_of_proc[self.proc]
-        self._node_procs = [p for p in range(nprocs) if self._node_of_proc[p] == self.node_index]
+        phys = [p for p in range(nprocs) if self._node_of_proc[p] == self.node_index]
+        # shared memory within a node only where every process of the node can use it;
+        # elsewhere each process is a "node" of its own for the transports (MPI between
+        # all of them), while the topology keeps the real nodes
+        self.shm = all(info[procs[p]][3] for p in phys)
+        shm_nodes = {n for n in range(len(order))
+                     if all(info[procs[p]][3] for p in range(nprocs) if self._node_of_proc[p] == n)}  # fmt: skip
+        self._tnode_of_proc = [
+            self._node_of_proc[p] if self._node_of_proc[p] in shm_nodes else len(order) + p
+            for p in range(nprocs)
+        ]
+        if not self.shm and phys[0] == self.proc and len(phys) > 1:
+            print(f"nccltree: {_shm_usable_reason(shm)}: the processes of node {node_name} "
+                  "exchange data over MPI instead of shared memory", file=sys.stderr,
+                  flush=True)  # fmt: skip
+        mine = self._tnode_of_proc[self.proc]
+        self._node_procs = [p for p in range(nprocs) if self._tnode_of_proc[p] == mine]
         self._remote_procs = [p for p in range(nprocs) if p not in self._node_procs]
-        node_ranks = [r for r in range(self.size) if self._proc_of_rank[r] in self._node_procs]
+        node_ranks = [r for r in range(self.size) if self._proc_of_rank[r] in phys]
         self.rank = self.ranks[0]
         self.local_rank = self.rank - node_ranks[0]
         self.local_size = len(node_ranks)
@@ -254,22 +272,25 @@ class ProcessGroup:
         """The node's control segment: made by its first process, attached by the others
         (MPI barriers are allowed here, at bootstrap), then unlinked at once."""
         MPI = self._MPI
-        self._node_comm = self._comm.Split(self.node_index, self.proc)
+        self._node_comm = self._comm.Split(self._tnode_of_proc[self.proc], self.proc)
         lead = self._node_comm.Get_rank() == 0
-        name = None
-        if lead:
-            remove_stale()
-            seg = Segment.create(
-                segment_name(self._job, f"ctl{self.node_index}"),
-                _SLOTS + _SLOT * len(self._node_procs),
-            )
-            name = seg.name
-        name = self._node_comm.bcast(name, root=0)
-        if not lead:
-            seg = Segment.attach(name)
-        self._node_comm.Barrier()
-        if lead:
-            seg.unlink()
+        size = _SLOTS + _SLOT * len(self._node_procs)
+        if not self.shm:
+            # a process of its own: its control block is private memory
+            seg = Segment("", size, mmap.mmap(-1, size))
+            seg.linked = False
+        else:
+            name = None
+            if lead:
+                remove_stale()
+                seg = Segment.create(segment_name(self._job, f"ctl{self.node_index}"), size)
+                name = seg.name
+            name = self._node_comm.bcast(name, root=0)
+            if not lead:
+                seg = Segment.attach(name)
+            self._node_comm.Barrier()
+            if lead:
+                seg.unlink()
         self._ctl = seg
         self._slot_of = {p: i for i, p in enumerate(self._node_procs)}
         buf = seg.buf
@@ -544,7 +565,7 @@ class ProcessGroup:
             raise ValueError(f"algorithm {algorithm!r} has no plan")
         plan = self.plan(prep.collective, prep.count, algorithm=algorithm, op=prep.op,
                          root=prep.root, in_place=in_place, dtype=prep.dtype)  # fmt: skip
-        scheds = split(plan, self._proc_of_rank, self._node_of_proc)
+        scheds = split(plan, self._proc_of_rank, self._tnode_of_proc)
         mine = scheds[self.proc]
         coll = COLLECTIVES[prep.collective]
         n = self.size
@@ -1091,6 +1112,42 @@ class ProcessGroup:
             )
 
 
+#: ``/dev/shm`` needs this much free space for a node's processes to share memory; with
+#: less (Docker's default is 64 MiB in all) they exchange data over MPI
+SHM_MIN_FREE = 64 << 20
+
+
+def _shm_usable(shm: bool | None) -> bool:
+    """Whether this process may use shared memory: ``shm`` when given, else
+    ``NCCLTREE_SHM`` (0 or 1) when set, else whether ``/dev/shm`` has
+    :data:`SHM_MIN_FREE` bytes free."""
+    if shm is not None:
+        return bool(shm)
+    env = os.environ.get("NCCLTREE_SHM", "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize >= SHM_MIN_FREE
+
+
+def _shm_usable_reason(shm: bool | None) -> str:
+    if shm is False or os.environ.get("NCCLTREE_SHM", "").strip() == "0":
+        return "shared memory is switched off (shm=False or NCCLTREE_SHM=0)"
+    try:
+        st = os.statvfs(SHM_DIR)
+        free = st.f_bavail * st.f_frsize
+    except OSError as exc:
+        return f"{SHM_DIR} is not usable ({exc})"
+    return (
+        f"{SHM_DIR} has {free >> 20} MiB free, under {SHM_MIN_FREE >> 20} MiB (docker run "
+        f"--shm-size=2g, or mount -o remount,size=4G {SHM_DIR}, gives it more; "
+        "NCCLTREE_SHM=1 uses it anyway)"
+    )
+
+
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` of this machine runs (a zombie, killed but not yet reaped
     by its launcher, counts as dead)."""
@@ -1159,11 +1216,14 @@ def init_process_group(
     devices: str = "cpu",
     algorithm: str = "auto",
     timeout: float = 60.0,
+    shm: bool | None = None,
 ) -> ProcessGroup:
     """The process group of every process of ``comm`` (default ``MPI.COMM_WORLD``: run
     under ``mpiexec`` or ``srun``). ``devices``: ``"cpu"`` (one rank in this process) or
     ``"cpu:N"``. Ranks are numbered node-major, then by process, then by local rank; the
-    node of a process is its host name, or ``NCCLTREE_NODE`` where set. Collective: every
+    node of a process is its host name, or ``NCCLTREE_NODE`` where set. ``shm``: whether
+    the processes of a node share memory (default: where ``/dev/shm`` has 64 MiB free, or
+    as ``NCCLTREE_SHM`` says; otherwise their data goes over MPI). Collective: every
     process calls it. ``close()`` the group before calling it again."""
     global _current
     if _current is not None and not _current._closed:
@@ -1176,7 +1236,7 @@ def init_process_group(
         raise BackendUnavailable(
             "process groups need mpi4py and an MPI library: pip install 'nccltree[mpi]'"
         ) from exc
-    _current = ProcessGroup(comm, devices, algorithm, timeout)
+    _current = ProcessGroup(comm, devices, algorithm, timeout, shm)
     return _current
 
 

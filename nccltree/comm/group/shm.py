@@ -42,7 +42,8 @@ def _too_small(nbytes: int, detail: str) -> ShmTooSmall:
         f"shared memory: a segment of {nbytes} bytes does not fit in {SHM_DIR} ({detail}); "
         f"give the container more (docker run --shm-size=2g; Kubernetes: an emptyDir with "
         f"medium Memory mounted at {SHM_DIR}) or remount it larger "
-        f"(mount -o remount,size=4G {SHM_DIR})"
+        f"(mount -o remount,size=4G {SHM_DIR}), or set NCCLTREE_SHM=0 to exchange the data "
+        f"over MPI instead"
     )
 
 

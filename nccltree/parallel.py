@@ -363,6 +363,17 @@ class DataParallel:
         self.blas_threads = blas_threads
         self.grad_hook = grad_hook
         self.params = [model.make_params(dtype=dtype, device=d) for d in devices]
+        if group is not None:
+            # the gradients in the group's symmetric memory: the node's other processes read
+            # them in place, no staging through the group's mirrors (every process makes the
+            # same allocations in the same order: one per rank it holds)
+            # one allocation per process (so processes holding different numbers of ranks
+            # still make the same calls), a 256-byte-aligned slice per rank
+            first = self.params[0]
+            stride = -(-first.size * first.dtype.itemsize // 256) * 256 // first.dtype.itemsize
+            sym = group.empty(stride * len(self.params), first.dtype)
+            for i, p in enumerate(self.params):
+                p.place_grad(sym[i * stride : i * stride + p.size])
         self.solvers = [SGD(p, **sgd) for p in self.params]
         # Only rank 0 initialises; the first broadcast of fit makes the replicas equal.
         model.init(self.params[0], seed=seed)

@@ -88,6 +88,19 @@ class FlatParams:
         self.views = types.MappingProxyType(self._make_views(self.data))
         self.grad_views = types.MappingProxyType(self._make_views(self.grad))
 
+    def place_grad(self, buffer: Any) -> None:
+        """Use ``buffer`` (flat, this dtype, ``size`` elements: e.g. a process group's
+        symmetric buffer, which other processes read without staging) as the gradient
+        from now on; the gradient values move into it."""
+        if buffer.shape != (self._size,) or buffer.dtype != self._dtype:
+            raise ValueError(
+                f"the gradient buffer must be ({self._size},) {self._dtype}, got "
+                f"{buffer.shape} {buffer.dtype}"
+            )
+        buffer[...] = self.grad
+        self.grad = buffer
+        self.grad_views = types.MappingProxyType(self._make_views(self.grad))
+
     # -- construction helpers -------------------------------------------------------------
     def _zeros(self, n: int) -> Any:
         extra = ALIGN_BYTES // self._dtype.itemsize

@@ -457,6 +457,9 @@ class ProcessGroup:
         self._check_usable()
         shape_t = (shape,) if isinstance(shape, int) else tuple(shape)
         dt = np.dtype(dtype)
+        if len(self._node_procs) == 1:
+            # no process shares this one's memory (alone on its node, or shared memory off)
+            return np.zeros(shape_t, dt)
         nbytes = max(1, int(np.prod(shape_t)) * dt.itemsize)
         idx = len(self._heaps)
         own = Segment.create(segment_name(self._job, f"heap{idx}"), nbytes)

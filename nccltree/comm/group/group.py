@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import FrameType, ModuleType
 from typing import TYPE_CHECKING, cast
 
@@ -56,10 +56,12 @@ from .._args import Prepared, prepare
 from ..algorithms import ALGORITHMS, build_plan
 from ..collectives import COLLECTIVES, collective_name
 from ..executor import Buffers, Program
-from ..plan import IN, OUT, STAGE, TMP, Plan
+from ..plan import IN, OUT, STAGE, TMP, Plan, Step
 from .flight import Entry, FlightRecorder
 from .local import GroupComm, LocalRendezvous, run_local
 from .schedule import RECV, Item, Schedule, split
+from .staging import MIRROR, Staging
+from .staging import plan as staged_plan
 
 if TYPE_CHECKING:
     from mpi4py import MPI as _MPI
@@ -129,6 +131,10 @@ class _Compiled:
     # runs of this process's items: ("steps", Program, first item) or ("item", Item)
     runs: list[_Run]
     writes: set[tuple[int, str]]  # (rank, role) that some step writes
+    # the schedule with this process's user buffers staged range by range (staging.py);
+    # None where that is not possible (then whole buffers are mirrored)
+    staged_runs: list[_Run] | None = None
+    staging: Staging | None = None
     sig: str = ""  # the call's signature, compared between processes
     sig_raw: bytes = b""
     # the buffers of every rank, as the last call left them (see _buffers), and what they
@@ -607,19 +613,69 @@ class ProcessGroup:
                     off += -(-base * item // 256) * 256
             layouts[q] = (lay, off)
         # this process's items, consecutive steps without waits fused into one program
+        runs = self._runs(plan, mine.items, extents, None)
+        exec_proc = [0] * len(plan.data_steps())
+        for p, sched in enumerate(scheds):
+            for it in sched.items:
+                if it.kind == "step":
+                    exec_proc[it.index] = p
+        mirrored: dict[tuple[int, str], int] = {}
+        one_buffer = set()
+        lay = layouts[self.proc][0]
+        for r in self.ranks:
+            if in_place and (r, BASE) in lay:
+                shift, _ = _in_place_shape(prep.collective, r, prep.count, n)
+                mirrored[(r, IN)], mirrored[(r, OUT)] = max(shift, 0), max(-shift, 0)
+                one_buffer.add(r)
+            elif not in_place:
+                mirrored.update({(r, role): 0 for role in (IN, OUT) if (r, role) in lay})
+        staging = staged_plan(
+            plan.data_steps(), exec_proc, mine.items, self.proc, set(self._node_procs),
+            mirrored, one_buffer,
+        )  # fmt: skip
+        staged_runs = None
+        if staging is not None:
+            extents = {**extents, MIRROR[IN]: extents[IN], MIRROR[OUT]: extents[OUT]}
+            staged_runs = self._runs(plan, mine.items, extents, staging)
+        writes = {(s.dst.rank, s.dst.role) for s in plan.steps if s.dst is not None}
+        got = _Compiled(plan, scheds, mine, layouts, runs, writes, staged_runs, staging)
+        got.sig = (
+            f"{prep.collective} count={prep.count} dtype={prep.dtype.name} op={prep.op} "
+            f"root={prep.root} in_place={in_place} algorithm={algorithm}"
+        )
+        got.sig_raw = got.sig.encode()[:_SIG_BYTES]
+        self._compiled[key] = got
+        return got
+
+    def _runs(
+        self,
+        plan: Plan,
+        items: Sequence[Item],
+        extents: dict[str, list[int]],
+        staging: Staging | None,
+    ) -> list[_Run]:
+        """This process's items as runs: consecutive steps without waits fused into one
+        program; with ``staging``, its steps and sends rewritten (staging.py)."""
+        n = plan.size
         runs: list[_Run] = []
         group: list[Item] = []
 
+        def steps_of(it: Item) -> list[Step]:
+            assert it.step is not None
+            if staging is None:
+                return [it.step]
+            return staging.steps.get(it.index, [it.step])
+
         def flush() -> None:
             if group:
-                sub = Plan(n, [it.step for it in group if it.step is not None], 0, dict(plan.scratch), dict(plan.stage),
-                           plan.same_buffer)  # fmt: skip
+                steps = [st for it in group for st in steps_of(it)]
+                sub = Plan(n, steps, 0, dict(plan.scratch), dict(plan.stage), plan.same_buffer)
                 runs.append(
                     _Run("steps", Program(sub, self._all_devices, extents), None, len(group))
                 )
                 group.clear()
 
-        for it in mine.items:
+        for k, it in enumerate(items):
             if it.kind == "step" and not it.waits and not it.recvs:
                 group.append(it)
                 continue
@@ -629,17 +685,10 @@ class ProcessGroup:
                 if it.kind == "step":
                     group.append(it)
             else:
-                runs.append(_Run("send", item=it))
+                src = staging.sends.get(k) if staging is not None else None
+                runs.append(_Run("send", item=it if src is None else replace(it, src=src)))
         flush()
-        writes = {(s.dst.rank, s.dst.role) for s in plan.steps if s.dst is not None}
-        got = _Compiled(plan, scheds, mine, layouts, runs, writes)
-        got.sig = (
-            f"{prep.collective} count={prep.count} dtype={prep.dtype.name} op={prep.op} "
-            f"root={prep.root} in_place={in_place} algorithm={algorithm}"
-        )
-        got.sig_raw = got.sig.encode()[:_SIG_BYTES]
-        self._compiled[key] = got
-        return got
+        return runs
 
     def _run(self, algorithm: str, prep: Prepared, entry: Entry) -> None:
         coll = COLLECTIVES[prep.collective]
@@ -668,7 +717,18 @@ class ProcessGroup:
         copy_back: list[tuple[np.ndarray, np.ndarray]] = []
         mine_in: dict[int, np.ndarray] = {}
         mine_out: dict[int, np.ndarray] = {}
+        own_heap = heaps and any(
+            self._heap_of(a) is not None for r in self.ranks for a in (ins[r], outs[r])
+        )
+        # user buffers staged range by range where the schedule allows (staging.py);
+        # symmetric buffers are used in place; else whole buffers are mirrored
+        staged = c.staging is not None and not own_heap
+        extra: dict[int, dict[str, np.ndarray]] = {}
+        if staged:
+            self._stage(c, prep, ins, outs, mirrors, arena, copy_back, mine_in, mine_out, extra)
         for i, r in enumerate(self.ranks):
+            if staged:
+                break
             user_in, user_out = ins[r], outs[r]
             if user_out is not prep.outs[i]:  # the root's output made distinct (see above)
                 copy_back.append((prep.outs[i], user_out))
@@ -759,17 +819,75 @@ class ProcessGroup:
             raise ValueError(_mismatch(self, sig, bad))
         entry.state = "running"
         # 5. the buffers of every rank this process touches
-        bufs = self._buffers(c, prep, mine_in, mine_out, parity, recv, in_place)
-        self._execute(c, bufs, reqs)
+        bufs = self._buffers(c, prep, mine_in, mine_out, parity, recv, extra)
+        runs = c.staged_runs if staged and c.staged_runs is not None else c.runs
+        self._execute(runs, bufs, reqs)
         for dst, src in copy_back:
             np.copyto(dst, src)
         for q in self._node_procs:
             self._base[q] += c.scheds[q].n_steps
         self._settle_arenas()
 
+    def _stage(
+        self,
+        c: _Compiled,
+        prep: Prepared,
+        ins: dict[int, np.ndarray],
+        outs: dict[int, np.ndarray],
+        mirrors: dict[tuple[int, str], np.ndarray],
+        arena: Segment | None,
+        copy_back: list[tuple[np.ndarray, np.ndarray]],
+        mine_in: dict[int, np.ndarray],
+        mine_out: dict[int, np.ndarray],
+        extra: dict[int, dict[str, np.ndarray]],
+    ) -> None:
+        """The staged call's buffers: the user's as the ranks' own, the mirrors beside
+        them (roles ``m:in``/``m:out``), the ranges the staging plan copies in done now
+        and those it copies back queued."""
+        staging = c.staging
+        assert staging is not None
+        lay = c.layouts[self.proc][0]
+        dt = prep.dtype
+        pairs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        for i, r in enumerate(self.ranks):
+            user_in, user_out = ins[r], outs[r]
+            if user_out is not prep.outs[i]:  # the root's output made distinct
+                copy_back.append((prep.outs[i], user_out))
+            mine_in[r], mine_out[r] = user_in, user_out
+            views: dict[str, np.ndarray] = {}
+            if (r, BASE) in lay:
+                assert arena is not None
+                m = mirrors.get((r, BASE))
+                if m is None:
+                    shift, base = _in_place_shape(prep.collective, r, prep.count, self.size)
+                    m = mirrors[(r, BASE)] = np.frombuffer(arena.buf, dt, base, lay[(r, BASE)])
+                    mirrors[(r, IN)] = m[max(shift, 0) : max(shift, 0) + user_in.size]
+                    mirrors[(r, OUT)] = m[max(-shift, 0) : max(-shift, 0) + user_out.size]
+                views = {MIRROR[IN]: mirrors[(r, IN)], MIRROR[OUT]: mirrors[(r, OUT)]}
+                pairs[(r, 0)] = (user_out if user_out.size >= user_in.size else user_in, m)
+            else:
+                for bid, (role, arr) in enumerate(((IN, user_in), (OUT, user_out))):
+                    if (r, role) not in lay:
+                        continue
+                    assert arena is not None
+                    m = mirrors.get((r, role))
+                    if m is None:
+                        m = mirrors[(r, role)] = np.frombuffer(
+                            arena.buf, dt, arr.size, lay[(r, role)]
+                        )
+                    views[MIRROR[role]] = m
+                    pairs[(r, bid)] = (arr, m)
+            extra[r] = views
+        for r, bid, lo, cnt in staging.copy_in:
+            u, m = pairs[(r, bid)]
+            np.copyto(m[lo : lo + cnt], u[lo : lo + cnt])
+        for r, bid, lo, cnt in staging.copy_out:
+            u, m = pairs[(r, bid)]
+            copy_back.insert(0, (u[lo : lo + cnt], m[lo : lo + cnt]))
+
     def _buffers(self, c: _Compiled, prep: Prepared, mine_in: dict[int, np.ndarray],
                  mine_out: dict[int, np.ndarray], parity: int, recv: np.ndarray | None,
-                 in_place: bool) -> Buffers:  # fmt: skip
+                 extra: dict[int, dict[str, np.ndarray]]) -> Buffers:  # fmt: skip
         """Every rank's buffers for this call: this process's ranks' from the call, the
         node's other ranks' from their arenas (or their symmetric buffers), kept from the
         last call while the arenas are the same and no symmetric buffer is in use."""
@@ -784,6 +902,9 @@ class ProcessGroup:
         for r in self.ranks:
             a = arrays[r]
             a[IN], a[OUT] = mine_in[r], mine_out[r]
+            views = extra.get(r)
+            if views:
+                a.update(views)
         if recv is not None:
             for a in arrays:
                 a[RECV] = recv
@@ -827,12 +948,12 @@ class ProcessGroup:
     def _first_rank(self, q: int) -> int:
         return sum(self._nlocal_of_proc[:q])
 
-    def _execute(self, c: _Compiled, bufs: Buffers, reqs: _Requests) -> None:
+    def _execute(self, runs: list[_Run], bufs: Buffers, reqs: _Requests) -> None:
         mine = self._progress[self.proc]
         sends: list[_MPI.Request] = []
         self._inflight = sends
         MPI = self._MPI
-        for run in c.runs:
+        for run in runs:
             if run.program is not None:
                 run.program.run_inline(bufs, self._all_devices, self._threads)
                 mine.add(run.count)

@@ -126,7 +126,7 @@ def split(plan: Plan, proc_of_rank: Sequence[int], node_of_proc: Sequence[int]) 
                 (q, k) for q, k in sorted(need.items()) if q != o and node[q] == node[o] and k
             )
             keyed[o].append(
-                ((gpos, 0, len(keyed[o])), Item("send", peer=x, tag=tag, src=b, waits=sw))
+                ((gpos, 0, len(keyed[o])), Item("send", index, peer=x, tag=tag, src=b, waits=sw))
             )
             scheds[o].sent += b.count
             off = scheds[x].arena

@@ -42,3 +42,19 @@ def test_pg_table_smoke(tmp_path: Path) -> None:
             assert r["cross_node_bytes"] == r["plan_cross_node_bytes"] > 0
     tree = next(r for r in place["rows"] if r["case"] == "tree/sym")
     assert tree["cross_node_bytes"] == 2 * tree["size"]  # the tree's top level: up, down
+
+
+@needs_mpi
+@pytest.mark.mpi
+def test_pg_train_smoke(tmp_path: Path) -> None:
+    """bench/pg_train.py: one repetition of two iterations of each configuration."""
+    out = tmp_path / "train.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "pg_train.py"), "--reps", "1", "--iters", "2",
+           "--warmup", "1", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["ranks"] for r in rows] == [1, 2, 2]
+    assert rows[0]["efficiency"] == 1.0
+    assert all(r["examples_per_s"][0] > 0 for r in rows)
+    assert "mpiexec -n 2" in proc.stdout

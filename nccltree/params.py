@@ -88,7 +88,7 @@ class FlatParams:
         self.views = types.MappingProxyType(self._make_views(self.data))
         self.grad_views = types.MappingProxyType(self._make_views(self.grad))
 
-    def place_grad(self, buffer: Any) -> None:
+    def place_grad(self, buffer: np.ndarray) -> None:
         """Use ``buffer`` (flat, this dtype, ``size`` elements: e.g. a process group's
         symmetric buffer, which other processes read without staging) as the gradient
         from now on; the gradient values move into it."""

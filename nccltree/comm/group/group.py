@@ -741,13 +741,7 @@ class ProcessGroup:
                     loc[i] = (*hin, *hout)
                     mine_in[r], mine_out[r] = user_in, user_out
                 elif (r, IN) in lay:
-                    assert arena is not None
-                    m = mirrors.get((r, BASE))
-                    if m is None:
-                        shift, base = _in_place_shape(prep.collective, r, prep.count, self.size)
-                        m = mirrors[(r, BASE)] = np.frombuffer(arena.buf, dt, base, lay[(r, BASE)])
-                        mirrors[(r, IN)] = m[max(shift, 0) : max(shift, 0) + user_in.size]
-                        mirrors[(r, OUT)] = m[max(-shift, 0) : max(-shift, 0) + user_out.size]
+                    m = self._base_mirror(prep, r, lay, arena, mirrors)
                     mine_in[r], mine_out[r] = mirrors[(r, IN)], mirrors[(r, OUT)]
                     np.copyto(mine_in[r], user_in)
                     if (r, IN) in c.writes or (r, OUT) in c.writes:
@@ -764,12 +758,7 @@ class ProcessGroup:
                     loc[i, 2 * j], loc[i, 2 * j + 1] = heap
                     table[r] = arr
                 elif (r, role) in lay:
-                    assert arena is not None
-                    m = mirrors.get((r, role))
-                    if m is None:
-                        m = mirrors[(r, role)] = np.frombuffer(
-                            arena.buf, dt, arr.size, lay[(r, role)]
-                        )
+                    m = self._role_mirror(prep, r, role, arr.size, lay, arena, mirrors)
                     table[r] = m
                     if role == IN:
                         np.copyto(m, arr)
@@ -828,6 +817,44 @@ class ProcessGroup:
             self._base[q] += c.scheds[q].n_steps
         self._settle_arenas()
 
+    def _base_mirror(
+        self,
+        prep: Prepared,
+        r: int,
+        lay: dict[tuple[int, str], int],
+        arena: Segment | None,
+        mirrors: dict[tuple[int, str], np.ndarray],
+    ) -> np.ndarray:
+        """In place: rank ``r``'s one mirror, with its input and output views (cached in
+        ``mirrors`` under ``(r, BASE)``, ``(r, IN)``, ``(r, OUT)``)."""
+        m = mirrors.get((r, BASE))
+        if m is None:
+            assert arena is not None
+            coll = COLLECTIVES[prep.collective]
+            nin, nout = coll.in_count(prep.count, self.size), coll.out_count(prep.count, self.size)
+            shift, base = _in_place_shape(prep.collective, r, prep.count, self.size)
+            m = mirrors[(r, BASE)] = np.frombuffer(arena.buf, prep.dtype, base, lay[(r, BASE)])
+            mirrors[(r, IN)] = m[max(shift, 0) : max(shift, 0) + nin]
+            mirrors[(r, OUT)] = m[max(-shift, 0) : max(-shift, 0) + nout]
+        return m
+
+    @staticmethod
+    def _role_mirror(
+        prep: Prepared,
+        r: int,
+        role: str,
+        size: int,
+        lay: dict[tuple[int, str], int],
+        arena: Segment | None,
+        mirrors: dict[tuple[int, str], np.ndarray],
+    ) -> np.ndarray:
+        """Rank ``r``'s mirror of its ``role`` buffer (cached in ``mirrors``)."""
+        m = mirrors.get((r, role))
+        if m is None:
+            assert arena is not None
+            m = mirrors[(r, role)] = np.frombuffer(arena.buf, prep.dtype, size, lay[(r, role)])
+        return m
+
     def _stage(
         self,
         c: _Compiled,
@@ -847,7 +874,6 @@ class ProcessGroup:
         staging = c.staging
         assert staging is not None
         lay = c.layouts[self.proc][0]
-        dt = prep.dtype
         pairs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         for i, r in enumerate(self.ranks):
             user_in, user_out = ins[r], outs[r]
@@ -856,27 +882,16 @@ class ProcessGroup:
             mine_in[r], mine_out[r] = user_in, user_out
             views: dict[str, np.ndarray] = {}
             if (r, BASE) in lay:
-                assert arena is not None
-                m = mirrors.get((r, BASE))
-                if m is None:
-                    shift, base = _in_place_shape(prep.collective, r, prep.count, self.size)
-                    m = mirrors[(r, BASE)] = np.frombuffer(arena.buf, dt, base, lay[(r, BASE)])
-                    mirrors[(r, IN)] = m[max(shift, 0) : max(shift, 0) + user_in.size]
-                    mirrors[(r, OUT)] = m[max(-shift, 0) : max(-shift, 0) + user_out.size]
+                m = self._base_mirror(prep, r, lay, arena, mirrors)
                 views = {MIRROR[IN]: mirrors[(r, IN)], MIRROR[OUT]: mirrors[(r, OUT)]}
                 pairs[(r, 0)] = (user_out if user_out.size >= user_in.size else user_in, m)
             else:
                 for bid, (role, arr) in enumerate(((IN, user_in), (OUT, user_out))):
                     if (r, role) not in lay:
                         continue
-                    assert arena is not None
-                    m = mirrors.get((r, role))
-                    if m is None:
-                        m = mirrors[(r, role)] = np.frombuffer(
-                            arena.buf, dt, arr.size, lay[(r, role)]
-                        )
-                    views[MIRROR[role]] = m
-                    pairs[(r, bid)] = (arr, m)
+                    got = self._role_mirror(prep, r, role, arr.size, lay, arena, mirrors)
+                    views[MIRROR[role]] = got
+                    pairs[(r, bid)] = (arr, got)
             extra[r] = views
         for r, bid, lo, cnt in staging.copy_in:
             u, m = pairs[(r, bid)]

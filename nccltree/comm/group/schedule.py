@@ -97,6 +97,25 @@ def split(plan: Plan, proc_of_rank: Sequence[int], node_of_proc: Sequence[int]) 
         tags[(a, b)] = t + 1
         return t
 
+    def order(x: int, need: dict[int, int], recvs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """What ``x`` must see before going on: the node's processes' progress (returned:
+        (process, steps) to wait for), and from other nodes a notify where nothing x has
+        received already implies it (appended to ``recvs``)."""
+        waits = []
+        for q, k in sorted(need.items()):
+            if q == x or not k:
+                continue
+            if node[q] == node[x]:
+                waits.append((q, k))
+            elif known[x][q] < k:
+                # q tells x once it has performed its k-th step
+                tag = next_tag(q, x)
+                keyed[q].append(((pos_of[q][k], 2, len(keyed[q])), Item("notify", peer=x, tag=tag)))
+                recvs.append((q, tag))
+                scheds[x].recvs.append((q, tag, 0, -1))
+                known[x][q] = k
+        return waits
+
     index = -1
     for gpos, s in enumerate(plan.steps):
         if s.kind == "record":
@@ -140,20 +159,7 @@ def split(plan: Plan, proc_of_rank: Sequence[int], node_of_proc: Sequence[int]) 
                     known[x][q] = k
             if known[x][o] < need.get(o, 0):
                 known[x][o] = need.get(o, 0)
-        waits = []
-        for q, k in sorted(need.items()):
-            if q == x or not k:
-                continue
-            if node[q] == node[x]:
-                waits.append((q, k))
-            elif known[x][q] < k:
-                # q tells x once it has performed its k-th step
-                tag = next_tag(q, x)
-                at = pos_of[q][k]
-                keyed[q].append(((at, 2, len(keyed[q])), Item("notify", peer=x, tag=tag)))
-                recvs.append((q, tag))
-                scheds[x].recvs.append((q, tag, 0, -1))
-                known[x][q] = k
+        waits = order(x, need, recvs)
         for b in s.touches:
             o = proc(b.rank)
             if o != x and node[o] == node[x]:
@@ -179,18 +185,8 @@ def split(plan: Plan, proc_of_rank: Sequence[int], node_of_proc: Sequence[int]) 
                 for q, k in vc.items():
                     if last.get(q, 0) < k:
                         last[q] = k
-        waits, recvs = [], []
-        for q, k in sorted(last.items()):
-            if q == x or not k:
-                continue
-            if node[q] == node[x]:
-                waits.append((q, k))
-            elif known[x][q] < k:
-                tag = next_tag(q, x)
-                keyed[q].append(((pos_of[q][k], 2, len(keyed[q])), Item("notify", peer=x, tag=tag)))
-                recvs.append((q, tag))
-                scheds[x].recvs.append((q, tag, 0, -1))
-                known[x][q] = k
+        recvs = []
+        waits = order(x, last, recvs)
         if waits or recvs:
             keyed[x].append(((end, 1, 0), Item("end", waits=tuple(waits), recvs=tuple(recvs))))
     for p in range(nproc):

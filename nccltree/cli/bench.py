@@ -49,6 +49,7 @@ from ._training import (
 )
 
 if TYPE_CHECKING:
+    from ..backends.base import Device
     from ..comm.group import ProcessGroup
     from ..topology import Topology
     from ..tree import Tree
@@ -487,26 +488,11 @@ def make_benchmark(
                 f"(this process holds {len(group.ranks)} ranks)"
             )
         label = f"{devices} x {group.nprocs} MPI processes"
-        return drv.Benchmark(
-            group.devices,
-            algorithms,
-            collectives,
-            sizes,
-            variants=variants,
-            root=args.root,
-            iters=args.iters,
-            warmup=args.warmup,
-            check=args.check,
-            cycles=args.cycles,
-            aggregate=AVERAGE_MODES[args.average],
-            timeout=args.timeout,
-            devices_label=label,
-            names=FLAG_NAMES,
-            group=group,
-        )
-    devices = resolve_devices(args)
+        devices_used: Sequence[Device] | str = group.devices
+    else:
+        label = devices_used = resolve_devices(args)
     return drv.Benchmark(
-        devices,
+        devices_used,
         algorithms,
         collectives,
         sizes,
@@ -518,9 +504,10 @@ def make_benchmark(
         cycles=args.cycles,
         aggregate=AVERAGE_MODES[args.average],
         timeout=args.timeout,
-        world_factory=world_factory,
-        devices_label=devices,
+        devices_label=label,
         names=FLAG_NAMES,
+        world_factory=world_factory if group is None else None,
+        group=group,
     )
 
 

@@ -94,6 +94,7 @@ def test_numbering_bytes_symmetric_buffers_and_reinit(tmp_path: Path) -> None:
     for r in reports.values():
         assert r["nodes"] == 2 and r["size"] == 3
         assert r["sum_ok"] and r["symmetric_ok"] and r["again_ok"]
+        assert r["async_ok"] and r["stream_ok"]
         assert r["collectives"] == 0 and r["local_bytes"] == 0
     # the bytes that crossed between nodes, counted at the MPI layer, are the plan's
     # transfers between nodes: the tree crosses once, at the top (both directions)

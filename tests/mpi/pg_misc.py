@@ -42,5 +42,21 @@ pg2 = nt.init_process_group(algorithm="direct", timeout=30)
 z = np.ones(10, np.float32)
 pg2.all_reduce(z)
 out["again_ok"] = bool(np.all(z == pg2.size))
+# asynchronous calls keep their order, and a synchronous one waits for them
+total = sum(range(1, pg2.size + 1))
+xs = [np.full(1000, pg2.rank + 1.0) * (i + 1) for i in range(5)]
+works = [pg2.all_reduce(x, async_op=True) for x in xs]
+w = np.ones(7, np.float32)
+pg2.all_reduce(w)
+out["async_ok"] = bool(
+    all(np.all(wk.result() == total * (i + 1)) for i, wk in enumerate(works))
+    and all(wk.is_completed() for wk in works)
+    and np.all(w == pg2.size)
+)
+s = pg2.devices[0].new_stream()
+v = np.full(3, pg2.rank + 1.0)
+pg2.all_reduce(v, stream=s)
+s.synchronize(30)
+out["stream_ok"] = bool(np.all(v == total))
 pg2.close()
 report(out, out["mpi_rank"])

@@ -57,6 +57,7 @@ from ..algorithms import ALGORITHMS, build_plan
 from ..collectives import COLLECTIVES, collective_name
 from ..executor import Buffers, Program
 from ..plan import IN, OUT, STAGE, TMP, Plan, Step
+from ..work import Work
 from .flight import Entry, FlightRecorder
 from .local import GroupComm, LocalRendezvous, run_local
 from .schedule import RECV, Item, Schedule, split
@@ -67,6 +68,7 @@ if TYPE_CHECKING:
     from mpi4py import MPI as _MPI
     from numpy.typing import DTypeLike
 
+    from ...backends.base import Stream
     from ...backends.host import HostDevice
     from ...tree import Tree
 from .shm import SHM_DIR, Segment, remove_stale, segment_name
@@ -268,6 +270,7 @@ class ProcessGroup:
         self._arena_gen = dict.fromkeys(self._node_procs, 0)
         self._pending_unlink: list[tuple[Segment, int]] = []
         self._inflight: list[_MPI.Request] = []  # this call's sends not known finished
+        self._stream: Stream | None = None  # the group's stream (async and stream calls)
         self._bootstrap_shm()
         self._watch_launcher()
         self._local = LocalRendezvous(self)
@@ -426,30 +429,85 @@ class ProcessGroup:
             )
 
     def all_reduce(
-        self, x: np.ndarray, *, out: np.ndarray | None = None, op: str = "sum"
-    ) -> np.ndarray:
-        self._one("all_reduce")
-        return self.call("all_reduce", [x], None if out is None else [out], op=op)[0]
+        self,
+        x: np.ndarray,
+        *,
+        out: np.ndarray | None = None,
+        op: str = "sum",
+        stream: Stream | None = None,
+        async_op: bool = False,
+    ) -> np.ndarray | Work:
+        """``Comm.all_reduce`` for this process's one rank: returns ``out`` (or ``x``), or
+        a ``Work`` with ``async_op``."""
+        return self._single("all_reduce", x, out, op, 0, stream, async_op)
 
     def reduce(
-        self, x: np.ndarray, *, root: int = 0, out: np.ndarray | None = None, op: str = "sum"
-    ) -> np.ndarray:
-        self._one("reduce")
-        return self.call("reduce", [x], None if out is None else [out], op=op, root=root)[0]
+        self,
+        x: np.ndarray,
+        *,
+        root: int = 0,
+        out: np.ndarray | None = None,
+        op: str = "sum",
+        stream: Stream | None = None,
+        async_op: bool = False,
+    ) -> np.ndarray | Work:
+        return self._single("reduce", x, out, op, root, stream, async_op)
 
     def broadcast(
-        self, x: np.ndarray, *, root: int = 0, out: np.ndarray | None = None
-    ) -> np.ndarray:
-        self._one("broadcast")
-        return self.call("broadcast", [x], None if out is None else [out], root=root)[0]
+        self,
+        x: np.ndarray,
+        *,
+        root: int = 0,
+        out: np.ndarray | None = None,
+        stream: Stream | None = None,
+        async_op: bool = False,
+    ) -> np.ndarray | Work:
+        return self._single("broadcast", x, out, "sum", root, stream, async_op)
 
-    def all_gather(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-        self._one("all_gather")
-        return self.call("all_gather", [x], [out])[0]
+    def all_gather(
+        self,
+        x: np.ndarray,
+        out: np.ndarray,
+        *,
+        stream: Stream | None = None,
+        async_op: bool = False,
+    ) -> np.ndarray | Work:
+        return self._single("all_gather", x, out, "sum", 0, stream, async_op)
 
-    def reduce_scatter(self, x: np.ndarray, out: np.ndarray, *, op: str = "sum") -> np.ndarray:
-        self._one("reduce_scatter")
-        return self.call("reduce_scatter", [x], [out], op=op)[0]
+    def reduce_scatter(
+        self,
+        x: np.ndarray,
+        out: np.ndarray,
+        *,
+        op: str = "sum",
+        stream: Stream | None = None,
+        async_op: bool = False,
+    ) -> np.ndarray | Work:
+        return self._single("reduce_scatter", x, out, op, 0, stream, async_op)
+
+    def _single(
+        self,
+        collective: str,
+        x: np.ndarray,
+        out: np.ndarray | None,
+        op: str,
+        root: int,
+        stream: Stream | None,
+        async_op: bool,
+    ) -> np.ndarray | Work:
+        """One rank per process: a synchronous call, or (``stream``/``async_op``, as for
+        ``Comm``) one run on the group's own stream, a worker thread, ordered after the
+        work ``stream`` holds (else after what this thread did, as host calls are), with
+        ``stream`` (else the returned ``Work``) ordered after it. Calls keep their order:
+        a synchronous one first waits for those in flight. Arguments are checked before
+        the call returns; a fault surfaces from ``Work.synchronize``/``result``, and the
+        group's later calls fail."""
+        self._one(collective)
+        if not async_op and stream is None:
+            return self.call(collective, [x], None if out is None else [out], op=op, root=root)[0]
+        with self._lock:
+            prep = self._prepare(collective, [x], None if out is None else [out], op, root)
+            return self._enqueue(prep, stream, async_op)
 
     def barrier(self) -> None:
         """Every rank of the group has arrived (a one-element all_reduce)."""
@@ -498,17 +556,35 @@ class ProcessGroup:
         root: int = 0,
     ) -> list[np.ndarray]:
         """A collective with one array per rank of this process (``xs[i]`` for rank
-        ``ranks[i]``); returns each rank's result."""
+        ``ranks[i]``), synchronous; returns each rank's result."""
+        if self._stream is not None:
+            # the calls in flight first (outside the lock, which their runs take)
+            self._stream.synchronize(self.timeout)
+        with self._lock:
+            prep = self._prepare(collective, xs, outs, op, root)
+            self._perform(prep)
+            return cast("list[np.ndarray]", prep.results)
+
+    def _prepare(
+        self,
+        collective: str,
+        xs: Sequence[np.ndarray],
+        outs: Sequence[np.ndarray] | None,
+        op: str,
+        root: int,
+    ) -> Prepared:
+        self._check_usable()
+        return prepare(
+            self.devices, collective_name(collective), list(xs),
+            None if outs is None else list(outs), op, root, ranks=self.ranks, size=self.size,
+        )  # fmt: skip
+
+    def _perform(self, prep: Prepared) -> None:
         with self._lock:
             self._check_usable()
-            collective = collective_name(collective)
-            prep = prepare(
-                self.devices, collective, list(xs), None if outs is None else list(outs),
-                op, root, ranks=self.ranks, size=self.size,
-            )  # fmt: skip
             algorithm = self._choose(prep)
             self._seq += 1
-            entry = self.flight.start(self._seq, collective, prep.count, prep.dtype, algorithm)
+            entry = self.flight.start(self._seq, prep.collective, prep.count, prep.dtype, algorithm)
             try:
                 if algorithm == "mpi":
                     self._run_mpi(prep, entry)
@@ -524,7 +600,26 @@ class ProcessGroup:
                 raise
             entry.state = "done"
             entry.ended = time.monotonic()
-            return cast("list[np.ndarray]", prep.results)
+
+    def _enqueue(self, prep: Prepared, stream: Stream | None, async_op: bool) -> np.ndarray | Work:
+        """The call of this process's one rank on the group's stream (see _single)."""
+        if self._stream is None:
+            self._stream = self.devices[0].new_stream()
+        caller = stream if stream is not None else self.devices[0].explicit_current_stream()
+        if caller is not None:
+            self._stream.wait_event(caller.record())
+        self._stream.call(self._perform, prep)
+        done = self._stream.record()
+        result = cast("np.ndarray", prep.results[0])
+        if async_op:
+            return Work([done], [caller], result, prep, self.timeout, self._stream_error)
+        assert caller is not None  # a stream was given
+        caller.wait_event(done)
+        return result
+
+    def _stream_error(self, exc: BaseException) -> BaseException:
+        """A call that failed on the group's stream: its own error."""
+        return exc
 
     def _choose(self, prep: Prepared) -> str:
         """``auto``: MPI's own collectives for small messages where MPI can run the call

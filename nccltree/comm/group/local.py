@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..._errors import CommError, CommTimeout, PeerFailure
+from ..work import Work
 
 if TYPE_CHECKING:
+    from ...backends.base import Stream
     from .group import ProcessGroup
 
 
@@ -115,34 +117,78 @@ class GroupComm:
         self.size = pg.size
 
     def _call(
-        self, collective: str, x: np.ndarray, out: np.ndarray | None, op: str, root: int
-    ) -> np.ndarray:
+        self,
+        collective: str,
+        x: np.ndarray,
+        out: np.ndarray | None,
+        op: str,
+        root: int,
+        stream: Stream | None = None,
+        async_op: bool = False,
+    ) -> np.ndarray | Work:
         if len(self.pg.ranks) == 1:
-            return self.pg.call(collective, [x], None if out is None else [out], op=op, root=root)[
-                0
-            ]
+            return self.pg._single(collective, x, out, op, root, stream, async_op)
+        if stream is not None or async_op:
+            raise ValueError(
+                "stream= and async_op= take one rank per process (this process holds "
+                f"{len(self.pg.ranks)}): call synchronously from each rank's thread"
+            )
         return self.pg._local.arrive(self.index, collective, x, out, op, root)
 
     def all_reduce(
-        self, x: np.ndarray, *, out: np.ndarray | None = None, op: str = "sum"
-    ) -> np.ndarray:
-        return self._call("all_reduce", x, out, op, 0)
+        self,
+        x: np.ndarray,
+        *,
+        out: np.ndarray | None = None,
+        op: str = "sum",
+        stream: Stream | None = None,
+        async_op: bool = False,
+    ) -> np.ndarray | Work:
+        return self._call("all_reduce", x, out, op, 0, stream, async_op)
 
     def reduce(
-        self, x: np.ndarray, *, root: int = 0, out: np.ndarray | None = None, op: str = "sum"
-    ) -> np.ndarray:
-        return self._call("reduce", x, out, op, root)
+        self,
+        x: np.ndarray,
+        *,
+        root: int = 0,
+        out: np.ndarray | None = None,
+        op: str = "sum",
+        stream: Stream | None = None,
+        async_op: bool = False,
+    ) -> np.ndarray | Work:
+        return self._call("reduce", x, out, op, root, stream, async_op)
 
     def broadcast(
-        self, x: np.ndarray, *, root: int = 0, out: np.ndarray | None = None
-    ) -> np.ndarray:
-        return self._call("broadcast", x, out, "sum", root)
+        self,
+        x: np.ndarray,
+        *,
+        root: int = 0,
+        out: np.ndarray | None = None,
+        stream: Stream | None = None,
+        async_op: bool = False,
+    ) -> np.ndarray | Work:
+        return self._call("broadcast", x, out, "sum", root, stream, async_op)
 
-    def all_gather(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-        return self._call("all_gather", x, out, "sum", 0)
+    def all_gather(
+        self,
+        x: np.ndarray,
+        out: np.ndarray,
+        *,
+        stream: Stream | None = None,
+        async_op: bool = False,
+    ) -> np.ndarray | Work:
+        return self._call("all_gather", x, out, "sum", 0, stream, async_op)
 
-    def reduce_scatter(self, x: np.ndarray, out: np.ndarray, *, op: str = "sum") -> np.ndarray:
-        return self._call("reduce_scatter", x, out, op, 0)
+    def reduce_scatter(
+        self,
+        x: np.ndarray,
+        out: np.ndarray,
+        *,
+        op: str = "sum",
+        stream: Stream | None = None,
+        async_op: bool = False,
+    ) -> np.ndarray | Work:
+        return self._call("reduce_scatter", x, out, op, 0, stream, async_op)
 
     def barrier(self) -> None:
         self._call("all_reduce", np.zeros(1, np.float32), None, "sum", 0)

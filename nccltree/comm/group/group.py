@@ -59,7 +59,7 @@ from ..executor import Buffers, Program
 from ..plan import IN, OUT, STAGE, TMP, Plan, Step
 from ..work import Work
 from .flight import Entry, FlightRecorder
-from .local import GroupComm, LocalRendezvous, run_local
+from .local import Collectives, GroupComm, LocalRendezvous, run_local
 from .schedule import RECV, Item, Schedule, split
 from .staging import MIRROR, Staging
 from .staging import plan as staged_plan
@@ -147,7 +147,7 @@ class _Compiled:
     mirrors: tuple[Segment | None, dict[tuple[int, str], np.ndarray]] = (None, {})
 
 
-class ProcessGroup:
+class ProcessGroup(Collectives):
     """Ranks across processes and nodes (see the module docstring). Made by
     :func:`init_process_group`."""
 
@@ -428,72 +428,15 @@ class ProcessGroup:
                 f"to pg.call"
             )
 
-    def all_reduce(
-        self,
-        x: np.ndarray,
-        *,
-        out: np.ndarray | None = None,
-        op: str = "sum",
-        stream: Stream | None = None,
-        async_op: bool = False,
-    ) -> np.ndarray | Work:
-        """``Comm.all_reduce`` for this process's one rank: returns ``out`` (or ``x``), or
-        a ``Work`` with ``async_op``."""
-        return self._single("all_reduce", x, out, op, 0, stream, async_op)
-
-    def reduce(
-        self,
-        x: np.ndarray,
-        *,
-        root: int = 0,
-        out: np.ndarray | None = None,
-        op: str = "sum",
-        stream: Stream | None = None,
-        async_op: bool = False,
-    ) -> np.ndarray | Work:
-        return self._single("reduce", x, out, op, root, stream, async_op)
-
-    def broadcast(
-        self,
-        x: np.ndarray,
-        *,
-        root: int = 0,
-        out: np.ndarray | None = None,
-        stream: Stream | None = None,
-        async_op: bool = False,
-    ) -> np.ndarray | Work:
-        return self._single("broadcast", x, out, "sum", root, stream, async_op)
-
-    def all_gather(
-        self,
-        x: np.ndarray,
-        out: np.ndarray,
-        *,
-        stream: Stream | None = None,
-        async_op: bool = False,
-    ) -> np.ndarray | Work:
-        return self._single("all_gather", x, out, "sum", 0, stream, async_op)
-
-    def reduce_scatter(
-        self,
-        x: np.ndarray,
-        out: np.ndarray,
-        *,
-        op: str = "sum",
-        stream: Stream | None = None,
-        async_op: bool = False,
-    ) -> np.ndarray | Work:
-        return self._single("reduce_scatter", x, out, op, 0, stream, async_op)
-
-    def _single(
+    def _call(
         self,
         collective: str,
         x: np.ndarray,
         out: np.ndarray | None,
         op: str,
         root: int,
-        stream: Stream | None,
-        async_op: bool,
+        stream: Stream | None = None,
+        async_op: bool = False,
     ) -> np.ndarray | Work:
         """One rank per process: a synchronous call, or (``stream``/``async_op``, as for
         ``Comm``) one run on the group's own stream, a worker thread, ordered after the
@@ -602,7 +545,7 @@ class ProcessGroup:
             entry.ended = time.monotonic()
 
     def _enqueue(self, prep: Prepared, stream: Stream | None, async_op: bool) -> np.ndarray | Work:
-        """The call of this process's one rank on the group's stream (see _single)."""
+        """The call of this process's one rank on the group's stream (see _call)."""
         if self._stream is None:
             self._stream = self.devices[0].new_stream()
         caller = stream if stream is not None else self.devices[0].explicit_current_stream()

@@ -105,16 +105,9 @@ class LocalRendezvous:
         return m.results[i]
 
 
-class GroupComm:
-    """The per-rank face of a process group's rank (``pg.comm(i)``), used from that
-    rank's own thread; the same collectives as :class:`~nccltree.comm.Comm`, host arrays,
-    synchronous."""
-
-    def __init__(self, pg: ProcessGroup, index: int) -> None:
-        self.pg = pg
-        self.index = index
-        self.rank = pg.ranks[index]
-        self.size = pg.size
+class Collectives:
+    """The collectives of ``Comm`` (host arrays) on top of one method, ``_call``: shared
+    by :class:`GroupComm` and :class:`~nccltree.comm.group.ProcessGroup`."""
 
     def _call(
         self,
@@ -126,14 +119,7 @@ class GroupComm:
         stream: Stream | None = None,
         async_op: bool = False,
     ) -> np.ndarray | Work:
-        if len(self.pg.ranks) == 1:
-            return self.pg._single(collective, x, out, op, root, stream, async_op)
-        if stream is not None or async_op:
-            raise ValueError(
-                "stream= and async_op= take one rank per process (this process holds "
-                f"{len(self.pg.ranks)}): call synchronously from each rank's thread"
-            )
-        return self.pg._local.arrive(self.index, collective, x, out, op, root)
+        raise NotImplementedError
 
     def all_reduce(
         self,
@@ -189,6 +175,37 @@ class GroupComm:
         async_op: bool = False,
     ) -> np.ndarray | Work:
         return self._call("reduce_scatter", x, out, op, 0, stream, async_op)
+
+
+class GroupComm(Collectives):
+    """The per-rank face of a process group's rank (``pg.comm(i)``), used from that
+    rank's own thread; the same collectives as :class:`~nccltree.comm.Comm`, host arrays,
+    synchronous."""
+
+    def __init__(self, pg: ProcessGroup, index: int) -> None:
+        self.pg = pg
+        self.index = index
+        self.rank = pg.ranks[index]
+        self.size = pg.size
+
+    def _call(
+        self,
+        collective: str,
+        x: np.ndarray,
+        out: np.ndarray | None,
+        op: str,
+        root: int,
+        stream: Stream | None = None,
+        async_op: bool = False,
+    ) -> np.ndarray | Work:
+        if len(self.pg.ranks) == 1:
+            return self.pg._call(collective, x, out, op, root, stream, async_op)
+        if stream is not None or async_op:
+            raise ValueError(
+                "stream= and async_op= take one rank per process (this process holds "
+                f"{len(self.pg.ranks)}): call synchronously from each rank's thread"
+            )
+        return self.pg._local.arrive(self.index, collective, x, out, op, root)
 
     def barrier(self) -> None:
         self._call("all_reduce", np.zeros(1, np.float32), None, "sum", 0)

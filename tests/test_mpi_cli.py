@@ -117,7 +117,9 @@ def test_sigterm_stops_every_process_at_one_iteration_and_resumes(tmp_path: Path
     out = tmp_path / "sig"
     args = [*TRAIN, "--devices", "cpu:2", "--iters", "100000", "--out", str(out), "--quiet"]
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    cmd = [exe, "-n", "2", sys.executable, str(CLI), "train", *args]
+    # -disable-auto-cleanup: the launcher must not end the slower process when the first
+    # exits with 143 (each one exits on its own here)
+    cmd = [exe, "-disable-auto-cleanup", "-n", "2", sys.executable, str(CLI), "train", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 60

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -153,6 +155,11 @@ def open_group(devices: str, algorithm: str, timeout: float) -> Iterator[Process
         yield pg
     finally:
         pg.close()
+        # the group is closed, this process is finishing on its own: a notice from the
+        # launcher that another process ended (SIGUSR1, whose default action would end
+        # this one too) changes nothing any more
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def make_model(name: str, shape: tuple[int, ...], classes: int, hidden: tuple[int, ...]) -> Model:

@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from types import FrameType, ModuleType
+from types import FrameType
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -60,6 +60,7 @@ from ..plan import IN, OUT, STAGE, TMP, Plan, Step
 from ..work import Work
 from .flight import Entry, FlightRecorder
 from .local import Collectives, GroupComm, LocalRendezvous, run_local
+from .mpi_collectives import mpi_type, run_mpi
 from .schedule import RECV, Item, Schedule, split
 from .staging import MIRROR, Staging
 from .staging import plan as staged_plan
@@ -71,7 +72,17 @@ if TYPE_CHECKING:
     from ...backends.base import Stream
     from ...backends.host import HostDevice
     from ...tree import Tree
-from .shm import SHM_DIR, Segment, remove_stale, segment_name
+from .shm import (
+    Segment,
+    address,
+    alive,
+    exit_without_finalize,
+    name_for,
+    remove_stale,
+    segment_name,
+    shm_usable,
+    shm_usable_reason,
+)
 
 GROUP_ALGORITHMS = ("tree", "ring", "direct", "mpi", "auto")
 #: ``auto`` hands messages of at most this many bytes per rank to MPI (see _choose)
@@ -194,7 +205,7 @@ class ProcessGroup(Collectives):
         me = self._comm.Get_rank()
         node_name = os.environ.get("NCCLTREE_NODE") or MPI.Get_processor_name()
         job = secrets.token_hex(4) if me == 0 else None
-        info = self._comm.allgather((node_name, nlocal, os.getpid(), _shm_usable(shm)))
+        info = self._comm.allgather((node_name, nlocal, os.getpid(), shm_usable(shm)))
         job = self._comm.bcast(job, root=0)
         # processes numbered node-major: nodes in order of their first MPI rank
         order: list[str] = []
@@ -226,7 +237,7 @@ class ProcessGroup(Collectives):
             for p in range(nprocs)
         ]
         if not self.shm and phys[0] == self.proc and len(phys) > 1:
-            print(f"nccltree: {_shm_usable_reason(shm)}: the processes of node {node_name} "
+            print(f"nccltree: {shm_usable_reason(shm)}: the processes of node {node_name} "
                   "exchange data over MPI instead of shared memory", file=sys.stderr,
                   flush=True)  # fmt: skip
         mine = self._tnode_of_proc[self.proc]
@@ -475,11 +486,11 @@ class ProcessGroup(Collectives):
         for p in self._node_procs:
             if p != self.proc:
                 pid = int(self._slot_i64(p, _PID)[0])
-                heap[p] = Segment.attach(_name_for(self._job, pid, f"heap{idx}"))
+                heap[p] = Segment.attach(name_for(self._job, pid, f"heap{idx}"))
         self._node_sync()
         own.unlink()
         self._heaps.append(heap)
-        self._heap_bases.append(_addr(own))
+        self._heap_bases.append(address(own))
         return np.frombuffer(own.buf, dt, int(np.prod(shape_t))).reshape(shape_t)
 
     def _node_sync(self) -> None:
@@ -530,7 +541,7 @@ class ProcessGroup(Collectives):
             entry = self.flight.start(self._seq, prep.collective, prep.count, prep.dtype, algorithm)
             try:
                 if algorithm == "mpi":
-                    self._run_mpi(prep, entry)
+                    run_mpi(self, prep, entry)
                 else:
                     self._run(algorithm, prep, entry)
             except (ValueError, TypeError):
@@ -1033,7 +1044,7 @@ class ProcessGroup(Collectives):
                 assert it.src is not None
                 src = bufs.view(it.src)
                 sends.append(
-                    self._comm.Isend([src, _mpi_type(MPI, src.dtype)], dest, it.tag % 32768)
+                    self._comm.Isend([src, mpi_type(MPI, src.dtype)], dest, it.tag % 32768)
                 )
                 self.sent_bytes += src.nbytes
             else:
@@ -1055,7 +1066,7 @@ class ProcessGroup(Collectives):
             src = self._mpi_rank_of_proc[q]
             if count:
                 view = arena[off : off + count]
-                reqs[(q, tag)] = self._comm.Irecv([view, _mpi_type(MPI, dt)], src, tag % 32768)
+                reqs[(q, tag)] = self._comm.Irecv([view, mpi_type(MPI, dt)], src, tag % 32768)
             else:
                 reqs[(q, tag)] = self._comm.Irecv([_NOTHING, MPI.BYTE], src, tag % 32768)
         return reqs, arena
@@ -1117,7 +1128,7 @@ class ProcessGroup(Collectives):
                 if old is not None:
                     old.close()
                 pid = int(self._slot_i64(q, _PID)[0])
-                self._arenas[q] = Segment.attach(_name_for(self._job, pid, f"arena{gen}"))
+                self._arenas[q] = Segment.attach(name_for(self._job, pid, f"arena{gen}"))
                 self._arena_gen[q] = gen
                 self._ack[q].add(1)
 
@@ -1205,7 +1216,7 @@ class ProcessGroup(Collectives):
             if p == self.proc:
                 continue
             pid = int(self._slot_i64(p, _PID)[0])
-            if not _alive(pid):
+            if not alive(pid):
                 raise PeerFailure(
                     f"rank {self.rank}: the process of ranks {self._ranks_of(p)} (pid {pid}) "
                     f"died during collective #{self._seq}"
@@ -1235,7 +1246,7 @@ class ProcessGroup(Collectives):
             if isinstance(exc, (PeerFailure, CommTimeout)):
                 import atexit
 
-                atexit.register(_exit_without_finalize)
+                atexit.register(exit_without_finalize)
             text = self.flight.dump(f"rank {self.rank} (process {self.proc}, node {self.node})")
             text = f"nccltree: {type(exc).__name__}: {exc}\n{text}"
             if isinstance(exc, CommError) and hasattr(exc, "add_note"):
@@ -1243,131 +1254,6 @@ class ProcessGroup(Collectives):
             print(text, file=sys.stderr, flush=True)
 
     # -- algorithm="mpi" ------------------------------------------------------------------
-    def _run_mpi(self, prep: Prepared, entry: Entry) -> None:
-        """MPI's own collectives (one rank per process)."""
-        self._one(f"algorithm 'mpi' ({prep.collective})")
-        MPI = self._MPI
-        if prep.dtype == np.float16 and COLLECTIVES[prep.collective].reduces:
-            raise TypeError("algorithm 'mpi' cannot reduce float16 (MPI has no such type)")
-        x, o = prep.ins[0], prep.outs[0]
-        t = _mpi_type(MPI, prep.dtype)
-        mop = {"sum": MPI.SUM, "mean": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX,
-               "min": MPI.MIN}[prep.op]  # fmt: skip
-        comm = self._comm
-        # MPI's ranks in this group's numbering: the communicator is the group's own dup, so
-        # map roots through it
-        root = self._mpi_rank_of_proc[self._proc_of_rank[prep.root]]
-        coll = prep.collective
-        entry.state = "running"
-        me_root = comm.Get_rank() == root
-        # non-blocking collectives, waited on with the group's timeout (a blocking MPI
-        # call could not be bounded)
-        try:
-            if coll == "all_reduce":
-                req = comm.Iallreduce(MPI.IN_PLACE if prep.in_place else [x, t], [o, t], op=mop)
-            elif coll == "reduce":
-                if me_root:
-                    send = MPI.IN_PLACE if prep.in_place else [x, t]
-                    req = comm.Ireduce(send, [o, t], op=mop, root=root)
-                else:
-                    req = comm.Ireduce([x, t], None, op=mop, root=root)
-            elif coll == "broadcast":
-                if not prep.in_place and me_root:
-                    np.copyto(o, x)
-                req = comm.Ibcast([o, t], root=root)
-            elif coll == "all_gather":
-                self._mpi_order(coll)
-                req = comm.Iallgather(MPI.IN_PLACE if prep.in_place else [x, t], [o, t])
-            else:
-                self._mpi_order(coll)
-                # in place the output lies inside the input: reduce from a copy
-                send = x.copy() if prep.in_place else x
-                req = comm.Ireduce_scatter_block([send, t], [o, t], op=mop)
-            self._wait_request(req, -1, f"MPI's {coll}")
-        except MPI.Exception as exc:
-            raise CommError(f"rank {self.rank}: MPI {coll} failed: {exc}") from exc
-        if prep.op == "mean" and (coll != "reduce" or me_root):
-            o /= self.size
-
-    def _mpi_order(self, coll: str) -> None:
-        if self._mpi_rank_of_proc != list(range(self.nprocs)):
-            raise ValueError(
-                f"algorithm 'mpi' ({coll}) needs MPI's rank order to be the group's "
-                "(node-major); launch the processes of each node contiguously"
-            )
-
-
-#: ``/dev/shm`` needs this much free space for a node's processes to share memory; with
-#: less (Docker's default is 64 MiB in all) they exchange data over MPI
-SHM_MIN_FREE = 64 << 20
-
-
-def _shm_usable(shm: bool | None) -> bool:
-    """Whether this process may use shared memory: ``shm`` when given, else
-    ``NCCLTREE_SHM`` (0 or 1) when set, else whether ``/dev/shm`` has
-    :data:`SHM_MIN_FREE` bytes free."""
-    if shm is not None:
-        return bool(shm)
-    env = os.environ.get("NCCLTREE_SHM", "").strip()
-    if env in ("0", "1"):
-        return env == "1"
-    try:
-        st = os.statvfs(SHM_DIR)
-    except OSError:
-        return False
-    return st.f_bavail * st.f_frsize >= SHM_MIN_FREE
-
-
-def _shm_usable_reason(shm: bool | None) -> str:
-    if shm is False or os.environ.get("NCCLTREE_SHM", "").strip() == "0":
-        return "shared memory is switched off (shm=False or NCCLTREE_SHM=0)"
-    try:
-        st = os.statvfs(SHM_DIR)
-        free = st.f_bavail * st.f_frsize
-    except OSError as exc:
-        return f"{SHM_DIR} is not usable ({exc})"
-    return (
-        f"{SHM_DIR} has {free >> 20} MiB free, under {SHM_MIN_FREE >> 20} MiB (docker run "
-        f"--shm-size=2g, or mount -o remount,size=4G {SHM_DIR}, gives it more; "
-        "NCCLTREE_SHM=1 uses it anyway)"
-    )
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` of this machine runs (a zombie, killed but not yet reaped
-    by its launcher, counts as dead)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True  # no /proc: trust kill()
-    return state not in (b"Z", b"X")
-
-
-def _exit_without_finalize() -> None:
-    """At exit after a failed group: MPI_Finalize would wait for the failed process for
-    ever (it synchronises every process), so leave without it, with status 1."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)
-
-
-def _addr(seg: Segment) -> int:
-    import ctypes
-
-    return ctypes.addressof(ctypes.c_char.from_buffer(seg.buf))
-
-
-def _name_for(job: str, pid: int, what: str) -> str:
-    from .shm import PREFIX, user_tag
-
-    return f"{PREFIX}-{user_tag()}-{job}-p{pid}-{what}"
 
 
 def _mismatch(pg: ProcessGroup, sig: str, bad: dict[int, str]) -> str:
@@ -1375,21 +1261,6 @@ def _mismatch(pg: ProcessGroup, sig: str, bad: dict[int, str]) -> str:
     for p, s in sorted(bad.items()):
         lines.append(f"  ranks {pg._ranks_of(p)} call {s}")
     return "\n".join(lines)
-
-
-def _mpi_type(MPI: ModuleType, dtype: np.dtype) -> _MPI.Datatype:
-    table = {
-        "float32": MPI.FLOAT,
-        "float64": MPI.DOUBLE,
-        "int32": MPI.INT32_T,
-        "int64": MPI.INT64_T,
-        "float16": MPI.UINT16_T,  # moved as bytes; MPI never reduces it here
-        "uint8": MPI.BYTE,
-    }
-    t = table.get(np.dtype(dtype).name)
-    if t is None:
-        raise TypeError(f"no MPI datatype for {dtype}")
-    return t
 
 
 _current: ProcessGroup | None = None

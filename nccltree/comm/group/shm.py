@@ -13,10 +13,12 @@ instead of a ``SIGBUS`` on first touch.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
 import re
+import sys
 
 from ..._errors import CommError
 
@@ -144,3 +146,72 @@ def remove_stale() -> list[str]:
         except OSError:
             pass
     return removed
+
+
+#: ``/dev/shm`` needs this much free space for a node's processes to share memory; with
+#: less (Docker's default is 64 MiB in all) they exchange data over MPI
+SHM_MIN_FREE = 64 << 20
+
+
+def shm_usable(shm: bool | None) -> bool:
+    """Whether this process may use shared memory: ``shm`` when given, else
+    ``NCCLTREE_SHM`` (0 or 1) when set, else whether ``/dev/shm`` has
+    :data:`SHM_MIN_FREE` bytes free."""
+    if shm is not None:
+        return bool(shm)
+    env = os.environ.get("NCCLTREE_SHM", "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize >= SHM_MIN_FREE
+
+
+def shm_usable_reason(shm: bool | None) -> str:
+    if shm is False or os.environ.get("NCCLTREE_SHM", "").strip() == "0":
+        return "shared memory is switched off (shm=False or NCCLTREE_SHM=0)"
+    try:
+        st = os.statvfs(SHM_DIR)
+        free = st.f_bavail * st.f_frsize
+    except OSError as exc:
+        return f"{SHM_DIR} is not usable ({exc})"
+    return (
+        f"{SHM_DIR} has {free >> 20} MiB free, under {SHM_MIN_FREE >> 20} MiB (docker run "
+        f"--shm-size=2g, or mount -o remount,size=4G {SHM_DIR}, gives it more; "
+        "NCCLTREE_SHM=1 uses it anyway)"
+    )
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` of this machine runs (a zombie, killed but not yet reaped
+    by its launcher, counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc: trust kill()
+    return state not in (b"Z", b"X")
+
+
+def exit_without_finalize() -> None:
+    """At exit after a failed group: MPI_Finalize would wait for the failed process for
+    ever (it synchronises every process), so leave without it, with status 1."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def address(seg: Segment) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(seg.buf))
+
+
+def name_for(job: str, pid: int, what: str) -> str:
+    return f"{PREFIX}-{user_tag()}-{job}-p{pid}-{what}"

@@ -1,0 +1,90 @@
+"""``algorithm="mpi"``: MPI's own collectives on a process group (one rank per process),
+non-blocking and waited on with the group's bounded waits, so a peer that never calls
+still ends in ``CommTimeout``; MPI errors become ``CommError``."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..._errors import CommError
+from .._args import Prepared
+from ..collectives import COLLECTIVES
+
+if TYPE_CHECKING:
+    from mpi4py import MPI as _MPI
+
+    from .flight import Entry
+    from .group import ProcessGroup
+
+
+def run_mpi(pg: ProcessGroup, prep: Prepared, entry: Entry) -> None:
+    """MPI's own collectives (one rank per process)."""
+    pg._one(f"algorithm 'mpi' ({prep.collective})")
+    MPI = pg._MPI
+    if prep.dtype == np.float16 and COLLECTIVES[prep.collective].reduces:
+        raise TypeError("algorithm 'mpi' cannot reduce float16 (MPI has no such type)")
+    x, o = prep.ins[0], prep.outs[0]
+    t = mpi_type(MPI, prep.dtype)
+    mop = {"sum": MPI.SUM, "mean": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX,
+           "min": MPI.MIN}[prep.op]  # fmt: skip
+    comm = pg._comm
+    # MPI's ranks in this group's numbering: the communicator is the group's own dup, so
+    # map roots through it
+    root = pg._mpi_rank_of_proc[pg._proc_of_rank[prep.root]]
+    coll = prep.collective
+    entry.state = "running"
+    me_root = comm.Get_rank() == root
+    # non-blocking collectives, waited on with the group's timeout (a blocking MPI
+    # call could not be bounded)
+    try:
+        if coll == "all_reduce":
+            req = comm.Iallreduce(MPI.IN_PLACE if prep.in_place else [x, t], [o, t], op=mop)
+        elif coll == "reduce":
+            if me_root:
+                send = MPI.IN_PLACE if prep.in_place else [x, t]
+                req = comm.Ireduce(send, [o, t], op=mop, root=root)
+            else:
+                req = comm.Ireduce([x, t], None, op=mop, root=root)
+        elif coll == "broadcast":
+            if not prep.in_place and me_root:
+                np.copyto(o, x)
+            req = comm.Ibcast([o, t], root=root)
+        elif coll == "all_gather":
+            _mpi_order(pg, coll)
+            req = comm.Iallgather(MPI.IN_PLACE if prep.in_place else [x, t], [o, t])
+        else:
+            _mpi_order(pg, coll)
+            # in place the output lies inside the input: reduce from a copy
+            send = x.copy() if prep.in_place else x
+            req = comm.Ireduce_scatter_block([send, t], [o, t], op=mop)
+        pg._wait_request(req, -1, f"MPI's {coll}")
+    except MPI.Exception as exc:
+        raise CommError(f"rank {pg.rank}: MPI {coll} failed: {exc}") from exc
+    if prep.op == "mean" and (coll != "reduce" or me_root):
+        o /= pg.size
+
+
+def _mpi_order(pg: ProcessGroup, coll: str) -> None:
+    if pg._mpi_rank_of_proc != list(range(pg.nprocs)):
+        raise ValueError(
+            f"algorithm 'mpi' ({coll}) needs MPI's rank order to be the group's "
+            "(node-major); launch the processes of each node contiguously"
+        )
+
+
+def mpi_type(MPI: ModuleType, dtype: np.dtype) -> _MPI.Datatype:
+    table = {
+        "float32": MPI.FLOAT,
+        "float64": MPI.DOUBLE,
+        "int32": MPI.INT32_T,
+        "int64": MPI.INT64_T,
+        "float16": MPI.UINT16_T,  # moved as bytes; MPI never reduces it here
+        "uint8": MPI.BYTE,
+    }
+    t = table.get(np.dtype(dtype).name)
+    if t is None:
+        raise TypeError(f"no MPI datatype for {dtype}")
+    return t

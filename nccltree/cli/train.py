@@ -1256,9 +1256,16 @@ def _interrupted(exc: KeyboardInterrupt, outputs: _Outputs, err: TextIO) -> int:
     """After Ctrl-C or SIGTERM stopped ``fit``: snapshot the iteration reached (with
     --out, when every rank has stopped), say which iteration the snapshot holds, and
     return the exit status."""
-    dp = outputs.t.driver
     name = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
-    if outputs.snapshot_path and dp.idle:
+    _record_interruption(outputs, name, err, snapshot=outputs.t.driver.idle)
+    return TERMINATED if isinstance(exc, Terminated) else ExitStatus.INTERRUPTED
+
+
+def _record_interruption(outputs: _Outputs, name: str, err: TextIO, *, snapshot: bool) -> None:
+    """Snapshot the iteration reached (with --out, where ``snapshot``), log the stop in
+    the metrics and say which iteration the snapshot holds."""
+    dp = outputs.t.driver
+    if snapshot and outputs.snapshot_path:
         outputs.snapshot()
     outputs.metrics.write(event="interrupted", iter=dp.iter, signal=name)
     print(
@@ -1266,7 +1273,6 @@ def _interrupted(exc: KeyboardInterrupt, outputs: _Outputs, err: TextIO) -> int:
         file=err,
         flush=True,
     )
-    return TERMINATED if isinstance(exc, Terminated) else ExitStatus.INTERRUPTED
 
 
 def _agree_on_setup(failure: BaseException | None) -> None:
@@ -1313,18 +1319,10 @@ def _stopped_together(received: list[int], outputs: _Outputs, err: TextIO, *, ro
     """After a signal stopped every process's ranks at the same iteration: global rank 0
     snapshots it (with --out) and says so; the exit status is the signal's (SIGTERM's
     where this process got none: another process did)."""
-    dp = outputs.t.driver
     sigint = bool(received) and received[0] == signal.SIGINT
     name = "SIGINT" if sigint else "SIGTERM"
     if root:
-        if outputs.snapshot_path:
-            outputs.snapshot()
-        outputs.metrics.write(event="interrupted", iter=dp.iter, signal=name)
-        print(
-            f"interrupted ({name}) at iteration {dp.iter}; {outputs.last_snapshot()}",
-            file=err,
-            flush=True,
-        )
+        _record_interruption(outputs, name, err, snapshot=True)
     return ExitStatus.INTERRUPTED if sigint else TERMINATED
 
 

@@ -195,7 +195,6 @@ class ProcessGroup(Collectives):
             from mpi4py import MPI
 
             comm = MPI.COMM_WORLD
-        self._user_comm = comm
         self._comm = comm.Dup()  # our own message space: data and notifications
         self._ctl_comm = comm.Dup()  # signatures
         from mpi4py import MPI
@@ -218,10 +217,10 @@ class ProcessGroup(Collectives):
         self.nprocs = nprocs
         self._node_of_proc = [order.index(info[i][0]) for i in procs]
         self._nlocal_of_proc = [info[i][1] for i in procs]
-        self._pid_of_proc = [info[i][2] for i in procs]
         first = np.cumsum([0, *self._nlocal_of_proc]).tolist()
         self.size = int(first[-1])
         self.ranks = tuple(range(first[self.proc], first[self.proc + 1]))
+        self._first_rank_of_proc = first[:-1]
         self._proc_of_rank = [p for p in range(nprocs) for _ in range(self._nlocal_of_proc[p])]
         self.node = node_name
         self.node_index = self._node_of_proc[self.proc]
@@ -1008,7 +1007,7 @@ class ProcessGroup(Collectives):
                 if q == self.proc:
                     continue
                 loc = self._peer_desc[q][parity][2]
-                i = r - self._first_rank(q)
+                i = r - self._first_rank_of_proc[q]
                 for j, (role, cnt) in enumerate(((IN, nin), (OUT, nout))):
                     h, off = int(loc[4 * i + 2 * j]), int(loc[4 * i + 2 * j + 1])
                     if h >= 0 and self._heaps:
@@ -1016,9 +1015,6 @@ class ProcessGroup(Collectives):
                     elif (r, role) in lay and seg is not None:
                         a[role] = np.frombuffer(seg.buf, dt, cnt, lay[(r, role)])
         return arrays
-
-    def _first_rank(self, q: int) -> int:
-        return sum(self._nlocal_of_proc[:q])
 
     def _execute(self, runs: list[_Run], bufs: Buffers, reqs: _Requests) -> None:
         mine = self._progress[self.proc]

@@ -71,8 +71,6 @@ class Schedule:
     arena: int = 0
     #: the (rank, role) buffers that processes of this node other than the owner touch
     exposed: set[tuple[int, str]] = field(default_factory=set)
-    #: data elements sent to other nodes (for the byte counts)
-    sent: int = 0
 
 
 def split(plan: Plan, proc_of_rank: Sequence[int], node_of_proc: Sequence[int]) -> list[Schedule]:
@@ -147,7 +145,6 @@ def split(plan: Plan, proc_of_rank: Sequence[int], node_of_proc: Sequence[int]) 
             keyed[o].append(
                 ((gpos, 0, len(keyed[o])), Item("send", index, peer=x, tag=tag, src=b, waits=sw))
             )
-            scheds[o].sent += b.count
             off = scheds[x].arena
             scheds[x].recvs.append((o, tag, b.count, off))
             scheds[x].arena += b.count

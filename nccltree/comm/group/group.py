@@ -156,6 +156,9 @@ class _Compiled:
     arrays_for: tuple[object, ...] = ()
     # this process's mirrors in its arena: (arena segment, {(rank, role): view})
     mirrors: tuple[Segment | None, dict[tuple[int, str], np.ndarray]] = (None, {})
+    # where the messages from other nodes land: every call's receives have completed when
+    # it returns, so the next call of this signature reuses it (no fresh pages per call)
+    recv_arena: np.ndarray | None = None
 
 
 class ProcessGroup(Collectives):
@@ -1056,7 +1059,9 @@ class ProcessGroup(Collectives):
         reqs: _Requests = {}
         if not c.mine.recvs:
             return reqs, None
-        arena = np.empty(max(1, c.mine.arena), dt)
+        arena = c.recv_arena
+        if arena is None:
+            arena = c.recv_arena = np.empty(max(1, c.mine.arena), dt)
         MPI = self._MPI
         for q, tag, count, off in c.mine.recvs:
             src = self._mpi_rank_of_proc[q]

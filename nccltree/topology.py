@@ -540,19 +540,37 @@ def _cupy_runtime() -> Any:
 
 def _detect_cuda(phys: list[int]) -> list[list[Link]]:
     try:
+        runtime = _cupy_runtime()
+        # CUDA and NVML number GPUs differently (CUDA fastest-first by default, NVML by
+        # PCI address); the PCI bus id is the one name both share.
+        buses = {p: runtime.deviceGetPCIBusId(p) for p in sorted(set(phys))}
+        return links_by_bus([buses[p] for p in phys])
+    except _NvmlUnusable as exc:
+        return _detect_by_peer_access(phys, str(exc))
+
+
+class _NvmlUnusable(BackendUnavailable):
+    """NVML cannot be imported, initialised or asked about these GPUs."""
+
+
+def links_by_bus(buses: Sequence[str]) -> list[list[Link]]:
+    """The link matrix of the GPUs with these PCI bus ids, as NVML reports it (NVML sees
+    every GPU of the machine, whatever ``CUDA_VISIBLE_DEVICES`` says); equal bus ids are
+    one GPU (``SAME_DEVICE``). ``BackendUnavailable`` when NVML cannot answer."""
+    try:
         import pynvml
     except ImportError as exc:
-        return _detect_by_peer_access(phys, f"cannot import pynvml: {exc}")
+        raise _NvmlUnusable(f"cannot import pynvml: {exc}") from exc
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as exc:
-        return _detect_by_peer_access(phys, f"nvmlInit failed: {exc}")
+        raise _NvmlUnusable(f"nvmlInit failed: {exc}") from exc
     try:
-        return _detect_by_nvml(pynvml, phys)
+        return _detect_by_nvml(pynvml, [str(b) for b in buses])
     except (pynvml.NVMLError, ValueError) as exc:
         # NVML initialised but cannot answer for these GPUs (in some containers it sees
-        # none of the GPUs CUDA sees, or cannot read their bus ids): guess from CUDA
-        return _detect_by_peer_access(phys, f"NVML failed after nvmlInit: {exc}")
+        # none of the GPUs CUDA sees, or cannot read their bus ids)
+        raise _NvmlUnusable(f"NVML failed after nvmlInit: {exc}") from exc
     finally:
         try:
             pynvml.nvmlShutdown()
@@ -560,7 +578,7 @@ def _detect_cuda(phys: list[int]) -> list[list[Link]]:
             pass
 
 
-def _detect_by_nvml(nvml: Any, phys: list[int]) -> list[list[Link]]:
+def _detect_by_nvml(nvml: Any, buses: list[str]) -> list[list[Link]]:
     def ask(default: Any, fn: Any, *args: Any) -> Any:
         # NVML answers "not supported" for absent features (no NVLink, no board id).
         try:
@@ -568,15 +586,12 @@ def _detect_by_nvml(nvml: Any, phys: list[int]) -> list[list[Link]]:
         except nvml.NVMLError:
             return default
 
-    runtime = _cupy_runtime()
+    phys = [_bus_key(b) for b in buses]  # a GPU is named by its bus id here
     uniq = sorted(set(phys))
-    # CUDA and NVML number GPUs differently (CUDA fastest-first by default, NVML by PCI
-    # address); the PCI bus id is the one name both share.
-    cuda_bus = {p: runtime.deviceGetPCIBusId(p) for p in uniq}
-    bus = {p: _bus_key(cuda_bus[p]) for p in uniq}
-    handle = {p: nvml.nvmlDeviceGetHandleByPciBusId(cuda_bus[p]) for p in uniq}
-    direct: dict[int, dict[tuple[int, ...], int]] = {}
-    to_switch: dict[int, int] = {}
+    name = {_bus_key(b): b for b in buses}
+    handle = {p: nvml.nvmlDeviceGetHandleByPciBusId(name[p]) for p in uniq}
+    direct: dict[tuple[int, ...], dict[tuple[int, ...], int]] = {}
+    to_switch: dict[tuple[int, ...], int] = {}
     for p in uniq:
         direct[p], to_switch[p] = {}, 0
         for link in range(nvml.NVML_NVLINK_MAX_LINKS):
@@ -597,12 +612,12 @@ def _detect_by_nvml(nvml: Any, phys: list[int]) -> list[list[Link]]:
         if ask(0, nvml.nvmlDeviceGetMultiGpuBoard, handle[p]):
             board[p] = ask(None, nvml.nvmlDeviceGetBoardId, handle[p])
 
-    def pair(p: int, q: int) -> Link:
+    def pair(p: tuple[int, ...], q: tuple[int, ...]) -> Link:
         if p == q:
             return Link(LinkKind.SAME_DEVICE)
         hp, hq = handle[p], handle[q]
         p2p = ask(-1, nvml.nvmlDeviceGetP2PStatus, hp, hq, _P2P_CAPS_READ) == _P2P_STATUS_OK
-        nvlinks = direct[p].get(bus[q], 0)
+        nvlinks = direct[p].get(q, 0)
         if not nvlinks and to_switch[p] and to_switch[q]:
             # Through NVSwitch: nvidia-smi counts the links a GPU has into the fabric.
             if ask(-1, nvml.nvmlDeviceGetP2PStatus, hp, hq, _P2P_CAPS_NVLINK) == _P2P_STATUS_OK:

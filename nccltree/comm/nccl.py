@@ -74,9 +74,16 @@ def stream_handle(stream: Stream) -> int:
 
 
 class NcclEngine:
-    """NCCL communicators for a list of distinct CUDA devices."""
+    """NCCL communicators for a list of distinct CUDA devices: made here with
+    ``initAll``, or given (``comms``, one per device: a process group's communicator,
+    whose ranks number ``size`` across processes)."""
 
-    def __init__(self, devices: Sequence[Device]) -> None:
+    def __init__(
+        self,
+        devices: Sequence[Device],
+        comms: Sequence[object] | None = None,
+        size: int | None = None,
+    ) -> None:
         if any(d.backend != "cuda" for d in devices):
             raise ValueError("the nccl algorithm needs CUDA devices (e.g. devices('gpu:all'))")
         ids = [d.physical_id for d in devices]
@@ -88,8 +95,12 @@ class NcclEngine:
         self.nccl = _nccl_module()
         self.devices = cast("list[CudaDevice]", list(devices))  # all CUDA: checked above
         self._lock = threading.Lock()  # launch and close never overlap
+        self.size = len(ids) if size is None else size
+        if comms is not None:
+            self.comms: list[Any] = list(comms)
+            return
         try:
-            self.comms: list[Any] = list(self.nccl.NcclCommunicator.initAll(ids))
+            self.comms = list(self.nccl.NcclCommunicator.initAll(ids))
         except Exception as exc:  # NcclError, CUDARuntimeError: no usable NCCL here
             raise BackendUnavailable(
                 f"NCCL could not create communicators for GPUs {ids}: {type(exc).__name__}: {exc}"
@@ -119,7 +130,7 @@ class NcclEngine:
             # its one-rank average as a kernel that leaves the last elements of a count
             # not divisible by its block count unwritten (NVIDIA/nccl#1950); the sum of
             # one rank is a plain copy there.
-            name = "sum" if prep.op == "mean" and len(self.comms) == 1 else prep.op
+            name = "sum" if prep.op == "mean" and self.size == 1 else prep.op
             op = getattr(nccl, _OPS[name]) if coll.reduces else None
         except (KeyError, AttributeError) as exc:
             raise BackendUnavailable(

@@ -27,6 +27,7 @@ ERROR_INVALID_MEMCPY_DIRECTION = 21
 ERROR_NO_DEVICE = 100
 ERROR_INVALID_DEVICE = 101
 ERROR_PEER_ACCESS_UNSUPPORTED = 217
+ERROR_INVALID_CONTEXT = 201
 ERROR_INVALID_RESOURCE_HANDLE = 400
 ERROR_NOT_READY = 600
 ERROR_ILLEGAL_ADDRESS = 700
@@ -49,6 +50,7 @@ ERROR_NAMES: dict[int, tuple[str, str]] = {
         "cudaErrorPeerAccessUnsupported",
         "peer access is not supported between these two devices",
     ),
+    201: ("cudaErrorInvalidContext", "invalid device context"),
     400: ("cudaErrorInvalidResourceHandle", "invalid resource handle"),
     600: ("cudaErrorNotReady", "device not ready"),
     700: ("cudaErrorIllegalAddress", "an illegal memory access was encountered"),
@@ -106,6 +108,11 @@ class Allocation:
     thread: str = ""  # name of the allocating thread
     flags: int = 0
     freed: bool = False
+    #: CUDA IPC: the file that backs an exported block (shared with the processes that
+    #: open it), or "" ; ``ipc_opened``: this block is another process's, opened here
+    ipc_path: str = ""
+    ipc_opened: bool = False
+    ipc_map: Any = None
 
     def contains(self, ptr: int, nbytes: int) -> bool:
         return self.base <= ptr and ptr + nbytes <= self.base + self.size
@@ -310,6 +317,12 @@ class FakeCuda:
         self.launches: list[KernelLaunch] = []
         #: every problem the fake raised as FakeMisuse
         self.misuse: list[str] = []
+        #: CUDA IPC calls: ("export", base, size), ("open", pid, base, size, local base),
+        #: ("close", ptr), ("export_event", event), ("open_event", pid, event, local)
+        self.ipc_log: list[tuple[Any, ...]] = []
+        #: an mpi4py communicator: NCCL communicators of more than one rank made with
+        #: ``NcclCommunicator(n, uid, rank)`` then span the processes (cupy/cuda/nccl.py)
+        self.mpi_comm: Any = None
         #: state of cupy.cuda.nccl (see nccl.py)
         self.nccl: Any = None
         #: state of cupy.cuda.nvrtc: handle -> program
@@ -356,6 +369,15 @@ class FakeCuda:
             )
             self._dev_allocs[base] = a
             bisect.insort(self._dev_bases, base)
+            return a
+
+    def adopt_device(self, device: int, buffer: np.ndarray) -> Allocation:
+        """Another process's device block, opened through CUDA IPC: ``buffer`` is the
+        shared memory behind it, mapped at a fresh address of this process."""
+        with self.lock:
+            a = self.malloc_device(device, buffer.size, 0)
+            a.buffer = buffer
+            a.ipc_opened = True
             return a
 
     def free_device(self, a: Allocation) -> None:

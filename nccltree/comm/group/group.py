@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import secrets
 import signal
 import sys
@@ -50,7 +51,7 @@ from ... import _native
 from ..._errors import CommError, CommTimeout, PeerFailure
 from ..._validate import check_index, check_int, check_real
 from ...backends import devices as make_devices
-from ...backends.base import data_ptr
+from ...backends.base import Array, Device, data_ptr
 from ...topology import Topology
 from .._args import Prepared, prepare
 from ..algorithms import ALGORITHMS, build_plan
@@ -59,6 +60,7 @@ from ..executor import Buffers, Program
 from ..plan import IN, OUT, STAGE, TMP, Plan, Step
 from ..work import Work
 from .flight import Entry, FlightRecorder
+from .gpu import DeviceBlock, GpuSide, PeerBlock, message_order
 from .local import Collectives, GroupComm, LocalRendezvous, run_local
 from .mpi_collectives import mpi_type, run_mpi
 from .schedule import RECV, Item, Schedule, split
@@ -84,7 +86,9 @@ from .shm import (
     shm_usable_reason,
 )
 
-GROUP_ALGORITHMS = ("tree", "ring", "direct", "mpi", "auto")
+_Mem = Segment | DeviceBlock | PeerBlock  # shared host memory, or GPU memory over IPC
+GROUP_ALGORITHMS = ("tree", "ring", "direct", "mpi", "nccl", "auto")
+_GPU_SPEC = re.compile(r"gpu(:\d+)?")
 #: ``auto`` hands messages of at most this many bytes per rank to MPI (see _choose)
 AUTO_MPI_BYTES = 256 << 10
 _Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers
@@ -107,10 +111,14 @@ _ABORT = 0
 _REASON = 8
 _REASON_BYTES = 1024
 _SLOTS = 4096
-_SLOT = 4096
+_SLOT = 8192
 _ARRIVE, _PROGRESS, _ACK, _SYNC = 0, 8, 16, 24  # counters (8 bytes each)
 _PID, _ARENA_GEN, _ARENA_SIZE = 32, 40, 48  # int64
 _DESC = (128, 2112)  # descriptor, by call parity
+_IPC_ARENA = 4096  # GPU groups: the IPC handle of the process's arena (64 bytes)
+_IPC_HEAP = 4160  # ... of its newest symmetric buffer (pg.empty), and that one's size
+_IPC_HEAP_SIZE = 4224
+_IPC_BYTES = 64
 _SIG_BYTES = 512
 MAX_LOCAL_RANKS = 16
 _DESC_LOC = _SIG_BYTES + 16  # offset of the buffer locations in a descriptor
@@ -129,6 +137,7 @@ class _Run:
     program: Program | None = None
     item: Item | None = None
     count: int = 0
+    recvs: tuple[int, ...] = ()  # kind "recv" (GPU groups): indices into the receives
 
 
 _Requests = dict[tuple[int, int], "_MPI.Request"]
@@ -155,10 +164,10 @@ class _Compiled:
     arrays: list[dict[str, np.ndarray]] | None = None
     arrays_for: tuple[object, ...] = ()
     # this process's mirrors in its arena: (arena segment, {(rank, role): view})
-    mirrors: tuple[Segment | None, dict[tuple[int, str], np.ndarray]] = (None, {})
+    mirrors: tuple[_Mem | None, dict[tuple[int, str], np.ndarray]] = (None, {})
     # where the messages from other nodes land: every call's receives have completed when
     # it returns, so the next call of this signature reuses it (no fresh pages per call)
-    recv_arena: np.ndarray | None = None
+    recv_arena: Array | None = None
 
 
 class ProcessGroup(Collectives):
@@ -180,14 +189,26 @@ class ProcessGroup(Collectives):
             )
         self.algorithm = algorithm
         self.timeout = check_real(timeout, "timeout", min=0.0, min_open=True)
-        if not isinstance(devices, str) or not (devices == "cpu" or devices.startswith("cpu:")):
+        gpu = isinstance(devices, str) and _GPU_SPEC.fullmatch(devices) is not None
+        if not isinstance(devices, str) or not (
+            devices == "cpu" or devices.startswith("cpu:") or gpu
+        ):
             raise ValueError(
-                f"devices must be 'cpu' (one rank in this process) or 'cpu:N' (N ranks), "
-                f"got {devices!r}; GPUs in process groups are not supported yet"
+                f"devices must be 'cpu' (one rank in this process), 'cpu:N' (N ranks), "
+                f"'gpu' (this process's GPU, picked by its index among its node's processes) "
+                f"or 'gpu:K' (CUDA device K), got {devices!r}"
             )
+        if gpu and algorithm == "mpi":
+            raise ValueError(
+                "algorithm='mpi' carries host arrays only; a GPU group accepts "
+                "'nccl', 'tree', 'ring', 'direct' or 'auto'"
+            )
+        if not gpu and algorithm == "nccl":
+            raise ValueError("algorithm='nccl' needs devices='gpu' (one GPU per process)")
+        self.gpu = gpu
         nlocal = (
             1
-            if devices == "cpu"
+            if devices == "cpu" or gpu
             else check_int(
                 int(devices[4:]) if devices[4:].isdigit() else -1, "ranks in devices", min=1
             )
@@ -253,20 +274,27 @@ class ProcessGroup(Collectives):
         self._job = job
         # devices: this process's ranks; other ranks' steps never run here, but the
         # executor names a device per rank: they share this process's first
-        local_devs = cast("list[HostDevice]", make_devices(f"cpu:{nlocal}"))
         threads = max(1, (os.cpu_count() or 1) // max(1, len(self._node_procs)))
-        for d in local_devs:
-            d.threads = max(1, threads // nlocal)
-        self.devices = local_devs
-        self._all_devices = [
-            local_devs[r - self.rank] if r in self.ranks else local_devs[0]
-            for r in range(self.size)
-        ]
         self._threads = threads
-        # topology: one memory within a node, the network between nodes
-        self.topology = Topology.cluster(
-            [self._node_of_proc[self._proc_of_rank[r]] for r in range(self.size)]
-        )
+        self._gpu: GpuSide | None = None
+        if gpu:
+            self._gpu = GpuSide(self, devices, phys)
+            self.devices: list[Device] = [self._gpu.device]
+            self._all_devices = self._gpu.rank_devices
+            self.topology = self._gpu.topology
+        else:
+            local_devs = cast("list[HostDevice]", make_devices(f"cpu:{nlocal}"))
+            for d in local_devs:
+                d.threads = max(1, threads // nlocal)
+            self.devices = list(local_devs)
+            self._all_devices = [
+                local_devs[r - self.rank] if r in self.ranks else local_devs[0]
+                for r in range(self.size)
+            ]
+            # topology: one memory within a node, the network between nodes
+            self.topology = Topology.cluster(
+                [self._node_of_proc[self._proc_of_rank[r]] for r in range(self.size)]
+            )
         self._trees: dict[int, Tree] = {}
         self._compiled: dict[tuple[object, ...], _Compiled] = {}
         self._seq = 0  # collectives called (the flight recorder's numbering)
@@ -277,14 +305,16 @@ class ProcessGroup(Collectives):
         self._lock = threading.RLock()
         self.flight = FlightRecorder()
         self.sent_bytes = 0  # payload this process sent to other nodes (its own count)
-        self._heaps: list[dict[int, Segment]] = []  # pg.empty segments, by allocation
+        self._heaps: list[dict[int, _Mem]] = []  # pg.empty segments, by allocation
         self._heap_bases: list[int] = []  # their addresses in this process
-        self._arenas: dict[int, Segment] = {}  # the node's arenas (own and attached)
+        self._arenas: dict[int, _Mem] = {}  # the node's arenas (own and attached)
         self._arena_gen = dict.fromkeys(self._node_procs, 0)
         self._pending_unlink: list[tuple[Segment, int]] = []
         self._inflight: list[_MPI.Request] = []  # this call's sends not known finished
         self._stream: Stream | None = None  # the group's stream (async and stream calls)
         self._bootstrap_shm()
+        if self._gpu is not None:
+            self._gpu.connect()
         self._watch_launcher()
         self._local = LocalRendezvous(self)
         self._comms = [GroupComm(self, i) for i in range(len(self.ranks))]
@@ -377,13 +407,15 @@ class ProcessGroup(Collectives):
         if self._closed:
             return
         self._closed = True
+        if self._gpu is not None:
+            self._gpu.close()  # its stream finished first: nothing uses the blocks below
         for seg, _ in self._pending_unlink:
             seg.unlink()
-        for seg in self._arenas.values():
-            seg.close()
+        for mem in self._arenas.values():
+            mem.close()
         for heap in self._heaps:
-            for seg in heap.values():
-                seg.close()
+            for mem in heap.values():
+                mem.close()
         self._ctl.close()
         if self._old_usr1 is not None:
             try:
@@ -459,14 +491,51 @@ class ProcessGroup(Collectives):
         the call returns; a fault surfaces from ``Work.synchronize``/``result``, and the
         group's later calls fail."""
         self._one(collective)
+        if self._gpu is not None:
+            return self._gpu_call(collective, x, out, op, root, stream, async_op)
         if not async_op and stream is None:
             return self.call(collective, [x], None if out is None else [out], op=op, root=root)[0]
         with self._lock:
             prep = self._prepare(collective, [x], None if out is None else [out], op, root)
             return self._enqueue(prep, stream, async_op)
 
+    def _gpu_call(
+        self,
+        collective: str,
+        x: Array,
+        out: Array | None,
+        op: str,
+        root: int,
+        stream: Stream | None,
+        async_op: bool,
+    ) -> Array | Work:
+        """A GPU group's call: issued on the group's stream after the work of ``stream``
+        (default: the caller's current stream); ``stream`` is ordered after it unless
+        ``async_op``, which returns a ``Work`` instead. The host returns once the work is
+        issued."""
+        g = self._gpu
+        assert g is not None
+        with self._lock:
+            prep = self._prepare(collective, [x], None if out is None else [out], op, root)
+            caller = stream if stream is not None else self.devices[0].current_stream()
+            g.caller, g.caller_waits = caller, not async_op
+            try:
+                self._perform(prep)
+            finally:
+                g.caller, g.caller_waits = None, True
+            result = prep.results[0]
+            if async_op:
+                assert g.last_end is not None
+                return Work([g.last_end], [caller], result, prep, self.timeout)
+            return result
+
     def barrier(self) -> None:
         """Every rank of the group has arrived (a one-element all_reduce)."""
+        if self._gpu is not None:
+            x = self.devices[0].zeros(1, np.float32)
+            self.call("all_reduce", [x])
+            self._gpu.wait_end()
+            return
         xs = [np.zeros(1, np.float32) for _ in self.ranks]
         self.call("all_reduce", xs)
 
@@ -477,13 +546,15 @@ class ProcessGroup(Collectives):
         self._check_usable()
         shape_t = (shape,) if isinstance(shape, int) else tuple(shape)
         dt = np.dtype(dtype)
+        if self._gpu is not None:
+            return self._gpu_empty(shape_t, dt)
         if len(self._node_procs) == 1:
             # no process shares this one's memory (alone on its node, or shared memory off)
             return np.zeros(shape_t, dt)
         nbytes = max(1, int(np.prod(shape_t)) * dt.itemsize)
         idx = len(self._heaps)
         own = Segment.create(segment_name(self._job, f"heap{idx}"), nbytes)
-        heap = {self.proc: own}
+        heap: dict[int, _Mem] = {self.proc: own}
         self._node_sync()
         for p in self._node_procs:
             if p != self.proc:
@@ -495,11 +566,42 @@ class ProcessGroup(Collectives):
         self._heap_bases.append(address(own))
         return np.frombuffer(own.buf, dt, int(np.prod(shape_t))).reshape(shape_t)
 
+    def _gpu_empty(self, shape: tuple[int, ...], dt: np.dtype) -> Array:
+        """``empty`` of a GPU group: device memory whose IPC handle every process of the
+        node opens (the handles travel through the control segment, once per buffer)."""
+        g = self._gpu
+        assert g is not None
+        count = int(np.prod(shape))
+        if len(self._node_procs) == 1:
+            return self.devices[0].empty(shape, dt)
+        own = DeviceBlock(g.device, max(1, count * dt.itemsize))
+        heap: dict[int, _Mem] = {self.proc: own}
+        at = _SLOTS + _SLOT * self._slot_of[self.proc] + _IPC_HEAP
+        self._ctl.buf[at : at + _IPC_BYTES] = own.handle
+        self._slot_i64(self.proc, _IPC_HEAP_SIZE)[0] = own.size
+        self._node_sync()  # (bounded, and watching the node's processes, as every wait)
+        for p in self._node_procs:
+            if p != self.proc:
+                at = _SLOTS + _SLOT * self._slot_of[p] + _IPC_HEAP
+                handle = bytes(self._ctl.buf[at : at + _IPC_BYTES])
+                size = int(self._slot_i64(p, _IPC_HEAP_SIZE)[0])
+                heap[p] = PeerBlock(g.device, g.owner_ordinal(p), handle, size)
+        self._node_sync()  # everybody read the handles: the fields may change again
+        self._heaps.append(heap)
+        self._heap_bases.append(own.ptr)
+        return own.view(dt, count, 0).reshape(shape)
+
     def _node_sync(self) -> None:
+        """Every process of the node got this far (a symmetric allocation); a dead or
+        absent process fails the group, as in a collective."""
         self._sync_n += 1
         self._sync[self.proc].add(1)
-        for p in self._node_procs:
-            self._wait_counter(self._sync[p], self._sync_n, p, "a shared-memory allocation")
+        try:
+            for p in self._node_procs:
+                self._wait_counter(self._sync[p], self._sync_n, p, "a shared-memory allocation")
+        except (PeerFailure, CommTimeout) as exc:
+            self._fail(exc)
+            raise
 
     # -- the engine -----------------------------------------------------------------------
     def call(
@@ -544,6 +646,9 @@ class ProcessGroup(Collectives):
             try:
                 if algorithm == "mpi":
                     run_mpi(self, prep, entry)
+                elif algorithm == "nccl":
+                    assert self._gpu is not None
+                    self._gpu.run_nccl(prep)
                 else:
                     self._run(algorithm, prep, entry)
             except (ValueError, TypeError):
@@ -551,6 +656,8 @@ class ProcessGroup(Collectives):
                 raise
             except BaseException as exc:
                 entry.state = f"failed: {type(exc).__name__}"
+                if self._gpu is not None and self._gpu.engine is not None:
+                    self._gpu.engine.close(abort=True)
                 self._fail(exc)
                 self._local.abort(exc)
                 raise
@@ -587,6 +694,10 @@ class ProcessGroup(Collectives):
         (the fewest bytes)."""
         if self.algorithm != "auto":
             return self.algorithm
+        if self._gpu is not None:
+            if self._gpu.engine is not None:
+                return "nccl"
+            return "tree" if self.nodes > 1 else "direct"
         if (
             prep.nbytes <= AUTO_MPI_BYTES
             and len(self.ranks) == 1
@@ -663,8 +774,20 @@ class ProcessGroup(Collectives):
                     lay[(r, OUT)] = off + max(-shift, 0) * item
                     off += -(-base * item // 256) * 256
             layouts[q] = (lay, off)
+        # GPU groups across nodes: NCCL receives at their place in the global order
+        recv_before: dict[int, tuple[int, ...]] = {}
+        if self._gpu is not None and self._gpu.sync_mode and mine.recvs:
+            pending: list[int] = []
+            for kind, i in message_order(scheds, self.proc):
+                if kind == "recv":
+                    pending.append(i)
+                elif pending:
+                    recv_before[i] = tuple(pending)
+                    pending = []
+            if pending:
+                recv_before[len(mine.items)] = tuple(pending)
         # this process's items, consecutive steps without waits fused into one program
-        runs = self._runs(plan, mine.items, extents, None)
+        runs = self._runs(plan, mine.items, extents, None, recv_before)
         exec_proc = [0] * len(plan.data_steps())
         for p, sched in enumerate(scheds):
             for it in sched.items:
@@ -687,7 +810,7 @@ class ProcessGroup(Collectives):
         staged_runs = None
         if staging is not None:
             extents = {**extents, MIRROR[IN]: extents[IN], MIRROR[OUT]: extents[OUT]}
-            staged_runs = self._runs(plan, mine.items, extents, staging)
+            staged_runs = self._runs(plan, mine.items, extents, staging, recv_before)
         writes = {(s.dst.rank, s.dst.role) for s in plan.steps if s.dst is not None}
         got = _Compiled(plan, scheds, mine, layouts, runs, writes, staged_runs, staging)
         got.sig = (
@@ -704,9 +827,11 @@ class ProcessGroup(Collectives):
         items: Sequence[Item],
         extents: dict[str, list[int]],
         staging: Staging | None,
+        recv_before: dict[int, tuple[int, ...]],
     ) -> list[_Run]:
         """This process's items as runs: consecutive steps without waits fused into one
-        program; with ``staging``, its steps and sends rewritten (staging.py)."""
+        program; with ``staging``, its steps and sends rewritten (staging.py); receives
+        (GPU groups across nodes) placed before the items ``recv_before`` names."""
         n = plan.size
         runs: list[_Run] = []
         group: list[Item] = []
@@ -727,6 +852,9 @@ class ProcessGroup(Collectives):
                 group.clear()
 
         for k, it in enumerate(items):
+            if k in recv_before:
+                flush()
+                runs.append(_Run("recv", recvs=recv_before[k]))
             if it.kind == "step" and not it.waits and not it.recvs:
                 group.append(it)
                 continue
@@ -739,6 +867,8 @@ class ProcessGroup(Collectives):
                 src = staging.sends.get(k) if staging is not None else None
                 runs.append(_Run("send", item=it if src is None else replace(it, src=src)))
         flush()
+        if len(items) in recv_before:
+            runs.append(_Run("recv", recvs=recv_before[len(items)]))
         return runs
 
     def _run(self, algorithm: str, prep: Prepared, entry: Entry) -> None:
@@ -747,6 +877,11 @@ class ProcessGroup(Collectives):
         # place (the root's output is made distinct memory, then copied back)
         in_place = prep.in_place and not coll.root_output
         c = self._compile(algorithm, prep, in_place)
+        g = self._gpu
+        if g is not None:
+            if g.ipc_problem:
+                raise CommError(g.ipc_problem)
+            g.begin()
         self._arrivals += 1
         seq = self._arrivals
         dt = prep.dtype
@@ -836,6 +971,8 @@ class ProcessGroup(Collectives):
         self._own_gen[0] = self._arena_gen[self.proc]
         reqs, recv = self._post_receives(c, dt)
         ctl = self._exchange_signatures(sig, seq)
+        if g is not None:
+            g.published()  # the copies into the arena, before anybody reads them
         self._arrive[self.proc].add(1)
         entry.state = "arrived"
         # 4. everybody's signature
@@ -858,20 +995,30 @@ class ProcessGroup(Collectives):
                 req.Wait()
             raise ValueError(_mismatch(self, sig, bad))
         entry.state = "running"
+        if g is not None:
+            g.after([p for p in self._node_procs if p != self.proc])
         # 5. the buffers of every rank this process touches
         bufs = self._buffers(c, prep, mine_in, mine_out, parity, recv, extra)
         runs = c.staged_runs if staged and c.staged_runs is not None else c.runs
-        self._execute(runs, bufs, reqs)
+        if g is not None:
+            self._execute_gpu(c, runs, bufs, recv)
+        else:
+            self._execute(runs, bufs, reqs)
         for dst, src in copy_back:
             self._copy(dst, src)
+        if g is not None:
+            g.end(sig, (prep, bufs, recv))
         for q in self._node_procs:
             self._base[q] += c.scheds[q].n_steps
         self._settle_arenas()
 
-    def _copy(self, dst: np.ndarray, src: np.ndarray) -> None:
-        """A staging copy: the library's copy (streaming stores, the process's threads)
-        from 64 KiB, numpy's below, where a call costs more than the copy."""
-        if dst.nbytes >= 1 << 16 and dst.dtype in _native.DTYPES:
+    def _copy(self, dst: Array, src: Array) -> None:
+        """A staging copy: on a GPU, on the group's stream; on the host, the library's
+        copy (streaming stores, the process's threads) from 64 KiB, numpy's below, where
+        a call costs more than the copy."""
+        if self._gpu is not None:
+            self._gpu.copy(dst, src)
+        elif dst.nbytes >= 1 << 16 and dst.dtype in _native.DTYPES:
             _native.copy_checked(dst, src, self._threads)
         else:
             np.copyto(dst, src)
@@ -881,7 +1028,7 @@ class ProcessGroup(Collectives):
         prep: Prepared,
         r: int,
         lay: dict[tuple[int, str], int],
-        arena: Segment | None,
+        arena: _Mem | None,
         mirrors: dict[tuple[int, str], np.ndarray],
     ) -> np.ndarray:
         """In place: rank ``r``'s one mirror, with its input and output views (cached in
@@ -892,7 +1039,7 @@ class ProcessGroup(Collectives):
             coll = COLLECTIVES[prep.collective]
             nin, nout = coll.in_count(prep.count, self.size), coll.out_count(prep.count, self.size)
             shift, base = _in_place_shape(prep.collective, r, prep.count, self.size)
-            m = mirrors[(r, BASE)] = np.frombuffer(arena.buf, prep.dtype, base, lay[(r, BASE)])
+            m = mirrors[(r, BASE)] = arena.view(prep.dtype, base, lay[(r, BASE)])
             mirrors[(r, IN)] = m[max(shift, 0) : max(shift, 0) + nin]
             mirrors[(r, OUT)] = m[max(-shift, 0) : max(-shift, 0) + nout]
         return m
@@ -904,14 +1051,14 @@ class ProcessGroup(Collectives):
         role: str,
         size: int,
         lay: dict[tuple[int, str], int],
-        arena: Segment | None,
+        arena: _Mem | None,
         mirrors: dict[tuple[int, str], np.ndarray],
     ) -> np.ndarray:
         """Rank ``r``'s mirror of its ``role`` buffer (cached in ``mirrors``)."""
         m = mirrors.get((r, role))
         if m is None:
             assert arena is not None
-            m = mirrors[(r, role)] = np.frombuffer(arena.buf, prep.dtype, size, lay[(r, role)])
+            m = mirrors[(r, role)] = arena.view(prep.dtype, size, lay[(r, role)])
         return m
 
     def _stage(
@@ -921,7 +1068,7 @@ class ProcessGroup(Collectives):
         ins: dict[int, np.ndarray],
         outs: dict[int, np.ndarray],
         mirrors: dict[tuple[int, str], np.ndarray],
-        arena: Segment | None,
+        arena: _Mem | None,
         copy_back: list[tuple[np.ndarray, np.ndarray]],
         mine_in: dict[int, np.ndarray],
         mine_out: dict[int, np.ndarray],
@@ -1006,7 +1153,7 @@ class ProcessGroup(Collectives):
                 a = arrays[r]
                 for role, cnt in ((TMP, c.plan.scratch.get(r, 0)), (STAGE, c.plan.stage.get(r, 0))):
                     if cnt and seg is not None:
-                        a[role] = np.frombuffer(seg.buf, dt, cnt, lay[(r, role)])
+                        a[role] = seg.view(dt, cnt, lay[(r, role)])
                 if q == self.proc:
                     continue
                 loc = self._peer_desc[q][parity][2]
@@ -1014,9 +1161,9 @@ class ProcessGroup(Collectives):
                 for j, (role, cnt) in enumerate(((IN, nin), (OUT, nout))):
                     h, off = int(loc[4 * i + 2 * j]), int(loc[4 * i + 2 * j + 1])
                     if h >= 0 and self._heaps:
-                        a[role] = np.frombuffer(self._heaps[h][q].buf, dt, cnt, off)
+                        a[role] = self._heaps[h][q].view(dt, cnt, off)
                     elif (r, role) in lay and seg is not None:
-                        a[role] = np.frombuffer(seg.buf, dt, cnt, lay[(r, role)])
+                        a[role] = seg.view(dt, cnt, lay[(r, role)])
         return arrays
 
     def _execute(self, runs: list[_Run], bufs: Buffers, reqs: _Requests) -> None:
@@ -1026,7 +1173,9 @@ class ProcessGroup(Collectives):
         MPI = self._MPI
         for run in runs:
             if run.program is not None:
-                run.program.run_inline(bufs, self._all_devices, self._threads)
+                run.program.run_inline(
+                    bufs, cast("list[HostDevice]", self._all_devices), self._threads
+                )
                 mine.add(run.count)
                 continue
             it = run.item
@@ -1054,11 +1203,54 @@ class ProcessGroup(Collectives):
         for (q, _), req in reqs.items():
             self._wait_request(req, q, "a message")
 
-    def _post_receives(self, c: _Compiled, dt: np.dtype) -> tuple[_Requests, np.ndarray | None]:
-        """Every message this process will receive in the call, posted at once."""
+    def _execute_gpu(self, c: _Compiled, runs: list[_Run], bufs: Buffers,
+                     recv: Array | None) -> None:  # fmt: skip
+        """This process's runs on the group's stream (gpu.py: the two ordering modes)."""
+        g = self._gpu
+        assert g is not None
+        mine = self._progress[self.proc]
+        streams = [g.stream] * self.size
+        for run in runs:
+            if run.program is not None:
+                run.program.enqueue(bufs, streams, run.program.call_events(False))
+                g.published()
+                mine.add(run.count)
+                continue
+            if run.kind == "recv":
+                assert recv is not None
+                for j in run.recvs:
+                    q, _, count, off = c.mine.recvs[j]
+                    if count:
+                        g.recv(recv[off : off + count], q)
+                    else:
+                        g.notify(q, receive=True)
+                continue
+            it = run.item
+            assert it is not None
+            if it.kind != "notify":
+                for q, k in it.waits:
+                    self._wait_counter(self._progress[q], self._base[q] + k, q, "a step")
+                g.after([q for q, _ in it.waits])
+            if run.kind == "wait":
+                continue  # its messages were received in order, on the stream
+            if it.kind == "send":
+                assert it.src is not None
+                src = bufs.view(it.src)
+                g.send(src, it.peer)
+                self.sent_bytes += src.nbytes
+            else:
+                g.notify(it.peer, receive=False)
+
+    def _post_receives(self, c: _Compiled, dt: np.dtype) -> tuple[_Requests, Array | None]:
+        """Every message this process will receive in the call, posted at once (GPU
+        groups: only the receive arena; the receives are issued in order)."""
         reqs: _Requests = {}
         if not c.mine.recvs:
             return reqs, None
+        if self._gpu is not None:
+            if c.recv_arena is None:
+                c.recv_arena = self.devices[0].empty(max(1, c.mine.arena), dt)
+            return reqs, c.recv_arena
         arena = c.recv_arena
         if arena is None:
             arena = c.recv_arena = np.empty(max(1, c.mine.arena), dt)
@@ -1104,6 +1296,18 @@ class ProcessGroup(Collectives):
             return
         size = 1 << max(16, (need - 1).bit_length())
         gen = self._arena_gen[self.proc] + 1
+        if self._gpu is not None:
+            # device memory; the old arena stays allocated until close (another process's
+            # stream may still read it)
+            blk = DeviceBlock(self._gpu.device, size)
+            if cur is not None:
+                self._gpu.retired.append(cast("DeviceBlock", cur))
+            self._arenas[self.proc] = blk
+            self._arena_gen[self.proc] = gen
+            self._slot_i64(self.proc, _ARENA_SIZE)[0] = size
+            at = _SLOTS + _SLOT * self._slot_of[self.proc] + _IPC_ARENA
+            self._ctl.buf[at : at + _IPC_BYTES] = blk.handle
+            return
         seg = Segment.create(segment_name(self._job, f"arena{gen}"), size)
         if cur is not None:
             cur.close()
@@ -1127,9 +1331,19 @@ class ProcessGroup(Collectives):
             if gen and self._arena_gen[q] != gen:
                 old = self._arenas.pop(q, None)
                 if old is not None:
+                    if self._gpu is not None:
+                        self._gpu.wait_stream()  # this process's GPU may still read it
                     old.close()
-                pid = int(self._slot_i64(q, _PID)[0])
-                self._arenas[q] = Segment.attach(name_for(self._job, pid, f"arena{gen}"))
+                if self._gpu is not None:
+                    at = _SLOTS + _SLOT * self._slot_of[q] + _IPC_ARENA
+                    handle = bytes(self._ctl.buf[at : at + _IPC_BYTES])
+                    size = int(self._slot_i64(q, _ARENA_SIZE)[0])
+                    self._arenas[q] = PeerBlock(
+                        self._gpu.device, self._gpu.owner_ordinal(q), handle, size
+                    )
+                else:
+                    pid = int(self._slot_i64(q, _PID)[0])
+                    self._arenas[q] = Segment.attach(name_for(self._job, pid, f"arena{gen}"))
                 self._arena_gen[q] = gen
                 self._ack[q].add(1)
 

@@ -28,7 +28,7 @@ proceed: schedules cannot deadlock.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..plan import Buf, Plan, Step
 
@@ -55,6 +55,9 @@ class Item:
     src: Buf | None = None
     waits: tuple[tuple[int, int], ...] = ()
     recvs: tuple[tuple[int, int], ...] = ()
+    #: where the item sits in the group's global order (every process sorts its items by
+    #: it): the plan position of its step, then sends (0), the step (1), notifies (2)
+    key: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass
@@ -188,6 +191,6 @@ def split(plan: Plan, proc_of_rank: Sequence[int], node_of_proc: Sequence[int]) 
             keyed[x].append(((end, 1, 0), Item("end", waits=tuple(waits), recvs=tuple(recvs))))
     for p in range(nproc):
         keyed[p].sort(key=lambda kv: kv[0])
-        scheds[p].items = [it for _, it in keyed[p]]
+        scheds[p].items = [replace(it, key=k) for k, it in keyed[p]]
         scheds[p].n_steps = counts[p]
     return scheds

@@ -20,6 +20,8 @@ import os
 import re
 import sys
 
+import numpy as np
+
 from ..._errors import CommError
 
 SHM_DIR = "/dev/shm"
@@ -98,6 +100,10 @@ class Segment:
         seg = cls(name, size, buf)
         seg.linked = False  # the creator unlinks
         return seg
+
+    def view(self, dtype: np.dtype, count: int, offset: int) -> np.ndarray:
+        """``count`` elements of ``dtype`` from byte ``offset``."""
+        return np.frombuffer(self.buf, dtype, count, offset)
 
     def unlink(self) -> None:
         """Remove the name (the memory stays while mapped). Idempotent."""

@@ -145,6 +145,11 @@ class _Clique:
     comms: dict[int, NcclCommunicator] = field(default_factory=dict)
     queues: dict[int, list[_Posted]] = field(default_factory=dict)
     p2p: dict[tuple[int, int, str], list[_Posted]] = field(default_factory=dict)
+    # a communicator spanning processes: its MPI communicator, the MPI rank of each
+    # NCCL rank there, and the buffered sends not yet known delivered
+    mpi: Any = None
+    mpi_rank: dict[int, int] = field(default_factory=dict)
+    sends: list[Any] = field(default_factory=list)
 
 
 class NcclState:
@@ -242,14 +247,46 @@ class NcclCommunicator:
         st = _state()
         if n < 1 or not 0 <= r < n:
             raise NcclError(ncclInvalidArgument)
+        fake = _core.active()
+        if n > 1 and fake.mpi_comm is not None:
+            self._join_processes(n, commId, r, fake)
+            return
         clique = next((c for c in st.cliques if getattr(c, "uid", None) == commId), None)
         if clique is None:
             clique = _Clique(next(st._clique_ids), n)
-            clique.uid = commId  # type: ignore[attr-defined]
+            clique.uid = commId
             st.cliques.append(clique)
         if r in clique.comms or clique.nranks != n:
             raise NcclError(ncclInvalidUsage)
         self._attach(clique, r, _core.active().tls.device)
+
+    def _join_processes(self, n: int, uid: bytes, r: int, fake: _core.FakeCuda) -> None:
+        """A communicator spanning processes (``fake.mpi_comm`` set): every process
+        makes its rank at once (collective, as ncclCommInitRank); operations run through
+        MPI when posted (see _run_across)."""
+        mpi = fake.mpi_comm.Dup()
+        # a GPU is (its machine, its number): NCCL's "Duplicate GPU detected"
+        host = os.environ.get("NCCLTREE_NODE") or os.uname().nodename
+        got = mpi.allgather((r, uid, (host, fake.tls.device)))
+        ranks = sorted(x[0] for x in got)
+        gpus = [x[2] for x in got]
+        if (
+            ranks != list(range(n))
+            or len({x[1] for x in got}) != 1
+            or len(got) != n
+            or len(set(gpus)) != len(gpus)
+        ):
+            mpi.Free()
+            raise NcclError(ncclInvalidUsage)
+        st = _state()
+        clique = _Clique(next(st._clique_ids), n)
+        clique.mpi = mpi
+        clique.mpi_rank = {x[0]: i for i, x in enumerate(got)}
+        clique.sends = []
+        st.cliques.append(clique)
+        self._attach(clique, r, fake.tls.device)
+        for rr in range(n):  # the other ranks live elsewhere: the clique is complete
+            clique.queues.setdefault(rr, [])
 
     def _attach(self, clique: _Clique, rank: int, device: int) -> None:
         self._clique = clique
@@ -468,6 +505,9 @@ def _post(p: _Posted) -> None:
     # enqueued on its stream now (inside a group: at groupEnd), pending until it executes
     p.stream.pending.add(p.token)
     c = p.comm._clique
+    if c.mpi is not None:
+        _run_across(p)
+        return
     if p.call.method in ("send", "recv"):
         src, dst = (
             (p.call.rank, p.call.peer) if p.call.method == "send" else (p.call.peer, p.call.rank)
@@ -602,3 +642,66 @@ def _execute(fake: _core.FakeCuda, ops: list[_Posted]) -> None:
         full = _reduce([get(p.call.sendbuf, n * nr).copy() for p in ops], c0.op or 0, c0.datatype)
         for r, p in enumerate(ops):
             get(p.call.recvbuf, n)[...] = full[r * n : (r + 1) * n]
+
+
+def _run_across(p: _Posted) -> None:
+    """An operation of a communicator spanning processes, run at once through MPI: a
+    send is buffered (``isend``), a receive waits for its message, a collective gathers
+    every rank's input and checks that all posted the same collective. Wiring only: real
+    NCCL sends wait for their receive."""
+    fake = _core.active()
+    c = p.comm._clique
+    mpi = c.mpi
+    where = c.mpi_rank
+    k = p.call
+    t = _DTYPE[k.datatype]
+
+    def get(ptr: int, count: int) -> np.ndarray:
+        return fake.bytes_at(ptr, count * t.itemsize).view(t)
+
+    n = c.nranks
+    if k.method == "send":
+        assert k.peer is not None
+        data = get(k.sendbuf, k.count).copy()
+        c.sends.append(mpi.isend((k.count, k.datatype, data), dest=where[k.peer], tag=7))
+    elif k.method == "recv":
+        assert k.peer is not None
+        count, datatype, data = mpi.recv(source=where[k.peer], tag=7)
+        if (count, datatype) != (k.count, k.datatype):
+            raise fake.misuse_error(
+                f"send/recv {k.peer}->{k.rank}: count or datatype differ "
+                f"({count}, {datatype}) != ({k.count}, {k.datatype})"
+            )
+        if k.count:
+            get(k.recvbuf, k.count)[...] = data
+    else:
+        send_n = k.count * n if k.method == "reduceScatter" else k.count
+        uses_send = k.method != "broadcast" or k.rank == k.root
+        mine = get(k.sendbuf, send_n).copy() if uses_send and k.count else None
+        sig = (k.method, k.count, k.datatype, k.op, k.root)
+        got = sorted(mpi.allgather((k.rank, sig, mine)), key=lambda x: x[0])
+        for rank, other, _ in got:
+            if other != sig:
+                raise fake.misuse_error(
+                    f"mismatched NCCL collectives across processes: rank {k.rank} posted "
+                    f"{sig}, rank {rank} posted {other}"
+                )
+        if k.count:
+            datas = [x[2] for x in got]
+            m = k.method
+            if m == "allReduce":
+                get(k.recvbuf, k.count)[...] = _reduce(datas, k.op or 0, k.datatype)
+            elif m == "reduce":
+                if k.rank == k.root:
+                    get(k.recvbuf, k.count)[...] = _reduce(datas, k.op or 0, k.datatype)
+            elif m == "broadcast":
+                assert k.root is not None
+                get(k.recvbuf, k.count)[...] = datas[k.root]
+            elif m == "allGather":
+                get(k.recvbuf, k.count * n)[...] = np.concatenate(datas)
+            elif m == "reduceScatter":
+                full = _reduce(datas, k.op or 0, k.datatype)
+                get(k.recvbuf, k.count)[...] = full[k.rank * k.count : (k.rank + 1) * k.count]
+    c.sends = [r for r in c.sends if not r.Test()]
+    k.executed = True
+    p.token.release(0)

@@ -8,6 +8,10 @@ Work runs at once on host memory; see the ``fakecupy`` package docstring.
 
 from __future__ import annotations
 
+import atexit
+import mmap
+import os
+import struct
 import time
 from typing import Any
 
@@ -256,8 +260,14 @@ def free(ptr: int) -> None:
     f = _fake()
     p = as_intptr(ptr, "ptr")
     a = f.find_device(p)
-    if a is None or a.base != p:
+    if a is None or a.base != p or a.ipc_opened:
         raise CUDARuntimeError(_core.ERROR_INVALID_VALUE)
+    if a.ipc_path:
+        try:
+            os.unlink(a.ipc_path)  # processes that opened it keep their mapping
+        except FileNotFoundError:
+            pass
+        _ipc_files.discard(a.ipc_path)
     f.free_device(a)
 
 
@@ -552,3 +562,129 @@ def eventElapsedTime(start: int, end: int) -> float:
         raise CUDARuntimeError(_core.ERROR_INVALID_RESOURCE_HANDLE)
     check_status(a.status(f) or b.status(f))
     return 0.001  # one microsecond: the fake has no clock worth measuring
+
+
+# -- IPC (between processes: each runs its own fake; exported blocks live in /dev/shm) --------
+
+_IPC_HANDLE_BYTES = 64
+_ipc_files: set[str] = set()
+
+
+def _ipc_path(pid: int, base: int) -> str:
+    return f"/dev/shm/fakecupy-ipc-{os.getuid()}-{pid}-{base:x}"
+
+
+def _remove_ipc_files() -> None:
+    for path in list(_ipc_files):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    _ipc_files.clear()
+
+
+atexit.register(_remove_ipc_files)
+
+
+def _handle_bytes(handle: Any) -> bytes:
+    if not isinstance(handle, bytes):
+        raise TypeError(f"Argument 'handle' has incorrect type (expected bytes, got "
+                        f"{type(handle).__name__})")  # fmt: skip
+    if len(handle) != _IPC_HANDLE_BYTES:
+        # CuPy assigns the bytes to a char[64]: Cython refuses another length
+        raise ValueError(f"Assignment to reserved of length {len(handle)} != 64")
+    return handle
+
+
+def ipcGetMemHandle(devPtr: int) -> bytes:
+    """The block holding ``devPtr`` is moved into a /dev/shm file (its bytes copied), so
+    the processes that open the handle share it. Export blocks before making arrays over
+    them: an array made earlier keeps the old bytes (a fake-only limit)."""
+    f = _fake()
+    p = as_intptr(devPtr, "devPtr")
+    with f.lock:
+        a = f.find_device(p)
+        if a is None or a.freed or a.ipc_opened:
+            raise CUDARuntimeError(_core.ERROR_INVALID_VALUE)
+        if not a.ipc_path:
+            size = max(a.size, 1)
+            path = _ipc_path(os.getpid(), a.base)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                mm = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            _ipc_files.add(path)
+            buf = np.frombuffer(mm, np.uint8)
+            assert a.buffer is not None
+            buf[:] = a.buffer[:size]
+            a.buffer, a.ipc_path, a.ipc_map = buf, path, mm
+        f.ipc_log.append(("export", a.base, a.size))
+        return struct.pack("<qqqq", os.getpid(), a.base, a.size, a.device).ljust(
+            _IPC_HANDLE_BYTES, b"\0"
+        )
+
+
+def ipcOpenMemHandle(handle: bytes, flags: int = 1) -> int:
+    f = _fake()
+    raw = _handle_bytes(handle)
+    as_int(flags, "flags", unsigned=True)
+    pid, base, size, device = struct.unpack_from("<qqqq", raw)
+    if pid == os.getpid():
+        raise CUDARuntimeError(_core.ERROR_INVALID_CONTEXT)  # not in the exporting process
+    try:
+        fd = os.open(_ipc_path(pid, base), os.O_RDWR)
+    except FileNotFoundError:
+        raise CUDARuntimeError(_core.ERROR_INVALID_VALUE) from None
+    try:
+        mm = mmap.mmap(fd, max(size, 1))
+    finally:
+        os.close(fd)
+    a = f.adopt_device(device, np.frombuffer(mm, np.uint8))
+    a.ipc_map = mm
+    cur = f.tls.device
+    if device != cur:
+        f.peer_enabled.add((cur, device))  # cudaIpcMemLazyEnablePeerAccess
+    f.ipc_log.append(("open", pid, base, size, a.base))
+    return a.base
+
+
+def ipcCloseMemHandle(devPtr: int) -> None:
+    f = _fake()
+    p = as_intptr(devPtr, "devPtr")
+    a = f.find_device(p)
+    if a is None or a.base != p or not a.ipc_opened:
+        raise CUDARuntimeError(_core.ERROR_INVALID_VALUE)
+    f.free_device(a)
+    f.ipc_log.append(("close", p))
+
+
+def ipcGetEventHandle(event: int) -> bytes:
+    f = _fake()
+    ep = as_intptr(event, "event")
+    e = f.event(ep)
+    if (e.flags & (eventInterprocess | eventDisableTiming)) != (
+        eventInterprocess | eventDisableTiming
+    ):
+        # cudaIpcGetEventHandle: only events created with cudaEventInterprocess and
+        # cudaEventDisableTiming
+        raise CUDARuntimeError(_core.ERROR_INVALID_RESOURCE_HANDLE)
+    f.ipc_log.append(("export_event", ep))
+    return struct.pack("<qqq", os.getpid(), ep, e.device).ljust(_IPC_HANDLE_BYTES, b"\0")
+
+
+def ipcOpenEventHandle(handle: bytes) -> int:
+    """Another process's event. The fake runs work at enqueue, so whatever the exporter
+    recorded is complete: waiting on the opened event orders nothing more (the wait is
+    logged, which is what the tests check)."""
+    f = _fake()
+    raw = _handle_bytes(handle)
+    pid, ep, device = struct.unpack_from("<qqq", raw)
+    if pid == os.getpid():
+        raise CUDARuntimeError(_core.ERROR_INVALID_CONTEXT)
+    with f.lock:
+        ptr = f.new_handle()
+        f.events[ptr] = _core.EventState(ptr, device, eventInterprocess | eventDisableTiming)
+    f.ipc_log.append(("open_event", pid, ep, ptr))
+    return ptr

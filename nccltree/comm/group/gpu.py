@@ -1,0 +1,576 @@
+"""The GPU side of a process group: CUDA IPC within a node, NCCL between nodes.
+
+A process of a GPU group holds one rank on one GPU. The node's processes reach each
+other's device memory through CUDA IPC: each exports the handles of its staging arena and
+of its symmetric buffers (``pg.empty``); the others open them once (cached per group,
+closed at ``close()``) and read or write them with peer copies and the fused peer-read
+reduce, exactly as ranks of one process do.
+
+Ordering, in two modes (chosen per group, the same in every process):
+
+- ``events`` (every process on one node): each process records its one inter-process
+  event (``cudaEventInterprocess``) on its stream after every run of steps, then moves its
+  progress counter on (shared memory, as host groups do). A process that needs a peer's
+  progress waits for the counter on the host, then makes its stream wait on the peer's
+  event. ``cudaStreamWaitEvent`` takes the event's latest record, which may cover more of
+  the peer's work than needed: that is safe because a peer's work never depends on work a
+  process has not issued yet (every dependency between processes goes through a host
+  wait first).
+- ``sync`` (several nodes): NCCL point-to-point operations enter the streams without a
+  host wait, so a latest record could make a stream wait for work that depends on its own
+  future. Each process therefore completes each run of steps (stream synchronisation)
+  before moving its counter on, and a counter then means the memory is written. Messages
+  between nodes are ``ncclSend``/``ncclRecv`` on the group's stream, issued in one global
+  order (:func:`message_order`: a receive at the position of its send), so the operations
+  of every pair of processes match and none waits for one that cannot start.
+
+Everything CUDA is reached through CuPy's ``cupy.cuda.runtime`` and ``cupy.cuda.nccl``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
+
+import numpy as np
+
+from ..._errors import BackendUnavailable, CommError, CommTimeout
+from ...backends.base import Array
+from ...backends.cuda import _cupy
+from ...topology import Link, LinkKind
+
+if TYPE_CHECKING:
+    from mpi4py import MPI as _MPI
+
+    from ...backends.base import Device, Event, Stream
+    from ...backends.cuda import CudaDevice, CudaStream
+    from .._args import Prepared
+    from ..nccl import NcclEngine
+    from ..watchdog import Watchdog
+    from .group import ProcessGroup
+    from .schedule import Schedule
+
+_EVENT_FLAGS = 2 | 4  # cudaEventDisableTiming | cudaEventInterprocess
+_SELF = Link(LinkKind.SELF)
+
+
+class DeviceBlock:
+    """Device memory of this process's GPU, exported for the node's other processes
+    (``handle``: the ``cudaIpcMemHandle_t`` bytes). ``cudaMalloc``'d directly, not from
+    CuPy's pool: an IPC handle names a whole allocation."""
+
+    def __init__(self, device: CudaDevice, nbytes: int) -> None:
+        cp = _cupy()
+        rt = cp.cuda.runtime
+        self.device = device
+        self.size = max(1, int(nbytes))
+        with cp.cuda.Device(device.physical_id):
+            try:
+                self.ptr = int(rt.malloc(self.size))
+            except rt.CUDARuntimeError as exc:
+                raise CommError(
+                    f"GPU {device.physical_id}: cannot allocate {self.size} bytes for the "
+                    f"process group's shared buffers: {exc}"
+                ) from exc
+            try:
+                self.handle = bytes(rt.ipcGetMemHandle(self.ptr))
+            except BaseException:
+                rt.free(self.ptr)
+                raise
+        self._mem = cp.cuda.UnownedMemory(self.ptr, self.size, self, device.physical_id)
+        self._open = True
+
+    def view(self, dtype: np.dtype, count: int, offset: int) -> Array:
+        """``count`` elements of ``dtype`` from byte ``offset``, as a CuPy array."""
+        cp = _cupy()
+        return cp.ndarray((count,), dtype, cp.cuda.MemoryPointer(self._mem, offset))
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            cp = _cupy()
+            with cp.cuda.Device(self.device.physical_id):
+                cp.cuda.runtime.free(self.ptr)
+
+
+class PeerBlock:
+    """Another process's :class:`DeviceBlock`, opened here through its IPC handle
+    (mapped for this process's GPU, ``device``; ``owner_id``: the GPU holding it, as this
+    process numbers GPUs)."""
+
+    def __init__(self, device: CudaDevice, owner_id: int, handle: bytes, size: int) -> None:
+        cp = _cupy()
+        rt = cp.cuda.runtime
+        self.device = device
+        self.size = size
+        with cp.cuda.Device(device.physical_id):
+            try:
+                # cudaIpcMemLazyEnablePeerAccess (CuPy's default flag)
+                self.ptr = int(rt.ipcOpenMemHandle(handle))
+            except rt.CUDARuntimeError as exc:
+                raise CommError(
+                    f"GPU {device.physical_id}: cannot open another process's GPU memory "
+                    f"through CUDA IPC: {exc}"
+                ) from exc
+        self._mem = cp.cuda.UnownedMemory(self.ptr, size, self, owner_id)
+        self._open = True
+
+    def view(self, dtype: np.dtype, count: int, offset: int) -> Array:
+        cp = _cupy()
+        return cp.ndarray((count,), dtype, cp.cuda.MemoryPointer(self._mem, offset))
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            cp = _cupy()
+            with cp.cuda.Device(self.device.physical_id):
+                cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
+
+
+class IpcEvent:
+    """An inter-process CUDA event: this process's own (``handle`` exported), or a peer's
+    opened from its handle (``handle`` given). Recorded only by its owner; waited on by
+    the node's other processes."""
+
+    def __init__(self, device: CudaDevice, handle: bytes | None = None) -> None:
+        cp = _cupy()
+        rt = cp.cuda.runtime
+        self.device = device
+        with cp.cuda.Device(device.physical_id):
+            if handle is None:
+                self.ptr = int(rt.eventCreateWithFlags(_EVENT_FLAGS))
+                self.handle = bytes(rt.ipcGetEventHandle(self.ptr))
+            else:
+                self.ptr = int(rt.ipcOpenEventHandle(handle))
+                self.handle = handle
+        self._open = True
+
+    def record(self, stream_ptr: int) -> None:
+        _cupy().cuda.runtime.eventRecord(self.ptr, stream_ptr)
+
+    def wait(self, stream_ptr: int) -> None:
+        """Make the stream ``stream_ptr`` wait for the event's latest record."""
+        _cupy().cuda.runtime.streamWaitEvent(stream_ptr, self.ptr, 0)
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            cp = _cupy()
+            with cp.cuda.Device(self.device.physical_id):
+                cp.cuda.runtime.eventDestroy(self.ptr)
+
+
+# -- which GPU, and where it sits --------------------------------------------------------
+
+
+def pick_gpu(spec: str, local_index: int) -> int:
+    """The CUDA ordinal of this process's GPU: ``gpu`` picks by the process's index among
+    its node's processes (modulo the GPUs it sees; with one GPU visible per process, as
+    launchers that set ``CUDA_VISIBLE_DEVICES`` give, that one), ``gpu:K`` names it."""
+    from ...backends.cuda import gpu_count
+
+    count = gpu_count()
+    if count == 0:
+        raise BackendUnavailable("devices='gpu' asks for a GPU, but CuPy sees none")
+    if spec == "gpu":
+        return local_index % count
+    k = int(spec[4:])
+    if k >= count:
+        raise ValueError(f"devices={spec!r}: GPU {k} does not exist ({count} visible)")
+    return k
+
+
+def bus_id(ordinal: int) -> str:
+    """The PCI bus id of a CUDA ordinal: the one name of a GPU that every process of a
+    node shares (each may number the GPUs differently)."""
+    return str(_cupy().cuda.runtime.deviceGetPCIBusId(ordinal))
+
+
+def visible_ordinals(buses: Sequence[str]) -> list[int]:
+    """This process's CUDA ordinal of each bus id (-1 where it cannot see that GPU)."""
+    rt = _cupy().cuda.runtime
+    out = []
+    for b in buses:
+        try:
+            out.append(int(rt.deviceGetByPCIBusId(b)))
+        except rt.CUDARuntimeError:
+            out.append(-1)
+    return out
+
+
+def link_row(mine: str, buses: Sequence[str]) -> list[Link]:
+    """The links from this process's GPU (bus id ``mine``) to the GPUs ``buses`` of its
+    node: NVML where it answers (it sees every GPU of the machine whatever
+    ``CUDA_VISIBLE_DEVICES`` says), else CUDA peer access between the GPUs this process
+    sees, else a guess (``SYS`` without peer access)."""
+    from ...topology import _bus_key, links_by_bus
+
+    key = _bus_key(mine)
+    try:
+        return links_by_bus([mine, *buses])[0][1:]
+    except (BackendUnavailable, ValueError):
+        pass
+    ords = visible_ordinals([mine, *buses])
+    rt = _cupy().cuda.runtime
+    row = []
+    for b, o in zip(buses, ords[1:], strict=True):
+        if _bus_key(b) == key:
+            row.append(Link(LinkKind.SAME_DEVICE))
+        elif o >= 0 and ords[0] >= 0 and rt.deviceCanAccessPeer(ords[0], o):
+            row.append(Link(LinkKind.PHB))
+        else:
+            row.append(Link(LinkKind.SYS, 0, False))
+    return row
+
+
+def node_matrix(rows: Sequence[Sequence[Link]]) -> list[list[Link]]:
+    """The node's link matrix from every process's row (``rows[i][j]``: process i's view
+    of the link to process j), made symmetric by the lower-numbered process's view."""
+    n = len(rows)
+    return [[_SELF if i == j else rows[min(i, j)][max(i, j)] for j in range(n)] for i in range(n)]
+
+
+# -- NCCL ----------------------------------------------------------------------------------
+
+
+def nccl_comm(comm: _MPI.Intracomm, rank_of: int, size: int, device: CudaDevice) -> object:
+    """One NCCL communicator over the group: the unique id made by process 0 and
+    broadcast over MPI; every process joins with its rank (``rank_of``) on its GPU."""
+    from ..nccl import _nccl_module
+
+    nccl = _nccl_module()
+    uid = nccl.get_unique_id() if comm.Get_rank() == 0 else None
+    uid = comm.bcast(uid, root=0)
+    cp = _cupy()
+    with cp.cuda.Device(device.physical_id):
+        try:
+            return nccl.NcclCommunicator(size, uid, rank_of)
+        except Exception as exc:  # NcclError, CUDARuntimeError
+            raise BackendUnavailable(
+                f"NCCL could not create the group's communicator (rank {rank_of} of {size} "
+                f"on GPU {device.physical_id}): {type(exc).__name__}: {exc}; NCCL needs one "
+                "GPU per process (two processes sharing a GPU can use the tree, ring or "
+                "direct algorithm, over CUDA IPC)"
+            ) from exc
+
+
+def nccl_dtype(dtype: np.dtype) -> int:
+    from ..nccl import _DTYPES, _nccl_module
+
+    name = {**_DTYPES, "uint8": "NCCL_UINT8"}.get(np.dtype(dtype).name)
+    if name is None:
+        raise ValueError(f"NCCL carries no {np.dtype(dtype)}")
+    return int(getattr(_nccl_module(), name))
+
+
+# -- the order of a process's work in sync mode ---------------------------------------------
+
+Key = tuple[tuple[int, int, int], int, int]
+
+
+def message_order(scheds: Sequence[Schedule], proc: int) -> list[tuple[str, int]]:
+    """Process ``proc``'s work in the group's one global order: ``("item", i)`` for its
+    schedule's items and ``("recv", j)`` for its receives (``scheds[proc].recvs[j]``),
+    sorted by one key that both ends of a message share: the sender's item key, the
+    sender, the tag. A process then performs its NCCL sends and receives in an order
+    every other process agrees with (the n-th message between two processes is the same
+    at both ends, as NCCL matches them), and the earliest unfinished operation of the
+    whole group can always complete."""
+    mine = scheds[proc]
+    sender_key: dict[tuple[int, int], tuple[int, int, int]] = {}
+    for q, s in enumerate(scheds):
+        for it in s.items:
+            if it.kind in ("send", "notify") and it.peer == proc:
+                sender_key[(q, it.tag)] = it.key
+    keyed: list[tuple[Key, tuple[str, int]]] = []
+    for i, it in enumerate(mine.items):
+        tag = it.tag if it.kind in ("send", "notify") else -1
+        keyed.append(((it.key, proc, tag), ("item", i)))
+    for j, (q, tag, _, _) in enumerate(mine.recvs):
+        keyed.append(((sender_key[(q, tag)], q, tag), ("recv", j)))
+    keyed.sort(key=lambda kv: kv[0])
+    return [v for _, v in keyed]
+
+
+def env_gpu_note() -> str:
+    """What ``CUDA_VISIBLE_DEVICES`` says, for error messages."""
+    v = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return "CUDA_VISIBLE_DEVICES is unset" if v is None else f"CUDA_VISIBLE_DEVICES={v!r}"
+
+
+# -- the GPU half of a ProcessGroup -----------------------------------------------------------
+
+
+class GpuSide:
+    """What a :class:`~nccltree.comm.group.group.ProcessGroup` with ``devices="gpu"``
+    adds: its GPU and stream, the node's GPUs and links, the inter-process events, the
+    NCCL communicator, and the operations the engine performs on the GPU (see the module
+    docstring for the two ordering modes)."""
+
+    def __init__(self, pg: ProcessGroup, spec: str, phys: Sequence[int]) -> None:
+        from ...backends.cuda import CudaRuntime
+        from ...topology import Topology, _bus_key
+
+        self.pg = pg
+        comm = pg._comm
+        by_proc = pg._mpi_rank_of_proc
+        nprocs = pg.nprocs
+        ordinal = pick_gpu(spec, list(phys).index(pg.proc))
+        # the group's GPU becomes the calling thread's current one, where the user's
+        # arrays are then made (as torch.cuda.set_device(local_rank) does)
+        _cupy().cuda.Device(ordinal).use()
+        mine = bus_id(ordinal)
+        got = comm.allgather(mine)
+        buses = [str(got[by_proc[p]]) for p in range(nprocs)]
+        self.buses = buses
+        node_buses = [buses[p] for p in phys]
+        ords = visible_ordinals(node_buses)
+        sees_all = all(o >= 0 for o in ords)
+        row = link_row(mine, node_buses)
+        got2 = comm.allgather((sees_all, row))
+        info = [got2[by_proc[p]] for p in range(nprocs)]
+        # IPC reaches another GPU only where the process sees it; NCCL needs one GPU per
+        # process. Both judged from every process's answers, so all judge alike.
+        self.ipc_problem: str | None = None
+        self.nccl_ok = True
+        for node in range(pg.nodes):
+            procs = [p for p in range(nprocs) if pg._node_of_proc[p] == node]
+            gpus = {_bus_key(buses[p]) for p in procs}
+            if len(gpus) != len(procs):
+                self.nccl_ok = False
+            blind = [p for p in procs if not info[p][0]]
+            if len(gpus) > 1 and blind and self.ipc_problem is None:
+                self.ipc_problem = (
+                    f"processes {blind} of node {node} do not see every GPU of their node "
+                    f"({env_gpu_note()} in this process), and CUDA IPC between two GPUs "
+                    "needs both visible: leave CUDA_VISIBLE_DEVICES unset and pass "
+                    "devices='gpu' (each process picks its GPU by its index on the node), "
+                    "or use algorithm='nccl'"
+                )
+        # devices: this process's GPU first, then the node's other GPUs it sees
+        others = sorted({o for o in ords if o >= 0 and o != ordinal})
+        runtime = CudaRuntime([ordinal, *others])
+        by_ordinal = {d.physical_id: d for d in runtime.devices}
+        self.device: CudaDevice = runtime.devices[0]
+        self.runtime = runtime
+        node_of = pg._node_of_proc
+        self._ordinal = {p: ords[i] for i, p in enumerate(phys)}
+        self.rank_devices: list[Device] = [
+            by_ordinal.get(self._ordinal.get(pg._proc_of_rank[r], -1), self.device)
+            for r in range(pg.size)
+        ]
+        # the topology: each node's matrix from its processes' rows, NET between nodes
+        rows = [info[p][1] for p in range(nprocs)]
+        local = {p: [q for q in range(nprocs) if node_of[q] == node_of[p]].index(p)
+                 for p in range(nprocs)}  # fmt: skip
+        net = Link(LinkKind.NET, p2p=False)
+        links = []
+        for a in range(nprocs):
+            row_links = []
+            for b in range(nprocs):
+                if a == b:
+                    row_links.append(_SELF)
+                elif node_of[a] != node_of[b]:
+                    row_links.append(net)
+                else:
+                    lo, hi = (a, b) if local[a] < local[b] else (b, a)
+                    row_links.append(rows[lo][local[hi]])
+            links.append(row_links)
+        self.topology = Topology(links)
+        # several transport nodes: NCCL messages between them, so counters must mean
+        # "done" (sync mode); one: inter-process events (events mode)
+        self.sync_mode = len(set(pg._tnode_of_proc)) > 1
+        self.stream: CudaStream = cast("CudaStream", self.device.new_stream())
+        self.event: IpcEvent | None = None
+        self.peer_events: dict[int, IpcEvent] = {}
+        self.comm: object = None
+        self.engine: NcclEngine | None = None
+        self.retired: list[DeviceBlock] = []
+        self.caller: Stream | None = None
+        self.caller_waits = True  # the caller's stream waits for the call (not async_op)
+        self.last_end: Event | None = None
+        self._watchdog: Watchdog | None = None
+        self._notify = self.device.empty(1, np.uint8)
+
+    @property
+    def stream_ptr(self) -> int:
+        return int(self.stream.cupy_stream.ptr)
+
+    def owner_ordinal(self, proc: int) -> int:
+        """This process's CUDA ordinal of process ``proc``'s GPU (its own where unseen)."""
+        o = self._ordinal.get(proc, -1)
+        return o if o >= 0 else self.device.physical_id
+
+    def wait_end(self) -> None:
+        """The last call's work finished (bounded by the group's timeout)."""
+        if self.last_end is not None:
+            self.last_end.synchronize(self.pg.timeout)
+
+    def connect(self) -> None:
+        """After the control segment exists: the node's events exchanged and opened; the
+        NCCL communicator made where the group needs one (collective: every process)."""
+        pg = self.pg
+        if not self.nccl_ok and (pg.algorithm == "nccl" or self.sync_mode):
+            why = "algorithm='nccl'" if pg.algorithm == "nccl" else "a GPU group across nodes"
+            raise ValueError(
+                f"{why} needs NCCL, and NCCL needs one GPU per process, but processes of "
+                f"one node share a GPU (GPUs by process: {self.buses}); give each process "
+                "its own GPU, or keep to one node with the tree, ring or direct algorithm "
+                "(CUDA IPC works between processes sharing a GPU)"
+            )
+        if not self.sync_mode and len(pg._node_procs) > 1:
+            self.event = IpcEvent(self.device)
+            handles = pg._node_comm.allgather((pg.proc, self.event.handle))
+            for p, h in handles:
+                if p != pg.proc:
+                    self.peer_events[p] = IpcEvent(self.device, h)
+        wants = (
+            self.sync_mode or pg.algorithm == "nccl" or (pg.algorithm == "auto" and self.nccl_ok)
+        )
+        if wants:
+            if pg.algorithm == "auto" and not self.sync_mode:
+                try:
+                    self.comm = nccl_comm(pg._comm, pg.proc, pg.nprocs, self.device)
+                except BackendUnavailable:
+                    self.nccl_ok = False  # auto falls back to the tree, ring or direct
+            else:
+                self.comm = nccl_comm(pg._comm, pg.proc, pg.nprocs, self.device)
+        if self.comm is not None:
+            from ..nccl import NcclEngine
+
+            self.engine = NcclEngine([self.device], comms=[self.comm], size=pg.nprocs)
+
+    def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.close()
+        if self.engine is not None:
+            self.engine.close(abort=self.pg._failure is not None)
+        try:
+            if self.pg._failure is None:
+                self.stream.synchronize(self.pg.timeout)
+        except Exception:  # noqa: BLE001 - best effort at teardown
+            pass
+        for ev in self.peer_events.values():
+            ev.close()
+        if self.event is not None:
+            self.event.close()
+        for blk in self.retired:
+            blk.close()
+
+    # -- one call --------------------------------------------------------------------------
+    def begin(self) -> None:
+        """The group's stream after the caller's work (the inputs are written there)."""
+        caller = self.caller
+        if caller is None:
+            caller = self.caller = self.device.current_stream()
+        self.stream.wait_event(caller.record())
+
+    def end(self, what: str, keepalive: object) -> None:
+        """The caller's stream after the group's work; the watchdog holds ``keepalive``
+        until the work is done, and fails the group if it is not done in time."""
+        done = self.stream.record()
+        self.last_end = done
+        caller = self.caller
+        if caller is not None and self.caller_waits:
+            caller.wait_event(done)
+        self.watch(what, [done], keepalive)
+
+    def watch(self, what: str, events: Sequence[Event], keepalive: object) -> None:
+        if self._watchdog is None:
+            from ..watchdog import Watchdog
+
+            self._watchdog = Watchdog(self._on_watchdog, name="nccltree-group-watchdog")
+        self._watchdog.watch(what, events, self.pg.timeout, keepalive)
+
+    def _on_watchdog(self, exc: BaseException) -> None:
+        if self.engine is not None:
+            self.engine.close(abort=True)
+        self.pg._fail(exc)
+
+    def copy(self, dst: Array, src: Array) -> None:
+        from ...backends.base import CopyArgs
+
+        if dst.size:
+            self.stream.copy_checked(CopyArgs(dst, src, self.device, self.device))
+
+    def published(self) -> None:
+        """This process's writes so far are what the node's other processes may read
+        next: recorded (events mode) or finished (sync mode)."""
+        if self.sync_mode:
+            self.wait_stream()
+        elif self.event is not None:
+            self.event.record(self.stream_ptr)
+
+    def after(self, procs: Sequence[int]) -> None:
+        """Events mode: the group's stream after the latest published work of ``procs``
+        (their host counters already say they published it)."""
+        if self.sync_mode:
+            return
+        sp = self.stream_ptr
+        for p in procs:
+            ev = self.peer_events.get(p)
+            if ev is not None:
+                ev.wait(sp)
+
+    def wait_stream(self) -> None:
+        """The group's stream finished, bounded by the timeout, checking the node's
+        processes while it waits."""
+        pg = self.pg
+        st = self.stream
+        if st.query():
+            return
+        deadline = time.monotonic() + pg.timeout
+        pause = 2e-5
+        last = time.monotonic()
+        while not st.query():
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+            now = time.monotonic()
+            if now - last >= 0.01:
+                last = now
+                pg._check_peers()
+                if now > deadline:
+                    raise CommTimeout(
+                        f"rank {pg.rank}: the GPU work of collective #{pg._seq} did not "
+                        f"finish within {pg.timeout:g} s (a peer's message never came?)"
+                    )
+
+    # -- NCCL point-to-point (sync mode) ---------------------------------------------------------
+    def send(self, arr: Array, proc: int) -> None:
+        self._p2p("send", arr, proc)
+
+    def recv(self, arr: Array, proc: int) -> None:
+        self._p2p("recv", arr, proc)
+
+    def notify(self, proc: int, receive: bool) -> None:
+        """An empty message's stand-in: one byte (NCCL orders nothing for zero bytes)."""
+        self._p2p("recv" if receive else "send", self._notify, proc)
+
+    def _p2p(self, method: str, arr: Array, proc: int) -> None:
+        from ...backends.base import data_ptr
+
+        assert self.comm is not None
+        fn = getattr(self.comm, method)
+        try:
+            fn(data_ptr(arr), int(arr.size), nccl_dtype(arr.dtype), proc, self.stream_ptr)
+        except Exception as exc:  # NcclError, CUDARuntimeError
+            raise CommError(
+                f"rank {self.pg.rank}: NCCL {method} {'to' if method == 'send' else 'from'} "
+                f"process {proc} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    # -- algorithm="nccl" ------------------------------------------------------------------------
+    def run_nccl(self, prep: Prepared) -> None:
+        """NCCL's own collective on the caller's stream; the watchdog watches its end."""
+        if self.engine is None:
+            raise CommError(
+                "algorithm='nccl' is not available in this group: "
+                + ("two processes of a node share a GPU" if not self.nccl_ok else "no NCCL")
+            )
+        caller = self.caller if self.caller is not None else self.device.current_stream()
+        launched = self.engine.launch(prep, [caller])
+        events = launched.events or []
+        self.last_end = events[0] if events else None
+        self.watch(f"NCCL {prep.collective}", events, prep)

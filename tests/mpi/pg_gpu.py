@@ -1,0 +1,145 @@
+"""Worker: a GPU process group (one rank per process) checked against numpy, for every
+collective, several algorithms, counts, dtypes and placements, through ``pg.call``, the
+one-rank API with ``async_op``, and symmetric buffers (``pg.empty``). Prints one JSON line
+per process: what was checked, what failed, and what the CUDA layer saw.
+
+    mpiexec -n 2 python tests/mpi/pg_gpu.py [--devices gpu|gpu:0] [--algorithms tree,ring]
+    mpiexec -n 2 python tests/mpi/pg_gpu.py --fake 4   # on tests/fakecupy (wiring only)
+
+With ``--fake N`` every process runs nccltree's unmodified GPU code on the fake of CuPy's
+layer with N GPUs (CUDA IPC through /dev/shm files, NCCL across processes through MPI):
+that checks wiring, never the GPU. Without it, the real GPU runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import numpy as np
+from mpi4py import MPI
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from counting import report as write_report  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument("--devices", default="gpu")
+p.add_argument("--algorithms", default="tree,ring,direct")
+p.add_argument("--counts", default="1,1000,70001")
+p.add_argument("--dtypes", default="float32,float16")
+p.add_argument("--fake", type=int, default=0, help="run on the fake of CuPy with N GPUs")
+p.add_argument("--kill", type=int, default=-1, help="this MPI rank dies in its 3rd call")
+args = p.parse_args()
+if os.environ.get("NCCLTREE_TEST_TRACEBACK"):
+    import faulthandler
+
+    faulthandler.dump_traceback_later(float(os.environ["NCCLTREE_TEST_TRACEBACK"]), exit=True)
+
+fake = None
+if args.fake:
+    sys.path.insert(0, os.path.dirname(HERE))
+    import fakecupy
+
+    os.environ["NCCLTREE_CACHE_DIR"] = tempfile.mkdtemp(prefix="nccltree-fake-cache-")
+    installed = fakecupy.install(n_gpus=args.fake)  # kept: closing it uninstalls the fake
+    fake = installed.__enter__()
+    fake.mpi_comm = MPI.COMM_WORLD
+
+import cupy as cp  # noqa: E402  (the fake, where installed above)
+
+import nccltree as nt  # noqa: E402
+from nccltree.comm.collectives import COLLECTIVES  # noqa: E402
+
+failures: list[str] = []
+checked = 0
+me = MPI.COMM_WORLD.Get_rank()
+counts = [int(c) for c in args.counts.split(",")]
+
+
+def expect(coll: str, full: list[np.ndarray], rank: int, n: int, count: int, op: str,
+           root: int) -> np.ndarray | None:  # fmt: skip
+    """What ``rank`` holds after the collective (None: nothing defined)."""
+    f64 = [x.astype(np.float64) for x in full]
+    if coll in ("all_reduce", "reduce", "reduce_scatter"):
+        acc = np.max(f64, axis=0) if op == "max" else np.sum(f64, axis=0)
+        if op == "mean":
+            acc = acc / n
+        if coll == "reduce":
+            return acc if rank == root else None
+        if coll == "reduce_scatter":
+            return acc[rank * count : (rank + 1) * count]
+        return acc
+    if coll == "broadcast":
+        return f64[root]
+    return np.concatenate(f64)  # all_gather
+
+
+calls = 0
+for alg in args.algorithms.split(","):
+    pg = nt.init_process_group(devices=args.devices, algorithm=alg, timeout=30)
+    n = pg.size
+    for coll in ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter"):
+        c = COLLECTIVES[coll]
+        for dtype in args.dtypes.split(","):
+            for count in counts:
+                for op in ("sum", "max", "mean") if c.reduces else ("sum",):
+                    for mode in ("call", "async", "symmetric"):
+                        calls += 1
+                        if calls == 3 and args.kill == me:
+                            os._exit(9)
+                        root = n - 1 if c.rooted else 0
+                        rng = np.random.default_rng(count + 17 * len(coll))
+                        full = [rng.integers(-4, 5, c.in_count(count, n)).astype(dtype)
+                                for _ in range(n)]  # fmt: skip
+                        mine = full[pg.rank]
+                        nout = c.out_count(count, n)
+                        what = f"{alg} {coll} {dtype} {op} count={count} {mode}"
+                        try:
+                            if mode == "symmetric":
+                                x = pg.empty(mine.size, dtype)
+                                x[...] = cp.asarray(mine)
+                                out = pg.empty(nout, dtype)
+                            else:
+                                x = cp.asarray(mine)
+                                out = cp.asarray(np.full(nout, 7, dtype))
+                            if mode == "call":
+                                got = pg.call(coll, [x], [out], op=op, root=root)[0]
+                            else:
+                                kw = {"op": op} if c.reduces else {}
+                                if c.rooted:
+                                    kw["root"] = root
+                                fn = getattr(pg, coll)
+                                if mode == "async":
+                                    w = fn(x, out=out, async_op=True, **kw)
+                                    got = w.result()
+                                else:
+                                    got = fn(x, out=out, **kw)
+                            host = cp.asnumpy(got).astype(np.float64)
+                            want = expect(coll, full, pg.rank, n, count, op, root)
+                            checked += 1
+                            if want is not None:
+                                tol = 1e-2 if (op == "mean" and dtype == "float16") else 1e-6
+                                if not np.allclose(host, want, rtol=tol, atol=tol):
+                                    bad = int(np.argmax(np.abs(host - want)))
+                                    failures.append(f"{what}: [{bad}] {host[bad]} != {want[bad]}")
+                        except Exception as exc:  # noqa: BLE001 - reported, then stop
+                            failures.append(f"{what}: {type(exc).__name__}: {exc}")
+                            break
+    pg.close()
+
+report = {"rank": me, "checked": checked, "failures": failures[:20], "nfail": len(failures)}
+if fake is not None:
+    kinds: dict[str, int] = {}
+    for entry in fake.ipc_log:
+        kinds[entry[0]] = kinds.get(entry[0], 0) + 1
+    opened_events = {e[3] for e in fake.ipc_log if e[0] == "open_event"}
+    report["ipc"] = kinds
+    report["waits_on_peer_events"] = sum(
+        1 for op in fake.ops if op.kind == "wait_event" and op.src in opened_events
+    )
+    report["nccl"] = sorted({c.method for c in fake.nccl.calls})
+    report["misuse"] = fake.misuse[:5]
+write_report(report, me)

@@ -1,0 +1,274 @@
+"""Process groups on GPUs (one rank per process): CUDA IPC within a node, NCCL between
+nodes and for ``algorithm="nccl"``.
+
+Two kinds of tests, kept apart:
+
+- on ``tests/fakecupy`` (every test without a ``gpu`` mark): nccltree's unmodified GPU
+  code under mpiexec, each process with its own fake of CuPy's layer, IPC blocks shared
+  through /dev/shm files and NCCL across processes carried by MPI. They check wiring
+  (which handles are exported and opened, which streams wait on which peer events, which
+  NCCL calls are made, and that the results are numpy's) and never count as GPU
+  verification;
+- ``gpu``/``multi_gpu`` tests: the same worker on real GPUs. Two processes sharing one GPU
+  through CUDA IPC run on a one-GPU machine; NCCL refuses two ranks on one GPU, so the
+  NCCL paths need two GPUs.
+
+The schedule's message order (gpu.py: every pair of processes issues its NCCL operations
+in one agreed order) is checked without MPI by simulating NCCL's rules.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import gpu_count
+from tests.mpirun import needs_mpi, run_mpi
+
+HERE = Path(__file__).resolve().parent / "mpi"
+WORKER = HERE / "pg_gpu.py"
+
+
+def _nodes(*sizes: int) -> list[tuple[int, dict[str, str]]]:
+    return [(n, {"NCCLTREE_NODE": f"node{chr(97 + i)}"}) for i, n in enumerate(sizes)]
+
+
+def _run(tmp: Path, parts: Any, *args: str, **kw: Any) -> tuple[list[dict[str, Any]], Any]:
+    out = tmp / "out"
+    out.mkdir(exist_ok=True)
+    proc = run_mpi(parts, WORKER, *args, env={"NCCLTREE_TEST_OUT": str(out)}, **kw)
+    got = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    return got, proc
+
+
+def _all_pass(reports: list[dict[str, Any]], n: int, proc: Any) -> None:
+    assert len(reports) == n, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in reports:
+        assert r["nfail"] == 0 and r["checked"] > 0, r
+        assert not r.get("misuse"), r
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# -- on the fake (wiring only, not GPU verification) ---------------------------------------
+
+FAKE = {
+    # name: (mpiexec parts, worker arguments, peer events waited on, NCCL methods)
+    "one node, a GPU per process": (3, ["--counts", "5,70001"], True, []),
+    "one node, processes sharing GPU 0": (2, ["--devices", "gpu:0", "--dtypes", "float32"],
+                                          True, []),
+    "two nodes x two processes (NCCL send/recv between nodes)": (
+        _nodes(2, 2), ["--counts", "5,70001", "--dtypes", "float32"], False, ["recv", "send"]),
+    "algorithm nccl and auto": (3, ["--algorithms", "nccl,auto", "--counts", "5,70001"], False,
+                                ["allGather", "allReduce", "broadcast", "reduce",
+                                 "reduceScatter"]),
+}  # fmt: skip
+
+
+@pytest.mark.mpi
+@needs_mpi
+@pytest.mark.parametrize("name", list(FAKE))
+def test_on_the_fake_every_collective_matches_numpy(name: str, tmp_path: Path) -> None:
+    """Wiring check on tests/fakecupy (not GPU verification)."""
+    parts, args, events, nccl = FAKE[name]
+    reports, proc = _run(tmp_path, parts, "--fake", "4", *args, timeout=300)
+    n = parts if isinstance(parts, int) else sum(p[0] for p in parts)
+    _all_pass(reports, n, proc)
+    for r in reports:
+        ipc = r["ipc"]
+        if n > 1 and "nccl" not in args[1:2] and "--algorithms" not in args:
+            # the arena and the symmetric buffers are exported, and the peers' opened
+            # (and closed at close())
+            assert ipc.get("export", 0) > 0 and ipc.get("open", 0) > 0, r
+            assert ipc.get("open") == ipc.get("close"), r
+        # events mode: every process's stream waits on its peers' inter-process events;
+        # across nodes (sync mode) never: counters there mean the work is done
+        assert (r["waits_on_peer_events"] > 0) == events, r
+        assert r["nccl"] == nccl, r
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_on_the_fake_nccl_refuses_processes_sharing_a_gpu(tmp_path: Path) -> None:
+    """Wiring check on tests/fakecupy: the refusal comes from nccltree, on every process,
+    before NCCL is asked (NCCL would fail with "Duplicate GPU detected")."""
+    _, proc = _run(tmp_path, 2, "--fake", "4", "--devices", "gpu:0", "--algorithms", "nccl",
+                   timeout=120)  # fmt: skip
+    assert proc.returncode != 0
+    assert proc.stderr.count("needs one GPU per process") == 2, proc.stderr[-3000:]
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_on_the_fake_a_killed_process_is_named(tmp_path: Path) -> None:
+    """Wiring check on tests/fakecupy: a process dying in its third call is named by the
+    survivor, which exits on its own (no hang)."""
+    parts = [(1, {}), (1, {}, "{cmd}; sleep 20")]
+    _, proc = _run(tmp_path, parts, "--fake", "4", "--kill", "1", "--algorithms", "direct",
+                   faults=True, timeout=90)  # fmt: skip
+    lines = re.findall(r"nccltree: PeerFailure: rank 0: [^\n]*", proc.stderr)
+    assert lines and "ranks [1]" in lines[0] and "died" in lines[0], proc.stderr[-3000:]
+
+
+# -- the message order, simulated (no MPI, no GPU) ----------------------------------------
+
+
+def _simulate(scheds: list[Any], orders: list[list[tuple[str, int]]]) -> None:
+    """Run every process's work under NCCL's rules and sync mode's: one stream per
+    process performs its operations in order; a send and a receive complete together,
+    the n-th message between two processes matching the n-th (same size); a process's
+    host waits for its node's counters before issuing a step and for its stream after it.
+    Fails on a deadlock or a mismatched pair."""
+    from nccltree.comm.group.schedule import Schedule
+
+    nproc = len(scheds)
+    ops: list[deque[tuple[Any, ...]]] = []
+    for s, order in zip(scheds, orders, strict=True):
+        assert isinstance(s, Schedule)
+        q: deque[tuple[Any, ...]] = deque()
+        for kind, i in order:
+            if kind == "recv":
+                src, _, count, _ = s.recvs[i]
+                q.append(("recv", src, max(count, 1)))
+                continue
+            it = s.items[i]
+            if it.kind in ("step", "end"):
+                q.append(("wait", it.waits))
+                if it.kind == "step":
+                    q.append(("step",))
+            elif it.kind == "send":
+                q.append(("send", it.peer, it.src.count))
+            else:
+                q.append(("send", it.peer, 1))
+        ops.append(q)
+    done = [0] * nproc  # steps completed
+    moved = True
+    while moved:
+        moved = False
+        for p in range(nproc):
+            while ops[p]:
+                head = ops[p][0]
+                if head[0] == "wait":
+                    if all(done[q] >= k for q, k in head[1]):
+                        ops[p].popleft()
+                        moved = True
+                        continue
+                    break
+                if head[0] == "step":
+                    ops[p].popleft()
+                    done[p] += 1
+                    moved = True
+                    continue
+                peer = head[1]
+                other = ops[peer][0] if ops[peer] else None
+                want = "recv" if head[0] == "send" else "send"
+                if other is not None and other[0] == want and other[1] == p:
+                    assert other[2] == head[2], f"messages {p}<->{peer} differ in size"
+                    ops[p].popleft()
+                    ops[peer].popleft()
+                    moved = True
+                    continue
+                break
+    stuck = {p: ops[p][0] for p in range(nproc) if ops[p]}
+    assert not stuck, f"deadlock: {stuck}"
+
+
+@pytest.mark.parametrize("alg", ["tree", "ring", "direct"])
+@pytest.mark.parametrize("nodes", [(1, 1), (2, 2), (2, 1, 2), (1, 1, 1, 1), (3, 2)])
+@pytest.mark.parametrize("coll", ["all_reduce", "broadcast", "reduce", "all_gather",
+                                  "reduce_scatter"])  # fmt: skip
+def test_message_order_never_deadlocks_under_nccls_rules(
+    alg: str, nodes: tuple[int, ...], coll: str
+) -> None:
+    from nccltree.comm.algorithms import build_plan
+    from nccltree.comm.group.gpu import message_order
+    from nccltree.comm.group.schedule import split
+    from nccltree.topology import Topology
+    from nccltree.tree import build_tree
+
+    node_of_proc = [i for i, k in enumerate(nodes) for _ in range(k)]
+    n = len(node_of_proc)
+    topo = Topology.cluster(node_of_proc)
+    for root in sorted({0, n - 1}):
+        for count, chunk in ((1, 1 << 20), (9000, 1000)):
+            plan = build_plan(alg, coll, size=n, count=count, op="sum", root=root,
+                              in_place=False, chunk=chunk,
+                              tree_for=lambda r: build_tree(topo, root=r), itemsize=4)  # fmt: skip
+            scheds = split(plan, list(range(n)), node_of_proc)
+            _simulate(scheds, [message_order(scheds, p) for p in range(n)])
+
+
+def test_the_simulation_catches_a_bad_order() -> None:
+    """Negative control: receives in the receiver's own order (each before the item that
+    needs it, as MPI allows) deadlock a ring across nodes under NCCL's rules."""
+    from nccltree.comm.algorithms import build_plan
+    from nccltree.comm.group.schedule import split
+    from nccltree.topology import Topology
+    from nccltree.tree import build_tree
+
+    node_of_proc = [0, 1, 2]
+    topo = Topology.cluster(node_of_proc)
+    plan = build_plan("ring", "all_reduce", size=3, count=9000, op="sum", root=0,
+                      in_place=False, chunk=1000, tree_for=lambda r: build_tree(topo, root=r),
+                      itemsize=4)  # fmt: skip
+    scheds = split(plan, [0, 1, 2], node_of_proc)
+
+    def naive(p: int) -> list[tuple[str, int]]:
+        # every receive right before the first item waiting for it, in tag order
+        s = scheds[p]
+        index = {(q, tag): j for j, (q, tag, _, _) in enumerate(s.recvs)}
+        out: list[tuple[str, int]] = []
+        for i, it in enumerate(s.items):
+            out += [("recv", index[m]) for m in it.recvs]
+            out.append(("item", i))
+        return out
+
+    with pytest.raises(AssertionError, match="deadlock|differ"):
+        _simulate(scheds, [naive(p) for p in range(3)])
+
+
+# -- on real GPUs -----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@needs_mpi
+def test_gpu_two_processes_sharing_one_gpu_through_ipc(tmp_path: Path) -> None:
+    """Two processes on GPU 0, CUDA IPC between them: tree, ring and direct, every
+    collective, against numpy."""
+    if gpu_count() < 1:
+        pytest.skip("needs a GPU")
+    reports, proc = _run(tmp_path, 2, "--devices", "gpu:0", "--counts", "1,1000,70001,1000003",
+                         timeout=400)  # fmt: skip
+    _all_pass(reports, 2, proc)
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@needs_mpi
+def test_gpu_a_killed_process_is_named(tmp_path: Path) -> None:
+    if gpu_count() < 1:
+        pytest.skip("needs a GPU")
+    parts = [(1, {}), (1, {}, "{cmd}; sleep 20")]
+    _, proc = _run(tmp_path, parts, "--devices", "gpu:0", "--kill", "1", "--algorithms",
+                   "direct", faults=True, timeout=120)  # fmt: skip
+    lines = re.findall(r"nccltree: PeerFailure: rank 0: [^\n]*", proc.stderr)
+    assert lines and "ranks [1]" in lines[0] and "died" in lines[0], proc.stderr[-3000:]
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.mpi
+@needs_mpi
+def test_multi_gpu_nccl_across_processes_and_two_simulated_nodes(tmp_path: Path) -> None:
+    """NCCL needs one GPU per process: the nccl algorithm on two GPUs, and two simulated
+    nodes of one process each (NCCL send/recv between them)."""
+    if gpu_count() < 2:
+        pytest.skip("needs two GPUs")
+    reports, proc = _run(tmp_path, 2, "--algorithms", "nccl,auto,tree,direct", timeout=400)
+    _all_pass(reports, 2, proc)
+    reports, proc = _run(tmp_path, _nodes(1, 1), "--algorithms", "tree,ring", timeout=400)
+    _all_pass(reports, 2, proc)

@@ -1,10 +1,10 @@
 """The one-call GPU check: build, every GPU test, a short sweep, a compact summary.
 
-    bash bench/gpu_check.sh                           # a GPU machine: at most 5 minutes
+    bash bench/gpu_check.sh                           # a GPU machine: at most 7 minutes
     bash bench/gpu_check.sh --rerun-failed OLD.json   # only what failed there: 2 minutes
     bash bench/gpu_check.sh --dry-run                 # the same pipeline on the host backend
 
-Stages, each bounded by one global deadline (``--deadline``, 300 s; 120 s for a rerun):
+Stages, each bounded by one global deadline (``--deadline``, 420 s; 120 s for a rerun):
 
 1. probe: CuPy, the driver, NCCL and the GPUs present (one small Python process);
 2. install: the wheels in ``.whl/`` (an lmdb wheel for the machine's Python, see
@@ -22,7 +22,12 @@ Stages, each bounded by one global deadline (``--deadline``, 300 s; 120 s for a 
    results checked) with tree, ring, direct and NCCL on the GPUs present (NCCL with one
    rank too) and tree, ring, direct on four logical ranks of GPU 0;
 6. issue cost: the host time a stream-ordered all_reduce takes to return, per plan step,
-   at 8 B, 1 MiB and 256 MiB (the bench tool times the devices, not the issuing).
+   at 8 B, 1 MiB and 256 MiB (the bench tool times the devices, not the issuing);
+7. process groups: ``bench/pg_gpu_bench.py`` under ``mpiexec -n 2`` (both processes on GPU
+   0, CUDA IPC between them) against the same algorithms on two logical ranks of GPU 0 in
+   one process, 1 MiB to 256 MiB; the ratio at 256 MiB is the process groups' target
+   (``PG_TARGET``: reported, not a failure). ``mpiexec`` and mpi4py come from wheels in
+   ``.whl/`` (mpich and mpi4py), like lmdb.
 
 The summary is printed last: tests passed/failed/skipped, busbw of every algorithm at
 1 MiB and 256 MiB read from the sweep's JSON records, the issue cost, the topology, and
@@ -43,10 +48,12 @@ import faulthandler
 import json
 import os
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import sysconfig
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -57,7 +64,10 @@ from typing import IO, Any
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent
 MiB = 1 << 20
-STAGES = ("topology", "tests", "sweep", "issue_cost")  # after the probe and install
+STAGES = ("topology", "tests", "sweep", "issue_cost", "process_groups")  # after the install
+#: the issue's target: a GPU process group over IPC reaches this share of the busbw of the
+#: same algorithm on logical ranks of one process, at the largest size
+PG_TARGET = 0.8
 
 # -- the pytest plugin (loaded into the test process with `-p gpu_check`) ------------------
 #
@@ -345,6 +355,7 @@ class Config:
     marker: str | None  # the marker expression of the default test selection
     topo_devices: str
     nccl_expected: bool  # False on the host backend, where NCCL cannot run
+    pg_args: tuple[str, ...] = ()  # bench/pg_gpu_bench.py's arguments
 
 
 def make_config(dry_run: bool, gpus: int) -> Config:
@@ -380,6 +391,9 @@ def make_config(dry_run: bool, gpus: int) -> Config:
         marker,
         topo,
         not dry_run,
+        ("--devices", "cpu", "--sizes", "64K,1M", "--reps", "1", "--iters", "2")
+        if dry_run
+        else ("--devices", "gpu:0", "--sizes", "1M,16M,256M", "--reps", "5", "--iters", "10"),
     )
 
 
@@ -584,12 +598,23 @@ class Check:
 
     def install(self) -> None:
         st = self.stage("install")
-        site = ROOT / "build" / "gpu-check-site"
+        # the wheels go under a prefix of their own: their modules, and the programs and
+        # shared libraries some bring (mpich: mpiexec and libmpi, for the process groups'
+        # tests), reached through PYTHONPATH, PATH and LD_LIBRARY_PATH
+        prefix = ROOT / "build" / "gpu-check-prefix"
+        site = Path(
+            sysconfig.get_path("purelib", "posix_prefix", vars={"base": str(prefix),
+                                                                 "platbase": str(prefix)})
+        )  # fmt: skip
         wheels_dir = Path(self.args.wheels) if self.args.wheels else ROOT / ".whl"
         wheels = sorted(wheels_dir.glob("*.whl")) if wheels_dir.is_dir() else []
         archs = sorted({g["cc"] for g in self.results.get("machine", {}).get("gpus", [])})
         self.env["PYTHONPATH"] = os.pathsep.join(
             [str(site), str(BENCH), *filter(None, [self.env.get("PYTHONPATH")])]
+        )
+        self.env["PATH"] = os.pathsep.join([str(prefix / "bin"), self.env.get("PATH", "")])
+        self.env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            [str(prefix / "lib"), *filter(None, [self.env.get("LD_LIBRARY_PATH")])]
         )
         build_env = dict(self.env)
         if archs:
@@ -599,7 +624,7 @@ class Check:
             build_env["CMAKE_ARGS"] = " ".join(filter(None, [self.env.get("CMAKE_ARGS"), define]))
         build_env["PIP_BREAK_SYSTEM_PACKAGES"] = "1"  # a system Python without a venv
         pip = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps"]
-        wheel_cmd = [*pip, "-q", "--no-compile", "--upgrade", "--target", str(site)]
+        wheel_cmd = [*pip, "-q", "--no-compile", "--upgrade", "--prefix", str(prefix)]
         wheel_cmd += map(str, wheels)
         # -v: CMake's messages go to the log (whether the fatbin was built, and for what)
         build_cmd = [*pip, "-v", "--no-build-isolation", "-e", "."]
@@ -967,6 +992,43 @@ class Check:
         st["status"] = "ok" if all(r["status"] == "ok" for r in done) else "failed"
         self.save()
 
+    # -- process groups ----------------------------------------------------------------
+    def process_groups(self) -> None:
+        st = self.stage("process_groups")
+        # on PATH (the wheels' prefix comes first), else beside the interpreter (a venv)
+        where = os.pathsep.join([self.env.get("PATH", ""), str(Path(sys.executable).parent)])
+        exe = shutil.which("mpiexec", path=where)
+        if exe is None:
+            st["status"] = "failed"
+            self.fail("process groups: no mpiexec (put mpich and mpi4py wheels in .whl/)")
+            self.save()
+            return
+        path = self.out / "pg_gpu.json"
+        path.unlink(missing_ok=True)
+        argv = [exe, "-n", "2", sys.executable, str(BENCH / "pg_gpu_bench.py"),
+                *self.config.pg_args, "--json", str(path)]  # fmt: skip
+        ran = self.run(argv, self.out / "pg_gpu.txt", self.budget(150, 3))
+        got = json.loads(path.read_text()) if path.exists() else {}
+        ratios = got.get("ratio_pg_to_world", {})
+        biggest = max((int(k.rsplit("/", 1)[1]) for k in ratios), default=0)
+        at_top = {k.rsplit("/", 1)[0]: v for k, v in ratios.items() if k.endswith(f"/{biggest}")}
+        st.update(rc=ran.rc, seconds=ran.seconds, json=path.name, wrong=got.get("wrong"),
+                  size=biggest, ratios=at_top,
+                  busbw={k: v for k, v in got.get("cases", {}).items()})  # fmt: skip
+        sym = [v for k, v in at_top.items() if k.endswith("/sym")]
+        st["target"] = (
+            None
+            if not sym or self.args.dry_run
+            else f"{'met' if min(sym) >= PG_TARGET else 'missed'}: worst symmetric "
+            f"{min(sym):.2f} (target {PG_TARGET})"
+        )
+        if ran.rc != 0 or not got:
+            st["status"] = "failed"
+            self.fail(f"process groups: pg_gpu_bench failed (rc {ran.rc}):\n{ran.tail}")
+        else:
+            st["status"] = "ok"
+        self.save()
+
     # -- reserves: time kept for the stages still to come (those planned) ------------
     def _share(self, stage: str, fraction: float) -> float:
         planned = bool(self.plan.get(stage))
@@ -974,7 +1036,7 @@ class Check:
 
     @property
     def reserve_after_sweep(self) -> float:
-        return self._share("issue_cost", 0.08)
+        return self._share("issue_cost", 0.06) + self._share("process_groups", 0.22)
 
     @property
     def reserve_after_tests(self) -> float:
@@ -1112,6 +1174,14 @@ class Check:
                         )
                 for alg, cells in by_alg.items():
                     lines.append(f"  {run['devices']:<14}{alg:<8}" + "; ".join(cells))
+        pgs = stages.get("process_groups")
+        if pgs:
+            cells = ", ".join(f"{k} {v:.2f}" for k, v in (pgs.get("ratios") or {}).items())
+            lines.append(
+                f"groups    {pgs['status']}: 2 processes over IPC / 2 logical ranks of one "
+                f"process, busbw at {human(pgs.get('size') or 0)}: {cells or '-'}"
+                + (f"; target {pgs['target']}" if pgs.get("target") else "")
+            )
         topo = stages.get("topology")
         if topo:
             lines.append(f"topology  {topo['status']}:")
@@ -1149,7 +1219,7 @@ class Check:
             self.results["plan"] = {
                 k: (v if k != "sweep" else [s.key for s in v]) for k, v in plan.items()
             }
-            if not any(plan[k] for k in ("topology", "tests", "sweep", "issue_cost")):
+            if not any(plan[k] for k in STAGES):
                 print("nothing failed in the previous run: nothing to rerun", flush=True)
             self.install()
             if plan["topology"]:
@@ -1160,6 +1230,8 @@ class Check:
                 self.sweep(plan["sweep"])
             if plan["issue_cost"]:
                 self.issue_cost(plan["issue_cost"])
+            if plan["process_groups"]:
+                self.process_groups()
             skipped = [k for k in STAGES if k not in self.stages]
             if skipped:
                 self.notes.append(f"stages left out (--stages): {', '.join(skipped)}")
@@ -1180,12 +1252,13 @@ class Check:
         ]
         tests = shlex.split(self.args.tests) if self.args.tests else cfg.tests
         if prev is None:
-            plan = {"topology": True, "tests": tests, "sweep": cfg.sweep, "issue_cost": issue_sets}
+            plan = {"topology": True, "tests": tests, "sweep": cfg.sweep, "issue_cost": issue_sets,
+                    "process_groups": True}  # fmt: skip
         else:
             plan = self._failed_in(prev, tests, issue_sets)
         for k in STAGES:
             if k not in self.stages:
-                plan[k] = [] if k != "topology" else False
+                plan[k] = [] if k not in ("topology", "process_groups") else False
         return plan
 
     def _failed_in(
@@ -1220,6 +1293,7 @@ class Check:
         }
         return {
             "topology": topo,
+            "process_groups": stages.get("process_groups", {}).get("status") != "ok",
             "tests": again,
             "sweep": [s for s in cfg.sweep if s.key not in sweep_ok],
             "issue_cost": [s for s in issue_sets if s[0] not in ic_ok],
@@ -1271,7 +1345,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--deadline",
         type=float,
-        help="global deadline in seconds (default 300; 120 with --rerun-failed)",
+        help="global deadline in seconds (default 420; 120 with --rerun-failed)",
     )
     p.add_argument(
         "--test-timeout", type=float, default=60.0, help="seconds per test (default %(default)g)"
@@ -1321,7 +1395,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json),
         )
     out = Path(args.out or os.environ.get("OUT") or ROOT / "out" / "gpu-check").resolve()
-    deadline = args.deadline or (120.0 if args.rerun_failed else 300.0)
+    deadline = args.deadline or (120.0 if args.rerun_failed else 420.0)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     bad = [s for s in stages if s not in STAGES]
     if bad:

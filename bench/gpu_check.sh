@@ -2,7 +2,7 @@
 # The one-call GPU check; bench/gpu_check.py does the work (its docstring and
 # docs/performance.md, "GPU", say what runs and what is measured).
 #
-#   bash bench/gpu_check.sh                           # a GPU machine: at most 5 minutes
+#   bash bench/gpu_check.sh                           # a GPU machine: at most 7 minutes
 #   bash bench/gpu_check.sh --rerun-failed OLD.json   # only what failed there: 2 minutes
 #   bash bench/gpu_check.sh --dry-run                 # the same pipeline on the host backend
 #

@@ -65,8 +65,16 @@ def test_dry_run_passes_and_reports_from_the_json(tmp_path: Path) -> None:
     assert any(line.startswith("nccltree GPU check: PASS") for line in tail[-40:])
     stages = res["stages"]
     assert {k: v["status"] for k, v in stages.items()} == dict.fromkeys(
-        ("probe", "install", "topology", "tests", "sweep", "issue_cost"), "ok"
+        ("probe", "install", "topology", "tests", "sweep", "issue_cost", "process_groups"), "ok"
     )
+    # the process groups' benchmark ran (host groups in a dry run), every case checked, and
+    # the ratio of each case to the in-process World is reported at the largest size
+    pgs = stages["process_groups"]
+    assert pgs["wrong"] and not any(pgs["wrong"].values())
+    assert set(pgs["ratios"]) == {f"{a}/{k}" for a in ("tree", "ring", "direct")
+                                  for k in ("sym", "user")}  # fmt: skip
+    assert all(v > 0 for v in pgs["ratios"].values())
+    assert any(line.startswith("groups    ok:") for line in tail[-40:])
     counts = stages["tests"]["counts"]
     assert counts["passed"] >= 3 and counts["failed"] == 0
     # the GPU tests skip on the host backend, as expected in a dry run
@@ -202,6 +210,7 @@ def test_gpu_mode_counts_failures_skips_crashes_and_hangs(tmp_path: Path) -> Non
     st2 = res2["stages"]["tests"]
     assert st2["status"] == "ok" and st2["counts"]["passed"] == 5, output
     assert res2["plan"]["sweep"] == [] and res2["plan"]["issue_cost"] == []
+    assert res2["plan"]["process_groups"] is False
 
 
 def _check_with_sweep(tmp_path: Path, records: list[dict[str, Any]]) -> Any:

@@ -57,8 +57,10 @@ def test_mpi_detection_and_devices() -> None:
     assert mpi_world_size({"OMPI_COMM_WORLD_SIZE": "3"}) == 3
     assert mpi_world_size({"SLURM_NTASKS": "8"}) == 1  # srun without PMIx: not MPI
     assert mpi_world_size({"SLURM_NTASKS": "8", "PMIX_RANK": "0"}) == 8
+    # auto: the GPU where CuPy sees one (never here), else one host rank
     assert group_devices("auto") == "cpu" and group_devices("cpu:2") == "cpu:2"
-    for bad in ("gpu:0", "cpu:0", "cpu:x"):
+    assert group_devices("gpu") == "gpu" and group_devices("gpu:1") == "gpu:1"
+    for bad in ("gpu:0,1", "cpu:0", "cpu:x", "gpu:x", "cuda"):
         with pytest.raises(ValueError, match="under MPI"):
             group_devices(bad)
 

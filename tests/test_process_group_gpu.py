@@ -272,3 +272,20 @@ def test_multi_gpu_nccl_across_processes_and_two_simulated_nodes(tmp_path: Path)
     _all_pass(reports, 2, proc)
     reports, proc = _run(tmp_path, _nodes(1, 1), "--algorithms", "tree,ring", timeout=400)
     _all_pass(reports, 2, proc)
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_on_the_fake_the_benchmark_runs_a_gpu_group(tmp_path: Path) -> None:
+    """Wiring check on tests/fakecupy: ``nccltree-bench collectives --devices gpu`` under
+    mpiexec (one table from rank 0; every algorithm's results checked; NCCL among them)."""
+    out = tmp_path / "bench.json"
+    proc = run_mpi(2, HERE / "fake_gpu_cli.py", "bench", "collectives", "--devices", "gpu",
+                   "-b", "8", "-e", "64K", "-f", "64", "--algorithm", "tree,ring,direct,nccl",
+                   "-c", "1", "-n", "2", "-w", "1", "--json", str(out), timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("# Avg bus bandwidth") == 1, proc.stdout[-2000:]
+    records = json.loads(out.read_text())["records"]
+    assert {r["algorithm"] for r in records} == {"tree", "ring", "direct", "nccl"}
+    assert all(r["wrong"] == 0 for r in records), records
+    assert all(r["devices"].startswith("gpu") for r in records), records[0]

@@ -124,17 +124,29 @@ def mpi_world_size(env: Mapping[str, str] | None = None) -> int:
 
 
 def group_devices(spec: str, flag: str = "--devices") -> str:
-    """The devices of each process under MPI: ``cpu`` (one rank) or ``cpu:N`` (N ranks);
-    ``auto`` is ``cpu``. Process groups hold host ranks only: anything else is a
-    ValueError."""
+    """The devices of each process under MPI: ``cpu`` (one rank), ``cpu:N`` (N ranks),
+    ``gpu`` (one GPU: the process's index among its node's processes, modulo the GPUs it
+    sees) or ``gpu:K`` (CUDA device K); ``auto`` is ``gpu`` where CuPy sees a GPU, else
+    ``cpu``. Anything else is a ValueError."""
     spec = spec.strip()
     if spec == "auto":
-        return "cpu"
-    if spec == "cpu" or (spec.startswith("cpu:") and spec[4:].isdigit() and int(spec[4:]) > 0):
+        from .._errors import BackendUnavailable
+        from ..backends import gpu_count
+
+        try:
+            return "gpu" if gpu_count() > 0 else "cpu"
+        except BackendUnavailable:
+            return "cpu"
+    if spec in ("cpu", "gpu") or (
+        spec[:4] in ("cpu:", "gpu:")
+        and spec[4:].isdigit()
+        and (spec.startswith("gpu") or int(spec[4:]) > 0)
+    ):
         return spec
     raise ValueError(
-        f"{flag} {spec}: under MPI each process holds 'cpu' (one rank) or 'cpu:N' (N ranks); "
-        "GPUs in process groups are not supported yet"
+        f"{flag} {spec}: under MPI each process holds 'cpu' (one rank), 'cpu:N' (N ranks), "
+        "'gpu' (one GPU, picked by the process's index on its node) or 'gpu:K' (CUDA "
+        "device K)"
     )
 
 

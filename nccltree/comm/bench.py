@@ -375,14 +375,22 @@ class GroupWorld:
     ) -> list[np.ndarray]:
         return self._call("reduce_scatter", xs, outs, op)
 
+    def _on_devices(self, host: Sequence[np.ndarray]) -> list[Array]:
+        """Host arrays copied to this process's ranks' devices (GPU groups take device
+        arrays; on the host backend this is a copy)."""
+        return [d.from_host(h) for d, h in zip(self.pg.devices, host, strict=True)]
+
     def barrier(self) -> None:
-        self.all_reduce([np.zeros(1, np.float32) for _ in self.pg.ranks])
+        self.all_reduce(self._on_devices([np.zeros(1, np.float32) for _ in self.pg.ranks]))
+        for d in self.pg.devices:
+            d.synchronize()
 
     def gather_values(self, values: Sequence[float]) -> list[float]:
         """Every rank's value (``values``: this process's ranks'), in global rank order."""
-        xs = [np.array([v], dtype=np.float64) for v in values]
-        outs = [np.empty(self.pg.size, dtype=np.float64) for _ in values]
-        return [float(v) for v in self._call("all_gather", xs, outs)[0]]
+        xs = self._on_devices([np.array([v], dtype=np.float64) for v in values])
+        outs = self._on_devices([np.empty(self.pg.size, dtype=np.float64) for _ in values])
+        got = self.pg.devices[0].to_host(self._call("all_gather", xs, outs)[0])
+        return [float(v) for v in got]
 
     def close(self) -> None:
         """Nothing to release: the group is its owner's."""

@@ -426,21 +426,32 @@ class GpuSide:
             for p, h in handles:
                 if p != pg.proc:
                     self.peer_events[p] = IpcEvent(self.device, h)
-        wants = (
-            self.sync_mode or pg.algorithm == "nccl" or (pg.algorithm == "auto" and self.nccl_ok)
-        )
-        if wants:
-            if pg.algorithm == "auto" and not self.sync_mode:
-                try:
-                    self.comm = nccl_comm(pg._comm, pg.proc, pg.nprocs, self.device)
-                except BackendUnavailable:
-                    self.nccl_ok = False  # auto falls back to the tree, ring or direct
-            else:
-                self.comm = nccl_comm(pg._comm, pg.proc, pg.nprocs, self.device)
-        if self.comm is not None:
+        if self.sync_mode:
+            self.ensure_nccl()  # messages between nodes from the first call on
+        elif pg.algorithm == "auto" and self.nccl_ok:
+            try:
+                from ..nccl import _nccl_module
+
+                _nccl_module()
+            except BackendUnavailable:
+                self.nccl_ok = False  # auto picks the tree, ring or direct instead
+
+    def ensure_nccl(self) -> NcclEngine:
+        """The group's NCCL communicator, made at the first call that needs it: every
+        process makes that call, in the same order, so the creation is collective (the
+        unique id goes over MPI: the one MPI collective after bootstrap, once)."""
+        if self.engine is None:
+            if not self.nccl_ok:
+                raise ValueError(
+                    "algorithm='nccl' needs one GPU per process, but processes of one node "
+                    f"share a GPU (GPUs by process: {self.buses})"
+                )
             from ..nccl import NcclEngine
 
+            pg = self.pg
+            self.comm = nccl_comm(pg._comm, pg.proc, pg.nprocs, self.device)
             self.engine = NcclEngine([self.device], comms=[self.comm], size=pg.nprocs)
+        return self.engine
 
     def close(self) -> None:
         if self._watchdog is not None:
@@ -564,13 +575,9 @@ class GpuSide:
     # -- algorithm="nccl" ------------------------------------------------------------------------
     def run_nccl(self, prep: Prepared) -> None:
         """NCCL's own collective on the caller's stream; the watchdog watches its end."""
-        if self.engine is None:
-            raise CommError(
-                "algorithm='nccl' is not available in this group: "
-                + ("two processes of a node share a GPU" if not self.nccl_ok else "no NCCL")
-            )
+        engine = self.ensure_nccl()
         caller = self.caller if self.caller is not None else self.device.current_stream()
-        launched = self.engine.launch(prep, [caller])
+        launched = engine.launch(prep, [caller])
         events = launched.events or []
         self.last_end = events[0] if events else None
         self.watch(f"NCCL {prep.collective}", events, prep)

@@ -695,7 +695,7 @@ class ProcessGroup(Collectives):
         if self.algorithm != "auto":
             return self.algorithm
         if self._gpu is not None:
-            if self._gpu.engine is not None:
+            if self._gpu.nccl_ok:
                 return "nccl"
             return "tree" if self.nodes > 1 else "direct"
         if (

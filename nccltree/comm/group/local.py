@@ -208,6 +208,9 @@ class GroupComm(Collectives):
         return self.pg._local.arrive(self.index, collective, x, out, op, root)
 
     def barrier(self) -> None:
+        if self.pg.gpu:
+            self.pg.barrier()  # one rank per process, on its GPU
+            return
         self._call("all_reduce", np.zeros(1, np.float32), None, "sum", 0)
 
 

@@ -56,16 +56,20 @@ def _all_pass(reports: list[dict[str, Any]], n: int, proc: Any) -> None:
 
 # -- on the fake (wiring only, not GPU verification) ---------------------------------------
 
+PHB3 = [["X", "PHB", "PHB"], ["PHB", "X", "PHB"], ["PHB", "PHB", "X"]]
 FAKE = {
-    # name: (mpiexec parts, worker arguments, peer events waited on, NCCL methods)
-    "one node, a GPU per process": (3, ["--counts", "5,70001"], True, []),
+    # name: (mpiexec parts, worker arguments, peer events waited on, NCCL methods, the
+    # topology's link tokens: the fake has no NVML, so peer access says PHB)
+    "one node, a GPU per process": (3, ["--counts", "5,70001"], True, [], PHB3),
     "one node, processes sharing GPU 0": (2, ["--devices", "gpu:0", "--dtypes", "float32"],
-                                          True, []),
+                                          True, [], [["X", "DEV"], ["DEV", "X"]]),
     "two nodes x two processes (NCCL send/recv between nodes)": (
-        _nodes(2, 2), ["--counts", "5,70001", "--dtypes", "float32"], False, ["recv", "send"]),
+        _nodes(2, 2), ["--counts", "5,70001", "--dtypes", "float32"], False, ["recv", "send"],
+        [["X", "PHB", "NET", "NET"], ["PHB", "X", "NET", "NET"], ["NET", "NET", "X", "PHB"],
+         ["NET", "NET", "PHB", "X"]]),
     "algorithm nccl and auto": (3, ["--algorithms", "nccl,auto", "--counts", "5,70001"], False,
                                 ["allGather", "allReduce", "broadcast", "reduce",
-                                 "reduceScatter"]),
+                                 "reduceScatter"], PHB3),
 }  # fmt: skip
 
 
@@ -74,7 +78,7 @@ FAKE = {
 @pytest.mark.parametrize("name", list(FAKE))
 def test_on_the_fake_every_collective_matches_numpy(name: str, tmp_path: Path) -> None:
     """Wiring check on tests/fakecupy (not GPU verification)."""
-    parts, args, events, nccl = FAKE[name]
+    parts, args, events, nccl, topology = FAKE[name]
     reports, proc = _run(tmp_path, parts, "--fake", "4", *args, timeout=300)
     n = parts if isinstance(parts, int) else sum(p[0] for p in parts)
     _all_pass(reports, n, proc)
@@ -89,6 +93,7 @@ def test_on_the_fake_every_collective_matches_numpy(name: str, tmp_path: Path) -
         # across nodes (sync mode) never: counters there mean the work is done
         assert (r["waits_on_peer_events"] > 0) == events, r
         assert r["nccl"] == nccl, r
+        assert r["topology"] == topology, r
 
 
 @pytest.mark.mpi
@@ -112,6 +117,22 @@ def test_on_the_fake_a_killed_process_is_named(tmp_path: Path) -> None:
                    faults=True, timeout=90)  # fmt: skip
     lines = re.findall(r"nccltree: PeerFailure: rank 0: [^\n]*", proc.stderr)
     assert lines and "ranks [1]" in lines[0] and "died" in lines[0], proc.stderr[-3000:]
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_on_the_fake_a_hung_nccl_call_fails_the_group_in_time(tmp_path: Path) -> None:
+    """Wiring check on tests/fakecupy: NCCL work that never completes is found by the
+    group's watchdog at the timeout, which aborts the communicator and fails the group on
+    every process (no hang; later calls raise at once)."""
+    reports, proc = _run(tmp_path, 2, "--fake", "4", "--algorithms", "nccl", "--hang-nccl",
+                         "--timeout", "2", "--counts", "5", "--dtypes", "float32",
+                         timeout=120)  # fmt: skip
+    assert len(reports) == 2, proc.stderr[-3000:]
+    for r in reports:
+        assert r["nfail"] > 0 and any("failed earlier" in f for f in r["failures"]), r
+    assert proc.stderr.count("nccltree: CommTimeout:") == 2, proc.stderr[-3000:]
+    assert "did not complete within 2 s" in proc.stderr
 
 
 # -- the message order, simulated (no MPI, no GPU) ----------------------------------------
@@ -289,3 +310,33 @@ def test_on_the_fake_the_benchmark_runs_a_gpu_group(tmp_path: Path) -> None:
     assert {r["algorithm"] for r in records} == {"tree", "ring", "direct", "nccl"}
     assert all(r["wrong"] == 0 for r in records), records
     assert all(r["devices"].startswith("gpu") for r in records), records[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@needs_mpi
+def test_gpu_training_over_two_processes_sharing_a_gpu_equals_one_process(
+    tmp_path: Path,
+) -> None:
+    """``mpiexec -n 2 nccltree-train --devices gpu:0`` trains bitwise as one process on
+    two logical ranks of GPU 0 (``gpu:0,0``) with the tree: the same plan over the same
+    topology, the same kernels in the same order."""
+    if gpu_count() < 1:
+        pytest.skip("needs a GPU")
+    import numpy as np
+
+    from nccltree.cli import train
+    from tests.mpirun import ROOT
+
+    common = ["--synthetic", "512", "--batch-size", "8", "--seed", "1", "--algorithm", "tree",
+              "--iters", "8", "--quiet"]  # fmt: skip
+    ref = tmp_path / "single"
+    assert train.main([*common, "--devices", "gpu:0,0", "--out", str(ref)]) == 0
+    out = tmp_path / "mpi"
+    proc = run_mpi(2, ROOT / "tests" / "mpi" / "cli_main.py", "train", *common, "--devices",
+                   "gpu:0", "--out", str(out), timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    a, b = np.load(ref / "final.npz"), np.load(out / "final.npz")
+    assert sorted(a.files) == sorted(b.files)
+    for k in a.files:
+        assert np.array_equal(a[k], b[k]), k

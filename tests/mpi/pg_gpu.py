@@ -32,6 +32,9 @@ p.add_argument("--counts", default="1,1000,70001")
 p.add_argument("--dtypes", default="float32,float16")
 p.add_argument("--fake", type=int, default=0, help="run on the fake of CuPy with N GPUs")
 p.add_argument("--kill", type=int, default=-1, help="this MPI rank dies in its 3rd call")
+p.add_argument("--hang-nccl", action="store_true",
+               help="(fake) every process's 3rd NCCL call never completes")  # fmt: skip
+p.add_argument("--timeout", type=float, default=30.0)
 args = p.parse_args()
 if os.environ.get("NCCLTREE_TEST_TRACEBACK"):
     import faulthandler
@@ -78,8 +81,12 @@ def expect(coll: str, full: list[np.ndarray], rank: int, n: int, count: int, op:
 
 
 calls = 0
+topology: list[list[str]] = []
 for alg in args.algorithms.split(","):
-    pg = nt.init_process_group(devices=args.devices, algorithm=alg, timeout=30)
+    pg = nt.init_process_group(devices=args.devices, algorithm=alg, timeout=args.timeout)
+    if not topology:
+        topology = [[pg.topology.link(i, j).token for j in range(pg.size)]
+                    for i in range(pg.size)]  # fmt: skip
     n = pg.size
     for coll in ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter"):
         c = COLLECTIVES[coll]
@@ -90,6 +97,8 @@ for alg in args.algorithms.split(","):
                         calls += 1
                         if calls == 3 and args.kill == me:
                             os._exit(9)
+                        if calls == 3 and args.hang_nccl and fake is not None:
+                            fake.nccl.hang_next_call(pg.rank)
                         root = n - 1 if c.rooted else 0
                         rng = np.random.default_rng(count + 17 * len(coll))
                         full = [rng.integers(-4, 5, c.in_count(count, n)).astype(dtype)
@@ -130,7 +139,8 @@ for alg in args.algorithms.split(","):
                             break
     pg.close()
 
-report = {"rank": me, "checked": checked, "failures": failures[:20], "nfail": len(failures)}
+report = {"rank": me, "checked": checked, "failures": failures[:20], "nfail": len(failures),
+          "topology": topology}  # fmt: skip
 if fake is not None:
     kinds: dict[str, int] = {}
     for entry in fake.ipc_log:

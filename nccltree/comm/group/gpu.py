@@ -390,6 +390,7 @@ class GpuSide:
         self.retired: list[DeviceBlock] = []
         self.caller: Stream | None = None
         self.caller_waits = True  # the caller's stream waits for the call (not async_op)
+        self._defaulted = False  # begin() took the current stream (no caller was given)
         self.last_end: Event | None = None
         self._watchdog: Watchdog | None = None
         self._notify = self.device.empty(1, np.uint8)
@@ -474,7 +475,8 @@ class GpuSide:
     def begin(self) -> None:
         """The group's stream after the caller's work (the inputs are written there)."""
         caller = self.caller
-        if caller is None:
+        self._defaulted = caller is None
+        if caller is None:  # pg.call: the caller's current stream, for this call only
             caller = self.caller = self.device.current_stream()
         self.stream.wait_event(caller.record())
 
@@ -486,6 +488,8 @@ class GpuSide:
         caller = self.caller
         if caller is not None and self.caller_waits:
             caller.wait_event(done)
+        if self._defaulted:
+            self.caller = None
         self.watch(what, [done], keepalive)
 
     def watch(self, what: str, events: Sequence[Event], keepalive: object) -> None:

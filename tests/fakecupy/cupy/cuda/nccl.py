@@ -648,9 +648,14 @@ def _run_across(p: _Posted) -> None:
     """An operation of a communicator spanning processes, run at once through MPI: a
     send is buffered (``isend``), a receive waits for its message, a collective gathers
     every rank's input and checks that all posted the same collective. Wiring only: real
-    NCCL sends wait for their receive."""
+    NCCL sends wait for their receive. A call marked to hang (``hang_next_call``) moves
+    nothing and stays pending, as on one process: hang every process's call, or the
+    others wait in MPI for it."""
     fake = _core.active()
     c = p.comm._clique
+    if p.hang:
+        p.comm._hung.append(p)
+        return
     mpi = c.mpi
     where = c.mpi_rank
     k = p.call

@@ -93,7 +93,7 @@ for alg in args.algorithms.split(","):
         for dtype in args.dtypes.split(","):
             for count in counts:
                 for op in ("sum", "max", "mean") if c.reduces else ("sum",):
-                    for mode in ("call", "async", "symmetric"):
+                    for mode in ("call", "async", "symmetric", "inplace"):
                         calls += 1
                         if calls == 3 and args.kill == me:
                             os._exit(9)
@@ -111,11 +111,27 @@ for alg in args.algorithms.split(","):
                                 x = pg.empty(mine.size, dtype)
                                 x[...] = cp.asarray(mine)
                                 out = pg.empty(nout, dtype)
+                            elif mode == "inplace":
+                                # NCCL's in-place layouts: one buffer, or the input
+                                # inside the output (all_gather) and the output inside the
+                                # input (reduce_scatter)
+                                r = pg.rank
+                                if coll == "all_gather":
+                                    out = cp.zeros(nout, dtype)
+                                    out[r * count : (r + 1) * count] = cp.asarray(mine)
+                                    x = out[r * count : (r + 1) * count]
+                                elif coll == "reduce_scatter":
+                                    x = cp.asarray(mine)
+                                    out = x[r * count : (r + 1) * count]
+                                else:
+                                    x = cp.asarray(mine)
+                                    out = None
                             else:
                                 x = cp.asarray(mine)
                                 out = cp.asarray(np.full(nout, 7, dtype))
-                            if mode == "call":
-                                got = pg.call(coll, [x], [out], op=op, root=root)[0]
+                            if mode in ("call", "inplace"):
+                                outs = None if out is None else [out]
+                                got = pg.call(coll, [x], outs, op=op, root=root)[0]
                             else:
                                 kw = {"op": op} if c.reduces else {}
                                 if c.rooted:

@@ -897,7 +897,8 @@ class ProcessGroup(Collectives):
         ins = {r: prep.ins[i] for i, r in enumerate(self.ranks)}
         outs = {r: prep.outs[i] for i, r in enumerate(self.ranks)}
         if coll.root_output and prep.in_place and prep.root in ins:
-            outs[prep.root] = np.empty_like(prep.outs[self.ranks.index(prep.root)])
+            i = self.ranks.index(prep.root)
+            outs[prep.root] = self.devices[i].empty(prep.outs[i].shape, prep.dtype)
         lay = c.layouts[self.proc][0]
         loc = np.full((MAX_LOCAL_RANKS, 4), -1, np.int64) if heaps else None
         copy_back: list[tuple[np.ndarray, np.ndarray]] = []

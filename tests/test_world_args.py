@@ -102,6 +102,9 @@ def test_the_table_names_and_aliases():
         "broadcast",
         "all_gather",
         "reduce_scatter",
+        "gather",
+        "scatter",
+        "all_to_all",
     ]
     for alias, name in [
         ("allreduce", "all_reduce"),

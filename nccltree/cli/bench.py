@@ -183,6 +183,12 @@ def table_row(recs: Sequence[drv.BenchRecord]) -> str:
     for r in recs:
         wrong = "N/A" if r.wrong is None else str(r.wrong)
         line += _COLS[1].format(_fmt_time(r.time_us), f"{r.algbw:.2f}", f"{r.busbw:.2f}", wrong)
+    if (
+        len(recs) == 1
+        and r0.placement == "out-of-place"
+        and not COLLECTIVES[r0.collective].in_place_ok
+    ):
+        line += _COLS[1].format("n/a", "", "", "")  # no in-place form (all_to_all)
     return line
 
 
@@ -599,7 +605,7 @@ def run_collectives(
                 print("\n".join(table_header(current)), file=out, flush=True)
         records.append(rec)
         group.append(rec)
-        if len(group) == len(bench.placements):
+        if len(group) == len(bench.placements_for(COLLECTIVES[rec.collective])):
             if not quiet:
                 progress.clear()
                 print(table_row(group), file=out, flush=True)
@@ -1006,7 +1012,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="nccl-tests style bandwidth sweep of collectives",
         description="Time collectives over a size sweep and check every result. Figures "
         "mean what nccl-tests' mean: algbw = size / time, busbw = algbw x 2(n-1)/n "
-        "(all_reduce), (n-1)/n (all_gather, reduce_scatter), 1 (broadcast, reduce); "
+        "(all_reduce), (n-1)/n (all_gather, reduce_scatter, gather, scatter, all_to_all), "
+        "1 (broadcast, reduce); "
         f"GB = 1e9 bytes. Exit status {int(ExitStatus.WRONG)} if any element was wrong. "
         "A sweep whose largest sizes do not fit in memory stops at the largest that "
         "does, and says so.",
@@ -1055,8 +1062,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--collective",
         default=d["collective"],
         help="comma-separated: all_reduce, broadcast, reduce, all_gather, "
-        "reduce_scatter (allreduce, allgather, reducescatter too; default: "
-        "%(default)s)",
+        "reduce_scatter, gather, scatter, all_to_all (allreduce, allgather, "
+        "reducescatter, alltoall too; default: %(default)s)",
     )
     c.add_argument(
         "-b",

@@ -136,6 +136,11 @@ def prepare(
         results.append(outs[i])
         in_place.append(same)
     all_in_place = all(in_place)
+    if not coll.in_place_ok and any(in_place):
+        raise ValueError(
+            f"{collective} cannot run in place: pass an output that does not overlap the "
+            f"input (in place: ranks {[ids[i] for i in range(local) if in_place[i]]})"
+        )
     if not coll.one_buffer and any(in_place) != all_in_place:
         raise ValueError(
             f"{collective}: either every rank or no rank may call in place "

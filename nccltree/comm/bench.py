@@ -375,6 +375,21 @@ class GroupWorld:
     ) -> list[np.ndarray]:
         return self._call("reduce_scatter", xs, outs, op)
 
+    def gather(
+        self, xs: Sequence[np.ndarray], *, outs: Sequence[np.ndarray] | None = None, root: int = 0
+    ) -> list[np.ndarray]:
+        return self._call("gather", xs, outs, root=root)
+
+    def scatter(
+        self, xs: Sequence[np.ndarray], *, outs: Sequence[np.ndarray] | None = None, root: int = 0
+    ) -> list[np.ndarray]:
+        return self._call("scatter", xs, outs, root=root)
+
+    def all_to_all(
+        self, xs: Sequence[np.ndarray], *, outs: Sequence[np.ndarray] | None = None
+    ) -> list[np.ndarray]:
+        return self._call("all_to_all", xs, outs)
+
     def _on_devices(self, host: Sequence[np.ndarray]) -> list[Array]:
         """Host arrays copied to this process's ranks' devices (GPU groups take device
         arrays; on the host backend this is a copy)."""
@@ -653,8 +668,16 @@ class Benchmark:
     @property
     def total(self) -> int:
         """How many records iterating yields."""
-        per_variant = len(self.sizes) * len(self.algorithms) * len(self.placements)
-        return self.cycles * per_variant * sum(len(c) for c in self._schedule())
+        per_placement = len(self.sizes) * len(self.algorithms)
+        return (
+            self.cycles
+            * per_placement
+            * sum(
+                len(self.placements_for(COLLECTIVES[c]))
+                for names in self._schedule()
+                for c in names
+            )
+        )
 
     def _schedule(self) -> list[list[str]]:
         """The collectives measured for each variant: a collective without a reduction
@@ -698,8 +721,12 @@ class Benchmark:
         # one size's data at a time: the previous size's are freed before these are made
         data = self._size_data(coll, size)
         for alg in self.algorithms:
-            for placement in self.placements:
+            for placement in self.placements_for(coll):
                 yield self.measure(coll, alg, data, placement == "in-place")
+
+    def placements_for(self, coll: Collective) -> list[str]:
+        """The placements measured for ``coll``: all_to_all has no in-place form."""
+        return [p for p in self.placements if coll.in_place_ok or p != "in-place"]
 
     # -- one measurement ------------------------------------------------------------------
     def _size_data(self, coll: Collective, size: int) -> _SizeData:

@@ -23,6 +23,11 @@ from ._ops import reference, widen
 
 Counts = Callable[[int, int], int]  # (count, ranks) -> elements
 Expected = Callable[[Sequence[np.ndarray], str, int], list[tuple[str, np.ndarray]]]
+#: one NCCL point-to-point operation of a rank: (``"send"`` or ``"recv"``, the peer, the
+#: buffer (``"in"``/``"out"``), offset and count in elements)
+P2pOp = tuple[str, int, str, int, int]
+#: (rank, count, ranks, root, in place) -> that rank's operations, in issue order
+P2p = Callable[[int, int, int, int, bool], list[P2pOp]]
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,9 @@ class Collective:
     (``send``, ``recv``, ``count``, ``dtype``, ``op``, ``root``, ``stream``).
     ``expected(inputs, op, root)``: each rank's expected ``(buffer, values)`` in float64
     (int64 for integers), ``buffer`` being ``"out"``, or ``"in"`` for an input that must
-    stay unchanged.
+    stay unchanged. ``p2p``: for collectives NCCL has no call for, the NCCL send/receive
+    operations of each rank (see :func:`p2p_ops`); ``in_place_ok``: whether the call may
+    run in place at all.
     """
 
     name: str
@@ -53,6 +60,8 @@ class Collective:
     factor: Callable[[int], float]
     nccl: tuple[str, tuple[str, ...]]
     expected: Expected
+    p2p: P2p | None = None
+    in_place_ok: bool = True
 
     def count_for(self, elements: int, n: int) -> int:
         """NCCL's count for a message of ``elements`` elements: the larger buffer fits."""
@@ -119,7 +128,58 @@ def _exp_reduce_scatter(
     return [("out", ref[r * k : (r + 1) * k]) for r in range(len(ins))]
 
 
+def _exp_gather(ins: Sequence[np.ndarray], op: str, root: int) -> list[tuple[str, np.ndarray]]:
+    every = widen(np.concatenate(ins))
+    return [("out", every) if r == root else ("in", widen(x)) for r, x in enumerate(ins)]
+
+
+def _exp_scatter(ins: Sequence[np.ndarray], op: str, root: int) -> list[tuple[str, np.ndarray]]:
+    k = ins[root].size // len(ins)
+    return [("out", widen(ins[root][r * k : (r + 1) * k])) for r in range(len(ins))]
+
+
+def _exp_all_to_all(ins: Sequence[np.ndarray], op: str, root: int) -> list[tuple[str, np.ndarray]]:
+    n = len(ins)
+    k = ins[0].size // n
+    return [("out", widen(np.concatenate([x[r * k : (r + 1) * k] for x in ins])))
+            for r in range(n)]  # fmt: skip
+
+
+def _p2p_gather(r: int, count: int, n: int, root: int, in_place: bool) -> list[P2pOp]:
+    """Every rank sends its block to the root, which receives block q at q * count (its
+    own too, as a send to itself, unless in place: then it is there already)."""
+    src = ("out", r * count) if in_place else ("in", 0)
+    ops: list[P2pOp] = []
+    if not (in_place and r == root):
+        ops.append(("send", root, src[0], src[1], count))
+    if r == root:
+        ops += [("recv", q, "out", q * count, count) for q in range(n)
+                if not (in_place and q == root)]  # fmt: skip
+    return ops
+
+
+def _p2p_scatter(r: int, count: int, n: int, root: int, in_place: bool) -> list[P2pOp]:
+    """The root sends block q of its input to every rank q (itself too unless in place),
+    which receives it into its output."""
+    ops: list[P2pOp] = []
+    if r == root:
+        ops += [("send", q, "in", q * count, count) for q in range(n)
+                if not (in_place and q == root)]  # fmt: skip
+    if not (in_place and r == root):
+        dst = ("in", r * count) if in_place else ("out", 0)
+        ops.append(("recv", root, dst[0], dst[1], count))
+    return ops
+
+
+def _p2p_all_to_all(r: int, count: int, n: int, root: int, in_place: bool) -> list[P2pOp]:
+    """Block q of every rank's input goes to block r of rank q's output."""
+    return [("send", q, "in", q * count, count) for q in range(n)] + [
+        ("recv", q, "out", q * count, count) for q in range(n)
+    ]
+
+
 _BUFS = ("send", "recv", "count", "dtype")
+_P2P = ("", ())  # no NCCL call of its own: point-to-point operations (``p2p``)
 
 COLLECTIVES: dict[str, Collective] = {
     c.name: c
@@ -195,6 +255,57 @@ COLLECTIVES: dict[str, Collective] = {
             factor=lambda n: (n - 1) / n,
             nccl=("reduceScatter", (*_BUFS, "op", "stream")),
             expected=_exp_reduce_scatter,
+        ),
+        # every rank's block into the root's output, block r at r * count; in place, as
+        # all_gather, rank r's input is block r of its output (only the root's is written)
+        Collective(
+            name="gather",
+            aliases=(),
+            reduces=False,
+            rooted=True,
+            one_buffer=False,
+            root_output=True,
+            in_count=_same,
+            out_count=_times_n,
+            in_place=lambda r, count, n: (r * count, 0),
+            factor=lambda n: (n - 1) / n,
+            nccl=_P2P,
+            expected=_exp_gather,
+            p2p=_p2p_gather,
+        ),
+        # block r of the root's input into rank r's output; in place, as reduce_scatter,
+        # rank r's output is block r of its input (only the root's input is read)
+        Collective(
+            name="scatter",
+            aliases=(),
+            reduces=False,
+            rooted=True,
+            one_buffer=False,
+            root_output=False,
+            in_count=_times_n,
+            out_count=_same,
+            in_place=lambda r, count, n: (0, r * count),
+            factor=lambda n: (n - 1) / n,
+            nccl=_P2P,
+            expected=_exp_scatter,
+            p2p=_p2p_scatter,
+        ),
+        # block q of rank r's input into block r of rank q's output (equal blocks)
+        Collective(
+            name="all_to_all",
+            aliases=("alltoall",),
+            reduces=False,
+            rooted=False,
+            one_buffer=False,
+            root_output=False,
+            in_count=_times_n,
+            out_count=_times_n,
+            in_place=_no_offsets,
+            factor=lambda n: (n - 1) / n,
+            nccl=_P2P,
+            expected=_exp_all_to_all,
+            p2p=_p2p_all_to_all,
+            in_place_ok=False,
         ),
     )
 }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from .. import _native
 from .._errors import CommError, CommTimeout, MissingRanks, NcclTreeError, PeerFailure
@@ -117,6 +117,40 @@ class Comm:
     ) -> Any:
         """``out`` gets block ``rank`` of ``op`` over every rank's ``x``."""
         return self._call("reduce_scatter", x, out, op, 0, stream, async_op)
+
+    def gather(
+        self,
+        x: Array,
+        out: Array,
+        root: int = 0,
+        *,
+        stream: Stream | None = None,
+        async_op: bool = False,
+    ) -> Array | Work:
+        """The root's ``out`` gets every rank's ``x``, rank i's at ``[i*x.size,
+        (i+1)*x.size)``; every rank passes an ``out`` of that size, only the root's is
+        written."""
+        return cast("Array | Work", self._call("gather", x, out, "sum", root, stream, async_op))
+
+    def scatter(
+        self,
+        x: Array,
+        out: Array,
+        root: int = 0,
+        *,
+        stream: Stream | None = None,
+        async_op: bool = False,
+    ) -> Array | Work:
+        """``out`` gets block ``rank`` of the root's ``x`` (every rank passes an ``x`` of
+        that size; only the root's is read)."""
+        return cast("Array | Work", self._call("scatter", x, out, "sum", root, stream, async_op))
+
+    def all_to_all(
+        self, x: Array, out: Array, *, stream: Stream | None = None, async_op: bool = False
+    ) -> Array | Work:
+        """Block q of ``x`` goes to rank q, whose block ``rank`` of ``out`` it becomes
+        (equal blocks; not in place)."""
+        return cast("Array | Work", self._call("all_to_all", x, out, "sum", 0, stream, async_op))
 
     def barrier(self) -> None:
         """Return once every rank has called ``barrier`` and its queued work has run."""

@@ -96,6 +96,7 @@ class NcclEngine:
         self.devices = cast("list[CudaDevice]", list(devices))  # all CUDA: checked above
         self._lock = threading.Lock()  # launch and close never overlap
         self.size = len(ids) if size is None else size
+        self.rank0: int | None = None  # given communicators: the NCCL rank of the first
         if comms is not None:
             self.comms: list[Any] = list(comms)
             return
@@ -136,8 +137,20 @@ class NcclEngine:
             raise BackendUnavailable(
                 f"this NCCL build has no {exc} ({prep.dtype}, op {prep.op!r})"
             ) from exc
-        method, names = coll.nccl
         calls: list[tuple[Callable[..., None], tuple[object, ...]]] = []
+        if coll.p2p is not None:
+            # no NCCL call of its own: the table's sends and receives, in one group
+            item = prep.dtype.itemsize
+            for r, comm in enumerate(self.comms):
+                me = self._rank_of(r)
+                bufs = {"in": data_ptr(prep.ins[r]), "out": data_ptr(prep.outs[r])}
+                for kind, peer, which, off, cnt in coll.p2p(
+                    me, prep.count, self.size, prep.root, prep.in_place
+                ):
+                    args = (bufs[which] + off * item, cnt, dtype, peer, handles[r])
+                    calls.append((getattr(comm, kind), args))
+            return calls
+        method, names = coll.nccl
         for r, comm in enumerate(self.comms):
             values = {
                 "send": data_ptr(prep.ins[r]),
@@ -150,6 +163,10 @@ class NcclEngine:
             }
             calls.append((getattr(comm, method), tuple(values[k] for k in names)))
         return calls
+
+    def _rank_of(self, index: int) -> int:
+        """The NCCL rank of this engine's ``index``-th communicator."""
+        return index if self.rank0 is None else self.rank0 + index
 
     def launch(self, prep: Prepared, streams: Sequence[Stream | None]) -> Launched:
         """Issue the collective on every rank's stream (None: the device's current

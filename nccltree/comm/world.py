@@ -423,6 +423,50 @@ class World:
         """``outs[r]`` gets block r of ``op`` over all ranks' arrays."""
         return self._driver("reduce_scatter", xs, outs, op, 0, streams, async_op)
 
+    def gather(
+        self,
+        xs: Sequence[Array],
+        outs: Sequence[Array],
+        root: int = 0,
+        *,
+        streams: Sequence[Stream | None] | None = None,
+        async_op: bool = False,
+    ) -> list[Array] | Work:
+        """``outs[root]`` gets every rank's array, rank i's at ``[i*x.size, (i+1)*x.size)``;
+        every rank passes an output of that size, only the root's is written."""
+        return cast(
+            "list[Array] | Work", self._driver("gather", xs, outs, "sum", root, streams, async_op)
+        )
+
+    def scatter(
+        self,
+        xs: Sequence[Array],
+        outs: Sequence[Array],
+        root: int = 0,
+        *,
+        streams: Sequence[Stream | None] | None = None,
+        async_op: bool = False,
+    ) -> list[Array] | Work:
+        """``outs[r]`` gets block r of the root's array (every rank passes an input of
+        that size; only the root's is read)."""
+        return cast(
+            "list[Array] | Work", self._driver("scatter", xs, outs, "sum", root, streams, async_op)
+        )
+
+    def all_to_all(
+        self,
+        xs: Sequence[Array],
+        outs: Sequence[Array],
+        *,
+        streams: Sequence[Stream | None] | None = None,
+        async_op: bool = False,
+    ) -> list[Array] | Work:
+        """Block q of rank r's array goes to block r of rank q's output (equal blocks; not
+        in place)."""
+        return cast(
+            "list[Array] | Work", self._driver("all_to_all", xs, outs, "sum", 0, streams, async_op)
+        )
+
     def barrier(self) -> None:
         """Block until every rank's queued work (caller and communication streams) ran."""
         self._check_usable()

@@ -43,16 +43,18 @@ for alg in args.algorithms.split(","):
     ref = nt.World(nt.devices(f"cpu:{n}"), algorithm="tree" if alg in ("auto", "mpi") else alg,
                    topology=pg.topology)  # fmt: skip
     for coll, dtype, op, count, in_place in itertools.product(
-        ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter"),
+        ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "gather",
+         "scatter", "all_to_all"),
         DTYPES, OPS, counts, (False, True),
     ):  # fmt: skip
         c = COLLECTIVES[coll]
         if op == "mean" and dtype.startswith("int"):
             continue
-        if not c.reduces and op != "sum":
+        if (not c.reduces and op != "sum") or (in_place and not c.in_place_ok):
             continue
         if alg == "mpi" and (
-            (dtype == "float16" and c.reduces) or (pg.nodes > 1 and coll in ("all_gather",))
+            (dtype == "float16" and c.reduces)
+            or (pg.nodes > 1 and coll in ("all_gather", "gather", "scatter", "all_to_all"))
         ):
             continue
         if op == "prod" and count > 1000:
@@ -68,13 +70,13 @@ for alg in args.algorithms.split(","):
         outs = None
         if not in_place:
             outs = [np.full(c.out_count(count, n), 7, dtype) for _ in pg.ranks]
-        elif coll == "all_gather":
+        elif coll in ("all_gather", "gather"):
             bufs = [np.zeros(c.out_count(count, n), dtype) for _ in pg.ranks]
             for i, r in enumerate(pg.ranks):
                 bufs[i][r * count : (r + 1) * count] = full[r]
             xs = [bufs[i][r * count : (r + 1) * count] for i, r in enumerate(pg.ranks)]
             outs = bufs
-        elif coll == "reduce_scatter":
+        elif coll in ("reduce_scatter", "scatter"):
             outs = [xs[i][r * count : (r + 1) * count] for i, r in enumerate(pg.ranks)]
         what = f"{alg} {coll} {dtype} {op} count={count} in_place={in_place}"
         try:
@@ -87,12 +89,12 @@ for alg in args.algorithms.split(","):
         wouts = (
             None if outs is None else [np.full(c.out_count(count, n), 7, dtype) for _ in range(n)]
         )
-        if in_place and coll == "all_gather":
+        if in_place and coll in ("all_gather", "gather"):
             wouts = [np.zeros(c.out_count(count, n), dtype) for _ in range(n)]
             for r in range(n):
                 wouts[r][r * count : (r + 1) * count] = full[r]
             wxs = [wouts[r][r * count : (r + 1) * count] for r in range(n)]
-        elif in_place and coll == "reduce_scatter":
+        elif in_place and coll in ("reduce_scatter", "scatter"):
             wouts = [wxs[r][r * count : (r + 1) * count] for r in range(n)]
         kw = {"root": root} if c.rooted else {}
         if c.reduces:
@@ -101,7 +103,7 @@ for alg in args.algorithms.split(","):
             getattr(ref, coll)(wxs, **kw)
             if wouts is None
             else getattr(ref, coll)(wxs, wouts, **kw)
-            if coll in ("all_gather", "reduce_scatter")
+            if not c.one_buffer
             else getattr(ref, coll)(wxs, outs=wouts, **kw)
         )
         expected = c.expected([f.copy() for f in full], op, root)

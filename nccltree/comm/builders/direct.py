@@ -1,13 +1,17 @@
 """direct: every rank reduces its 1/N slice reading all peers, then writes it to every
 peer: about 2N buffer passes in total, the least traffic in shared memory (one host,
-NVSwitch). Needs every pair of devices to reach each other."""
+NVSwitch). Needs every pair of devices to reach each other.
+
+gather, scatter and all_to_all move every block once, from where it is to where it goes,
+which is all they need: their direct plans serve the tree and the ring too (across nodes
+of a process group, each block crosses between nodes once either way)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from ..plan import IN, OUT, Buf, Plan, PlanBuilder, chunked, split
-from ._base import PlanRequest, builds, reduce_final
+from ._base import Builder, PlanRequest, builds, reduce_final
 
 
 def _slices(req: PlanRequest) -> Iterator[tuple[int, int, int]]:
@@ -99,4 +103,55 @@ def direct_reduce_scatter(req: PlanRequest) -> Plan:
         dst = req.scatter_output(r)
         for o, c in chunked(count, req.chunk):
             reduce_final(b, req, r, dst.sub(o, c), _inputs(req, r * count + o, c))
+    return b.build()
+
+
+def _moves(*collective: str) -> Callable[[Builder], Builder]:
+    """Register a data-movement plan under every algorithm (see the module docstring)."""
+
+    def register(fn: Builder) -> Builder:
+        for name in collective:
+            for algorithm in ("direct", "tree", "ring"):
+                builds(algorithm, name)(fn)
+        return fn
+
+    return register
+
+
+@_moves("gather")
+def direct_gather(req: PlanRequest) -> Plan:
+    """Every rank writes its block into the root's output (the root's own block too,
+    unless in place: then it is there already)."""
+    n, count, root = req.size, req.count, req.root
+    b = PlanBuilder(n, f"direct gather root={root} count={count}", align=req.align)
+    for r in [root, *_peers(root, n)]:
+        if req.in_place and r == root:
+            continue
+        b.copy(r, Buf(root, OUT, r * count, count), req.gather_input(r))
+    return b.build()
+
+
+@_moves("scatter")
+def direct_scatter(req: PlanRequest) -> Plan:
+    """Every rank reads its block of the root's input into its output (in place, the
+    root's block is in place already)."""
+    n, count, root = req.size, req.count, req.root
+    b = PlanBuilder(n, f"direct scatter root={root} count={count}", align=req.align)
+    for r in [root, *_peers(root, n)]:
+        if req.in_place and r == root:
+            continue
+        b.copy(r, req.scatter_output(r), Buf(root, IN, r * count, count))
+    return b.build()
+
+
+@_moves("all_to_all")
+def direct_all_to_all(req: PlanRequest) -> Plan:
+    """Rank r writes block q of its input into block r of rank q's output, starting with
+    its own and then around the ring, so that ranks writing at once start at different
+    destinations."""
+    n, count = req.size, req.count
+    b = PlanBuilder(n, f"direct all_to_all count={count}", align=req.align)
+    for r in range(n):
+        for q in [r, *_peers(r, n)]:
+            b.copy(r, Buf(q, OUT, r * count, count), Buf(r, IN, q * count, count))
     return b.build()

@@ -452,6 +452,7 @@ class GpuSide:
             pg = self.pg
             self.comm = nccl_comm(pg._comm, pg.proc, pg.nprocs, self.device)
             self.engine = NcclEngine([self.device], comms=[self.comm], size=pg.nprocs)
+            self.engine.rank0 = pg.proc  # one rank per process: NCCL rank = group rank
         return self.engine
 
     def close(self) -> None:

@@ -176,6 +176,38 @@ class Collectives:
     ) -> np.ndarray | Work:
         return self._call("reduce_scatter", x, out, op, 0, stream, async_op)
 
+    def gather(
+        self,
+        x: np.ndarray,
+        out: np.ndarray,
+        *,
+        root: int = 0,
+        stream: Stream | None = None,
+        async_op: bool = False,
+    ) -> np.ndarray | Work:
+        return self._call("gather", x, out, "sum", root, stream, async_op)
+
+    def scatter(
+        self,
+        x: np.ndarray,
+        out: np.ndarray,
+        *,
+        root: int = 0,
+        stream: Stream | None = None,
+        async_op: bool = False,
+    ) -> np.ndarray | Work:
+        return self._call("scatter", x, out, "sum", root, stream, async_op)
+
+    def all_to_all(
+        self,
+        x: np.ndarray,
+        out: np.ndarray,
+        *,
+        stream: Stream | None = None,
+        async_op: bool = False,
+    ) -> np.ndarray | Work:
+        return self._call("all_to_all", x, out, "sum", 0, stream, async_op)
+
 
 class GroupComm(Collectives):
     """The per-rank face of a process group's rank (``pg.comm(i)``), used from that

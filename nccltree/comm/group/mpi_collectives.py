@@ -55,6 +55,21 @@ def run_mpi(pg: ProcessGroup, prep: Prepared, entry: Entry) -> None:
         elif coll == "all_gather":
             _mpi_order(pg, coll)
             req = comm.Iallgather(MPI.IN_PLACE if prep.in_place else [x, t], [o, t])
+        elif coll == "gather":
+            _mpi_order(pg, coll)
+            if me_root:
+                req = comm.Igather(MPI.IN_PLACE if prep.in_place else [x, t], [o, t], root=root)
+            else:
+                req = comm.Igather([x, t], None, root=root)
+        elif coll == "scatter":
+            _mpi_order(pg, coll)
+            if me_root:
+                req = comm.Iscatter([x, t], MPI.IN_PLACE if prep.in_place else [o, t], root=root)
+            else:
+                req = comm.Iscatter(None, [o, t], root=root)
+        elif coll == "all_to_all":
+            _mpi_order(pg, coll)
+            req = comm.Ialltoall([x, t], [o, t])
         else:
             _mpi_order(pg, coll)
             # in place the output lies inside the input: reduce from a copy

@@ -92,7 +92,12 @@ def topology_class(topology: Topology) -> str:
 def choose(backend: str, topo_class: str, nbytes: int, usable: Callable[[str], bool]) -> str:
     """The algorithm of the first rule of ``AUTO[backend, topo_class]`` that holds
     ``nbytes`` and whose algorithm is ``usable``."""
+    return choose_rule(backend, topo_class, nbytes, usable).algorithm
+
+
+def choose_rule(backend: str, topo_class: str, nbytes: int, usable: Callable[[str], bool]) -> Rule:
+    """The rule :func:`choose` takes (its ``why`` says the reason)."""
     for rule in AUTO[backend, topo_class]:
         if rule.holds(nbytes) and usable(rule.algorithm):
-            return rule.algorithm
+            return rule
     raise AssertionError(f"no auto rule for {nbytes} B on {backend}/{topo_class}")

@@ -21,12 +21,13 @@ from numpy.typing import DTypeLike
 
 from .._errors import CommError, CommTimeout, NcclTreeError, PeerFailure
 from .._validate import check_index, check_int, check_real
-from . import auto
+from . import auto, debug
 from ._args import Array, Launched, Prepared, prepare
 from .algorithms import ALGORITHMS, build_plan
 from .collectives import COLLECTIVES, collective_name
 from .comm import Comm, MissingRanks, _Rendezvous
 from .executor import Buffers, Program
+from .flight import FlightRecorder
 from .plan import IN, OUT, STAGE, TMP, Plan
 from .work import Work
 
@@ -201,6 +202,9 @@ class World:
             self._nccl_engine()  # fail now, with the reason, rather than at the first call
         self._rendezvous = _Rendezvous(self)
         self._comms = [Comm(self, r) for r in range(self.size)]
+        #: the last collectives, printed when the World fails (not when ``abort`` is called)
+        self.flight = FlightRecorder()
+        self._seq = 0
 
     # -- life cycle -----------------------------------------------------------------------
     def __enter__(self) -> World:
@@ -238,13 +242,23 @@ class World:
     def abort(self, reason: str | BaseException = "aborted by the caller") -> None:
         """Fail the World for good, from any thread: every rank waiting in a collective
         wakes at once, and every later call raises ``PeerFailure`` naming ``reason``."""
-        self._abort(reason if isinstance(reason, BaseException) else PeerFailure(reason))
+        exc = reason if isinstance(reason, BaseException) else PeerFailure(reason)
+        self._abort(exc, report=False)
 
-    def _abort(self, exc: BaseException) -> None:
+    def _abort(self, exc: BaseException, report: bool = True) -> None:
+        """Fail for good; ``report``: print the failure and the flight recorder (a
+        failure found inside, not an abort the caller asked for)."""
         with self._fail_lock:
-            if self._failure is None:
+            first = self._failure is None
+            if first:
                 self._failure = exc
                 self._failed_at = time.monotonic()
+        if first and report:
+            import sys
+
+            names = ",".join(str(getattr(d, "name", "?")) for d in self.devices)
+            text = self.flight.dump(f"the World of {self.size} ranks ({names})")
+            print(f"nccltree: {type(exc).__name__}: {exc}\n{text}", file=sys.stderr, flush=True)
         if self._nccl is not None:
             self._nccl.close(abort=True)
         self._rendezvous.wake_all()
@@ -534,67 +548,104 @@ class World:
             self._check_usable()
             prep = prepare(self.devices, collective, xs, outs, op, root)
             algorithm = self._choose(prep)
-            if algorithm == "nccl":
-                return self._launch_nccl(prep, streams)
-            program = self._program(algorithm, prep)
-            plan = program.plan
-            memory = program.memory
-            if memory is None or memory[0] != prep.dtype.str:
-                tmps = [
-                    self._scratch_for(r, prep.dtype, plan.scratch.get(r, 0))
-                    for r in range(self.size)
-                ]
-                stages = [
-                    self._scratch_for(r, prep.dtype, plan.stage.get(r, 0), pinned=True)
-                    for r in range(self.size)
-                ]
-                # looking them up may have replaced a buffer (a larger one)
-                # after the lookups, which forget every program's buffers when they
-                # replace one
-                memory = program.memory = (prep.dtype.str, tmps, stages)
-            bufs = Buffers(prep.ins, prep.outs, memory[1], memory[2])
-            if self._can_inline(prep, streams, async_op):
-                try:
-                    # _can_inline checked these are host devices
-                    every_core = prep.nbytes >= _INLINE_EVERY_CORE_FROM[by_ranks]
-                    program.run_inline(
-                        bufs,
-                        cast("list[HostDevice]", self.devices),
-                        self.inline_threads if every_core else None,
-                    )
-                except (ValueError, TypeError):
-                    raise
-                except BaseException as exc:
-                    raise self._on_stream_error(exc) from exc
-                return Launched(prep.results, None, list(streams), None)
-            events = program.call_events(fresh_ends=async_op)
+            self._seq += 1
+            entry = self.flight.start(self._seq, prep.collective, prep.count, prep.dtype, algorithm)
+            if debug.trace_enabled():
+                debug.log.log(
+                    debug.TRACE,
+                    f"World #{self._seq}: {prep.collective} count={prep.count} "
+                    f"{prep.dtype.name} op={prep.op} root={prep.root} algorithm={algorithm}"
+                    f"{' in place' if prep.in_place else ''}"
+                    f"{' per rank' if by_ranks else ''}",
+                )
             try:
-                for r, cs in enumerate(streams):
-                    if cs is not None:
-                        self._streams[r].wait_event(cs.record(self._caller_events[r]))
-                program.enqueue(bufs, self._streams, events)
+                launched = self._issue(prep, algorithm, streams, async_op, by_ranks)
+            except (ValueError, TypeError):
+                entry.state = "argument error"
+                raise
+            except BaseException as exc:
+                entry.state = f"failed: {type(exc).__name__}"
+                raise
+            synchronous = all(cs is None for cs in streams) and algorithm != "nccl"
+            entry.state = (
+                "done"
+                if launched.events is None or (synchronous and not async_op)
+                else "issued (async)"
+                if async_op
+                else "issued (stream-ordered)"
+            )
+            entry.ended = time.monotonic()
+            return launched
+
+    def _issue(
+        self,
+        prep: Prepared,
+        algorithm: str,
+        streams: list[Stream | None],
+        async_op: bool,
+        by_ranks: bool,
+    ) -> Launched:
+        """One checked call by ``algorithm`` (under the World's lock)."""
+        if algorithm == "nccl":
+            return self._launch_nccl(prep, streams)
+        program = self._program(algorithm, prep)
+        plan = program.plan
+        memory = program.memory
+        if memory is None or memory[0] != prep.dtype.str:
+            tmps = [
+                self._scratch_for(r, prep.dtype, plan.scratch.get(r, 0)) for r in range(self.size)
+            ]
+            stages = [
+                self._scratch_for(r, prep.dtype, plan.stage.get(r, 0), pinned=True)
+                for r in range(self.size)
+            ]
+            # looking them up may have replaced a buffer (a larger one)
+            # after the lookups, which forget every program's buffers when they
+            # replace one
+            memory = program.memory = (prep.dtype.str, tmps, stages)
+        bufs = Buffers(prep.ins, prep.outs, memory[1], memory[2])
+        if self._can_inline(prep, streams, async_op):
+            try:
+                # _can_inline checked these are host devices
+                every_core = prep.nbytes >= _INLINE_EVERY_CORE_FROM[by_ranks]
+                program.run_inline(
+                    bufs,
+                    cast("list[HostDevice]", self.devices),
+                    self.inline_threads if every_core else None,
+                )
             except (ValueError, TypeError):
                 raise
             except BaseException as exc:
-                # a device error while enqueueing (a broken CUDA context): part of the plan
-                # may be queued, so the World cannot be trusted any more
                 raise self._on_stream_error(exc) from exc
-            ends = [events[plan.end_events[r]] for r in range(self.size)]
-            keep = (bufs, prep, events)
-            if not async_op:
-                if all(cs is None for cs in streams):
-                    try:
-                        for ev in ends:
-                            ev.synchronize(self.timeout)
-                    except BaseException as exc:
-                        raise self._on_stream_error(exc) from exc
-                else:
-                    for cs, ev in zip(streams, ends):
-                        if cs is not None:
-                            cs.wait_event(ev)
-                        else:
-                            ev.synchronize(self.timeout)
-            return Launched(prep.results, ends, list(streams), keep)
+            return Launched(prep.results, None, list(streams), None)
+        events = program.call_events(fresh_ends=async_op)
+        try:
+            for r, cs in enumerate(streams):
+                if cs is not None:
+                    self._streams[r].wait_event(cs.record(self._caller_events[r]))
+            program.enqueue(bufs, self._streams, events)
+        except (ValueError, TypeError):
+            raise
+        except BaseException as exc:
+            # a device error while enqueueing (a broken CUDA context): part of the plan
+            # may be queued, so the World cannot be trusted any more
+            raise self._on_stream_error(exc) from exc
+        ends = [events[plan.end_events[r]] for r in range(self.size)]
+        keep = (bufs, prep, events)
+        if not async_op:
+            if all(cs is None for cs in streams):
+                try:
+                    for ev in ends:
+                        ev.synchronize(self.timeout)
+                except BaseException as exc:
+                    raise self._on_stream_error(exc) from exc
+            else:
+                for cs, ev in zip(streams, ends):
+                    if cs is not None:
+                        cs.wait_event(ev)
+                    else:
+                        ev.synchronize(self.timeout)
+        return Launched(prep.results, ends, list(streams), keep)
 
     def _launch_nccl(self, prep: Prepared, streams: list[Stream | None]) -> Launched:
         """NCCL on the caller streams; returns at once (stream-ordered, as every engine),
@@ -649,7 +700,14 @@ class World:
         # then kept): remember it, so a repeated call does not walk the table again
         alg = self._auto_choices.get(prep.nbytes)
         if alg is None:
-            alg = auto.choose(self.backend, self._topology_class, prep.nbytes, self._usable)
+            rule = auto.choose_rule(self.backend, self._topology_class, prep.nbytes, self._usable)
+            alg = rule.algorithm
+            if debug.info_enabled():
+                debug.log.info(
+                    f"World of {self.size} ranks: auto chose {alg} for {prep.nbytes} B per "
+                    f"rank ({self.backend} backend, {self._topology_class} topology): "
+                    f"{rule.why}"
+                )
             if len(self._auto_choices) >= 1024:
                 self._auto_choices.clear()
             self._auto_choices[prep.nbytes] = alg
@@ -768,6 +826,8 @@ class World:
                 STAGE: [plan.stage.get(r, 0) for r in range(n)],
             }
             program = Program(plan, self.devices, extents)
+            if debug.info_enabled():
+                debug.log.info(debug.plan_line(plan, prep.dtype.itemsize, f"World of {n} ranks"))
             # bounded by count and by steps: a ring plan holds O(size^2) steps (about
             # 180 B each, plus its resolved form), so a few large ones weigh more than
             # hundreds of small ones

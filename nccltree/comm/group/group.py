@@ -53,13 +53,14 @@ from ..._validate import check_index, check_int, check_real
 from ...backends import devices as make_devices
 from ...backends.base import Array, Device, data_ptr
 from ...topology import Topology
+from .. import debug
 from .._args import Prepared, prepare
 from ..algorithms import ALGORITHMS, build_plan
 from ..collectives import COLLECTIVES, collective_name
 from ..executor import Buffers, Program
+from ..flight import Entry, FlightRecorder
 from ..plan import IN, OUT, STAGE, TMP, Plan, Step
 from ..work import Work
-from .flight import Entry, FlightRecorder
 from .gpu import DeviceBlock, GpuSide, PeerBlock, message_order
 from .local import Collectives, GroupComm, LocalRendezvous, run_local
 from .mpi_collectives import mpi_type, run_mpi
@@ -643,6 +644,13 @@ class ProcessGroup(Collectives):
             algorithm = self._choose(prep)
             self._seq += 1
             entry = self.flight.start(self._seq, prep.collective, prep.count, prep.dtype, algorithm)
+            if debug.trace_enabled():
+                debug.log.log(
+                    debug.TRACE,
+                    f"process group rank {self.rank} #{self._seq}: {prep.collective} "
+                    f"count={prep.count} {prep.dtype.name} op={prep.op} root={prep.root} "
+                    f"algorithm={algorithm}{' in place' if prep.in_place else ''}",
+                )
             try:
                 if algorithm == "mpi":
                     run_mpi(self, prep, entry)
@@ -819,6 +827,12 @@ class ProcessGroup(Collectives):
         )
         got.sig_raw = got.sig.encode()[:_SIG_BYTES]
         self._compiled[key] = got
+        if debug.info_enabled():
+            debug.log.info(
+                debug.plan_line(plan, item, f"process group rank {self.rank}")
+                + f"; this process: {len(mine.items)} items, {len(mine.recvs)} messages in, "
+                f"{sum(it.kind in ('send', 'notify') for it in mine.items)} out"
+            )
         return got
 
     def _runs(

@@ -16,7 +16,7 @@ from ..collectives import COLLECTIVES
 if TYPE_CHECKING:
     from mpi4py import MPI as _MPI
 
-    from .flight import Entry
+    from ..flight import Entry
     from .group import ProcessGroup
 
 

@@ -1,8 +1,9 @@
-"""The flight recorder: each process's last collectives, printed when one fails.
+"""The flight recorder: the last collectives of a World or of a process group's process,
+printed when one fails.
 
-A multi-process hang is read from the logs: every process prints what it was doing
-(sequence number, collective, size, algorithm, and how far it got) when a timeout or a
-peer failure is raised, so the process that stopped early stands out.
+A hang is read from the logs: every World and every process of a group prints what it
+was doing (sequence number, collective, size, algorithm, and how far it got) when a
+timeout or a peer failure is raised, so the call that stopped early stands out.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class Entry:
 
 
 class FlightRecorder:
-    """The last ``entries`` collectives of this process (``NCCLTREE_FLIGHT_ENTRIES``)."""
+    """The last ``entries`` collectives (``NCCLTREE_FLIGHT_ENTRIES``, default 32)."""
 
     def __init__(self, entries: int | None = None) -> None:
         if entries is None:

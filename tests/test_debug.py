@@ -1,0 +1,118 @@
+"""Seeing what happens: the World's flight recorder (printed when a rank hangs on purpose),
+and ``NCCLTREE_DEBUG`` (what auto chose and why, the plans, every call)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import nccltree as nt
+from nccltree.comm import debug
+
+
+def test_a_rank_that_hangs_on_purpose_prints_the_flight_recorder(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    w = nt.World(nt.devices("cpu:3"), algorithm="ring", timeout=0.5)
+    xs = [np.ones(100, np.float32) for _ in range(3)]
+    w.all_reduce(xs)  # #1
+    w.broadcast(xs, root=2)  # #2
+
+    def body(comm: nt.Comm) -> None:
+        comm.all_gather(np.ones(5, np.float32), np.zeros(15, np.float32))  # #3, every rank
+        if comm.rank == 1:
+            time.sleep(3)  # rank 1 hangs in its own code: never calls #4
+            return
+        comm.all_reduce(np.ones(7, np.float32))
+
+    with pytest.raises(nt.NcclTreeError):
+        w.run(body)
+    err = capfd.readouterr().err
+    lines = err.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("nccltree: "))
+    assert "rank" in lines[head] and "1" in lines[head], err
+    assert lines[head + 1].startswith("flight recorder of the World of 3 ranks (cpu:0,cpu:1,")
+    recorded = lines[head + 2 : head + 5]
+    assert [r.split()[:2] for r in recorded] == [
+        ["#1", "all_reduce"], ["#2", "broadcast"], ["#3", "all_gather"]
+    ], err  # fmt: skip
+    assert all("done" in r for r in recorded), err
+    assert "count=100" in recorded[0] and "ring" in recorded[0]
+    # an abort the caller asks for prints nothing
+    w2 = nt.World(nt.devices("cpu:2"))
+    w2.abort("on purpose")
+    assert "flight recorder" not in capfd.readouterr().err
+    w.close()
+    w2.close()
+
+
+def _run(code: str, value: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "NCCLTREE_DEBUG": value}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
+CODE = """
+import numpy as np, nccltree as nt
+w = nt.World(nt.devices("cpu:3"), algorithm="auto")
+xs = [np.ones(1000, np.float32) for _ in range(3)]
+w.all_reduce(xs); w.all_reduce(xs)
+w.all_gather([np.ones(10, np.float32)] * 3, [np.zeros(30, np.float32) for _ in range(3)])
+w.close()
+"""
+
+
+def test_debug_info_says_what_auto_chose_and_why_and_each_plan_once() -> None:
+    r = _run(CODE, "INFO")
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    auto = [line for line in lines if "auto chose" in line]
+    # once per size: the two all_reduce share one choice, the all_gather has its own
+    assert len(auto) == 2, r.stderr
+    assert auto[0].startswith("nccltree INFO World of 3 ranks: auto chose direct for 4000 B")
+    assert "measured" in auto[0]  # the rule's reason
+    plans = [line for line in lines if ": plan '" in line]
+    assert len(plans) == 2, r.stderr
+    assert "direct all_reduce sum count=1000" in plans[0] and "data steps" in plans[0]
+    assert not any("TRACE" in line for line in lines)
+
+
+def test_debug_trace_adds_every_call_and_unset_says_nothing() -> None:
+    r = _run(CODE, "trace")
+    calls = [line for line in r.stderr.splitlines() if line.startswith("nccltree TRACE")]
+    assert [c.split()[3:5] for c in calls] == [
+        ["#1:", "all_reduce"], ["#2:", "all_reduce"], ["#3:", "all_gather"]
+    ], r.stderr  # fmt: skip
+    assert _run(CODE, "").stderr == ""
+    bad = _run(CODE, "LOUD")
+    assert bad.returncode == 0
+    assert "NCCLTREE_DEBUG='LOUD': accepted values are WARN, INFO, TRACE" in bad.stderr
+
+
+def test_configure_refuses_an_unknown_level() -> None:
+    with pytest.raises(ValueError, match="accepted values"):
+        debug.configure("VERBOSE")
+
+
+@pytest.mark.mpi
+def test_process_groups_log_their_plans_and_calls() -> None:
+    from tests.mpirun import ROOT, mpiexec, run_mpi
+
+    if mpiexec() is None:
+        pytest.skip("needs mpiexec (the mpi extra)")
+    r = run_mpi(2, ROOT / "tests" / "mpi" / "debug_lines.py", env={"NCCLTREE_DEBUG": "TRACE"},
+                timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    for rank in (0, 1):
+        plans = [ln for ln in r.stderr.splitlines()
+                 if ln.startswith(f"nccltree INFO process group rank {rank}: plan ")]  # fmt: skip
+        assert len(plans) == 1 and "items" in plans[0], r.stderr
+        calls = [ln for ln in r.stderr.splitlines()
+                 if ln.startswith(f"nccltree TRACE process group rank {rank} #")]  # fmt: skip
+        assert len(calls) == 2 and "algorithm=direct" in calls[0], r.stderr

@@ -116,3 +116,37 @@ def test_process_groups_log_their_plans_and_calls() -> None:
         calls = [ln for ln in r.stderr.splitlines()
                  if ln.startswith(f"nccltree TRACE process group rank {rank} #")]  # fmt: skip
         assert len(calls) == 2 and "algorithm=direct" in calls[0], r.stderr
+
+
+# -- memory: the scratch cache's cap and release ----------------------------------------------
+
+
+@pytest.mark.parametrize("cap", [None, 0, 10_000])
+def test_scratch_memory_is_capped_and_released(cap: int | None) -> None:
+    """The tree's reduce keeps inner partial sums in scratch: without a cap the cache
+    grows to the largest message; with one it never holds more (a larger call gets buffers
+    of its own); ``trim`` releases it; results are right throughout."""
+    w = nt.World(nt.devices("cpu:4"), algorithm="tree", max_scratch_bytes=cap)
+    held = []
+    for count in (1000, 100_000, 10, 100_000):
+        xs = [np.full(count, r + 1, np.float32) for r in range(4)]
+        outs = [np.zeros(count, np.float32) for _ in range(4)]
+        w.reduce(xs, root=0, outs=outs)
+        np.testing.assert_array_equal(outs[0], np.full(count, 10, np.float32))
+        held.append(w.scratch_bytes)
+        if cap is not None:
+            assert w.scratch_bytes <= cap
+    if cap is None:
+        assert held == [4000, 400_000, 400_000, 400_000]  # grows, never shrinks
+    elif cap == 10_000:
+        assert held == [4000, 4000, 4000, 4000]  # the larger calls kept nothing
+    assert w.trim() == held[-1] and w.scratch_bytes == 0
+    xs = [np.full(1000, 1, np.float32) for _ in range(4)]
+    w.all_reduce(xs)
+    np.testing.assert_array_equal(xs[3], np.full(1000, 4, np.float32))
+    w.close()
+
+
+def test_max_scratch_bytes_is_checked() -> None:
+    with pytest.raises(ValueError, match="max_scratch_bytes"):
+        nt.World(nt.devices("cpu:2"), max_scratch_bytes=-1)

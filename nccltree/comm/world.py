@@ -130,6 +130,7 @@ class World:
         chunk_bytes: int | None = None,
         inline_bytes: int | None = None,
         inline_threads: int | None = None,
+        max_scratch_bytes: int | None = None,
     ) -> None:
         if isinstance(devices, str):
             from ..backends import devices as make_devices
@@ -149,6 +150,14 @@ class World:
                 f"unknown algorithm {algorithm!r}; accepted: {', '.join(ALGORITHM_CHOICES)}"
             )
         self.timeout = check_real(timeout, "timeout", min=0.0, min_open=True)
+        #: the most bytes of scratch and staging memory the World keeps between calls (all
+        #: ranks together; None: no cap). A call that needs more gets buffers of its own,
+        #: released when it is done
+        self.max_scratch_bytes = (
+            None
+            if max_scratch_bytes is None
+            else check_int(max_scratch_bytes, "max_scratch_bytes", min=0)
+        )
         #: whether every message is cut into chunks of ``chunk_bytes`` (given, or the host
         #: default); else the GPU policy picks the chunk per message (``chunk_for``)
         self.fixed_chunk = chunk_bytes is not None or devices[0].backend == "host"
@@ -185,6 +194,7 @@ class World:
         self._programs: dict[tuple[object, ...], Program] = {}
         self._plan_steps = 0  # steps held by the cached plans
         self._scratch: dict[tuple[int, str, bool], Array] = {}
+        self._transient = False  # this call got a scratch buffer past the cap
         self._streams = [d.new_stream() for d in devices]
         # recorded on each rank's caller stream at every launch; reused, as the waits on
         # them take their state when they are enqueued (see executor)
@@ -592,6 +602,7 @@ class World:
         plan = program.plan
         memory = program.memory
         if memory is None or memory[0] != prep.dtype.str:
+            self._transient = False
             tmps = [
                 self._scratch_for(r, prep.dtype, plan.scratch.get(r, 0)) for r in range(self.size)
             ]
@@ -599,10 +610,11 @@ class World:
                 self._scratch_for(r, prep.dtype, plan.stage.get(r, 0), pinned=True)
                 for r in range(self.size)
             ]
-            # looking them up may have replaced a buffer (a larger one)
-            # after the lookups, which forget every program's buffers when they
-            # replace one
-            memory = program.memory = (prep.dtype.str, tmps, stages)
+            # after the lookups, which forget every program's buffers when they replace
+            # one; a call with buffers of its own (past max_scratch_bytes) keeps none
+            memory = (prep.dtype.str, tmps, stages)
+            if not self._transient:
+                program.memory = memory
         bufs = Buffers(prep.ins, prep.outs, memory[1], memory[2])
         if self._can_inline(prep, streams, async_op):
             try:
@@ -850,6 +862,25 @@ class World:
             return None
         key = (rank, dtype.str, pinned)
         buf = self._scratch.get(key)
+        need = count * dtype.itemsize
+        cap = self.max_scratch_bytes
+        if cap is not None and (buf is None or buf.size < count):
+            # room for the larger buffer within the cap: drop the other cached buffers,
+            # largest first (a call that needs them gets them again); if it still does not
+            # fit, this call gets a buffer of its own, kept by the call only
+            held = self.scratch_bytes - (0 if buf is None else buf.nbytes)
+            for other in sorted(self._scratch, key=lambda k: -self._scratch[k].nbytes):
+                if held + need <= cap:
+                    break
+                if other != key:
+                    held -= self._scratch.pop(other).nbytes
+                    self._forget_memory()
+            if held + need > cap:
+                self._transient = True
+                dev = self.devices[rank]
+                if pinned:
+                    return dev.pinned_empty((count,), dtype)
+                return dev.empty((count,), dtype, stream=self._streams[rank])
         if buf is None or buf.size < count:
             # Reuse is safe: consecutive collectives are ordered on the comm streams and a
             # plan's end fences cover every access to a rank's scratch. Device scratch is
@@ -865,6 +896,24 @@ class World:
             # the old memory alive meanwhile)
             self._forget_memory()
         return buf[:count]
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of scratch (device) and staging (pinned host) memory the World keeps
+        between calls, over every rank: what ``max_scratch_bytes`` caps."""
+        return sum(int(b.nbytes) for b in self._scratch.values())
+
+    def trim(self) -> int:
+        """Release the scratch and staging memory kept between calls, once the queued
+        work is done (bounded by the timeout); returns the bytes released. The next call
+        that needs scratch allocates it again."""
+        with self._lock:
+            for st in self._streams:
+                st.synchronize(self.timeout)
+            released = self.scratch_bytes
+            self._scratch.clear()
+            self._forget_memory()
+            return released
 
     def _forget_memory(self) -> None:
         for program in self._programs.values():

@@ -634,6 +634,14 @@ def run_collectives(
         write_csv(args.csv, records)
     if args.plot:
         plot_collectives(args.plot, records)
+    if getattr(args, "trace", None):
+        from ..comm.trace import write_chrome_trace
+
+        with checking():
+            runs = bench.trace()
+        write_chrome_trace(args.trace, runs)
+        if not quiet:
+            print(f"# trace of one call per algorithm written to {args.trace}", file=out)
     wrong = sum(r.wrong or 0 for r in records)
     if wrong:
         print(f"nccltree-bench: {wrong} wrong element(s) in the results", file=err, flush=True)
@@ -1187,6 +1195,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="draw busbw against size, a line per algorithm (needs matplotlib)",
     )
     c.add_argument(
+        "--trace",
+        metavar="FILE.json",
+        help="after the sweep, perform one call of the first collective at the largest "
+        "size with each algorithm step by step, timing every step, and write a Chrome "
+        "trace (chrome://tracing or ui.perfetto.dev: a process per algorithm, a lane per "
+        "rank; on the host backend the steps run one after another in plan order)",
+    )
+    c.add_argument(
         "--quiet",
         action="store_true",
         help="print no table or progress (for scripts; needs --json, --csv or --plot)",
@@ -1358,6 +1374,8 @@ def _under_mpi(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         with checking():
             if args.command == "collectives":
+                if args.trace:
+                    raise UsageError("--trace runs in one process, not under MPI")
                 spec = mpi_devices(args)
                 first = _split(args.algorithm)[:1] or ["auto"]
                 group = stack.enter_context(open_group(spec, first[0], args.timeout))

@@ -41,6 +41,7 @@ from ._args import Array
 from ._ops import reference, widen
 from .collectives import COLLECTIVES, Collective, collective_name
 from .plan import ALIGN_BYTES
+from .trace import Span
 
 if TYPE_CHECKING:
     from ..backends.base import Device
@@ -723,6 +724,30 @@ class Benchmark:
         for alg in self.algorithms:
             for placement in self.placements_for(coll):
                 yield self.measure(coll, alg, data, placement == "in-place")
+
+    def trace(self) -> list[tuple[str, list[str], list[Span]]]:
+        """One call of the first collective at the largest size, out of place, traced step
+        by step for every algorithm that runs a plan (``World.trace``); NCCL, which runs
+        as one call, is left out. In one process only."""
+        from .algorithms import ALGORITHMS
+
+        coll = COLLECTIVES[self.collectives[0]]
+        data = self._size_data(coll, self.sizes[-1])
+        runs = []
+        for alg in self.algorithms:
+            world = self.worlds[alg]
+            if isinstance(world, GroupWorld):
+                raise ValueError("a trace runs in one process (not over a process group)")
+            ins, outs, _ = self._buffers(coll, data, False)
+            prep_alg = world._choose_for(coll.name, ins, outs, self.op, self.root)
+            if prep_alg not in ALGORITHMS:
+                continue
+            spans = world.trace(coll.name, ins, outs, op=self.op if coll.reduces else "sum",
+                                root=self.root, algorithm=prep_alg)  # fmt: skip
+            title = f"{alg}{f' ({prep_alg})' if alg != prep_alg else ''}: {coll.name} "
+            title += f"{coll.nbytes(data.count, self.n, self.dtype.itemsize)} B"
+            runs.append((title, [str(getattr(d, "name", d)) for d in self.devices], spans))
+        return runs
 
     def placements_for(self, coll: Collective) -> list[str]:
         """The placements measured for ``coll``: all_to_all has no in-place form."""

@@ -29,6 +29,7 @@ from .comm import Comm, MissingRanks, _Rendezvous
 from .executor import Buffers, Program
 from .flight import FlightRecorder
 from .plan import IN, OUT, STAGE, TMP, Plan
+from .trace import Span
 from .work import Work
 
 if TYPE_CHECKING:
@@ -600,22 +601,7 @@ class World:
             return self._launch_nccl(prep, streams)
         program = self._program(algorithm, prep)
         plan = program.plan
-        memory = program.memory
-        if memory is None or memory[0] != prep.dtype.str:
-            self._transient = False
-            tmps = [
-                self._scratch_for(r, prep.dtype, plan.scratch.get(r, 0)) for r in range(self.size)
-            ]
-            stages = [
-                self._scratch_for(r, prep.dtype, plan.stage.get(r, 0), pinned=True)
-                for r in range(self.size)
-            ]
-            # after the lookups, which forget every program's buffers when they replace
-            # one; a call with buffers of its own (past max_scratch_bytes) keeps none
-            memory = (prep.dtype.str, tmps, stages)
-            if not self._transient:
-                program.memory = memory
-        bufs = Buffers(prep.ins, prep.outs, memory[1], memory[2])
+        bufs = self._buffers(program, prep)
         if self._can_inline(prep, streams, async_op):
             try:
                 # _can_inline checked these are host devices
@@ -658,6 +644,71 @@ class World:
                     else:
                         ev.synchronize(self.timeout)
         return Launched(prep.results, ends, list(streams), keep)
+
+    def _buffers(self, program: Program, prep: Prepared) -> Buffers:
+        """The call's buffers: its own, and the World's scratch and staging the plan needs
+        (kept with the program while they stay the World's)."""
+        plan = program.plan
+        memory = program.memory
+        if memory is None or memory[0] != prep.dtype.str:
+            self._transient = False
+            tmps = [
+                self._scratch_for(r, prep.dtype, plan.scratch.get(r, 0)) for r in range(self.size)
+            ]
+            stages = [
+                self._scratch_for(r, prep.dtype, plan.stage.get(r, 0), pinned=True)
+                for r in range(self.size)
+            ]
+            # after the lookups, which forget every program's buffers when they replace
+            # one; a call with buffers of its own (past max_scratch_bytes) keeps none
+            memory = (prep.dtype.str, tmps, stages)
+            if not self._transient:
+                program.memory = memory
+        return Buffers(prep.ins, prep.outs, memory[1], memory[2])
+
+    def _choose_for(
+        self, collective: str, xs: Sequence[Array], outs: Sequence[Array] | None, op: str,
+        root: int,
+    ) -> str:  # fmt: skip
+        """The algorithm a call with these arguments would run (nothing runs)."""
+        with self._lock:
+            return self._choose(prepare(self.devices, collective, xs, outs, op, root))
+
+    def trace(
+        self,
+        collective: str,
+        xs: Sequence[Array],
+        outs: Sequence[Array] | None = None,
+        *,
+        op: str = "sum",
+        root: int = 0,
+        algorithm: str | None = None,
+    ) -> list[Span]:
+        """Perform one call of ``collective`` (driver side, synchronous) step by step,
+        timing each step (:mod:`nccltree.comm.trace`; ``write_chrome_trace`` shows them).
+        ``algorithm``: tree, ring or direct (default: the World's choice for this call;
+        NCCL runs as one call and has no steps to show)."""
+        from .trace import trace_program
+
+        with self._lock:
+            self._check_usable()
+            prep = prepare(self.devices, collective_name(collective), xs, outs, op, root)
+            alg = algorithm if algorithm is not None else self._choose(prep)
+            if alg not in ALGORITHMS:
+                raise ValueError(
+                    f"a trace shows a plan's steps: algorithm tree, ring or direct, not {alg!r}"
+                )
+            program = self._program(alg, prep)
+            bufs = self._buffers(program, prep)
+            if self.backend == "host":
+                for st in self._streams:
+                    st.synchronize(self.timeout)
+                return trace_program(program, bufs)
+            for r, st in enumerate(self._streams):
+                caller = self._caller_stream(r, None)
+                if caller is not None:
+                    st.wait_event(caller.record(self._caller_events[r]))
+            return trace_program(program, bufs, self._streams)
 
     def _launch_nccl(self, prep: Prepared, streams: list[Stream | None]) -> Launched:
         """NCCL on the caller streams; returns at once (stream-ordered, as every engine),

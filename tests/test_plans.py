@@ -10,6 +10,7 @@ import pytest
 import nccltree as nt
 from nccltree.backends.host import record_transfers
 from nccltree.comm.algorithms import build_plan
+from nccltree.comm.collectives import COLLECTIVES
 from nccltree.comm.plan import (
     ALIGN_BYTES,
     IN,
@@ -511,11 +512,11 @@ def test_every_algorithm_builds_every_collective_through_one_registry():
     from nccltree.comm.algorithms import ALGORITHMS
     from nccltree.comm.builders import BUILDERS, builds
 
-    assert set(BUILDERS) == {(a, c) for a in ALGORITHMS for c in COLLS}
+    assert set(BUILDERS) == {(a, c) for a in ALGORITHMS for c in COLLECTIVES}
     with pytest.raises(AssertionError, match="two builders for ring all_reduce"):
         builds("ring", "all_reduce")(BUILDERS[("ring", "all_reduce")])
-    with pytest.raises(ValueError, match="no plan for 'ring' 'gather'"):
-        build_plan("ring", "gather", size=2, count=4)
+    with pytest.raises(ValueError, match="no plan for 'ring' 'scan'"):
+        build_plan("ring", "scan", size=2, count=4)
     with pytest.raises(ValueError, match="no plan for 'mesh'"):
         build_plan("mesh", "all_reduce", size=2, count=4)
 

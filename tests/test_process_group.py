@@ -24,10 +24,14 @@ pytestmark = [pytest.mark.mpi, needs_mpi]
 HERE = Path(__file__).resolve().parent / "mpi"
 
 
-def _reports(tmp: Path, parts: Any, script: str, *args: str, **kw: Any) -> list[dict[str, Any]]:
+def _reports(
+    tmp: Path, parts: Any, script: str, *args: str, env_extra: dict[str, str] | None = None,
+    **kw: Any,
+) -> list[dict[str, Any]]:  # fmt: skip
     out = tmp / "out"
     out.mkdir(exist_ok=True)
-    proc = run_mpi(parts, HERE / script, *args, env={"NCCLTREE_TEST_OUT": str(out)}, **kw)
+    env = {"NCCLTREE_TEST_OUT": str(out), **(env_extra or {})}
+    proc = run_mpi(parts, HERE / script, *args, env=env, **kw)
     got = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
     if not kw.get("faults"):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -192,3 +196,10 @@ def test_without_shared_memory_the_data_goes_over_mpi(tmp_path: Path) -> None:
         for alg, seen in rep["mpi"].items():
             assert seen["collectives_after_init"] == 0, (alg, seen)
             assert seen["payload_within_node"] == seen["sent_bytes"] > 0, (alg, seen)
+
+
+@pytest.mark.parametrize("alg", ["tree", "mpi"])
+def test_split_and_new_group_make_independent_groups(alg: str, tmp_path: Path) -> None:
+    reports = _reports(tmp_path, 4, "pg_split.py", env_extra={"ALG": alg})
+    assert len(reports) == 4
+    assert all(r["failures"] == [] for r in reports), reports

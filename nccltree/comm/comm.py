@@ -152,6 +152,12 @@ class Comm:
         (equal blocks; not in place)."""
         return cast("Array | Work", self._call("all_to_all", x, out, "sum", 0, stream, async_op))
 
+    def split(self, color: int | None, key: int = 0) -> Comm | None:
+        """MPI's ``Comm_split``: every rank calls it; the ranks of one ``color`` form a
+        group (a World of their own, ordered by ``(key, rank)``) and each gets its face
+        there; color None: in no group (None). The groups close with this World."""
+        return self.world._split_by_ranks(self.rank, color, key)
+
     def barrier(self) -> None:
         """Return once every rank has called ``barrier`` and its queued work has run."""
         stream = self.world._caller_stream(self.rank, None)

@@ -216,6 +216,14 @@ class World:
         #: the last collectives, printed when the World fails (not when ``abort`` is called)
         self.flight = FlightRecorder()
         self._seq = 0
+        # comm.split: the ranks meet, the last one makes the groups (see _split_by_ranks)
+        self._split_barrier = threading.Barrier(self.size)
+        self._split_choices: list[tuple[int | None, int]] = [(None, 0)] * self.size
+        self._split_results: dict[int, dict[int, World]] = {}
+        self._split_gen = [0] * self.size
+        self._groups: list[World] = []  # made by new_group/split: closed with this World
+        self._chunk_arg = chunk_bytes
+        self._inline_args = (inline_bytes, inline_threads, max_scratch_bytes)
 
     # -- life cycle -----------------------------------------------------------------------
     def __enter__(self) -> World:
@@ -246,6 +254,9 @@ class World:
             self._nccl.close(abort=self._failure is not None or not drained)
             self._nccl = None
         self._rendezvous.wake_all()
+        self._split_barrier.abort()
+        for g in self._groups:
+            g.close()
         self._streams = []
         self._scratch.clear()
         self._forget_memory()
@@ -273,6 +284,7 @@ class World:
         if self._nccl is not None:
             self._nccl.close(abort=True)
         self._rendezvous.wake_all()
+        self._split_barrier.abort()
 
     def _check_usable(self) -> None:
         if self._failure is not None:
@@ -285,6 +297,95 @@ class World:
     @property
     def aborted(self) -> bool:
         return self._failure is not None
+
+    # -- groups ---------------------------------------------------------------------------
+    def new_group(self, ranks: Sequence[int], algorithm: str | None = None) -> World:
+        """A World of this World's ``ranks``, in that order (its rank ``i`` is rank
+        ``ranks[i]`` here): the same devices, the matching part of this World's topology
+        (so a tree of its own), and its own streams, plan cache and scratch; this World's
+        algorithm, timeout and settings unless ``algorithm`` is given. It is closed with
+        this World. Collectives of different groups never wait for each other; the ranks
+        of a group call its collectives in one order (see docs/architecture.md, "Groups")."""
+        self._check_usable()
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
+            raise TypeError(f"ranks must be a sequence of ranks, got {type(ranks).__name__}")
+        picked = [check_index(r, "a rank of the group", self.size) for r in ranks]
+        if not picked:
+            raise ValueError("a group needs at least one rank")
+        if len(set(picked)) != len(picked):
+            raise ValueError(f"ranks of a group must be distinct, got {list(ranks)}")
+        from ..topology import Topology
+
+        topo = Topology(
+            [[self.topology.link(i, j) for j in picked] for i in picked],
+            [self.topology.names[i] for i in picked],
+        )
+        inline_bytes, inline_threads, max_scratch = self._inline_args
+        group = World(
+            [self.devices[r] for r in picked],
+            algorithm=self.algorithm if algorithm is None else algorithm,
+            topology=topo,
+            timeout=self.timeout,
+            chunk_bytes=self._chunk_arg,
+            inline_bytes=inline_bytes,
+            inline_threads=inline_threads,
+            max_scratch_bytes=max_scratch,
+        )
+        self._groups.append(group)
+        return group
+
+    def split(
+        self, colors: Sequence[int | None], keys: Sequence[int] | None = None
+    ) -> dict[int, World]:
+        """MPI's ``Comm_split``, driver side: the ranks of each color form a group
+        (:meth:`new_group`), ordered by ``(keys[r], r)``; a rank of color None joins none.
+        Returns the groups by color."""
+        self._check_usable()
+        if len(colors) != self.size:
+            raise ValueError(f"colors has {len(colors)} entries for {self.size} ranks")
+        if keys is not None and len(keys) != self.size:
+            raise ValueError(f"keys has {len(keys)} entries for {self.size} ranks")
+        order: dict[int, list[tuple[int, int]]] = {}
+        for r, c in enumerate(colors):
+            if c is None:
+                continue
+            c = check_int(c, "a color", min=0)
+            k = 0 if keys is None else check_int(keys[r], "a key")
+            order.setdefault(c, []).append((k, r))
+        return {c: self.new_group([r for _, r in sorted(members)])
+                for c, members in sorted(order.items())}  # fmt: skip
+
+    def _split_by_ranks(self, rank: int, color: int | None, key: int) -> Comm | None:
+        """``comm.split``: every rank calls it; the last to arrive makes the groups; each
+        rank gets its face in its group (None for color None). Bounded by the timeout; an
+        abort wakes every waiting rank."""
+        from threading import BrokenBarrierError
+
+        self._check_usable()
+        gen = self._split_gen[rank] = self._split_gen[rank] + 1
+        self._split_choices[rank] = (color, key)
+        try:
+            if self._split_barrier.wait(self.timeout) == 0:
+                self._split_results.pop(gen - 1, None)
+                colors = [c for c, _ in self._split_choices]
+                keys = [k for _, k in self._split_choices]
+                try:
+                    self._split_results[gen] = self.split(colors, keys)
+                except BaseException as exc:
+                    self._abort(exc)
+                    raise
+            self._split_barrier.wait(self.timeout)
+        except BrokenBarrierError:
+            self._check_usable()  # aborted: PeerFailure, saying why
+            self._abort(CommTimeout(f"rank {rank}: not every rank called split within "
+                                    f"{self.timeout:g} s"))  # fmt: skip
+            raise CommTimeout(
+                f"rank {rank}: not every rank called split within {self.timeout:g} s"
+            ) from None
+        if color is None:
+            return None
+        group = self._split_results[gen][color]
+        return group.comm(group.devices.index(self.devices[rank]))
 
     # -- per-rank side --------------------------------------------------------------------
     def comm(self, rank: int) -> Comm:

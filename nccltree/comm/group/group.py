@@ -316,6 +316,9 @@ class ProcessGroup(Collectives):
         self._bootstrap_shm()
         if self._gpu is not None:
             self._gpu.connect()
+        # what split() gives the groups it makes: the same GPU, not one picked again
+        self._spec = devices if self._gpu is None else f"gpu:{self._gpu.device.physical_id}"
+        self._shm_arg = shm
         self._watch_launcher()
         self._local = LocalRendezvous(self)
         self._comms = [GroupComm(self, i) for i in range(len(self.ranks))]
@@ -529,6 +532,41 @@ class ProcessGroup(Collectives):
                 assert g.last_end is not None
                 return Work([g.last_end], [caller], result, prep, self.timeout)
             return result
+
+    def split(self, color: int | None, key: int = 0) -> ProcessGroup | None:
+        """MPI's ``Comm_split`` over the group's processes: every process calls it (in the
+        same order as the group's collectives); the processes of one ``color`` form a new
+        group (its own communicator, shared memory, plans and, on GPUs, the same GPU),
+        None for color None. Within a node the new group orders processes by ``(key,
+        rank)``; ranks stay node-major. The new group is independent: close it when done
+        (closing this one does not). One rank per process; the split itself is an MPI
+        collective, as the bootstrap is."""
+        self._check_usable()
+        self._one("split")
+        MPI = self._MPI
+        c = MPI.UNDEFINED if color is None else check_int(color, "color", min=0)
+        k = check_int(key, "key", min=0)
+        # MPI orders by key, then by rank in the parent: the group's rank breaks ties
+        sub = self._comm.Split(c, k * self.size + self.rank)
+        if sub == MPI.COMM_NULL:
+            return None
+        try:
+            return ProcessGroup(
+                cast("_MPI.Intracomm", sub), self._spec, self.algorithm, self.timeout,
+                self._shm_arg,
+            )  # fmt: skip
+        finally:
+            sub.Free()  # the group keeps its own duplicates
+
+    def new_group(self, ranks: Sequence[int]) -> ProcessGroup | None:
+        """The group of ``ranks`` (ordered as given within a node), from :meth:`split`:
+        every process calls it with the same ``ranks``; those outside get None."""
+        picked = [check_index(r, "a rank of the group", self.size) for r in ranks]
+        if len(set(picked)) != len(picked) or not picked:
+            raise ValueError(f"ranks of a group must be distinct and not empty, got {ranks!r}")
+        if self.rank not in picked:
+            return self.split(None)
+        return self.split(0, picked.index(self.rank))
 
     def barrier(self) -> None:
         """Every rank of the group has arrived (a one-element all_reduce)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -151,6 +152,50 @@ class Comm:
         """Block q of ``x`` goes to rank q, whose block ``rank`` of ``out`` it becomes
         (equal blocks; not in place)."""
         return cast("Array | Work", self._call("all_to_all", x, out, "sum", 0, stream, async_op))
+
+    def send(self, x: Array, peer: int, *, stream: Stream | None = None) -> None:
+        """Send ``x`` to rank ``peer``, matched with its n-th ``recv`` from this rank
+        (:mod:`nccltree.comm.p2p`). Returns once matched and issued; inside
+        ``with comm.batch():`` at the end of the block."""
+        self._p2p("send", x, peer, stream)
+
+    def recv(self, out: Array, peer: int, *, stream: Stream | None = None) -> Array:
+        """Receive into ``out`` what rank ``peer`` sends (its n-th send to this rank);
+        returns ``out`` (filled once the call returns, or at the end of a batch; on GPUs
+        ordered on the caller's stream)."""
+        self._p2p("recv", out, peer, stream)
+        return out
+
+    def sendrecv(
+        self, x: Array, dest: int, out: Array, source: int, *, stream: Stream | None = None
+    ) -> Array:
+        """Send ``x`` to ``dest`` and receive ``out`` from ``source`` together (one batch:
+        no deadlock when ranks exchange in a ring); returns ``out``."""
+        with self.batch():
+            self.send(x, dest, stream=stream)
+            self.recv(out, source, stream=stream)
+        return out
+
+    def batch(self) -> AbstractContextManager[None]:
+        """``with comm.batch():`` posts this rank's sends and receives at once and waits
+        for all of them when the block ends (NCCL's ``groupStart``/``groupEnd``)."""
+        return self.world._mailbox.batch(self.rank)
+
+    def _p2p(self, kind: str, buf: Array, peer: int, stream: Stream | None) -> None:
+        box = self.world._mailbox
+        pending = box.in_batch(self.rank)
+        if pending is None and peer == self.rank:
+            exc = ValueError(
+                f"rank {self.rank}: a {kind} with itself needs both halves in one batch "
+                "(with comm.batch(): ...)"
+            )
+            self.world._argument_error_raised(exc)
+            raise exc
+        op = box.post(kind, self.rank, peer, buf, stream)
+        if pending is not None:
+            pending.append(op)
+        else:
+            box.wait([op])
 
     def split(self, color: int | None, key: int = 0) -> Comm | None:
         """MPI's ``Comm_split``: every rank calls it; the ranks of one ``color`` form a

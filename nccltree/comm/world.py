@@ -28,6 +28,7 @@ from .collectives import COLLECTIVES, collective_name
 from .comm import Comm, MissingRanks, _Rendezvous
 from .executor import Buffers, Program
 from .flight import FlightRecorder
+from .p2p import Mailbox
 from .plan import IN, OUT, STAGE, TMP, Plan
 from .trace import Span
 from .work import Work
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from ..topology import Topology
     from ..tree import Tree
     from .nccl import NcclEngine
+    from .p2p import _Op
     from .watchdog import Watchdog
 
 ALGORITHM_CHOICES = (*ALGORITHMS, "nccl", "auto")
@@ -217,6 +219,7 @@ class World:
         self.flight = FlightRecorder()
         self._seq = 0
         # comm.split: the ranks meet, the last one makes the groups (see _split_by_ranks)
+        self._mailbox = Mailbox(self)  # send/recv (p2p.py)
         self._split_barrier = threading.Barrier(self.size)
         self._split_choices: list[tuple[int | None, int]] = [(None, 0)] * self.size
         self._split_results: dict[int, dict[int, World]] = {}
@@ -285,6 +288,7 @@ class World:
             self._nccl.close(abort=True)
         self._rendezvous.wake_all()
         self._split_barrier.abort()
+        self._mailbox.wake()
 
     def _check_usable(self) -> None:
         if self._failure is not None:
@@ -297,6 +301,18 @@ class World:
     @property
     def aborted(self) -> bool:
         return self._failure is not None
+
+    def _note_p2p(self, op: _Op) -> None:
+        """A send or receive in the flight recorder (and the trace log)."""
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        what = f"{op.kind} {'to' if op.kind == 'send' else 'from'} {op.peer}"
+        entry = self.flight.start(seq, what, op.buf.size, op.buf.dtype, f"rank {op.rank}")
+        entry.state = "matched" if op.done else "posted"
+        if debug.trace_enabled():
+            debug.log.log(debug.TRACE, f"World #{seq}: rank {op.rank} {what} "
+                          f"count={op.buf.size} {op.buf.dtype}")  # fmt: skip
 
     # -- groups ---------------------------------------------------------------------------
     def new_group(self, ranks: Sequence[int], algorithm: str | None = None) -> World:

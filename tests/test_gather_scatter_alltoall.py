@@ -18,7 +18,7 @@ from nccltree.comm.algorithms import build_plan
 from nccltree.comm.collectives import COLLECTIVES, collective
 from nccltree.comm.plan import check_races
 
-NEW = ("gather", "scatter", "all_to_all")
+NEW = ("gather", "scatter", "all_to_all", "sendrecv")
 DTYPES = ("float32", "float64", "int32", "int64", "float16")
 
 
@@ -33,6 +33,7 @@ def _inputs(coll: str, n: int, count: int, dtype: str) -> list[np.ndarray]:
 
 
 def _call(world: nt.World, coll: str, xs: list[Any], outs: list[Any], root: int) -> None:
+    # every new operation is a World method of its name (sendrecv: the ring shift)
     kw = {"root": root} if COLLECTIVES[coll].rooted else {}
     getattr(world, coll)(xs, outs, **kw)
 
@@ -60,7 +61,7 @@ def test_every_new_collective_matches_numpy(alg: str, n: int) -> None:
                         outs = [np.full(c.out_count(count, n), 7, dtype) for _ in range(n)]
                         _call(world, coll, xs, outs, root)
                         _check(coll, full, xs, outs, root, what)
-                        if coll == "all_to_all":
+                        if not c.in_place_ok:
                             continue
                         # in place: gather's input is block r of its output, scatter's
                         # output block r of its input (NCCL's layouts, as all_gather and
@@ -132,7 +133,8 @@ def test_the_plans_move_each_block_once() -> None:
     """Each block crosses from where it is to where it goes once: n*(n-1) blocks for
     all_to_all between ranks, n-1 for gather and scatter."""
     n, count = 4, 10
-    for coll, moved in (("gather", n - 1), ("scatter", n - 1), ("all_to_all", n * (n - 1))):
+    for coll, moved in (("gather", n - 1), ("scatter", n - 1), ("all_to_all", n * (n - 1)),
+                        ("sendrecv", n)):  # fmt: skip
         plan = build_plan("direct", coll, size=n, count=count, root=1)
         across = [s for s in plan.data_steps() if s.dst is not None and
                   any(b.rank != s.dst.rank for b in s.srcs)]  # fmt: skip
@@ -188,19 +190,22 @@ def test_the_benchmark_measures_and_checks_them(tmp_path: Any) -> None:
     from nccltree.cli import bench
 
     out = tmp_path / "b.json"
-    argv = ["collectives", "--devices", "cpu:3", "--collective", "gather,scatter,alltoall",
+    argv = ["collectives", "--devices", "cpu:3", "--collective",
+            "gather,scatter,alltoall,sendrecv",
             "-b", "64", "-e", "64K", "-f", "32", "-c", "1", "-n", "1", "-w", "0",
             "--algorithm", "tree,direct", "--json", str(out), "--quiet"]  # fmt: skip
     assert bench.main(argv) == 0
     recs = json.loads(out.read_text())["records"]
     assert {r["collective"] for r in recs} == set(NEW)
     assert all(r["wrong"] == 0 for r in recs)
-    # all_to_all has no in-place form: out of place only
-    assert {r["placement"] for r in recs if r["collective"] == "all_to_all"} == {"out-of-place"}
-    # nccl-tests' bus factor, (n-1)/n, for all three
+    # all_to_all and sendrecv have no in-place form: out of place only
+    for name in ("all_to_all", "sendrecv"):
+        assert {r["placement"] for r in recs if r["collective"] == name} == {"out-of-place"}
+    # nccl-tests' bus factors: (n-1)/n, and 1 for sendrecv
     for r in recs:
         if r["time_us"] > 0 and r["algbw"] > 0:
-            assert r["busbw"] == pytest.approx(r["algbw"] * 2 / 3, rel=1e-6)
+            factor = 1.0 if r["collective"] == "sendrecv" else 2 / 3
+            assert r["busbw"] == pytest.approx(r["algbw"] * factor, rel=1e-6)
 
 
 def test_the_readme_library_example_runs_and_its_comments_hold(capsys: Any) -> None:

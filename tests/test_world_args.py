@@ -105,6 +105,7 @@ def test_the_table_names_and_aliases():
         "gather",
         "scatter",
         "all_to_all",
+        "sendrecv",
     ]
     for alias, name in [
         ("allreduce", "all_reduce"),

@@ -1021,7 +1021,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time collectives over a size sweep and check every result. Figures "
         "mean what nccl-tests' mean: algbw = size / time, busbw = algbw x 2(n-1)/n "
         "(all_reduce), (n-1)/n (all_gather, reduce_scatter, gather, scatter, all_to_all), "
-        "1 (broadcast, reduce); "
+        "1 (broadcast, reduce, sendrecv); "
         f"GB = 1e9 bytes. Exit status {int(ExitStatus.WRONG)} if any element was wrong. "
         "A sweep whose largest sizes do not fit in memory stops at the largest that "
         "does, and says so.",
@@ -1070,7 +1070,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--collective",
         default=d["collective"],
         help="comma-separated: all_reduce, broadcast, reduce, all_gather, "
-        "reduce_scatter, gather, scatter, all_to_all (allreduce, allgather, "
+        "reduce_scatter, gather, scatter, all_to_all, sendrecv (allreduce, allgather, "
         "reducescatter, alltoall too; default: %(default)s)",
     )
     c.add_argument(

@@ -391,6 +391,11 @@ class GroupWorld:
     ) -> list[np.ndarray]:
         return self._call("all_to_all", xs, outs)
 
+    def sendrecv(
+        self, xs: Sequence[np.ndarray], *, outs: Sequence[np.ndarray] | None = None
+    ) -> list[np.ndarray]:
+        return self._call("sendrecv", xs, outs)
+
     def _on_devices(self, host: Sequence[np.ndarray]) -> list[Array]:
         """Host arrays copied to this process's ranks' devices (GPU groups take device
         arrays; on the host backend this is a copy)."""

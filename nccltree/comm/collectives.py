@@ -178,6 +178,16 @@ def _p2p_all_to_all(r: int, count: int, n: int, root: int, in_place: bool) -> li
     ]
 
 
+def _exp_sendrecv(ins: Sequence[np.ndarray], op: str, root: int) -> list[tuple[str, np.ndarray]]:
+    n = len(ins)
+    return [("out", widen(ins[(r - 1) % n])) for r in range(n)]
+
+
+def _p2p_sendrecv(r: int, count: int, n: int, root: int, in_place: bool) -> list[P2pOp]:
+    """nccl-tests' sendrecv: to the next rank, from the previous one."""
+    return [("send", (r + 1) % n, "in", 0, count), ("recv", (r - 1) % n, "out", 0, count)]
+
+
 _BUFS = ("send", "recv", "count", "dtype")
 _P2P = ("", ())  # no NCCL call of its own: point-to-point operations (``p2p``)
 
@@ -305,6 +315,23 @@ COLLECTIVES: dict[str, Collective] = {
             nccl=_P2P,
             expected=_exp_all_to_all,
             p2p=_p2p_all_to_all,
+            in_place_ok=False,
+        ),
+        # nccl-tests' sendrecv: every rank's input to the next rank's output (a ring shift)
+        Collective(
+            name="sendrecv",
+            aliases=("send_recv",),
+            reduces=False,
+            rooted=False,
+            one_buffer=False,
+            root_output=False,
+            in_count=_same,
+            out_count=_same,
+            in_place=_no_offsets,
+            factor=lambda n: 1.0,
+            nccl=_P2P,
+            expected=_exp_sendrecv,
+            p2p=_p2p_sendrecv,
             in_place_ok=False,
         ),
     )

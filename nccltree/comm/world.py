@@ -609,6 +609,20 @@ class World:
             "list[Array] | Work", self._driver("all_to_all", xs, outs, "sum", 0, streams, async_op)
         )
 
+    def sendrecv(
+        self,
+        xs: Sequence[Array],
+        outs: Sequence[Array],
+        *,
+        streams: Sequence[Stream | None] | None = None,
+        async_op: bool = False,
+    ) -> list[Array] | Work:
+        """A ring shift, nccl-tests' sendrecv: rank r's array goes to rank r+1's output,
+        so ``outs[r]`` gets rank r-1's (per rank, ``comm.sendrecv`` names the peers)."""
+        return cast(
+            "list[Array] | Work", self._driver("sendrecv", xs, outs, "sum", 0, streams, async_op)
+        )
+
     def barrier(self) -> None:
         """Block until every rank's queued work (caller and communication streams) ran."""
         self._check_usable()

@@ -44,7 +44,7 @@ for alg in args.algorithms.split(","):
                    topology=pg.topology)  # fmt: skip
     for coll, dtype, op, count, in_place in itertools.product(
         ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "gather",
-         "scatter", "all_to_all"),
+         "scatter", "all_to_all", "sendrecv"),
         DTYPES, OPS, counts, (False, True),
     ):  # fmt: skip
         c = COLLECTIVES[coll]
@@ -54,7 +54,10 @@ for alg in args.algorithms.split(","):
             continue
         if alg == "mpi" and (
             (dtype == "float16" and c.reduces)
-            or (pg.nodes > 1 and coll in ("all_gather", "gather", "scatter", "all_to_all"))
+            or (
+                pg.nodes > 1
+                and coll in ("all_gather", "gather", "scatter", "all_to_all", "sendrecv")
+            )
         ):
             continue
         if op == "prod" and count > 1000:

@@ -155,3 +155,13 @@ def direct_all_to_all(req: PlanRequest) -> Plan:
         for q in [r, *_peers(r, n)]:
             b.copy(r, Buf(q, OUT, r * count, count), Buf(r, IN, q * count, count))
     return b.build()
+
+
+@_moves("sendrecv")
+def direct_sendrecv(req: PlanRequest) -> Plan:
+    """Rank r writes its input into the next rank's output."""
+    n, count = req.size, req.count
+    b = PlanBuilder(n, f"direct sendrecv count={count}", align=req.align)
+    for r in range(n):
+        b.copy(r, Buf((r + 1) % n, OUT, 0, count), Buf(r, IN, 0, count))
+    return b.build()

@@ -70,6 +70,10 @@ def run_mpi(pg: ProcessGroup, prep: Prepared, entry: Entry) -> None:
         elif coll == "all_to_all":
             _mpi_order(pg, coll)
             req = comm.Ialltoall([x, t], [o, t])
+        elif coll == "sendrecv":
+            _mpi_order(pg, coll)
+            me, n = comm.Get_rank(), comm.Get_size()
+            req = comm.Isendrecv([x, t], (me + 1) % n, 0, [o, t], (me - 1) % n, 0)
         else:
             _mpi_order(pg, coll)
             # in place the output lies inside the input: reduce from a copy

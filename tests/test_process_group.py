@@ -203,3 +203,10 @@ def test_split_and_new_group_make_independent_groups(alg: str, tmp_path: Path) -
     reports = _reports(tmp_path, 4, "pg_split.py", env_extra={"ALG": alg})
     assert len(reports) == 4
     assert all(r["failures"] == [] for r in reports), reports
+
+
+def test_send_and_recv_between_processes(tmp_path: Path) -> None:
+    """A ring with sendrecv, a pipeline of lone sends, an all-pairs batch, a short
+    message caught by its receiver, collectives after."""
+    reports = _reports(tmp_path, 3, "pg_p2p.py")
+    assert len(reports) == 3 and all(r["failures"] == [] for r in reports), reports

@@ -340,3 +340,17 @@ def test_gpu_training_over_two_processes_sharing_a_gpu_equals_one_process(
     assert sorted(a.files) == sorted(b.files)
     for k in a.files:
         assert np.array_equal(a[k], b[k]), k
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_on_the_fake_send_and_recv_go_over_nccl(tmp_path: Path) -> None:
+    """Wiring check on tests/fakecupy (not GPU verification): the p2p worker with CuPy
+    arrays, a batch being one NCCL group of sends and receives."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_mpi(3, HERE / "pg_p2p.py", "--fake", "4", env={"NCCLTREE_TEST_OUT": str(out)},
+                   timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    assert len(reports) == 3 and all(r["failures"] == [] for r in reports), reports

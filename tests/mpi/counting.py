@@ -40,6 +40,7 @@ class CountingComm:
             nodes = comm.allgather(name)
         self._nodes = nodes
         self._me = comm.Get_rank()
+        self._root = True  # the communicator the test wrapped (not one of its duplicates)
 
     # counters, shared by every communicator made from this one
     @property
@@ -64,10 +65,17 @@ class CountingComm:
 
     def Dup(self) -> CountingComm:
         # the group duplicates the communicator for its payload first, then for control
-        # messages (signatures): bytes on the later ones are counted apart
+        # messages (signatures): bytes on the later ones are counted apart; a duplicate of
+        # a duplicate (the group's send/recv space) is counted apart too
         self._s.collectives += 1
-        self._s.dups += 1
-        return CountingComm(self._c.Dup(), self._s, self._nodes, payload=self._s.dups % 2 == 1)
+        if self._root:
+            self._s.dups += 1
+            payload = self._s.dups % 2 == 1
+        else:
+            payload = False
+        dup = CountingComm(self._c.Dup(), self._s, self._nodes, payload=payload)
+        dup._root = False
+        return dup
 
     def Split(self, color: int, key: int) -> Any:
         self._s.collectives += 1

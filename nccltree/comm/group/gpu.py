@@ -388,6 +388,7 @@ class GpuSide:
         self.comm: object = None
         self.engine: NcclEngine | None = None
         self.retired: list[DeviceBlock] = []
+        self.nccl_missing = ""  # why NCCL could not be made, where it could not
         self.caller: Stream | None = None
         self.caller_waits = True  # the caller's stream waits for the call (not async_op)
         self._defaulted = False  # begin() took the current stream (no caller was given)
@@ -427,25 +428,29 @@ class GpuSide:
             for p, h in handles:
                 if p != pg.proc:
                     self.peer_events[p] = IpcEvent(self.device, h)
-        if self.sync_mode:
-            self.ensure_nccl()  # messages between nodes from the first call on
-        elif pg.algorithm == "auto" and self.nccl_ok:
+        if self.sync_mode or pg.algorithm == "nccl":
+            self.ensure_nccl()  # needed from the first call on
+        elif self.nccl_ok:
+            # made now, while every process is here: send/recv need it between two
+            # processes only, and the creation is collective
             try:
-                from ..nccl import _nccl_module
-
-                _nccl_module()
-            except BackendUnavailable:
-                self.nccl_ok = False  # auto picks the tree, ring or direct instead
+                self.ensure_nccl()
+            except BackendUnavailable as exc:
+                # no NCCL: auto takes the tree, ring or direct; send/recv say why
+                self.nccl_ok = False
+                self.nccl_missing = str(exc)
 
     def ensure_nccl(self) -> NcclEngine:
         """The group's NCCL communicator, made at the first call that needs it: every
         process makes that call, in the same order, so the creation is collective (the
         unique id goes over MPI: the one MPI collective after bootstrap, once)."""
         if self.engine is None:
+            if self.nccl_missing:
+                raise BackendUnavailable(self.nccl_missing)
             if not self.nccl_ok:
                 raise ValueError(
-                    "algorithm='nccl' needs one GPU per process, but processes of one node "
-                    f"share a GPU (GPUs by process: {self.buses})"
+                    "NCCL (algorithm='nccl', send/recv on GPUs) needs one GPU per process, "
+                    f"but processes of one node share a GPU (GPUs by process: {self.buses})"
                 )
             from ..nccl import NcclEngine
 

@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from types import FrameType
 from typing import TYPE_CHECKING, cast
@@ -64,6 +65,7 @@ from ..work import Work
 from .gpu import DeviceBlock, GpuSide, PeerBlock, message_order
 from .local import Collectives, GroupComm, LocalRendezvous, run_local
 from .mpi_collectives import mpi_type, run_mpi
+from .p2p import GroupP2p
 from .schedule import RECV, Item, Schedule, split
 from .staging import MIRROR, Staging
 from .staging import plan as staged_plan
@@ -316,6 +318,7 @@ class ProcessGroup(Collectives):
         self._bootstrap_shm()
         if self._gpu is not None:
             self._gpu.connect()
+        self._p2p = GroupP2p(self)
         # what split() gives the groups it makes: the same GPU, not one picked again
         self._spec = devices if self._gpu is None else f"gpu:{self._gpu.device.physical_id}"
         self._shm_arg = shm
@@ -413,6 +416,7 @@ class ProcessGroup(Collectives):
         self._closed = True
         if self._gpu is not None:
             self._gpu.close()  # its stream finished first: nothing uses the blocks below
+        self._p2p.close()
         for seg, _ in self._pending_unlink:
             seg.unlink()
         for mem in self._arenas.values():
@@ -532,6 +536,32 @@ class ProcessGroup(Collectives):
                 assert g.last_end is not None
                 return Work([g.last_end], [caller], result, prep, self.timeout)
             return result
+
+    # -- point-to-point (p2p.py) ---------------------------------------------------------
+    def send(self, x: Array, peer: int, *, stream: Stream | None = None) -> None:
+        """Send ``x`` to rank ``peer`` (matched with its n-th receive from this rank)."""
+        with self._lock:
+            self._p2p.post("send", x, peer, stream)
+
+    def recv(self, out: Array, peer: int, *, stream: Stream | None = None) -> Array:
+        """Receive into ``out`` rank ``peer``'s n-th send to this rank; returns ``out``."""
+        with self._lock:
+            self._p2p.post("recv", out, peer, stream)
+        return out
+
+    def sendrecv(
+        self, x: Array, dest: int, out: Array, source: int, *, stream: Stream | None = None
+    ) -> Array:
+        """Send ``x`` to ``dest`` and receive ``out`` from ``source`` in one batch."""
+        with self.batch():
+            self.send(x, dest, stream=stream)
+            self.recv(out, source, stream=stream)
+        return out
+
+    def batch(self) -> AbstractContextManager[None]:
+        """``with pg.batch():`` posts this rank's sends and receives and finishes them all
+        at the end of the block (no deadlock when ranks exchange)."""
+        return self._p2p.batch()
 
     def split(self, color: int | None, key: int = 0) -> ProcessGroup | None:
         """MPI's ``Comm_split`` over the group's processes: every process calls it (in the
@@ -1446,13 +1476,17 @@ class ProcessGroup(Collectives):
         which cost nothing to test)."""
         self._MPI.Request.Testall(self._inflight)
 
-    def _wait_request(self, req: _MPI.Request, proc: int, what: str) -> None:
-        if req.Test():
+    def _wait_request(
+        self, req: _MPI.Request, proc: int, what: str, status: _MPI.Status | None = None
+    ) -> None:
+        """Until ``req`` completes (bounded, watching the node); ``status`` gets its
+        status (a completed request is null after: ask here, not afterwards)."""
+        if req.Test(status):
             return
         deadline = time.monotonic() + self.timeout
         spin_until = time.perf_counter() + 0.0002
         last_check = time.monotonic()
-        while not req.Test():
+        while not req.Test(status):
             if self._inflight:
                 self._progress_mpi()
             if time.perf_counter() < spin_until:

@@ -227,3 +227,5 @@ def test_the_readme_library_example_runs_and_its_comments_hold(capsys: Any) -> N
     # array) sent block q to rank q, so every rank's block 0 is a piece of it
     for q in range(4):
         np.testing.assert_array_equal(blocks[q][:8], gathered[q * 8 : (q + 1) * 8])
+    # the per-rank example prints what its comment says
+    assert "[4.0, 2.0, 4.0, 2.0]" in capsys.readouterr().out

@@ -229,3 +229,70 @@ def test_the_readme_library_example_runs_and_its_comments_hold(capsys: Any) -> N
         np.testing.assert_array_equal(blocks[q][:8], gathered[q * 8 : (q + 1) * 8])
     # the per-rank example prints what its comment says
     assert "[4.0, 2.0, 4.0, 2.0]" in capsys.readouterr().out
+
+
+# -- uneven all_to_all --------------------------------------------------------------------------
+
+
+def _v_expected(xs: list[np.ndarray], counts: np.ndarray) -> list[np.ndarray]:
+    n = len(xs)
+    return [
+        np.concatenate(
+            [xs[p][counts[p, :q].sum() : counts[p, :q].sum() + counts[p, q]] for p in range(n)]
+        )  # fmt: skip
+        for q in range(n)
+    ]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 6])
+@pytest.mark.parametrize("dtype", ["float32", "int64", "float16"])
+def test_all_to_all_v_moves_uneven_blocks(n: int, dtype: str) -> None:
+    rng = np.random.default_rng(n)
+    w = nt.World(nt.devices(f"cpu:{n}"), algorithm="ring")
+    for trial in range(4):
+        counts = rng.integers(0, 50, (n, n))
+        if trial == 1:
+            counts[:, 0] = 0  # a rank that receives nothing
+        if trial == 2:
+            counts[0, :] = 0  # a rank that sends nothing
+        xs = [(rng.integers(-99, 99, counts[r].sum())).astype(dtype) for r in range(n)]
+        outs = [np.full(counts[:, q].sum(), 7, dtype) for q in range(n)]
+        got = w.all_to_all_v(xs, outs, counts.tolist())
+        for q, want in enumerate(_v_expected(xs, counts)):
+            np.testing.assert_array_equal(outs[q], want)
+            assert got[q] is outs[q]
+    w.close()
+
+
+def test_all_to_all_v_checks_its_counts_and_buffers_and_runs_async() -> None:
+    w = nt.World(nt.devices("cpu:2"))
+    counts = [[1, 2], [3, 4]]
+    xs = [np.arange(3, dtype=np.float32), np.arange(7, dtype=np.float32)]
+    outs = [np.zeros(4, np.float32), np.zeros(6, np.float32)]
+    work = w.all_to_all_v(xs, outs, counts, async_op=True)
+    work.synchronize()
+    np.testing.assert_array_equal(outs[0], [0, 0, 1, 2])
+    with pytest.raises(ValueError, match="a row per rank"):
+        w.all_to_all_v(xs, outs, [[1, 2]])
+    with pytest.raises(ValueError, match=r"counts\[1\]\[0\]"):
+        w.all_to_all_v(xs, outs, [[1, 2], [-3, 4]])
+    with pytest.raises(ValueError, match="rank 1: the input needs 7 elements"):
+        w.all_to_all_v([xs[0], xs[1][:5]], outs, counts)
+    with pytest.raises(ValueError, match="rank 0: the output needs 4 elements"):
+        w.all_to_all_v(xs, [outs[0][:3], outs[1]], counts)
+    with pytest.raises(ValueError, match="cannot run in place"):
+        w.all_to_all_v([outs[0][:3], xs[1]], outs, counts)
+    w.close()
+
+
+def test_all_to_all_v_on_gpus(fake_cupy: Any) -> None:
+    """Wiring check on tests/fakecupy (not GPU verification), an NCCL World included."""
+    w = nt.World(nt.devices("gpu:0,1,2"), algorithm="nccl")
+    counts = np.array([[2, 0, 5], [1, 1, 1], [0, 3, 2]])
+    host = [np.arange(counts[r].sum(), dtype=np.float32) + 10 * r for r in range(3)]
+    xs = [d.from_host(h) for d, h in zip(w.devices, host, strict=True)]
+    outs = [d.zeros(counts[:, q].sum(), np.float32) for q, d in enumerate(w.devices)]
+    w.all_to_all_v(xs, outs, counts.tolist())
+    for q, want in enumerate(_v_expected(host, counts)):
+        np.testing.assert_array_equal(outs[q].get(), want)
+    w.close()

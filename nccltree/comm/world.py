@@ -20,7 +20,9 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from .._errors import CommError, CommTimeout, NcclTreeError, PeerFailure
+from .._native import ranges_overlap
 from .._validate import check_index, check_int, check_real
+from ..backends.base import data_ptr
 from . import auto, debug
 from ._args import Array, Launched, Prepared, prepare
 from .algorithms import ALGORITHMS, build_plan
@@ -623,6 +625,57 @@ class World:
             "list[Array] | Work", self._driver("sendrecv", xs, outs, "sum", 0, streams, async_op)
         )
 
+    def all_to_all_v(
+        self,
+        xs: Sequence[Array],
+        outs: Sequence[Array],
+        counts: Sequence[Sequence[int]],
+        *,
+        streams: Sequence[Stream | None] | None = None,
+        async_op: bool = False,
+    ) -> list[Array] | Work:
+        """all_to_all with uneven blocks: ``counts[r][q]`` elements go from rank r to rank
+        q. Rank r's input holds its blocks for ranks 0, 1, ... one after another
+        (``sum(counts[r])`` elements); rank q's output receives the blocks of ranks 0, 1,
+        ... one after another (``sum(counts[p][q] for p)``). Not in place. One copy per
+        block, on every algorithm (NCCL Worlds too)."""
+        self._check_usable()
+        n = self.size
+        if streams is None:
+            callers = [self._caller_stream(r, None) for r in range(n)]
+        else:
+            callers = list(streams)
+            if len(callers) != n:
+                raise ValueError(f"streams has {len(callers)} entries for {n} ranks")
+        with self._lock:
+            self._check_usable()
+            matrix = _count_matrix(counts, n)
+            prep = _prepare_v(self.devices, xs, outs, matrix)
+            key = ("all_to_all_v", matrix, prep.dtype.itemsize)
+            program = self._programs.get(key)
+            if program is None:
+                plan = _all_to_all_v_plan(matrix)
+                extents = {IN: [sum(row) for row in matrix],
+                           OUT: [sum(row[q] for row in matrix) for q in range(n)],
+                           TMP: [0] * n, STAGE: [0] * n}  # fmt: skip
+                program = Program(plan, self.devices, extents)
+                self._programs[key] = program
+                self._plans[key] = plan
+                self._plan_steps += len(plan.steps)
+            self._seq += 1
+            entry = self.flight.start(self._seq, "all_to_all_v", sum(map(sum, matrix)),
+                                      prep.dtype, "direct")  # fmt: skip
+            try:
+                launched = self._issue(prep, "direct", callers, async_op, False, program)
+            except BaseException as exc:
+                entry.state = f"failed: {type(exc).__name__}"
+                raise
+            entry.state, entry.ended = "done", time.monotonic()
+        if async_op:
+            return Work(launched.events or [], launched.caller_streams, launched.results,
+                        launched.keepalive, self.timeout, self._on_stream_error)  # fmt: skip
+        return cast("list[Array]", launched.results)
+
     def barrier(self) -> None:
         """Block until every rank's queued work (caller and communication streams) ran."""
         self._check_usable()
@@ -726,11 +779,14 @@ class World:
         streams: list[Stream | None],
         async_op: bool,
         by_ranks: bool,
+        program: Program | None = None,
     ) -> Launched:
-        """One checked call by ``algorithm`` (under the World's lock)."""
-        if algorithm == "nccl":
-            return self._launch_nccl(prep, streams)
-        program = self._program(algorithm, prep)
+        """One checked call by ``algorithm`` (under the World's lock), or by ``program``
+        where the call made its own (all_to_all_v)."""
+        if program is None:
+            if algorithm == "nccl":
+                return self._launch_nccl(prep, streams)
+            program = self._program(algorithm, prep)
         plan = program.plan
         bufs = self._buffers(program, prep)
         if self._can_inline(prep, streams, async_op):
@@ -1100,3 +1156,74 @@ class World:
     def _forget_memory(self) -> None:
         for program in self._programs.values():
             program.memory = None
+
+
+def _count_matrix(counts: Sequence[Sequence[int]], n: int) -> tuple[tuple[int, ...], ...]:
+    """all_to_all_v's counts, checked: n rows of n element counts, none negative."""
+    if isinstance(counts, (str, bytes)) or len(counts) != n:
+        raise ValueError(f"counts must have a row per rank ({n}), got {len(counts)}")
+    rows = []
+    for r, row in enumerate(counts):
+        if isinstance(row, (str, bytes)) or len(row) != n:
+            raise ValueError(f"counts[{r}] must have a count per rank ({n})")
+        rows.append(tuple(check_int(c, f"counts[{r}][{q}]", min=0) for q, c in enumerate(row)))
+    return tuple(rows)
+
+
+def _prepare_v(
+    devices: Sequence[Device], xs: Sequence[Array], outs: Sequence[Array],
+    matrix: tuple[tuple[int, ...], ...],
+) -> Prepared:  # fmt: skip
+    """all_to_all_v's buffers, checked as a collective's are (one dtype, C-contiguous,
+    the sizes the counts give, no output overlapping an input)."""
+    from ._args import _as_list, _device_array
+
+    n = len(devices)
+    ins = [_device_array(d, x, f"rank {r}: input")
+           for r, (d, x) in enumerate(zip(devices, _as_list(xs, "inputs", n), strict=True))]  # fmt: skip
+    res = [_device_array(d, o, f"rank {r}: output")
+           for r, (d, o) in enumerate(zip(devices, _as_list(outs, "outputs", n), strict=True))]  # fmt: skip
+    dtype = ins[0].dtype
+    from . import _ops
+
+    for r in range(n):
+        if ins[r].dtype != dtype or res[r].dtype != dtype:
+            raise TypeError(f"rank {r}: dtype differs from rank 0's {dtype}")
+        want_in, want_out = sum(matrix[r]), sum(row[r] for row in matrix)
+        if ins[r].size != want_in:
+            raise ValueError(f"rank {r}: the input needs {want_in} elements (its row of "
+                             f"counts), got {ins[r].size}")  # fmt: skip
+        if res[r].size != want_out:
+            raise ValueError(f"rank {r}: the output needs {want_out} elements (its column "
+                             f"of counts), got {res[r].size}")  # fmt: skip
+    for r in range(n):
+        for q in range(n):
+            if (
+                ins[r].nbytes
+                and res[q].nbytes
+                and ranges_overlap(data_ptr(ins[r]), ins[r].nbytes, data_ptr(res[q]), res[q].nbytes)
+            ):
+                raise ValueError(f"all_to_all_v cannot run in place: rank {q}'s output "
+                                 f"overlaps rank {r}'s input")  # fmt: skip
+    dtype = _ops.check_dtype(dtype)
+    flat_in = [x.reshape(-1) for x in ins]
+    flat_out = [o.reshape(-1) for o in res]
+    return Prepared("all_to_all_v", flat_in, flat_out, list(outs), dtype, 0, False, "sum", 0)
+
+
+def _all_to_all_v_plan(matrix: tuple[tuple[int, ...], ...]) -> Plan:
+    """One copy per nonzero block: rank r pushes its block for q into q's output, at the
+    place of rank r's block there; ranks start at different destinations."""
+    from .plan import Buf, PlanBuilder
+
+    n = len(matrix)
+    b = PlanBuilder(n, f"direct all_to_all_v of {sum(map(sum, matrix))} elements")
+    for r in range(n):
+        src_off = [sum(matrix[r][:q]) for q in range(n)]
+        for i in range(n):
+            q = (r + i) % n
+            c = matrix[r][q]
+            if c:
+                dst_off = sum(matrix[p][q] for p in range(r))
+                b.copy(r, Buf(q, OUT, dst_off, c), Buf(r, IN, src_off[q], c))
+    return b.build()

@@ -22,6 +22,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ._args import Prepared
     from .plan import Plan
 
 TRACE = 5  # below logging.DEBUG: one line per call
@@ -92,3 +93,14 @@ def plan_line(plan: Plan, itemsize: int, where: str) -> str:
         f"{plan.bytes_moved(itemsize)} B read and written, scratch {scratch or 'none'}, "
         f"staging {stage or 'none'} (elements per rank)"
     )
+
+
+def trace_call(who: str, prep: Prepared, algorithm: str, extra: str = "") -> None:
+    """One ``TRACE`` line for a call (where that level is on)."""
+    if trace_enabled():
+        log.log(
+            TRACE,
+            f"{who}: {prep.collective} count={prep.count} {prep.dtype.name} op={prep.op} "
+            f"root={prep.root} algorithm={algorithm}{' in place' if prep.in_place else ''}"
+            f"{extra}",
+        )

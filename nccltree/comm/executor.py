@@ -235,10 +235,7 @@ class Program:
         for op in self.ops:
             st = streams[op.rank]
             if isinstance(op, _Sync):
-                if op.wait:
-                    st.wait_event(events[op.event])
-                else:
-                    events[op.event].record(st)
+                _sync(op, st, events)
             else:
                 _issue(op, st, views, arrays)
 
@@ -323,6 +320,14 @@ class _Lowered(NamedTuple):
     bases: ctypes.Array[ctypes.c_void_p]
     threads: ctypes.Array[ctypes.c_int]
     failed: ctypes.c_int
+
+
+def _sync(op: _Sync, st: Stream, events: Sequence[Event]) -> None:
+    """A record or a wait of one of a call's events on ``st``."""
+    if op.wait:
+        st.wait_event(events[op.event])
+    else:
+        events[op.event].record(st)
 
 
 def _issue(op: _Data, st: Stream, views: list[Array], arrays: list[dict[str, Array]]) -> None:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple, cast
 
-from .executor import Buffers, Program, _Copy, _Data, _issue, _Reduce, _Scale, _Sync
+from .executor import Buffers, Program, _Copy, _Data, _issue, _Reduce, _Scale, _Sync, _sync
 
 if TYPE_CHECKING:
     from ..backends.base import Stream
@@ -98,10 +98,7 @@ def trace_program(
     for op in program.ops:
         st = cuda[op.rank]
         if isinstance(op, _Sync):
-            if op.wait:
-                st.wait_event(events[op.event])
-            else:
-                events[op.event].record(st)
+            _sync(op, st, events)
             marks.append((Span(op.rank, kind(op), 0.0, 0.0, 0, f"event {op.event}"), None, None))
             continue
         with cp.cuda.Device(st.device.physical_id):

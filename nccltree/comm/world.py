@@ -745,14 +745,7 @@ class World:
             algorithm = self._choose(prep)
             self._seq += 1
             entry = self.flight.start(self._seq, prep.collective, prep.count, prep.dtype, algorithm)
-            if debug.trace_enabled():
-                debug.log.log(
-                    debug.TRACE,
-                    f"World #{self._seq}: {prep.collective} count={prep.count} "
-                    f"{prep.dtype.name} op={prep.op} root={prep.root} algorithm={algorithm}"
-                    f"{' in place' if prep.in_place else ''}"
-                    f"{' per rank' if by_ranks else ''}",
-                )
+            debug.trace_call(f"World #{self._seq}", prep, algorithm, " per rank" * by_ranks)
             try:
                 launched = self._issue(prep, algorithm, streams, async_op, by_ranks)
             except (ValueError, TypeError):

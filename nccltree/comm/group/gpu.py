@@ -56,7 +56,35 @@ _EVENT_FLAGS = 2 | 4  # cudaEventDisableTiming | cudaEventInterprocess
 _SELF = Link(LinkKind.SELF)
 
 
-class DeviceBlock:
+class _Block:
+    """GPU memory at ``ptr`` of ``size`` bytes, seen as CuPy arrays; ``_release`` frees
+    it (or unmaps it), once, on this process's GPU."""
+
+    device: CudaDevice
+    ptr: int
+    size: int
+
+    def _wrap(self, owner_id: int) -> None:
+        cp = _cupy()
+        self._mem = cp.cuda.UnownedMemory(self.ptr, self.size, self, owner_id)
+        self._open = True
+
+    def view(self, dtype: np.dtype, count: int, offset: int) -> Array:
+        """``count`` elements of ``dtype`` from byte ``offset``, as a CuPy array."""
+        cp = _cupy()
+        return cp.ndarray((count,), dtype, cp.cuda.MemoryPointer(self._mem, offset))
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            with _cupy().cuda.Device(self.device.physical_id):
+                self._release()
+
+    def _release(self) -> None:
+        raise NotImplementedError
+
+
+class DeviceBlock(_Block):
     """Device memory of this process's GPU, exported for the node's other processes
     (``handle``: the ``cudaIpcMemHandle_t`` bytes). ``cudaMalloc``'d directly, not from
     CuPy's pool: an IPC handle names a whole allocation."""
@@ -79,23 +107,13 @@ class DeviceBlock:
             except BaseException:
                 rt.free(self.ptr)
                 raise
-        self._mem = cp.cuda.UnownedMemory(self.ptr, self.size, self, device.physical_id)
-        self._open = True
+        self._wrap(device.physical_id)
 
-    def view(self, dtype: np.dtype, count: int, offset: int) -> Array:
-        """``count`` elements of ``dtype`` from byte ``offset``, as a CuPy array."""
-        cp = _cupy()
-        return cp.ndarray((count,), dtype, cp.cuda.MemoryPointer(self._mem, offset))
-
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            cp = _cupy()
-            with cp.cuda.Device(self.device.physical_id):
-                cp.cuda.runtime.free(self.ptr)
+    def _release(self) -> None:
+        _cupy().cuda.runtime.free(self.ptr)
 
 
-class PeerBlock:
+class PeerBlock(_Block):
     """Another process's :class:`DeviceBlock`, opened here through its IPC handle
     (mapped for this process's GPU, ``device``; ``owner_id``: the GPU holding it, as this
     process numbers GPUs)."""
@@ -114,19 +132,10 @@ class PeerBlock:
                     f"GPU {device.physical_id}: cannot open another process's GPU memory "
                     f"through CUDA IPC: {exc}"
                 ) from exc
-        self._mem = cp.cuda.UnownedMemory(self.ptr, size, self, owner_id)
-        self._open = True
+        self._wrap(owner_id)
 
-    def view(self, dtype: np.dtype, count: int, offset: int) -> Array:
-        cp = _cupy()
-        return cp.ndarray((count,), dtype, cp.cuda.MemoryPointer(self._mem, offset))
-
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            cp = _cupy()
-            with cp.cuda.Device(self.device.physical_id):
-                cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
+    def _release(self) -> None:
+        _cupy().cuda.runtime.ipcCloseMemHandle(self.ptr)
 
 
 class IpcEvent:

@@ -712,13 +712,7 @@ class ProcessGroup(Collectives):
             algorithm = self._choose(prep)
             self._seq += 1
             entry = self.flight.start(self._seq, prep.collective, prep.count, prep.dtype, algorithm)
-            if debug.trace_enabled():
-                debug.log.log(
-                    debug.TRACE,
-                    f"process group rank {self.rank} #{self._seq}: {prep.collective} "
-                    f"count={prep.count} {prep.dtype.name} op={prep.op} root={prep.root} "
-                    f"algorithm={algorithm}{' in place' if prep.in_place else ''}",
-                )
+            debug.trace_call(f"process group rank {self.rank} #{self._seq}", prep, algorithm)
             try:
                 if algorithm == "mpi":
                     run_mpi(self, prep, entry)
@@ -1264,8 +1258,7 @@ class ProcessGroup(Collectives):
             it = run.item
             assert it is not None
             if it.kind != "notify":
-                for q, k in it.waits:
-                    self._wait_counter(self._progress[q], self._base[q] + k, q, "a step")
+                self._wait_steps(it)
             if run.kind == "wait":
                 for q, tag in it.recvs:
                     self._wait_request(reqs[(q, tag)], q, "a message")
@@ -1285,6 +1278,11 @@ class ProcessGroup(Collectives):
             self._wait_request(req, -1, "a send to finish")
         for (q, _), req in reqs.items():
             self._wait_request(req, q, "a message")
+
+    def _wait_steps(self, it: Item) -> None:
+        """The steps of the node's other processes that ``it`` needs, done."""
+        for q, k in it.waits:
+            self._wait_counter(self._progress[q], self._base[q] + k, q, "a step")
 
     def _execute_gpu(self, c: _Compiled, runs: list[_Run], bufs: Buffers,
                      recv: Array | None) -> None:  # fmt: skip
@@ -1311,8 +1309,7 @@ class ProcessGroup(Collectives):
             it = run.item
             assert it is not None
             if it.kind != "notify":
-                for q, k in it.waits:
-                    self._wait_counter(self._progress[q], self._base[q] + k, q, "a step")
+                self._wait_steps(it)
                 g.after([q for q, _ in it.waits])
             if run.kind == "wait":
                 continue  # its messages were received in order, on the stream

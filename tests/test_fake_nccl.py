@@ -260,17 +260,17 @@ def test_watchdog_aborts_work_that_never_completes(world: Any, fake_cupy: Any) -
     """NCCL work that never completes: the call returns at once (stream-ordered), and the
     watchdog aborts the communicators and fails the World once the timeout passes; every
     later call raises (wiring check, not GPU verification)."""
-    w = world("gpu:0,1", timeout=0.3)
+    w = world("gpu:0,1", timeout=1.5)
     xs = [d.zeros(16, np.float32) for d in w.devices]
     fake_cupy.nccl.hang_next_call(0)
     start = time.monotonic()
     w.all_reduce(xs)  # returns: the caller's streams are ordered after the work
-    assert time.monotonic() - start < 0.3
+    assert time.monotonic() - start < 1.5
     assert not w.aborted
     assert _wait_until(lambda: w.aborted)
-    assert time.monotonic() - start >= 0.3
+    assert time.monotonic() - start >= 1.5
     assert sorted(r for _, r in fake_cupy.nccl.aborted) == [0, 1]
-    with pytest.raises(nt.PeerFailure, match="did not complete within 0.3 s"):
+    with pytest.raises(nt.PeerFailure, match="did not complete within 1.5 s"):
         w.all_reduce(xs)
 
 

@@ -624,11 +624,12 @@ class Benchmark:
             # inputs of every rank, the expected results, then the temporaries of making a
             # call's buffers (a poisoned host array, the in-place one) and of the check (a
             # result widened, |a - b|, the tolerance, the comparison)
-            # one expected array shared by every rank, or one per rank: the root's and the
-            # others' unchanged inputs (root_output), or a different block mix per rank
-            # (all_to_all: input and output both hold a block per rank)
-            distinct = coll.root_output or (coll.in_count(1, n) > 1 and coll.out_count(1, n) > 1)
-            expected = (n if distinct else 1) * big * _WIDE if self.check else 0
+            # the expected results: one array shared by every rank, or one per rank (the
+            # root's and the others' unchanged inputs, a block mix per rank...): asked of
+            # the table's own reference on one-element blocks
+            tiny = [np.zeros(coll.in_count(1, n), self.dtype) for _ in range(n)]
+            arrays = {id(v if v.base is None else v.base) for _, v in coll.expected(tiny, "sum", 0)}
+            expected = len(arrays) * big * _WIDE if self.check else 0
             temporaries = big * (2 * item + (4 * _WIDE if self.check else 0))
             reference = max(reference, n * cin * item + expected + temporaries)
             for alg, world in self.worlds.items():

@@ -42,3 +42,16 @@ def test_torch_dlpack_example() -> None:
     assert digests[0] == digests[1], out
     losses = [float(x) for x in re.findall(r"loss on rank 0's shard ([0-9.]+)", out)]
     assert len(losses) == 5 and losses[-1] < losses[0], out
+
+
+@pytest.mark.parametrize("spec", ["cpu:4", "cpu:3"])
+def test_the_vocabulary_example_checks_every_operation(spec: str) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "vocabulary.py"), spec],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "every example checked" in proc.stdout

@@ -354,3 +354,18 @@ def test_on_the_fake_send_and_recv_go_over_nccl(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
     assert len(reports) == 3 and all(r["failures"] == [] for r in reports), reports
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_on_the_fake_gpu_groups_split(tmp_path: Path) -> None:
+    """Wiring check on tests/fakecupy (not GPU verification): GPU process groups split
+    by parity and into a pair (each sub-group on its processes' GPUs, with an NCCL
+    communicator of its own), collectives in both and in the parent."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_mpi(4, HERE / "pg_split.py", "--fake", env={"NCCLTREE_TEST_OUT": str(out)},
+                   timeout=180)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    assert len(reports) == 4 and all(r["failures"] == [] for r in reports), reports

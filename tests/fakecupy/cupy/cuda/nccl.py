@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -263,8 +264,10 @@ class NcclCommunicator:
     def _join_processes(self, n: int, uid: bytes, r: int, fake: _core.FakeCuda) -> None:
         """A communicator spanning processes (``fake.mpi_comm`` set): every process
         makes its rank at once (collective, as ncclCommInitRank); operations run through
-        MPI when posted (see _run_across)."""
-        mpi = fake.mpi_comm.Dup()
+        MPI when posted (see _run_across). Only the communicator's processes take part
+        (a sub-group's): they find each other through files named after the unique id,
+        then make an MPI communicator of just them (MPI_Comm_create_group)."""
+        mpi = _members_comm(fake.mpi_comm, n, uid, r)
         # a GPU is (its machine, its number): NCCL's "Duplicate GPU detected"
         host = os.environ.get("NCCLTREE_NODE") or os.uname().nodename
         got = mpi.allgather((r, uid, (host, fake.tls.device)))
@@ -642,6 +645,39 @@ def _execute(fake: _core.FakeCuda, ops: list[_Posted]) -> None:
         full = _reduce([get(p.call.sendbuf, n * nr).copy() for p in ops], c0.op or 0, c0.datatype)
         for r, p in enumerate(ops):
             get(p.call.recvbuf, n)[...] = full[r * n : (r + 1) * n]
+
+
+def _members_comm(world: Any, n: int, uid: bytes, r: int) -> Any:
+    """An MPI communicator of the ``n`` processes joining ``uid``, ordered by NCCL rank."""
+    where = f"/dev/shm/fakecupy-nccl-{os.getuid()}-{uid.hex()[:24]}"
+    os.makedirs(where, exist_ok=True)
+    mine = os.path.join(where, str(r))
+    with open(mine + ".tmp", "w") as f:
+        f.write(str(world.Get_rank()))
+    os.replace(mine + ".tmp", mine)
+    deadline = time.monotonic() + 60
+    while True:
+        names = [x for x in os.listdir(where) if x.isdigit()]
+        if len(names) >= n:
+            break
+        if time.monotonic() > deadline:
+            raise NcclError(ncclInvalidUsage)  # a rank never joined
+        time.sleep(0.005)
+    ranks = []
+    for k in range(n):
+        with open(os.path.join(where, str(k))) as f:
+            ranks.append(int(f.read()))
+    group = world.Get_group().Incl(ranks)
+    comm = world.Create_group(group)
+    group.Free()
+    comm.Barrier()  # every member read the files
+    os.unlink(mine)
+    if r == 0:
+        comm.Barrier()
+        os.rmdir(where)
+    else:
+        comm.Barrier()
+    return comm
 
 
 def _run_across(p: _Posted) -> None:

@@ -77,6 +77,15 @@ if xp is np:
     except ValueError as exc:
         if me != 1 or "received 4 float32 from rank 0, expected 6" not in str(exc):
             failures.append(f"mismatch: {exc}")
+# uneven all_to_all: rank r sends (r + q) % 3 + 1 elements to rank q, valued 100 r + q
+sc = [(me + q) % 3 + 1 for q in range(n)]
+rc = [(p + me) % 3 + 1 for p in range(n)]
+src = xp.asarray(np.concatenate([np.full(c, 100 * me + q, np.float32) for q, c in enumerate(sc)]))
+dst = xp.asarray(np.zeros(sum(rc), np.float32))
+pg.all_to_all_v(src, dst, sc, rc)
+want = np.concatenate([np.full(c, 100 * p + me, np.float32) for p, c in enumerate(rc)])
+if not np.array_equal(host(dst), want):
+    failures.append(f"all_to_all_v: got {host(dst)}")
 y = xp.asarray(np.ones(2))
 pg.all_reduce(y)  # the group's collectives go on after
 if not np.all(host(y) == n):

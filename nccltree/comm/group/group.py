@@ -55,7 +55,7 @@ from ...backends import devices as make_devices
 from ...backends.base import Array, Device, data_ptr
 from ...topology import Topology
 from .. import debug
-from .._args import Prepared, prepare
+from .._args import Prepared, _device_array, prepare
 from ..algorithms import ALGORITHMS, build_plan
 from ..collectives import COLLECTIVES, collective_name
 from ..executor import Buffers, Program
@@ -409,10 +409,20 @@ class ProcessGroup(Collectives):
 
     # -- life cycle -----------------------------------------------------------------------
     def close(self) -> None:
-        """Release shared memory and the group's communicator. Idempotent; after it,
+        """Release shared memory and the group's communicator. Collective within a node:
+        it first waits (at most the timeout) for the node's other processes to close too,
+        so that none still needs a segment about to go. Idempotent; after it,
         :func:`init_process_group` may be called again."""
         if self._closed:
             return
+        if self._failure is None and len(self._node_procs) > 1:
+            # closing is collective: wait (bounded) until every process of the node is
+            # here, so each has mapped the arenas a last call made before their creator
+            # unlinks them below
+            try:
+                self._node_sync()
+            except (PeerFailure, CommTimeout):
+                pass
         self._closed = True
         if self._gpu is not None:
             self._gpu.close()  # its stream finished first: nothing uses the blocks below
@@ -562,6 +572,74 @@ class ProcessGroup(Collectives):
         """``with pg.batch():`` posts this rank's sends and receives and finishes them all
         at the end of the block (no deadlock when ranks exchange)."""
         return self._p2p.batch()
+
+    def all_to_all_v(
+        self,
+        x: Array,
+        out: Array,
+        send_counts: Sequence[int],
+        recv_counts: Sequence[int],
+        *,
+        stream: Stream | None = None,
+    ) -> Array:
+        """all_to_all with uneven blocks, one rank per process: ``x`` holds this rank's
+        blocks for ranks 0, 1, ... (``send_counts[q]`` elements for rank q), ``out``
+        receives rank p's block at the place its ``recv_counts`` give (rank p's
+        ``send_counts[me]`` must equal ``recv_counts[p]``: each side says its own). Host
+        arrays: MPI's ``Ialltoallv`` (bounded wait); CuPy arrays: one batch of NCCL sends
+        and receives (one GPU per process). Returns ``out``."""
+        sc = [check_int(c, "send_counts[i]", min=0) for c in send_counts]
+        rc = [check_int(c, "recv_counts[i]", min=0) for c in recv_counts]
+        if len(sc) != self.size or len(rc) != self.size:
+            raise ValueError(
+                f"send_counts and recv_counts need a count per rank ({self.size}), got "
+                f"{len(sc)} and {len(rc)}"
+            )
+        self._one("all_to_all_v")
+        dev = self.devices[0]
+        xa = _device_array(dev, x, f"rank {self.rank}: input").reshape(-1)
+        oa = _device_array(dev, out, f"rank {self.rank}: output").reshape(-1)
+        if xa.size != sum(sc) or oa.size != sum(rc):
+            raise ValueError(
+                f"rank {self.rank}: the input needs {sum(sc)} elements (send_counts) and "
+                f"the output {sum(rc)} (recv_counts), got {xa.size} and {oa.size}"
+            )
+        if xa.dtype != oa.dtype:
+            raise TypeError(f"rank {self.rank}: output dtype {oa.dtype} differs from {xa.dtype}")
+        sd = np.cumsum([0, *sc[:-1]]).tolist()
+        rd = np.cumsum([0, *rc[:-1]]).tolist()
+        if self._gpu is not None:
+            with self.batch():
+                for q in range(self.size):
+                    if sc[q]:
+                        self.send(xa[sd[q] : sd[q] + sc[q]], q, stream=stream)
+                for q in range(self.size):
+                    if rc[q]:
+                        self.recv(oa[rd[q] : rd[q] + rc[q]], q, stream=stream)
+            return out
+        with self._lock:
+            self._check_usable()
+            MPI = self._MPI
+            t = mpi_type(MPI, xa.dtype)
+            # MPI indexes the counts by its own ranks: the group's, permuted (one rank
+            # per process: group rank = process index); the places stay the group's
+            proc_of_mpi = {m: p for p, m in enumerate(self._mpi_rank_of_proc)}
+            order = [proc_of_mpi[m] for m in range(self.nprocs)]
+            sc, sd = [sc[g] for g in order], [sd[g] for g in order]
+            rc, rd = [rc[g] for g in order], [rd[g] for g in order]
+            self._seq += 1
+            entry = self.flight.start(self._seq, "all_to_all_v", xa.size, xa.dtype, "mpi")
+            try:
+                req = self._p2p.comm.Ialltoallv([xa, (sc, sd), t], [oa, (rc, rd), t])
+                self._wait_request(req, -1, "MPI's all_to_all_v")
+            except (ValueError, TypeError):
+                raise
+            except BaseException as exc:
+                entry.state = f"failed: {type(exc).__name__}"
+                self._fail(exc)
+                raise
+            entry.state, entry.ended = "done", time.monotonic()
+        return out
 
     def split(self, color: int | None, key: int = 0) -> ProcessGroup | None:
         """MPI's ``Comm_split`` over the group's processes: every process calls it (in the

@@ -78,8 +78,9 @@ def trace_enabled() -> bool:
     return log.isEnabledFor(TRACE)
 
 
-def plan_line(plan: Plan, itemsize: int, where: str) -> str:
-    """One line describing a plan as built for ``where`` (a World or a process group)."""
+def plan_line(plan: Plan, itemsize: int, where: str, chunk: int | None = None) -> str:
+    """One line describing a plan as built for ``where`` (a World or a process group);
+    ``chunk``: the chunk it was cut into, in elements."""
     steps = plan.data_steps()
     kinds: dict[str, int] = {}
     for s in steps:
@@ -88,7 +89,8 @@ def plan_line(plan: Plan, itemsize: int, where: str) -> str:
     scratch = {r: c for r, c in plan.scratch.items() if c}
     stage = {r: c for r, c in plan.stage.items() if c}
     return (
-        f"{where}: plan '{plan.description}' over {plan.size} ranks: {len(steps)} data "
+        f"{where}: plan '{plan.description}' over {plan.size} ranks"
+        f"{'' if chunk is None else f', chunks of {chunk * itemsize} B'}: {len(steps)} data "
         f"steps ({counts or 'none'}), {plan.n_events} events, "
         f"{plan.bytes_moved(itemsize)} B read and written, scratch {scratch or 'none'}, "
         f"staging {stage or 'none'} (elements per rank)"

@@ -1070,7 +1070,9 @@ class World:
             }
             program = Program(plan, self.devices, extents)
             if debug.info_enabled():
-                debug.log.info(debug.plan_line(plan, prep.dtype.itemsize, f"World of {n} ranks"))
+                debug.log.info(
+                    debug.plan_line(plan, prep.dtype.itemsize, f"World of {n} ranks", chunk)
+                )
             # bounded by count and by steps: a ring plan holds O(size^2) steps (about
             # 180 B each, plus its resolved form), so a few large ones weigh more than
             # hundreds of small ones

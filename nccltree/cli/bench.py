@@ -1012,7 +1012,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = make_parser(
         "nccltree-bench", "Collective and training benchmarks, and the topology the tree uses."
     )
-    sub = p.add_subparsers(dest="command", metavar="{collectives,train,topo}")
+    sub = p.add_subparsers(dest="command", metavar="{collectives,train,topo,simulate}")
     sub.required = True
     d = COLLECTIVE_DEFAULTS
     c = sub.add_parser(
@@ -1320,6 +1320,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--smi", metavar="FILE", help="a saved `nvidia-smi topo -m` output")
     g.add_argument("--root", type=int, default=None, help="root the tree at this rank")
     g.add_argument("--dot", metavar="FILE", help="also write the graph as Graphviz dot")
+    from ._simulate import add_parser as add_simulate
+
+    add_simulate(sub)
     return p
 
 
@@ -1343,6 +1346,11 @@ def main(argv: list[str] | None = None, *, world_factory: drv.WorldFactory | Non
     """
 
     def body(args: argparse.Namespace) -> int:
+        if args.command == "simulate":
+            from ._simulate import run_simulate
+
+            with checking():
+                return run_simulate(args, sys.stdout)
         if args.command != "topo" and (args.mpi or mpi_world_size() > 1):
             return _under_mpi(args)
         # first every flag is checked (and Worlds created): errors here run nothing

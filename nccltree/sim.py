@@ -1,0 +1,400 @@
+"""Predicting a plan's time on a machine: a link model, and an event-driven simulator that
+runs the exact plan nccltree would execute.
+
+**The machine** (:class:`Machine`): a :class:`~nccltree.topology.Topology` (which devices
+are linked how), a device model (:class:`DeviceModel`: memory bandwidth, NVLink rate per
+link, PCIe generation; :data:`DEVICES` holds data-sheet figures), the network rate
+between nodes, and the host's cost of issuing one step. Every directed link and every
+device's memory is a resource with a bandwidth:
+
+- ``NVLINK`` with n links: n x the model's per-link rate, per direction;
+- ``SAME_BOARD``, ``PIX``, ``PXB``, ``PHB``, ``NODE``, ``SYS``: the model's PCIe x16 rate,
+  times an efficiency that falls with the distance (:data:`PCIE_EFFICIENCY`);
+- ``NET``: the network rate given;
+- ``SAME_DEVICE``: the device's own memory;
+- a pair without peer access: half its rate (the copy is staged through the host).
+
+**The simulation** (:func:`simulate`): each rank's stream performs its steps in plan order.
+A step starts when its stream is free, the events it waits for are recorded, and the host
+has issued it (one thread issues every step in the plan's global order, at ``issue_s``
+each: the cost that bounds logical ranks on one GPU). A data step is a flow with fixed
+demands on resources: a copy moves its bytes over the link and reads and writes the two
+memories; a fused reduce reads each source (over its link when remote) and writes the
+destination, on the executing device. Concurrent flows share each resource max-min
+fairly (progressive filling), recomputed whenever a flow starts or ends; every step pays
+its link's latency before it moves data. The result is the predicted time and, per
+resource, the bytes moved and the time it was busy.
+
+This is a model: it knows nothing of protocols, kernels' occupancy or caches. Its
+constants are data-sheet figures, named with their sources in :data:`DEVICES`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ._validate import check_int, check_real
+from .comm.plan import STAGE, Plan, Step
+from .topology import Link, LinkKind, Topology
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """One device model: memory bandwidth (GB/s, reads + writes), NVLink rate per link
+    and direction (GB/s), PCIe generation of its x16 slot, and where the figures come
+    from."""
+
+    name: str
+    memory_gbps: float
+    nvlink_gbps: float
+    pcie_gen: int
+    source: str
+
+
+#: Data-sheet figures (NVLink: the aggregate bidirectional figure / links / 2).
+DEVICES: dict[str, DeviceModel] = {
+    m.name: m
+    for m in (
+        DeviceModel(
+            "v100",
+            900.0,
+            25.0,
+            3,
+            "NVIDIA Tesla V100 data sheet: HBM2 900 GB/s, NVLink 300 GB/s over 6 links",
+        ),  # fmt: skip
+        DeviceModel(
+            "a100",
+            2039.0,
+            25.0,
+            4,
+            "NVIDIA A100 80GB SXM data sheet: 2,039 GB/s, NVLink 600 GB/s over 12 links",
+        ),  # fmt: skip
+        DeviceModel(
+            "h100",
+            3350.0,
+            25.0,
+            5,
+            "NVIDIA H100 SXM data sheet: 3.35 TB/s, NVLink 900 GB/s over 18 links",
+        ),  # fmt: skip
+        DeviceModel(
+            "h200",
+            4800.0,
+            25.0,
+            5,
+            "NVIDIA H200 SXM data sheet: 4.8 TB/s, NVLink 900 GB/s over 18 links",
+        ),  # fmt: skip
+        DeviceModel(
+            "rtx4090",
+            1008.0,
+            0.0,
+            4,
+            "NVIDIA GeForce RTX 4090 specifications: 1,008 GB/s, no NVLink, PCIe 4.0 x16",
+        ),  # fmt: skip
+        DeviceModel(
+            "host",
+            20.0,
+            0.0,
+            0,
+            "a host's copy rate (bytes read + written per second); measure yours with nt_copy",
+        ),  # fmt: skip
+    )
+}
+#: PCIe x16 per direction (GB/s), by generation: 8, 16, 32 GT/s x 16 lanes, 128b/130b
+PCIE_X16_GBPS = {3: 15.75, 4: 31.5, 5: 63.0}
+#: the share of the PCIe rate a transfer gets, by how far it travels
+PCIE_EFFICIENCY = {
+    LinkKind.SAME_BOARD: 0.85,
+    LinkKind.PIX: 0.85,
+    LinkKind.PXB: 0.8,
+    LinkKind.PHB: 0.75,
+    LinkKind.NODE: 0.7,
+    LinkKind.SYS: 0.5,
+}
+#: latency of one step's transfer over a link kind (seconds)
+LATENCY_S = {
+    LinkKind.SELF: 1e-6,
+    LinkKind.SAME_DEVICE: 1e-6,
+    LinkKind.NVLINK: 2e-6,
+    LinkKind.NET: 5e-6,
+}
+PCIE_LATENCY_S = 3e-6
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What :func:`simulate` runs a plan on (see the module docstring). ``issue_s``: the
+    host's time to issue one step (13 us measured through CuPy on an H200; about 1.5 us
+    on the host backend)."""
+
+    topology: Topology
+    device: DeviceModel
+    net_gbps: float = 12.5
+    issue_s: float = 13e-6
+
+    def link_gbps(self, link: Link) -> float:
+        """The rate of one direction of ``link`` (GB/s)."""
+        k = link.kind
+        if k in (LinkKind.SELF, LinkKind.SAME_DEVICE):
+            rate = self.device.memory_gbps / 2  # a copy reads and writes the one memory
+        elif k == LinkKind.NVLINK:
+            rate = link.nvlinks * self.device.nvlink_gbps
+        elif k == LinkKind.NET:
+            rate = self.net_gbps
+        else:
+            pcie = PCIE_X16_GBPS.get(self.device.pcie_gen, self.device.memory_gbps / 2)
+            rate = pcie * PCIE_EFFICIENCY[k]
+        if not link.p2p and k != LinkKind.NET:
+            rate /= 2  # staged through the host: two transfers
+        return rate
+
+    def latency_s(self, link: Link) -> float:
+        return LATENCY_S.get(link.kind, PCIE_LATENCY_S)
+
+
+@dataclass
+class SimResult:
+    """A simulated plan: its time (seconds) and, per resource (``link i->j`` or ``mem
+    i``), the bytes it moved and the seconds it was busy."""
+
+    time_s: float
+    bytes: dict[str, float] = field(default_factory=dict)
+    busy_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Flow:
+    stream: int
+    demands: dict[str, float]  # resource -> bytes per byte of the flow
+    left: float  # bytes of the flow still to move
+    rate: float = 0.0
+
+
+def _flow(m: Machine, step: Step, itemsize: int) -> tuple[dict[str, float], float, float]:
+    """A data step as (demands, bytes, latency): its resources and bytes per flow byte."""
+    topo = m.topology
+    e = step.rank
+    assert step.dst is not None
+    nbytes = float(step.dst.count * itemsize)
+    demands: dict[str, float] = {}
+    latency = 0.0
+
+    def where(role: str, rank: int) -> int:
+        return -1 if role == STAGE else rank  # staging lives in host memory
+
+    def add(res: str, amount: float = 1.0) -> None:
+        demands[res] = demands.get(res, 0.0) + amount
+
+    def move(src: int, dst: int) -> None:
+        nonlocal latency
+        if src == dst or src < 0 or dst < 0:
+            add(f"mem {max(src, dst)}")
+            return
+        link = topo.link(src, dst)
+        add(f"link {src}->{dst}")
+        latency = max(latency, m.latency_s(link))
+
+    dst = where(step.dst.role, step.dst.rank)
+    if step.kind == "scale":
+        add(f"mem {dst}", 2.0)
+    elif step.kind == "copy":
+        src = where(step.srcs[0].role, step.srcs[0].rank)
+        move(src, dst)
+        if src >= 0 and src != dst:
+            add(f"mem {src}")
+        if dst >= 0 and src != dst:
+            add(f"mem {dst}")
+    else:  # reduce: each source read by the executing device, the result written
+        for b in step.srcs:
+            s = where(b.role, b.rank)
+            if s == e or s < 0:
+                add(f"mem {e}")
+            else:
+                move(s, e)
+                add(f"mem {s}")
+        if dst == e or dst < 0:
+            add(f"mem {e}")
+        else:
+            move(e, dst)
+            add(f"mem {dst}")
+    return demands, nbytes, latency
+
+
+def _capacity(m: Machine, res: str) -> float:
+    kind, where = res.split(" ", 1)
+    if kind == "mem":
+        dev = int(where)
+        return (DEVICES["host"].memory_gbps if dev < 0 else m.device.memory_gbps) * GB
+    a, b = (int(x) for x in where.split("->"))
+    return m.link_gbps(m.topology.link(a, b)) * GB
+
+
+def _share(flows: list[_Flow], caps: dict[str, float]) -> None:
+    """Max-min fair rates (progressive filling) of ``flows`` over the capacities."""
+    left = dict(caps)
+    active = [f for f in flows]
+    for f in active:
+        f.rate = 0.0
+    while active:
+        level = float("inf")
+        for res, cap in left.items():
+            weight = sum(f.demands.get(res, 0.0) for f in active)
+            if weight > 0:
+                level = min(level, cap / weight)
+        if level == float("inf"):
+            break
+        frozen = []
+        for res, cap in list(left.items()):
+            weight = sum(f.demands.get(res, 0.0) for f in active)
+            if weight > 0 and cap / weight <= level * (1 + 1e-12):
+                frozen += [f for f in active if f.demands.get(res, 0.0) > 0]
+        frozen_ids = {id(f) for f in frozen}
+        for f in active:
+            if id(f) in frozen_ids:
+                f.rate = level
+                for res, d in f.demands.items():
+                    left[res] = max(0.0, left[res] - d * level)
+        active = [f for f in active if id(f) not in frozen_ids]
+
+
+def simulate(plan: Plan, machine: Machine, itemsize: int = 4) -> SimResult:
+    """The predicted time of ``plan`` on ``machine`` (elements of ``itemsize`` bytes)."""
+    itemsize = check_int(itemsize, "itemsize", min=1)
+    n = plan.size
+    if machine.topology.n != n:
+        raise ValueError(f"the plan has {n} ranks, the machine's topology {machine.topology.n}")
+    per_stream: list[list[tuple[int, Step]]] = [[] for _ in range(n)]
+    # the host issues every step, records and waits included (each a CUDA call), in the
+    # plan's order
+    issued_at: dict[int, float] = {}
+    for i, s in enumerate(plan.steps):
+        per_stream[s.rank].append((i, s))
+        issued_at[i] = (i + 1) * machine.issue_s
+    pos = [0] * n
+    free_at = [0.0] * n  # when each stream is free (no flow running on it)
+    running: dict[int, _Flow] = {}  # stream -> its flow
+    pending: list[tuple[float, int, int, Step]] = []  # (start, stream, index, step)
+    recorded: dict[int, float] = {}
+    result = SimResult(0.0)
+    caps: dict[str, float] = {}
+    now = 0.0
+
+    def advance(r: int) -> None:
+        """Walk stream r's steps from its position while it can (records, satisfied
+        waits), until a data step is scheduled or a wait blocks."""
+        while (
+            pos[r] < len(per_stream[r]) and r not in running and not any(p[1] == r for p in pending)
+        ):
+            i, s = per_stream[r][pos[r]]
+            if s.kind == "record":
+                recorded[s.event] = max(free_at[r], issued_at[i])
+                pos[r] += 1
+                continue
+            if s.kind == "wait":
+                t = recorded.get(s.event)
+                if t is None:
+                    return  # its record comes later (another stream)
+                free_at[r] = max(free_at[r], t, issued_at[i])
+                pos[r] += 1
+                continue
+            demands, nbytes, latency = _flow(machine, s, itemsize)
+            start = max(free_at[r], issued_at[i]) + latency
+            for res in demands:
+                caps.setdefault(res, _capacity(machine, res))
+            heapq.heappush(pending, (start, r, i, s))
+            pos[r] += 1
+            return
+
+    def advance_all() -> None:
+        # a record on one stream may release a wait on another: until nothing moves
+        moved = True
+        while moved:
+            before = (list(pos), len(pending))
+            for r in range(n):
+                if r not in running:
+                    advance(r)
+            moved = (list(pos), len(pending)) != before
+
+    advance_all()
+    while pending or running:
+        # the next change: a flow ends, or a pending flow starts
+        next_end = min(
+            (now + f.left / f.rate for f in running.values() if f.rate > 0), default=float("inf")
+        )
+        next_start = pending[0][0] if pending else float("inf")
+        t = min(next_end, next_start)
+        if t == float("inf"):
+            raise AssertionError("the plan cannot progress (a wait without its record)")
+        dt = t - now
+        for f in running.values():
+            moved = f.rate * dt
+            f.left -= moved
+            for res, d in f.demands.items():
+                result.bytes[res] = result.bytes.get(res, 0.0) + moved * d
+                result.busy_s[res] = result.busy_s.get(res, 0.0) + dt
+        now = t
+        done = [r for r, f in running.items() if f.left <= 1e-6 * max(1.0, f.rate * 1e-9)]
+        for r in done:
+            del running[r]
+            free_at[r] = now
+        while pending and pending[0][0] <= now:
+            _, r, i, s = heapq.heappop(pending)
+            demands, nbytes, _ = _flow(machine, s, itemsize)
+            if nbytes <= 0:
+                free_at[r] = now
+                done.append(r)
+                continue
+            running[r] = _Flow(r, demands, nbytes)
+        _share(list(running.values()), caps)
+        advance_all()
+        _share(list(running.values()), caps)
+    if any(pos[r] < len(per_stream[r]) for r in range(n)):
+        raise AssertionError("the plan cannot progress (a wait without its record)")
+    result.time_s = max([now, *free_at])
+    return result
+
+
+def simulate_collective(
+    machine: Machine,
+    algorithm: str,
+    collective: str,
+    count: int,
+    *,
+    op: str = "sum",
+    root: int = 0,
+    itemsize: int = 4,
+    chunk_bytes: int = 16 << 20,
+) -> SimResult:
+    """The predicted time of one call of ``collective`` with ``algorithm`` (tree, ring,
+    direct) on ``machine``: the plan a World builds for it, simulated."""
+    from .comm.algorithms import build_plan
+    from .tree import build_tree
+
+    topo = machine.topology
+    check_real(chunk_bytes, "chunk_bytes", min=1)
+    plan = build_plan(
+        algorithm, collective, size=topo.n, count=count, op=op, root=root,
+        chunk=max(1, int(chunk_bytes) // itemsize),
+        tree_for=lambda r: build_tree(topo, root=r), itemsize=itemsize,
+    )  # fmt: skip
+    return simulate(plan, machine, itemsize)
+
+
+def cluster_topology(intra: Topology, nodes: int) -> Topology:
+    """``nodes`` copies of ``intra`` linked by the network."""
+    nodes = check_int(nodes, "nodes", min=1)
+    return Topology.cluster([k for k in range(nodes) for _ in range(intra.n)], intra=intra)
+
+
+__all__: Sequence[str] = [
+    "DEVICES",
+    "DeviceModel",
+    "Machine",
+    "SimResult",
+    "cluster_topology",
+    "simulate",
+    "simulate_collective",
+]

@@ -389,12 +389,122 @@ def cluster_topology(intra: Topology, nodes: int) -> Topology:
     return Topology.cluster([k for k in range(nodes) for _ in range(intra.n)], intra=intra)
 
 
+# -- NCCL's own cost model, for comparison ----------------------------------------------------
+#
+# From NCCL's src/graph/tuning.cc (Simple protocol): a call takes latency + bytes / algbw,
+# with algbw = busbw x n / nsteps for the ring and busbw / 2 for the tree, and
+#   ring latency = base + nsteps x hw   (intra-node steps; inter-node steps pay the NET one)
+#   tree latency = base + 2 x ((ranks per node - 1) x hw + log2(nodes) x NET hw)
+# busbw is what NCCL's topology search finds (channels x bandwidth per channel); here it is
+# estimated from the links: a GPU's NVLink bandwidth (all its links, which NCCL's channels
+# spread over), else the slowest PCIe hop of a ring, and between nodes the network.
+
+NCCL_BASE_US = {"ring": 8.4, "tree": 8.4}
+NCCL_HW_US = {  # (hardware, algorithm) -> us per step, Simple protocol
+    ("nvlink", "tree"): 4.0, ("nvlink", "ring"): 3.4,
+    ("pci", "tree"): 4.0, ("pci", "ring"): 5.7,
+    ("net", "tree"): 14.0, ("net", "ring"): 14.0,
+}  # fmt: skip
+#: NCCL's static correction of the tree's bandwidth at medium sizes (Simple protocol), by
+#: log2(bytes / 64)
+NCCL_TREE_CORRECTION = (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7,
+                        .8, .7, .7, .8, .9, .9, .9)  # fmt: skip
+
+
+def _best_ring(m: Machine, ranks: Sequence[int]) -> tuple[float, list[int]]:
+    """The ring over ``ranks`` whose slowest hop is fastest (what NCCL's ring search
+    looks for): (that hop's rate in GB/s, the order). Exhaustive up to 9 ranks; beyond,
+    the ranks in order."""
+    import itertools
+
+    topo = m.topology
+    first, rest = ranks[0], list(ranks[1:])
+    best: tuple[float, list[int]] = (0.0, list(ranks))
+    orders = itertools.permutations(rest) if len(ranks) <= 9 else iter([tuple(rest)])
+    for perm in orders:
+        ring = [first, *perm]
+        rate = min(m.link_gbps(topo.link(a, ring[(i + 1) % len(ring)]))
+                   for i, a in enumerate(ring))  # fmt: skip
+        if rate > best[0]:
+            best = (rate, ring)
+    return best
+
+
+def _node_busbw(m: Machine, ranks: Sequence[int]) -> tuple[float, str]:
+    """(busbw in GB/s, hardware) within one node, as NCCL's search would find it: where a
+    ring over NVLink alone exists, a GPU's whole NVLink bandwidth (NCCL spreads channels
+    over every link; the same count to every peer is a switch, counted once), the least
+    over the GPUs; otherwise the slowest hop of the best ring."""
+    topo = m.topology
+    if len(ranks) == 1:
+        return m.device.memory_gbps / 2, "nvlink"
+    rate, ring = _best_ring(m, ranks)
+    hops = [topo.link(a, ring[(i + 1) % len(ring)]) for i, a in enumerate(ring)]
+    if not all(h.kind == LinkKind.NVLINK for h in hops):
+        return rate, "pci"
+    per_gpu = []
+    for a in ranks:
+        counts = [topo.link(a, b).nvlinks for b in ranks
+                  if b != a and topo.link(a, b).kind == LinkKind.NVLINK]  # fmt: skip
+        links = (
+            counts[0] if len(set(counts)) == 1 and len(counts) == len(ranks) - 1 else sum(counts)
+        )
+        per_gpu.append(links * m.device.nvlink_gbps)
+    return min(per_gpu), "nvlink"
+
+
+def nccl_model_time(m: Machine, collective: str, nbytes: int) -> tuple[float, str]:
+    """NCCL's own model of one call (Simple protocol, the faster of ring and tree for
+    all_reduce, the ring otherwise): (seconds, algorithm). A model of NCCL, not NCCL."""
+    import math
+
+    topo = m.topology
+    n = topo.n
+    node_of: list[int] = []
+    for r in range(n):
+        same = [q for q in range(r) if topo.link(r, q).kind != LinkKind.NET]
+        node_of.append(node_of[same[0]] if same else max(node_of, default=-1) + 1)
+    nodes = max(node_of) + 1
+    ppn = n // nodes
+    intra_bw, hw = _node_busbw(m, [r for r in range(n) if node_of[r] == 0])
+    bw = intra_bw if nodes <= 2 else min(intra_bw, m.net_gbps)
+    if nodes == 2:
+        bw = min(intra_bw, 2 * m.net_gbps)
+    nsteps = 2 * (n - 1) if collective == "all_reduce" else (
+        n - 1 if collective in ("all_gather", "reduce_scatter") else n)  # fmt: skip
+    best = (float("inf"), "ring")
+    for alg in ("ring", "tree") if collective == "all_reduce" else ("ring",):
+        busbw = bw * (0.92 if alg == "tree" else 1.0)
+        algbw = busbw * (n / nsteps if alg == "ring" else 0.5)
+        if alg == "tree":
+            log_size = int(math.log2(max(1, nbytes >> 6))) if nbytes >= 64 else -1
+            if 0 <= log_size < 23:
+                algbw *= NCCL_TREE_CORRECTION[log_size]
+        hw_us = NCCL_HW_US[(hw, alg)]
+        net_us = NCCL_HW_US[("net", alg)]
+        lat = NCCL_BASE_US[alg]
+        if alg == "ring":
+            inter = (
+                0 if nodes == 1 else (2 * (nodes - 1) if collective == "all_reduce" else nodes - 1)
+            )
+            lat += (nsteps - inter) * hw_us + inter * net_us
+            if nodes > 1 and collective == "all_reduce":
+                lat *= 1.4  # NCCL's ring plateau correction (compute capability >= 8.0)
+        else:
+            lat += 2 * ((ppn - 1) * hw_us + math.log2(nodes) * net_us)
+        t = lat * 1e-6 + nbytes / (algbw * GB)
+        if t < best[0]:
+            best = (t, alg)
+    return best
+
+
 __all__: Sequence[str] = [
     "DEVICES",
     "DeviceModel",
     "Machine",
     "SimResult",
     "cluster_topology",
+    "nccl_model_time",
     "simulate",
     "simulate_collective",
 ]

@@ -121,3 +121,21 @@ def test_the_simulate_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert bench.main(["simulate", "--topo", "nvswitch8", "--nodes", "2", "-b", "1M",
                        "-e", "1M"]) == 0  # fmt: skip
     assert "16 ranks (nvswitch8 x 2 nodes)" in capsys.readouterr().out
+
+
+def test_nccls_model_finds_the_nvlink_ring_and_its_latency() -> None:
+    """The model of NCCL (not NCCL): on a DGX-1 it rides NVLink alone (the hybrid cube
+    mesh has NVLink rings), its busbw at large sizes is a GPU's NVLink bandwidth, and a
+    small message costs its latency, base + 2(n-1) steps."""
+    m = sim.Machine(Topology.preset("dgx1"), sim.DEVICES["v100"])
+    busbw, hw = sim._node_busbw(m, list(range(8)))
+    assert hw == "nvlink" and busbw == 6 * 25.0  # every DGX-1 V100 has 6 NVLinks
+    t_small, alg = sim.nccl_model_time(m, "all_reduce", 8)
+    lat = sim.NCCL_BASE_US["ring"] + 2 * 7 * sim.NCCL_HW_US[("nvlink", "ring")]
+    assert alg == "ring" and t_small == pytest.approx(lat * 1e-6, rel=1e-3)
+    size = 1 << 30
+    t_big, _ = sim.nccl_model_time(m, "all_reduce", size)
+    assert size / t_big * 2 * 7 / 8 / 1e9 == pytest.approx(150.0, rel=0.01)
+    # PCIe only: the best ring's slowest hop
+    p = sim.Machine(Topology.preset("pcie2s8"), sim.DEVICES["a100"])
+    assert sim._node_busbw(p, list(range(8)))[1] == "pci"

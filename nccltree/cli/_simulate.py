@@ -10,7 +10,8 @@ from ..comm import bench as drv
 from ..comm.collectives import COLLECTIVES, collective_name
 from ._common import ExitStatus, Parser, UsageError
 
-SIM_ALGORITHMS = ("tree", "ring", "direct")
+SIM_ALGORITHMS = ("tree", "ring", "direct", "nccl-model")
+NCCL_MODELED = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 
 
 def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
@@ -37,7 +38,9 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
                    help="host time to issue one plan step, us (default: %(default)s, "
                    "measured through CuPy on an H200; about 1.5 on the host backend)")  # fmt: skip
     s.add_argument("--algorithm", default="tree,ring,direct",
-                   help="comma-separated: tree, ring, direct (default: %(default)s)")  # fmt: skip
+                   help="comma-separated: tree, ring, direct, and nccl-model (NCCL's own "
+                   "cost model, Simple protocol, from its tuning code: a model of NCCL, "
+                   "not NCCL) (default: %(default)s)")  # fmt: skip
     s.add_argument("--collective", default="all_reduce", help="as for `collectives`")
     s.add_argument("-b", "--minbytes", default="1M")
     s.add_argument("-e", "--maxbytes", default="256M")
@@ -97,9 +100,14 @@ def run_simulate(args: argparse.Namespace, out: TextIO) -> int:
             nbytes = coll.nbytes(count, n, itemsize)
             biggest = max(coll.in_count(count, n), coll.out_count(count, n)) * itemsize
             for alg in algs:
-                r = sim.simulate_collective(machine, alg, name, count, itemsize=itemsize,
-                                            chunk_bytes=gpu_chunk_bytes(biggest))  # fmt: skip
-                t = r.time_s
+                if alg == "nccl-model":
+                    if name not in NCCL_MODELED:
+                        continue
+                    t, _ = sim.nccl_model_time(machine, name, nbytes)
+                else:
+                    r = sim.simulate_collective(machine, alg, name, count, itemsize=itemsize,
+                                                chunk_bytes=gpu_chunk_bytes(biggest))  # fmt: skip
+                    t = r.time_s
                 algbw = nbytes / t / 1e9 if t > 0 else 0.0
                 busbw = algbw * coll.bus_factor(n)
                 print(f"{nbytes:>12} {count:>12} {alg:>10} {t * 1e6:>10.1f} {algbw:>8.2f} "

@@ -31,13 +31,18 @@ constants are data-sheet figures, named with their sources in :data:`DEVICES`.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 from ._validate import check_int, check_real
 from .comm.plan import STAGE, Plan, Step
 from .topology import Link, LinkKind, Topology
+
+if TYPE_CHECKING:
+    from .backends.host import HostDevice
 
 GB = 1e9
 
@@ -128,12 +133,14 @@ PCIE_LATENCY_S = 3e-6
 class Machine:
     """What :func:`simulate` runs a plan on (see the module docstring). ``issue_s``: the
     host's time to issue one step (13 us measured through CuPy on an H200; about 1.5 us
-    on the host backend)."""
+    on the host backend); ``sync_steps_cost``: whether records and waits cost it too (on
+    GPUs each is a CUDA call; the host backend's inline calls skip them)."""
 
     topology: Topology
     device: DeviceModel
     net_gbps: float = 12.5
     issue_s: float = 13e-6
+    sync_steps_cost: bool = True
 
     def link_gbps(self, link: Link) -> float:
         """The rate of one direction of ``link`` (GB/s)."""
@@ -153,6 +160,22 @@ class Machine:
 
     def latency_s(self, link: Link) -> float:
         return LATENCY_S.get(link.kind, PCIE_LATENCY_S)
+
+    @functools.cached_property
+    def _memories(self) -> tuple[int, ...]:
+        """Each rank's memory: ranks joined by ``SAME_DEVICE`` links share one (named by
+        its lowest rank)."""
+        topo = self.topology
+        mine = list(range(topo.n))
+        for a in range(topo.n):
+            for b in range(a):
+                if topo.link(a, b).kind == LinkKind.SAME_DEVICE:
+                    mine[a] = mine[b]
+                    break
+        return tuple(mine)
+
+    def memory(self, rank: int) -> int:
+        return self._memories[rank]
 
 
 @dataclass
@@ -174,7 +197,9 @@ class _Flow:
 
 
 def _flow(m: Machine, step: Step, itemsize: int) -> tuple[dict[str, float], float, float]:
-    """A data step as (demands, bytes, latency): its resources and bytes per flow byte."""
+    """A data step as (demands, bytes, latency): its resources and bytes per flow byte.
+    Ranks on one memory (``SAME_DEVICE``: logical ranks of a GPU, host devices) share
+    that memory's bandwidth; staging buffers live in host memory, reached over PCIe."""
     topo = m.topology
     e = step.rank
     assert step.dst is not None
@@ -188,46 +213,52 @@ def _flow(m: Machine, step: Step, itemsize: int) -> tuple[dict[str, float], floa
     def add(res: str, amount: float = 1.0) -> None:
         demands[res] = demands.get(res, 0.0) + amount
 
+    def mem(x: int) -> str:
+        return "mem host" if x < 0 else f"mem {m.memory(x)}"
+
     def move(src: int, dst: int) -> None:
+        """Bytes from ``src``'s memory to ``dst``'s (-1: the host's)."""
         nonlocal latency
-        if src == dst or src < 0 or dst < 0:
-            add(f"mem {max(src, dst)}")
+        if src >= 0 and dst >= 0 and m.memory(src) == m.memory(dst):
+            add(mem(src), 2.0)  # read and written in the one memory
+            latency = max(latency, LATENCY_S[LinkKind.SAME_DEVICE])
             return
-        link = topo.link(src, dst)
-        add(f"link {src}->{dst}")
-        latency = max(latency, m.latency_s(link))
+        if src < 0 or dst < 0:
+            add(f"pcie {max(src, dst)}")  # to or from pinned host memory
+            latency = max(latency, PCIE_LATENCY_S)
+        else:
+            add(f"link {src}->{dst}")
+            latency = max(latency, m.latency_s(topo.link(src, dst)))
+        add(mem(src))
+        add(mem(dst))
 
     dst = where(step.dst.role, step.dst.rank)
     if step.kind == "scale":
-        add(f"mem {dst}", 2.0)
+        add(mem(dst), 2.0)
     elif step.kind == "copy":
-        src = where(step.srcs[0].role, step.srcs[0].rank)
-        move(src, dst)
-        if src >= 0 and src != dst:
-            add(f"mem {src}")
-        if dst >= 0 and src != dst:
-            add(f"mem {dst}")
+        move(where(step.srcs[0].role, step.srcs[0].rank), dst)
     else:  # reduce: each source read by the executing device, the result written
         for b in step.srcs:
             s = where(b.role, b.rank)
-            if s == e or s < 0:
-                add(f"mem {e}")
+            if s >= 0 and m.memory(s) == m.memory(e):
+                add(mem(e))
             else:
                 move(s, e)
-                add(f"mem {s}")
-        if dst == e or dst < 0:
-            add(f"mem {e}")
+                demands[mem(e)] -= 1.0  # arriving data is consumed, not stored
+        if dst >= 0 and m.memory(dst) == m.memory(e):
+            add(mem(e))
         else:
             move(e, dst)
-            add(f"mem {dst}")
-    return demands, nbytes, latency
+            demands[mem(e)] -= 1.0  # the result leaves from registers, not memory
+    return {k: v for k, v in demands.items() if v > 0}, nbytes, latency
 
 
 def _capacity(m: Machine, res: str) -> float:
     kind, where = res.split(" ", 1)
     if kind == "mem":
-        dev = int(where)
-        return (DEVICES["host"].memory_gbps if dev < 0 else m.device.memory_gbps) * GB
+        return (DEVICES["host"].memory_gbps if where == "host" else m.device.memory_gbps) * GB
+    if kind == "pcie":
+        return PCIE_X16_GBPS.get(m.device.pcie_gen, DEVICES["host"].memory_gbps) * GB
     a, b = (int(x) for x in where.split("->"))
     return m.link_gbps(m.topology.link(a, b)) * GB
 
@@ -270,9 +301,12 @@ def simulate(plan: Plan, machine: Machine, itemsize: int = 4) -> SimResult:
     # the host issues every step, records and waits included (each a CUDA call), in the
     # plan's order
     issued_at: dict[int, float] = {}
+    issued = 0
     for i, s in enumerate(plan.steps):
         per_stream[s.rank].append((i, s))
-        issued_at[i] = (i + 1) * machine.issue_s
+        if machine.sync_steps_cost or s.kind not in ("record", "wait"):
+            issued += 1
+        issued_at[i] = issued * machine.issue_s
     pos = [0] * n
     free_at = [0.0] * n  # when each stream is free (no flow running on it)
     running: dict[int, _Flow] = {}  # stream -> its flow
@@ -498,12 +532,89 @@ def nccl_model_time(m: Machine, collective: str, nbytes: int) -> tuple[float, st
     return best
 
 
+# -- the host backend ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HostCalibration:
+    """The host backend's costs, measured by microbenchmarks only (:func:`calibrate_host`):
+    the copy rate of ``threads`` threads (bytes read + written per second), the cost of
+    one step of an inline call, and a call's fixed cost."""
+
+    threads: int
+    copy_gbps: float
+    step_s: float
+    call_s: float
+
+
+def calibrate_host(threads: int, repeats: int = 5) -> HostCalibration:
+    """Measure this machine's host backend: ``nt_copy`` of 64 MiB with ``threads``
+    threads (the best of ``repeats``), an inline program of 2,000 one-element copies
+    (per step), and a one-element all_reduce on one rank (a call's fixed cost: no step
+    moves data there). Never the collectives being predicted."""
+    import time
+
+    import numpy as np
+
+    from . import _native
+    from .backends import devices as make_devices
+    from .comm.executor import Buffers, Program
+    from .comm.plan import IN, OUT, TMP, Buf, PlanBuilder
+    from .comm.world import World
+
+    threads = check_int(threads, "threads", min=1)
+    src = np.ones(16 << 20, np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _native.copy_checked(dst, src, threads)
+        best = min(best, time.perf_counter() - t0)
+    copy_gbps = 2 * src.nbytes / best / GB
+    devs = make_devices("cpu:2")
+    b = PlanBuilder(2, "calibration")
+    for k in range(2000):
+        b.copy(k % 2, Buf(1 - k % 2, OUT, k % 8, 1), Buf(k % 2, IN, k % 8, 1))
+    plan = b.build()
+    prog = Program(plan, devs, {IN: [8, 8], OUT: [8, 8], TMP: [0, 0], "stage": [0, 0]})
+    bufs = Buffers([np.ones(8, np.float32)] * 2, [np.zeros(8, np.float32) for _ in range(2)],
+                   [None, None])  # fmt: skip
+    steps = len(plan.data_steps())
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        prog.run_inline(bufs, cast("list[HostDevice]", devs))
+        best = min(best, time.perf_counter() - t0)
+    step_s = best / steps
+    with World(make_devices("cpu:1")) as w:
+        x = [np.ones(1, np.float32)]
+        w.all_reduce(x)
+        best = float("inf")
+        for _ in range(200):
+            t0 = time.perf_counter()
+            w.all_reduce(x)
+            best = min(best, time.perf_counter() - t0)
+    return HostCalibration(threads, copy_gbps, step_s, best)
+
+
+def host_machine(n: int, cal: HostCalibration) -> Machine:
+    """``n`` virtual host devices in one memory, with ``cal``'s figures: what a host
+    World's synchronous (inline) calls run on."""
+    host = DeviceModel("host (calibrated)", cal.copy_gbps, 0.0, 0,
+                       f"calibrate_host: nt_copy with {cal.threads} threads")  # fmt: skip
+    topo = Topology.uniform(n, Link(LinkKind.SAME_DEVICE))
+    return Machine(topo, host, issue_s=cal.step_s, sync_steps_cost=False)
+
+
 __all__: Sequence[str] = [
     "DEVICES",
     "DeviceModel",
+    "HostCalibration",
     "Machine",
     "SimResult",
+    "calibrate_host",
     "cluster_topology",
+    "host_machine",
     "nccl_model_time",
     "simulate",
     "simulate_collective",

@@ -139,3 +139,13 @@ def test_nccls_model_finds_the_nvlink_ring_and_its_latency() -> None:
     # PCIe only: the best ring's slowest hop
     p = sim.Machine(Topology.preset("pcie2s8"), sim.DEVICES["a100"])
     assert sim._node_busbw(p, list(range(8)))[1] == "pci"
+
+
+def test_calibrate_host_measures_positive_costs_and_the_host_machine_uses_them() -> None:
+    cal = sim.calibrate_host(1, repeats=1)
+    assert cal.copy_gbps > 0 and cal.step_s > 0 and cal.call_s > 0
+    m = sim.host_machine(3, cal)
+    assert m.memory(0) == m.memory(1) == m.memory(2)  # one memory for every host rank
+    # inline calls skip records and waits: a plan's time counts its data steps only
+    r = sim.simulate_collective(m, "direct", "all_reduce", 3)
+    assert r.time_s > 0

@@ -36,22 +36,27 @@ def main() -> int:
     p.add_argument("--json", default="")
     args = p.parse_args()
     load0 = os.getloadavg()
-    cal = sim.calibrate_host(min(2, os.cpu_count() or 1))
-    print(f"# calibration: nt_copy {cal.copy_gbps:.1f} GB/s (read + written, {cal.threads} "
-          f"threads), {cal.step_s * 1e6:.3f} us per inline step, {cal.call_s * 1e6:.1f} us "
-          f"per call; load {load0[0]:.2f}")  # fmt: skip
+    ranks = [int(x) for x in args.ranks.split(",")]
+    cal = sim.calibrate_host(ranks)
+    curve = ", ".join(f"{b >> 10} KiB {g:.1f}" for b, g in cal.copy_gbps[cal.cores])
+    print(f"# calibration: nt_copy with {cal.cores} threads (GB/s read + written by working "
+          f"set): {curve}; {cal.step_s * 1e6:.3f} us per inline step; a call's fixed cost "
+          f"{', '.join(f'{n} ranks {t * 1e6:.1f} us' for n, t in cal.call_s.items())}; load "
+          f"{load0[0]:.2f}")  # fmt: skip
     sizes = drv.size_range(drv.parse_size(args.minbytes), drv.parse_size(args.maxbytes),
                            args.factor)  # fmt: skip
     rows = []
-    for n in [int(x) for x in args.ranks.split(",")]:
-        machine = sim.host_machine(n, cal)
+    for n in ranks:
         recs = drv.run_benchmark(f"cpu:{n}", algorithms=list(ALGS), collectives=list(COLLS),
                                  sizes=sizes, iters=args.iters, warmup=1, check=0,
                                  placements=["out-of-place"])  # fmt: skip
         for r in recs:
             coll = COLLECTIVES[r.collective]
+            item = 4
+            cin, cout = coll.in_count(r.count, n), coll.out_count(r.count, n)
+            machine = sim.host_machine(n, cal, r.count * item, n * (cin + cout) * item)
             pred = (
-                cal.call_s
+                cal.call_s[n]
                 + sim.simulate_collective(
                     machine, r.algorithm, r.collective, r.count, chunk_bytes=HOST_CHUNK_BYTES
                 ).time_s
@@ -59,8 +64,7 @@ def main() -> int:
             rows.append({"ranks": n, "collective": r.collective, "algorithm": r.algorithm,
                          "size": r.size, "measured_us": r.time_us,
                          "predicted_us": pred * 1e6,
-                         "ratio": pred * 1e6 / r.time_us if r.time_us else 0.0,
-                         "bus_factor": coll.bus_factor(n)})  # fmt: skip
+                         "ratio": pred * 1e6 / r.time_us if r.time_us else 0.0})  # fmt: skip
     print("| ranks | collective | algorithm | size | predicted us | measured us | ratio |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
@@ -75,7 +79,10 @@ def main() -> int:
           f"{load1[0]:.2f}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"calibration": cal.__dict__, "rows": rows, "median_error": med,
+            json.dump({"calibration": {"cores": cal.cores, "step_s": cal.step_s,
+                                       "call_s": cal.call_s,
+                                       "copy_gbps": {t: list(c) for t, c in cal.copy_gbps.items()}},
+                       "rows": rows, "median_error": med,
                        "worst_ratio": worst, "load": [load0, load1]}, f, indent=1)  # fmt: skip
     return 0
 

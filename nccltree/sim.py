@@ -538,20 +538,34 @@ def nccl_model_time(m: Machine, collective: str, nbytes: int) -> tuple[float, st
 @dataclass(frozen=True)
 class HostCalibration:
     """The host backend's costs, measured by microbenchmarks only (:func:`calibrate_host`):
-    the copy rate of ``threads`` threads (bytes read + written per second), the cost of
-    one step of an inline call, and a call's fixed cost."""
+    the copy rate (bytes read + written per second) by thread count and by the bytes
+    copied (caches make small copies faster), the cost of one step of an inline call,
+    and a call's fixed cost by rank count (a call that moves nothing)."""
 
-    threads: int
-    copy_gbps: float
+    cores: int
+    copy_gbps: dict[int, tuple[tuple[int, float], ...]]  # threads -> ((bytes, GB/s), ...)
     step_s: float
-    call_s: float
+    call_s: dict[int, float]  # ranks -> seconds
+
+    def rate(self, threads: int, nbytes: int) -> float:
+        """The copy rate of ``threads`` threads for a working set of ``nbytes``: the
+        measurement at the largest size that does not exceed it (the smallest below)."""
+        curve = self.copy_gbps[min(self.copy_gbps, key=lambda t: abs(t - threads))]
+        best = curve[0][1]
+        for size, gbps in curve:
+            if size <= nbytes:
+                best = gbps
+        return best
 
 
-def calibrate_host(threads: int, repeats: int = 5) -> HostCalibration:
-    """Measure this machine's host backend: ``nt_copy`` of 64 MiB with ``threads``
-    threads (the best of ``repeats``), an inline program of 2,000 one-element copies
-    (per step), and a one-element all_reduce on one rank (a call's fixed cost: no step
-    moves data there). Never the collectives being predicted."""
+def calibrate_host(
+    ranks: Sequence[int] = (2, 4), repeats: int = 5, cores: int | None = None
+) -> HostCalibration:
+    """Measure this machine's host backend: ``nt_copy`` of 64 KiB to 64 MiB with one
+    thread and with every core (the best of ``repeats``), an inline program of 2,000
+    one-element copies (per step), and for each rank count in ``ranks`` an all_reduce of
+    no elements (a call's fixed cost: nothing moves). Never the collectives predicted."""
+    import os
     import time
 
     import numpy as np
@@ -562,15 +576,20 @@ def calibrate_host(threads: int, repeats: int = 5) -> HostCalibration:
     from .comm.plan import IN, OUT, TMP, Buf, PlanBuilder
     from .comm.world import World
 
-    threads = check_int(threads, "threads", min=1)
-    src = np.ones(16 << 20, np.float32)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        _native.copy_checked(dst, src, threads)
-        best = min(best, time.perf_counter() - t0)
-    copy_gbps = 2 * src.nbytes / best / GB
+    cores = check_int(cores or os.cpu_count() or 1, "cores", min=1)
+    curves: dict[int, tuple[tuple[int, float], ...]] = {}
+    for threads in sorted({1, cores}):
+        points = []
+        for size in (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20):
+            src = np.ones(size // 4, np.float32)
+            dst = np.empty_like(src)
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                _native.copy_checked(dst, src, threads)
+                best = min(best, time.perf_counter() - t0)
+            points.append((2 * size, 2 * size / best / GB))  # working set: read + written
+        curves[threads] = tuple(points)
     devs = make_devices("cpu:2")
     b = PlanBuilder(2, "calibration")
     for k in range(2000):
@@ -579,29 +598,38 @@ def calibrate_host(threads: int, repeats: int = 5) -> HostCalibration:
     prog = Program(plan, devs, {IN: [8, 8], OUT: [8, 8], TMP: [0, 0], "stage": [0, 0]})
     bufs = Buffers([np.ones(8, np.float32)] * 2, [np.zeros(8, np.float32) for _ in range(2)],
                    [None, None])  # fmt: skip
-    steps = len(plan.data_steps())
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         prog.run_inline(bufs, cast("list[HostDevice]", devs))
         best = min(best, time.perf_counter() - t0)
-    step_s = best / steps
-    with World(make_devices("cpu:1")) as w:
-        x = [np.ones(1, np.float32)]
-        w.all_reduce(x)
-        best = float("inf")
-        for _ in range(200):
-            t0 = time.perf_counter()
-            w.all_reduce(x)
-            best = min(best, time.perf_counter() - t0)
-    return HostCalibration(threads, copy_gbps, step_s, best)
+    step_s = best / len(plan.data_steps())
+    call_s = {}
+    for n in ranks:
+        with World(make_devices(f"cpu:{n}")) as w:
+            xs = [np.ones(0, np.float32) for _ in range(n)]
+            w.all_reduce(xs)
+            best = float("inf")
+            for _ in range(100):
+                t0 = time.perf_counter()
+                w.all_reduce(xs)
+                best = min(best, time.perf_counter() - t0)
+        call_s[n] = best
+    return HostCalibration(cores, curves, step_s, call_s)
 
 
-def host_machine(n: int, cal: HostCalibration) -> Machine:
-    """``n`` virtual host devices in one memory, with ``cal``'s figures: what a host
-    World's synchronous (inline) calls run on."""
-    host = DeviceModel("host (calibrated)", cal.copy_gbps, 0.0, 0,
-                       f"calibrate_host: nt_copy with {cal.threads} threads")  # fmt: skip
+def host_machine(n: int, cal: HostCalibration, call_bytes: int, working_set: int) -> Machine:
+    """``n`` virtual host devices in one memory, with ``cal``'s figures for a call of
+    ``call_bytes`` per rank touching ``working_set`` bytes: its kernels use every core
+    from 512 KiB (as a World's inline calls do), else each device's share, at the copy
+    rate measured for that working set."""
+    from .comm.world import _INLINE_EVERY_CORE_FROM
+
+    threads = cal.cores if call_bytes >= _INLINE_EVERY_CORE_FROM[False] else max(
+        1, cal.cores // n)  # fmt: skip
+    gbps = cal.rate(threads, working_set)
+    host = DeviceModel("host (calibrated)", gbps, 0.0, 0,
+                       f"calibrate_host: nt_copy with {threads} threads")  # fmt: skip
     topo = Topology.uniform(n, Link(LinkKind.SAME_DEVICE))
     return Machine(topo, host, issue_s=cal.step_s, sync_steps_cost=False)
 

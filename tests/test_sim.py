@@ -142,10 +142,17 @@ def test_nccls_model_finds_the_nvlink_ring_and_its_latency() -> None:
 
 
 def test_calibrate_host_measures_positive_costs_and_the_host_machine_uses_them() -> None:
-    cal = sim.calibrate_host(1, repeats=1)
-    assert cal.copy_gbps > 0 and cal.step_s > 0 and cal.call_s > 0
-    m = sim.host_machine(3, cal)
+    cal = sim.calibrate_host((3,), repeats=1, cores=2)
+    assert set(cal.copy_gbps) == {1, 2} and len(cal.copy_gbps[2]) == 6
+    assert all(g > 0 for c in cal.copy_gbps.values() for _, g in c)
+    assert cal.step_s > 0 and cal.call_s[3] > 0
+    # the rate for a working set: the measurement at the largest size not above it
+    sizes = [b for b, _ in cal.copy_gbps[2]]
+    assert cal.rate(2, sizes[2] + 1) == cal.copy_gbps[2][2][1]
+    assert cal.rate(2, 1) == cal.copy_gbps[2][0][1]
+    m = sim.host_machine(3, cal, 1 << 20, 6 << 20)
     assert m.memory(0) == m.memory(1) == m.memory(2)  # one memory for every host rank
+    assert m.device.memory_gbps == cal.rate(2, 6 << 20)  # 1 MiB per rank: every core
+    assert sim.host_machine(3, cal, 1 << 10, 6 << 10).device.memory_gbps == cal.rate(1, 6 << 10)
     # inline calls skip records and waits: a plan's time counts its data steps only
-    r = sim.simulate_collective(m, "direct", "all_reduce", 3)
-    assert r.time_s > 0
+    assert sim.simulate_collective(m, "direct", "all_reduce", 3).time_s > 0

@@ -688,7 +688,8 @@ class DataParallel:
             raise ValueError(
                 f"update_mode must be one of {', '.join(UPDATE_MODES)}; got {update_mode!r}"
             )
-        if algorithm not in ALGORITHM_CHOICES:
+        if group is None and algorithm not in ALGORITHM_CHOICES:
+            # over a group the group's algorithm is used (``mpi`` among them)
             raise ValueError(
                 f"algorithm must be one of {', '.join(ALGORITHM_CHOICES)}; got {algorithm!r}"
             )

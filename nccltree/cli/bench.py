@@ -51,6 +51,9 @@ from ._training import (
 )
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
     from ..backends.base import Device
     from ..comm.group import ProcessGroup
     from ..topology import Topology
@@ -832,14 +835,10 @@ def plot_buckets(path: str, points: Sequence[dict]) -> None:
     a2.set_ylabel("exposed communication per step (ms)")
     for ax in (a1, a2):
         ax.set_xticks(range(len(sizes)), [f"{mb:g}" for mb in sizes])
-        ax.set_xlabel("gradient bucket size (MiB; 0: one all-reduce after backward)")
         ax.set_ylim(bottom=0)
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    with output_path(path) as tmp:
-        fig.savefig(tmp, dpi=110)
-    plt.close(fig)
+    _finish_pair(
+        fig, (a1, a2), "gradient bucket size (MiB; 0: one all-reduce after backward)", path
+    )
 
 
 def train_cells(p: dict, times: str = "x") -> list[object]:
@@ -892,8 +891,15 @@ def plot_train(path: str, points: Sequence[dict]) -> None:
         a2.plot(xs, [100 * p["efficiency"] for p in pts], "-o", color=f"C{i}", label=mode)
     a1.set_ylabel("examples/s")
     a2.set_ylabel("scaling efficiency (%)")
-    for ax in (a1, a2):
-        ax.set_xlabel("devices")
+    _finish_pair(fig, (a1, a2), "devices", path)
+
+
+def _finish_pair(fig: Figure, axes: Sequence[Axes], xlabel: str, path: str) -> None:
+    """The training plots' common end: labels, grid and legend on both panels, saved."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.set_xlabel(xlabel)
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.tight_layout()

@@ -6,6 +6,10 @@ A model is a description, not a container: it declares its parameter shapes
 same values) and computes the loss and gradients of a batch into ``params.grad_views``.
 Parameters live only in the FlatParams, so one model object can serve every rank.
 
+The backward pass announces each parameter's gradient as soon as it is written (last layer
+first, in :meth:`Model.gradient_order`), so a data-parallel driver can start communicating
+it while the earlier layers are still being computed.
+
 The array module is the params' ``xp`` (numpy, or CuPy on a CUDA device); the loss is
 softmax cross-entropy averaged over the batch.
 """
@@ -61,6 +65,10 @@ def _softmax_xent(xp: Any, logits: Any, y: Any) -> tuple[float, Any]:
     return loss, logits
 
 
+def _ignore(name: str) -> None:
+    """The ``ready`` callback when nobody listens."""
+
+
 def _check_batch(xp: Any, params: FlatParams, x: Any, y: Any | None) -> tuple[Any, Any]:
     x = xp.asarray(x, dtype=params.dtype)
     if x.ndim < 1 or x.shape[0] == 0:
@@ -82,6 +90,11 @@ class Model:
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Parameter shapes by name, in layout order (for FlatParams)."""
+        raise NotImplementedError
+
+    def gradient_order(self) -> tuple[str, ...]:
+        """Parameter names in the order the backward pass writes (and announces) their
+        gradients: the last layer first."""
         raise NotImplementedError
 
     def make_params(
@@ -108,21 +121,38 @@ class Model:
         """Predicted class indices (N,) of the batch ``x``, as an ``xp`` array."""
         return self.forward(params, x).argmax(axis=1)
 
-    def loss_and_grad(self, params: FlatParams, x: Any, y: Any) -> float:
+    def loss_and_grad(
+        self,
+        params: FlatParams,
+        x: Any,
+        y: Any,
+        ready: Callable[[str], None] | None = None,
+    ) -> float:
         """Mean softmax cross-entropy of ``(x, y)``; writes the gradients of every
-        parameter into ``params.grad_views`` (overwriting them)."""
+        parameter into ``params.grad_views`` (overwriting them).
+
+        ``ready(name)`` is called once per parameter, in :meth:`gradient_order`, as soon
+        as its gradient is final: the backward pass never writes it again (on a GPU, the
+        kernels that write it are queued on the current stream)."""
         xp = params.xp
         x, y = _check_batch(xp, params, x, y)
         cache: dict[str, Any] = {}
         logits = self._forward(xp, params, x, cache=cache)
         loss, dlogits = _softmax_xent(xp, logits, y)
-        self._backward(xp, params, dlogits, cache)
+        self._backward(xp, params, dlogits, cache, _ignore if ready is None else ready)
         return loss
 
     def _forward(self, xp: Any, params: FlatParams, x: Any, cache: dict[str, Any] | None) -> Any:
         raise NotImplementedError
 
-    def _backward(self, xp: Any, params: FlatParams, dout: Any, cache: dict[str, Any]) -> None:
+    def _backward(
+        self,
+        xp: Any,
+        params: FlatParams,
+        dout: Any,
+        cache: dict[str, Any],
+        ready: Callable[[str], None],
+    ) -> None:
         raise NotImplementedError
 
 
@@ -154,6 +184,13 @@ class MLP(Model):
             shapes[f"fc{i}.weight"] = (fan_out, fan_in)
             shapes[f"fc{i}.bias"] = (fan_out,)
         return shapes
+
+    def gradient_order(self) -> tuple[str, ...]:
+        return tuple(
+            f"fc{i}.{kind}"
+            for i in range(len(self.sizes) - 2, -1, -1)
+            for kind in ("weight", "bias")
+        )
 
     def _initial_values(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
         values = {}
@@ -187,13 +224,22 @@ class MLP(Model):
             cache["acts"] = acts
         return h
 
-    def _backward(self, xp: Any, params: FlatParams, dout: Any, cache: dict[str, Any]) -> None:
+    def _backward(
+        self,
+        xp: Any,
+        params: FlatParams,
+        dout: Any,
+        cache: dict[str, Any],
+        ready: Callable[[str], None],
+    ) -> None:
         acts = cache["acts"]
         for i in range(len(self.sizes) - 2, -1, -1):
             x_in = acts[i]
             # Gradients go straight into the flat grad buffer: no temporaries per parameter.
             xp.matmul(dout.T, x_in, out=params.grad_views[f"fc{i}.weight"])
+            ready(f"fc{i}.weight")
             dout.sum(axis=0, out=params.grad_views[f"fc{i}.bias"])
+            ready(f"fc{i}.bias")
             if i > 0:
                 dout = dout @ params.views[f"fc{i}.weight"]
                 dout *= x_in > 0  # ReLU: the layer input is the previous ReLU's output
@@ -324,6 +370,14 @@ class ConvNet(Model):
         shapes["fc.bias"] = (self.classes,)
         return shapes
 
+    def gradient_order(self) -> tuple[str, ...]:
+        convs = (
+            f"conv{i}.{kind}"
+            for i in range(len(self.channels) - 1, -1, -1)
+            for kind in ("weight", "bias")
+        )
+        return ("fc.weight", "fc.bias", *convs)
+
     def _initial_values(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
         values = {}
         for name, shape in self.shapes().items():
@@ -372,9 +426,18 @@ class ConvNet(Model):
             cache.update(stages=stages, flat=flat, pooled_shape=h.shape)
         return logits
 
-    def _backward(self, xp: Any, params: FlatParams, dout: Any, cache: dict[str, Any]) -> None:
+    def _backward(
+        self,
+        xp: Any,
+        params: FlatParams,
+        dout: Any,
+        cache: dict[str, Any],
+        ready: Callable[[str], None],
+    ) -> None:
         xp.matmul(dout.T, cache["flat"], out=params.grad_views["fc.weight"])
+        ready("fc.weight")
         dout.sum(axis=0, out=params.grad_views["fc.bias"])
+        ready("fc.bias")
         n, h2, w2, c = cache["pooled_shape"]
         dh = (dout @ params.views["fc.weight"]).reshape(n, c, h2, w2).transpose(0, 2, 3, 1)
         for i in range(len(self.channels) - 1, -1, -1):
@@ -391,7 +454,9 @@ class ConvNet(Model):
             gw[...] = (
                 (cols.T @ dy).reshape(self.kernel, self.kernel, shape[3], -1).transpose(3, 2, 0, 1)
             )
+            ready(f"conv{i}.weight")
             dy.sum(axis=0, out=params.grad_views[f"conv{i}.bias"])
+            ready(f"conv{i}.bias")
             if i > 0:
                 dh = _col2im(xp, dy @ self._wmat(params, i).T, shape, self.kernel, self.kernel // 2)
         cache.clear()

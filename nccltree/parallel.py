@@ -19,6 +19,15 @@ callback with every rank's solver, as Caffe's P2PSync does with
   at the root, which scales them by ``1/N`` and alone updates; ``on_start`` of the next
   iteration broadcasts the root's parameters. Both modes compute the same parameters.
 
+With ``bucket_bytes > 0`` (:class:`BucketSync`, as PyTorch's DDP does it) the flat gradient
+is cut into buckets, contiguous slices in backward order (:func:`make_buckets`); the model
+announces each parameter's gradient as backward writes it (the solver's
+``gradient_ready``), and a bucket's collective (the all-reduce, or the reduce to the root)
+starts asynchronously, on the communication streams, as soon as the bucket is complete,
+while backward computes the earlier layers; ``on_gradients_ready`` then waits for every
+bucket before the update. ``comm_hook="float16"`` sends the gradients as float16 (the
+update stays in the parameters' dtype).
+
 With the round-robin data rule, N ranks with batch ``b`` each see exactly the records of one
 rank with batch ``N*b``, so weak-scaling training is the 1-device computation with the larger
 batch, up to floating-point summation order. Snapshots are :mod:`nccltree.snapshot`'s.
@@ -35,6 +44,7 @@ from __future__ import annotations
 
 import math
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -44,26 +54,31 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 from numpy.typing import DTypeLike
 
-from ._errors import MissingRanks, NcclTreeError, PeerFailure
+from ._errors import CommTimeout, MissingRanks, NcclTreeError, PeerFailure
 from ._validate import check_int, check_real
 from .data.source import BatchSource, RankBatch
 from .models import Model
 from .params import FlatParams
 from .snapshot import SNAPSHOT_FORMAT, Snapshot, load_snapshot, save_snapshot
-from .solver import SGD, Callback, Diverged
+from .solver import SGD, Callback, Diverged, GradientCallback
 
 if TYPE_CHECKING:
-    from .backends.base import Device
+    from .backends.base import Array, Device, Stream
     from .comm import Comm, World
     from .comm.group import ProcessGroup
     from .comm.group.local import GroupComm
+    from .comm.work import Work
 
 __all__ = [
+    "COMM_HOOKS",
+    "DEFAULT_BUCKET_BYTES",
     "SCALING_MODES",
     "SNAPSHOT_FORMAT",
     "UPDATE_MODES",
     "AllReduceSync",
     "BatchSource",
+    "Bucket",
+    "BucketSync",
     "DataParallel",
     "Diverged",
     "FitResult",
@@ -74,15 +89,22 @@ __all__ = [
     "Sync",
     "evaluate",
     "load_snapshot",
+    "make_buckets",
     "per_rank_batch",
     "save_snapshot",
 ]
 
 UPDATE_MODES = ("allreduce", "root")
 SCALING_MODES = ("weak", "strong")
+#: gradient communication hooks: ``float16`` sends the gradients as float16
+COMM_HOOKS = ("float16",)
+#: the gradient bucket size of :class:`DataParallel` (0: one collective after backward)
+DEFAULT_BUCKET_BYTES = 0
 
 # How often a rank waiting for data looks at the stop flag (seconds).
 _DATA_POLL_S = 0.5
+# How often a rank waiting for its gradient buckets looks for a failure elsewhere (seconds).
+_BOARD_POLL_S = 0.05
 
 
 class RankFailure(NcclTreeError):
@@ -128,6 +150,8 @@ class StepInfo:
     elapsed_s: float  # since fit started
     position: int | None  # data position where the next iteration starts
     params: FlatParams  # the root's parameters (read-only use, in the root's thread)
+    # of comm_s, from the end of backward to the update: communication backward did not hide
+    exposed_s: float = 0.0
 
 
 @dataclass
@@ -139,12 +163,14 @@ class FitResult:
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     comm_times: list[float] = field(default_factory=list)
+    exposed_times: list[float] = field(default_factory=list)
     examples: int = 0
     elapsed_s: float = 0.0
     position: int | None = None
     stopped: bool = False
     rank_comm_s: list[float] = field(default_factory=list)
     rank_step_s: list[float] = field(default_factory=list)
+    rank_exposed_s: list[float] = field(default_factory=list)
 
     @property
     def examples_per_s(self) -> float:
@@ -155,6 +181,13 @@ class FitResult:
         """Time inside the sync callbacks (collectives) over step time, all ranks."""
         total = sum(self.rank_step_s)
         return sum(self.rank_comm_s) / total if total > 0 else 0.0
+
+    @property
+    def exposed_fraction(self) -> float:
+        """Time from the end of backward to the update (the communication backward did
+        not hide) over step time, all ranks."""
+        total = sum(self.rank_step_s)
+        return sum(self.rank_exposed_s) / total if total > 0 else 0.0
 
 
 # -- evaluation --------------------------------------------------------------------------
@@ -203,6 +236,9 @@ class Sync(Callback):
     def finish(self) -> None:
         """After the last iteration of a ``fit`` (not after a failure or a stop)."""
 
+    def close(self) -> None:
+        """When the ``fit`` ends, however it ends (after a failure or a stop too)."""
+
 
 class AllReduceSync(Sync):
     """``on_gradients_ready``: average the flat gradient buffer over all ranks. The
@@ -240,6 +276,314 @@ class RootSync(Sync):
         self.comm.broadcast(self.params.data, root=self.root)
 
 
+# -- gradient buckets ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A contiguous slice ``[start, stop)`` of the flat gradient (alignment padding
+    included) and the parameters in it, in the order backward writes them."""
+
+    start: int
+    stop: int
+    names: tuple[str, ...]
+
+
+def make_buckets(params: FlatParams, bucket_bytes: int) -> list[Bucket]:
+    """Cut ``params``' flat gradient into buckets in backward order: from the end of the
+    buffer (the last layer, whose gradient backward writes first) towards its start.
+    Parameters are never split; a bucket closes once it holds at least ``bucket_bytes``
+    (so a parameter larger than that is a bucket of its own). The buckets cover the whole
+    buffer; ``bucket_bytes=0`` gives one bucket, the whole buffer."""
+    bucket_bytes = check_int(bucket_bytes, "bucket_bytes", min=0)
+    names, offsets = params.names, params.offsets
+    if bucket_bytes == 0:
+        return [Bucket(0, params.size, names[::-1])]
+    item = params.dtype.itemsize
+    buckets: list[Bucket] = []
+    stop, names_in = params.size, []
+    for name in reversed(names):
+        names_in.append(name)
+        start = offsets[name]
+        if (stop - start) * item >= bucket_bytes or start == 0:
+            buckets.append(Bucket(start, stop, tuple(names_in)))
+            stop, names_in = start, []
+    assert buckets[-1].start == 0, "the first parameter starts the flat buffer"
+    return buckets
+
+
+class _Job:
+    """A collective handed to a :class:`_CommThread`; ``synchronize`` waits for it."""
+
+    def __init__(self, fn: Callable[[], object], timeout: float) -> None:
+        self.fn, self.timeout = fn, timeout
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def synchronize(self) -> None:
+        # the collective has its own timeout; this bound only keeps a wait from hanging
+        if not self.done.wait(2 * self.timeout + 1.0):
+            raise CommTimeout(f"a gradient bucket's collective did not end in {self.timeout:g} s")
+        if self.error is not None:
+            raise self.error
+
+
+class _CommThread:
+    """One rank's bucket collectives, called in order from a daemon thread, so that the
+    rank's own thread never blocks in a call: a collective returns only once every rank
+    has called it (in one process, the last to arrive runs it for all), and a rank that
+    is ahead keeps computing its backward pass meanwhile. The rank's own thread calls no
+    collective while a job is pending (it waits for every bucket first), so the comm
+    still sees one caller at a time. Calls are ordered against the rank thread's stream,
+    passed explicitly (on a GPU, the stream backward's kernels were queued on)."""
+
+    def __init__(self, name: str, device: Device | None) -> None:
+        self._device = device
+        self._q: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], object], timeout: float) -> _Job:
+        job = _Job(fn, timeout)
+        self._q.put(job)
+        return job
+
+    def close(self) -> None:
+        self._q.put(None)
+
+    def _work(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            try:
+                if self._device is None:
+                    job.fn()
+                else:
+                    with self._device.activate():
+                        job.fn()
+            except BaseException as exc:  # noqa: BLE001 - raised in the rank's thread
+                job.error = exc
+            job.done.set()
+            del job
+
+
+class _Board:
+    """The bucket collectives of the ranks of one process's World, each run by the last
+    rank to complete the bucket, for every rank at once (a driver-side call, in that
+    rank's own thread): a rank that completes a bucket early never blocks, it keeps
+    computing its backward pass, and no other thread has to be woken (on a machine
+    whose cores all run backward, a woken thread waits milliseconds for a core).
+    ``root`` None: ``all_reduce(op="mean")``; else a ``reduce`` to ``root``."""
+
+    def __init__(self, world: World, nbuckets: int, root: int | None, timeout: float) -> None:
+        self.world, self.root, self.timeout = world, root, timeout
+        n = world.size
+        self.cv = threading.Condition()
+        self.bufs: list[list[Array]] = [[None] * n for _ in range(nbuckets)]
+        self.streams: list[list[Stream | None]] = [[None] * n for _ in range(nbuckets)]
+        self.arrived: list[set[int]] = [set() for _ in range(nbuckets)]
+        self.done = [0] * nbuckets  # collectives completed, per bucket
+        self.error: BaseException | None = None
+        self.works: list[Work | None] = [None] * nbuckets  # the latest, while in flight
+
+    def arrive(self, k: int, rank: int, buf: Array, stream: Stream | None) -> int:
+        """Rank ``rank`` completed bucket ``k`` (``buf``, ordered after ``stream``); the
+        last to arrive runs its collective. Returns the number :meth:`wait` waits for."""
+        with self.cv:
+            if self.error is not None:
+                raise PeerFailure(f"rank {rank}: a bucket's collective failed: {self.error}")
+            self.bufs[k][rank], self.streams[k][rank] = buf, stream
+            arrived = self.arrived[k]
+            arrived.add(rank)
+            generation = self.done[k] + 1
+            if len(arrived) < self.world.size:
+                return generation
+            arrived.clear()
+            bufs, streams = list(self.bufs[k]), list(self.streams[k])
+        # Every bucket but the last goes to the ranks' communication streams, which share
+        # the work out over the ranks' workers while backward goes on (run here, it would
+        # all fall on this rank, which the others then wait for); the last finds the others
+        # waiting for it, and runs in this thread on every core when the streams are idle.
+        last = k == len(self.done) - 1
+        world = self.world
+        try:
+            if self.root is None:
+                work = world.all_reduce(bufs, op="mean", streams=streams, async_op=not last)
+            else:
+                work = world.reduce(bufs, root=self.root, streams=streams, async_op=not last)
+        except BaseException as exc:
+            self.abort(exc)
+            raise
+        with self.cv:
+            self.works[k] = None if last else work
+            self.done[k] = generation
+            self.cv.notify_all()
+        return generation
+
+    def wait(self, k: int, generation: int, rank: int) -> None:
+        """Until bucket ``k``'s collective number ``generation`` ran; PeerFailure when the
+        World failed meanwhile, MissingRanks naming the ranks that never completed the
+        bucket after the timeout."""
+        deadline = time.monotonic() + self.timeout
+        with self.cv:
+            while self.done[k] < generation:
+                if self.error is not None:
+                    raise PeerFailure(f"rank {rank}: a bucket's collective failed: {self.error}")
+                if self.world.aborted:
+                    self.world._check_usable()  # raises PeerFailure naming the reason
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(self.world.size)) - self.arrived[k])
+                    raise MissingRanks(
+                        f"rank {rank}: gradient bucket {k} timed out after {self.timeout:g} "
+                        f"s waiting for rank(s) {missing}",
+                        missing,
+                    )
+                # woken at once when the collective ran; the short slice only notices a
+                # failure elsewhere (an aborted World)
+                self.cv.wait(min(left, _BOARD_POLL_S))
+            # this rank has not arrived at bucket k again: the Work is this generation's
+            work = self.works[k]
+        if work is not None:
+            work.wait()  # the host waits for it (on a GPU: the rank's stream does)
+
+    def abort(self, exc: BaseException) -> None:
+        with self.cv:
+            if self.error is None:
+                self.error = exc
+            self.cv.notify_all()
+
+
+class _BoardWait:
+    """``synchronize`` waits for one bucket's collective run through a :class:`_Board`."""
+
+    def __init__(self, board: _Board, k: int, generation: int, rank: int) -> None:
+        self.board, self.k, self.generation, self.rank = board, k, generation, rank
+
+    def synchronize(self) -> None:
+        self.board.wait(self.k, self.generation, self.rank)
+
+
+class BucketSync(Sync, GradientCallback):
+    """Gradient buckets communicated during backward (PyTorch DDP's reducer).
+
+    ``on_gradient_ready(name)`` counts the bucket's parameters down; once the next bucket
+    (in :func:`make_buckets` order) is complete, its collective starts asynchronously --
+    ``all_reduce(op="mean")``, or with ``root`` a ``reduce`` to the root (which scales by
+    ``1/N`` and alone updates, the parameters broadcast at the next ``on_start``, as
+    :class:`RootSync`). Buckets start in the same order on every rank, whatever the
+    model announces. ``on_gradients_ready`` starts any bucket not started yet and waits
+    for all of them: no gradient is read before its collective ended.
+
+    How a bucket's collective starts without blocking the rank: in one process (``board``,
+    a :class:`_Board` shared by the ranks of a World) the last rank to complete a bucket
+    runs it for every rank; over a process group each rank hands its calls to a helper
+    thread (:class:`_CommThread`; ``timeout`` bounds the waits for it).
+
+    ``wire`` (a float16 buffer the size of the gradient, or None): the gradient is cast
+    into it before a bucket's collective and back after it (the float16 communication
+    hook)."""
+
+    def __init__(
+        self,
+        comm: Comm | GroupComm,
+        params: FlatParams,
+        buckets: Sequence[Bucket],
+        *,
+        root: int | None = None,
+        wire: Array = None,
+        timeout: float = 60.0,
+        board: _Board | None = None,
+    ) -> None:
+        super().__init__(comm, params)
+        self.buckets = list(buckets)
+        self.root = root
+        self.updates = root is None or comm.rank == root
+        self.wire = wire
+        self.timeout = timeout
+        self._bucket_of = {name: i for i, b in enumerate(self.buckets) for name in b.names}
+        self._pending = [len(b.names) for b in self.buckets]
+        self._next = 0  # the first bucket not started in this iteration
+        self._works: list[_Job | _BoardWait] = []
+        self._thread: _CommThread | None = None
+        self._board = board
+
+    def begin(self) -> None:
+        if self.root is None:
+            self.comm.broadcast(self.params.data, root=0)
+
+    def on_start(self) -> None:
+        if self.root is not None:
+            self.comm.broadcast(self.params.data, root=self.root)
+
+    def on_gradient_ready(self, name: str) -> None:
+        i = self._bucket_of[name]
+        self._pending[i] -= 1
+        while self._next < len(self.buckets) and self._pending[self._next] == 0:
+            self._start(self._next)
+
+    def _start(self, i: int) -> None:
+        self._next = i + 1
+        b = self.buckets[i]
+        buf = self.params.grad[b.start : b.stop]
+        if self.wire is not None:
+            wire = self.wire[b.start : b.stop]
+            wire[...] = buf
+            buf = wire
+        comm, device = self.comm, self.params.device
+        stream = None
+        if device is not None:
+            # on the host backend the calling thread is the order, unless it set a stream
+            host = device.backend == "host"
+            stream = device.explicit_current_stream() if host else device.current_stream()
+        if self._board is not None:
+            generation = self._board.arrive(i, comm.rank, buf, stream)
+            self._works.append(_BoardWait(self._board, i, generation, comm.rank))
+            return
+        if self.root is None:
+
+            def run() -> object:
+                return comm.all_reduce(buf, op="mean", stream=stream)
+        else:
+            root = self.root
+
+            def run() -> object:
+                return comm.reduce(buf, root=root, stream=stream)
+
+        if self._thread is None:
+            self._thread = _CommThread(f"nccltree-buckets-{comm.rank}", device)
+        self._works.append(self._thread.submit(run, self.timeout))
+
+    def on_gradients_ready(self) -> None:
+        while self._next < len(self.buckets):
+            self._start(self._next)  # parameters the model did not announce
+        works, self._works = self._works, []
+        self._next = 0
+        self._pending = [len(b.names) for b in self.buckets]
+        for work in works:
+            work.synchronize()
+        if not self.updates:
+            return
+        if self.wire is not None:
+            self.params.grad[...] = self.wire
+        if self.root is not None:
+            # each rank's loss is a mean over its batch: the sum of N means needs 1/N
+            device = self.params.device
+            assert device is not None, "DataParallel's parameters live on a device"
+            device.scale(self.params.grad, 1.0 / self.comm.size)
+
+    def finish(self) -> None:
+        if self.root is not None:
+            self.comm.broadcast(self.params.data, root=self.root)
+
+    def close(self) -> None:
+        """Stop the helper thread, if any (at the end of a ``fit``)."""
+        if self._thread is not None:
+            self._thread.close()
+            self._thread = None
+
+
 # -- the driver ----------------------------------------------------------------------------
 
 
@@ -269,6 +613,7 @@ class _Run:
         self.alive = size
         self.done = threading.Condition(self.lock)
         self.agreed_stop = False  # over a process group: every rank saw a stop flag
+        self.board: _Board | None = None  # the gradient buckets' collectives in one process
 
 
 class DataParallel:
@@ -283,8 +628,18 @@ class DataParallel:
     limits BLAS threads during :meth:`fit` (None: ``max(1, cores // ranks)``; needs the
     ``threadpoolctl`` package, otherwise BLAS is left alone).
 
+    ``bucket_bytes`` (default :data:`DEFAULT_BUCKET_BYTES`) cuts the gradient into buckets
+    of about that many bytes, communicated during the backward pass, each as soon as the
+    backward pass has written it (:class:`BucketSync`); 0 communicates the whole buffer
+    with one collective after backward. With the ``tree`` and ``direct`` algorithms the
+    trained parameters are bitwise those of ``bucket_bytes=0`` for every bucket size (each
+    element's summation order does not depend on how the buffer is sliced); with ``ring``
+    they agree within floating-point rounding. ``comm_hook="float16"`` communicates the
+    gradients as float16 and updates in the parameters' dtype (half the bytes; each
+    gradient rounded to float16 once before and once after the collective).
+
     ``grad_hook(rank, iteration, params)`` runs on every rank after the backward pass and
-    before communication (tests inject faults with it).
+    before the wait for the gradients' communication (tests inject faults with it).
 
     ``group`` (a :class:`~nccltree.comm.group.ProcessGroup`) trains over several
     processes: ``devices`` are this process's ranks' (``group.devices``), the collectives
@@ -314,6 +669,8 @@ class DataParallel:
         blas_threads: int | None = None,
         grad_hook: Callable[[int, int, FlatParams], None] | None = None,
         group: ProcessGroup | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        comm_hook: str | None = None,
         **sgd: Any,
     ) -> None:
         from .backends import devices as make_devices
@@ -331,7 +688,8 @@ class DataParallel:
             raise ValueError(
                 f"update_mode must be one of {', '.join(UPDATE_MODES)}; got {update_mode!r}"
             )
-        if algorithm not in ALGORITHM_CHOICES:
+        if group is None and algorithm not in ALGORITHM_CHOICES:
+            # over a group the group's algorithm is used (``mpi`` among them)
             raise ValueError(
                 f"algorithm must be one of {', '.join(ALGORITHM_CHOICES)}; got {algorithm!r}"
             )
@@ -339,6 +697,11 @@ class DataParallel:
             blas_threads = check_int(blas_threads, "blas_threads", min=1)
         if grad_hook is not None and not callable(grad_hook):
             raise TypeError("grad_hook must be callable(rank, iteration, params)")
+        bucket_bytes = check_int(bucket_bytes, "bucket_bytes", min=0)
+        if comm_hook is not None and comm_hook not in COMM_HOOKS:
+            raise ValueError(
+                f"comm_hook must be None or one of {', '.join(COMM_HOOKS)}; got {comm_hook!r}"
+            )
         if group is not None:
             if len(devices) != len(group.ranks):
                 raise ValueError(
@@ -362,7 +725,10 @@ class DataParallel:
         self.timeout = check_real(timeout, "timeout", min=0.0, min_open=True)
         self.blas_threads = blas_threads
         self.grad_hook = grad_hook
+        self.bucket_bytes = bucket_bytes
+        self.comm_hook = comm_hook
         self.params = [model.make_params(dtype=dtype, device=d) for d in devices]
+        self.buckets = make_buckets(self.params[0], bucket_bytes)
         if group is not None:
             # the gradients in the group's symmetric memory: the node's other processes read
             # them in place, no staging through the group's mirrors (every process makes the
@@ -374,6 +740,16 @@ class DataParallel:
             sym = group.empty(stride * len(self.params), first.dtype)
             for i, p in enumerate(self.params):
                 p.place_grad(sym[i * stride : i * stride + p.size])
+        # the float16 hook's wire buffers, symmetric over a group as the gradients are
+        self._wires: list[Array] = [None] * len(devices)
+        if comm_hook == "float16":
+            size = self.params[0].size
+            if group is not None:
+                stride = -(-size // 128) * 128  # 256-byte aligned slices
+                wires = group.empty(stride * len(devices), np.float16)
+                self._wires = [wires[i * stride : i * stride + size] for i in range(len(devices))]
+            else:
+                self._wires = [d.zeros((size,), np.float16) for d in devices]
         self.solvers = [SGD(p, **sgd) for p in self.params]
         # Only rank 0 initialises; the first broadcast of fit makes the replicas equal.
         model.init(self.params[0], seed=seed)
@@ -520,6 +896,7 @@ class DataParallel:
             position=self.position,
             rank_comm_s=[0.0] * self.local_size,
             rank_step_s=[0.0] * self.local_size,
+            rank_exposed_s=[0.0] * self.local_size,
         )
         if iters <= self.iter:
             return result
@@ -531,6 +908,9 @@ class DataParallel:
         if self.group is None and (self.comm_enabled or self.size > 1):
             world = self.world()
         run = self._run = _Run(data, iters, on_step, result, self.local_size)
+        if world is not None and self.comm_enabled and self._bucketed:
+            root = 0 if self.update_mode == "root" else None
+            run.board = _Board(world, len(self.buckets), root, self.timeout)
         try:
             with _blas_limit(self._blas_threads()):
                 self._launch(world, run)
@@ -575,6 +955,8 @@ class DataParallel:
                 if not isinstance(exc, PeerFailure):
                     with run.lock:
                         run.errors.append((rank, exc))
+                    if run.board is not None:  # wake the ranks waiting for their buckets
+                        run.board.abort(PeerFailure(f"rank {rank} failed: {exc!r}"))
                 raise
             finally:
                 with run.done:
@@ -593,7 +975,12 @@ class DataParallel:
                 raise
             if run.errors:
                 rank, err = run.errors[0]
-                raise RankFailure(self._global_rank(rank), self.size, err) from err
+                failure = RankFailure(self._global_rank(rank), self.size, err)
+                if self.group is not None:
+                    # the other processes' ranks wait in a collective for this one: they
+                    # learn now which rank failed, rather than after the timeout
+                    self.group.abort(str(failure))
+                raise failure from err
             if isinstance(exc, MissingRanks):  # a rank stuck in its own code: blame it
                 raise RankFailure(exc.ranks[0], self.size, exc) from exc
             raise
@@ -602,12 +989,30 @@ class DataParallel:
             raise RankFailure(self._global_rank(rank), self.size, err) from err
         run.result.stopped = run.agreed_stop if self.group is not None else run.stop.is_set()
 
-    def _make_sync(self, comm: Comm | GroupComm | None, params: FlatParams) -> Sync | None:
+    @property
+    def _bucketed(self) -> bool:
+        # one rank has nothing to overlap: its collective copies nothing (the hook still
+        # rounds its gradient as it would travel)
+        return (bool(self.bucket_bytes) and self.size > 1) or self.comm_hook is not None
+
+    def _make_sync(self, comm: Comm | GroupComm | None, rank: int, run: _Run) -> Sync | None:
         """The rank's sync callback for the update mode; None without communication."""
         if not self.comm_enabled:
             return None
         assert comm is not None, "communication is on: every rank has a Comm"
-        if self.update_mode == "root":
+        params = self.params[rank]
+        root = 0 if self.update_mode == "root" else None
+        if self._bucketed:
+            return BucketSync(
+                comm,
+                params,
+                self.buckets,
+                root=root,
+                wire=self._wires[rank],
+                timeout=self.timeout,
+                board=run.board,
+            )
+        if root is not None:
             return RootSync(comm, params)
         return AllReduceSync(comm, params)
 
@@ -615,7 +1020,7 @@ class DataParallel:
         """One rank's training: register the sync callback with the rank's solver, then
         run the solver's iterations until ``run.iters``."""
         solver = self.solvers[rank]
-        sync = self._make_sync(comm, self.params[rank])
+        sync = self._make_sync(comm, rank, run)
         if self.group is not None:
             assert comm is not None and sync is not None, "a group always communicates"
             sync.begin()
@@ -627,6 +1032,7 @@ class DataParallel:
                         raise _Stopped
             finally:
                 solver.remove_callback(sync)
+                sync.close()
             sync.finish()
             return
         if sync is None:
@@ -640,6 +1046,7 @@ class DataParallel:
                 self._iteration(rank, run, update=sync.updates)
         finally:
             solver.remove_callback(sync)
+            sync.close()
         sync.finish()
 
     def _iteration(
@@ -651,7 +1058,8 @@ class DataParallel:
         if comm is None and run.stop.is_set():
             raise _Stopped
         params, solver = self.params[rank], self.solvers[rank]
-        it, comm_before = solver.iter, solver.callback_s
+        it, comm_before, exposed_before = solver.iter, solver.callback_s, solver.gradients_ready_s
+        ready = solver.gradient_ready if solver.takes_gradients else None
         t0 = time.perf_counter()
         with _next_batch(run.data, rank, run, stoppable=comm is None) as batch:
             x, y = batch
@@ -659,7 +1067,10 @@ class DataParallel:
             lr = solver.learning_rate()
 
             def gradients() -> float:
-                loss = self.model.loss_and_grad(params, x, y)
+                if ready is None:
+                    loss = self.model.loss_and_grad(params, x, y)
+                else:
+                    loss = self.model.loss_and_grad(params, x, y, ready=ready)
                 batch.release()  # the reader may refill the buffer during communication
                 run.losses[rank][it % 2] = loss
                 if self.grad_hook is not None:
@@ -669,9 +1080,11 @@ class DataParallel:
             loss = solver.iteration(gradients, update=update)
         step_s = time.perf_counter() - t0
         comm_s = solver.callback_s - comm_before
+        exposed_s = solver.gradients_ready_s - exposed_before
         result = run.result
         result.rank_comm_s[rank] += comm_s
         result.rank_step_s[rank] += step_s
+        result.rank_exposed_s[rank] += exposed_s
         losses = self._agree(comm, loss, run) if comm is not None else None
         if rank != 0:
             return
@@ -689,6 +1102,7 @@ class DataParallel:
         result.losses.append(mean_loss)
         result.step_times.append(step_s)
         result.comm_times.append(comm_s)
+        result.exposed_times.append(exposed_s)
         result.examples += examples
         if run.on_step is not None and self.is_root:
             run.on_step(
@@ -702,6 +1116,7 @@ class DataParallel:
                     time.perf_counter() - run.t_start,
                     self.position,
                     params,
+                    exposed_s,
                 )
             )
 

@@ -70,6 +70,16 @@ class SolverCallback(Protocol):
         """After the backward pass, before the update."""
 
 
+@runtime_checkable
+class GradientCallback(SolverCallback, Protocol):
+    """A callback that also takes gradients one parameter at a time, as the backward pass
+    writes them (:meth:`SGD.gradient_ready`): a driver that starts communicating a bucket
+    of gradients while backward still computes the earlier layers."""
+
+    def on_gradient_ready(self, name: str) -> None:
+        """``params.grad_views[name]`` holds its final gradient for this iteration."""
+
+
 class Callback:
     """A SolverCallback that does nothing; subclass it and override what you need."""
 
@@ -102,7 +112,9 @@ class SGD:
 
     A policy's parameters are required (ValueError names the missing ones); parameters
     it does not use are ignored. ``callbacks`` are SolverCallback objects, run in order
-    by :meth:`iteration`; :attr:`callback_s` is the time spent inside them.
+    by :meth:`iteration`; :attr:`callback_s` is the time spent inside them, of which
+    :attr:`gradients_ready_s` inside ``on_gradients_ready`` (from the end of the backward
+    pass to the update: the communication the backward pass did not hide).
 
     ``check_finite`` (default on): :meth:`iteration` raises :class:`Diverged` when the
     loss is not finite (before the callbacks, so before any communication) or when the
@@ -165,7 +177,9 @@ class SGD:
         # Seconds spent inside the callbacks' hooks, over the solver's life: for a
         # synchronising callback, the time its rank spends communicating.
         self.callback_s = 0.0
+        self.gradients_ready_s = 0.0
         self._callbacks: list[SolverCallback] = []
+        self._ready_hooks: list[Callable[[str], None]] = []
         for cb in callbacks:
             self.add_callback(cb)
         self._kernel = self._update_kernel()
@@ -255,12 +269,39 @@ class SGD:
                     f"{callback!r} lacks {method}()"
                 )
         self._callbacks.append(callback)
+        self._update_ready_hooks()
+
+    def _update_ready_hooks(self) -> None:
+        self._ready_hooks = [
+            cb.on_gradient_ready for cb in self._callbacks if isinstance(cb, GradientCallback)
+        ]
+
+    @property
+    def takes_gradients(self) -> bool:
+        """Whether a callback takes gradients one parameter at a time (then pass
+        :meth:`gradient_ready` to the backward pass)."""
+        return bool(self._ready_hooks)
+
+    def gradient_ready(self, name: str) -> None:
+        """Pass ``name`` (a parameter whose gradient the backward pass has just written)
+        to every callback with an ``on_gradient_ready``; call it from inside
+        ``compute_grads``. The time is added to :attr:`callback_s`."""
+        hooks = self._ready_hooks
+        if not hooks:
+            return
+        t0 = time.perf_counter()
+        try:
+            for hook in hooks:
+                hook(name)
+        finally:
+            self.callback_s += time.perf_counter() - t0
 
     def remove_callback(self, callback: SolverCallback) -> None:
         """Remove a callback added before (ValueError if it is not registered)."""
         for i, cb in enumerate(self._callbacks):
             if cb is callback:
                 del self._callbacks[i]
+                self._update_ready_hooks()
                 return
         raise ValueError(f"{callback!r} is not a callback of this solver")
 
@@ -280,10 +321,10 @@ class SGD:
         replica whose parameters come from elsewhere (the non-root ranks of a root-update
         sync, which its next ``on_start`` refreshes).
 
-        Gradient readiness finer than the whole buffer (per parameter or bucket, to overlap
-        communication with the backward pass) belongs here too: ``compute_grads`` would
-        announce ready parameters to the solver, which passes them to the callbacks that
-        take them, inside this same iteration.
+        Gradient readiness finer than the whole buffer: ``compute_grads`` may announce each
+        parameter as the backward pass writes it (:meth:`gradient_ready`), which passes it
+        to the callbacks that take them, inside this same iteration (to overlap
+        communication with the backward pass).
 
         With :attr:`check_finite`, a loss (a real number) or a gradient to apply that is
         not finite raises :class:`Diverged` before anything is updated.
@@ -292,7 +333,9 @@ class SGD:
         loss = compute_grads()
         if self.check_finite and isinstance(loss, numbers.Real) and not math.isfinite(loss):
             raise Diverged(self.iter, f"the loss is {float(loss)}")
+        t0 = self.callback_s
         self._call_timed([cb.on_gradients_ready for cb in self._callbacks])
+        self.gradients_ready_s += self.callback_s - t0
         if update:
             if self.check_finite and not bool(np.isfinite(self.params.grad).all()):
                 raise Diverged(self.iter, "the gradient holds values that are not finite")

@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -333,6 +334,59 @@ def test_train_bad_flags_fail_before_training(capsys):
     assert code == 2 and "accepted: softmax, mlp, cnn" in err
     code, out, err = run([*TRAIN, "--devices", "cpu:x"], capsys)
     assert code == 2 and "accepted forms" in err
+
+
+def test_train_bucket_sweep_table_json_and_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    js, png = tmp_path / "b.json", tmp_path / "b.png"
+    argv = [*TRAIN, "--devices", "cpu:3", "--bucket-mb", "0", "0.0001", "--repeat", "2",
+            "--json", str(js), "--plot", str(png)]  # fmt: skip
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    assert "median of 2 interleaved runs" in out
+    assert "bucket MiB" in out and "exposed ms" in out and "overlap" in out
+    points = json.loads(js.read_text())["points"]
+    assert [p["bucket_mb"] for p in points] == [0.0, 0.0001]
+    for p in points:
+        assert len(p["examples_per_s_runs"]) == 2
+        assert p["examples_per_s"] == statistics.median(p["examples_per_s_runs"])
+        assert 0.0 <= p["exposed_ms"] <= p["step_ms"]
+    assert points[0]["overlap"] == 0.0
+    assert points[1]["overlap"] == pytest.approx(
+        1 - points[1]["exposed_ms"] / points[0]["exposed_ms"]
+    )
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_without_the_unbucketed_point_reports_no_overlap(capsys):
+    code, out, err = run([*TRAIN, "--devices", "cpu:2", "--bucket-mb", "0.001", "0.01"], capsys)
+    assert code == 0, err
+    rows = [ln for ln in out.splitlines() if ln.startswith("cpu:2")]
+    assert len(rows) == 2 and all(ln.split()[-1] == "-" for ln in rows)
+
+
+def test_train_float16_hook(tmp_path, capsys):
+    js = tmp_path / "h.json"
+    argv = [*TRAIN, "--devices", "cpu:2", "--comm-hook", "float16", "--json", str(js)]
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    assert "gradients sent as float16" in out
+    assert json.loads(js.read_text())["config"]["comm_hook"] == "float16"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--bucket-mb", "-1"], "--bucket-mb takes sizes >= 0 (MiB), got -1"),
+        (["--bucket-mb", "nan"], "--bucket-mb takes sizes >= 0 (MiB), got nan"),
+        (["--bucket-mb", "1", "1"], "--bucket-mb lists a size twice"),
+        (["--repeat", "0"], "--repeat must be >= 1, got 0"),
+        (["--comm-hook", "int8"], "invalid choice"),
+    ],
+)
+def test_train_bad_bucket_flags(capsys, flags, message):
+    code, out, err = run([*TRAIN, "--devices", "cpu:2", *flags], capsys)
+    assert code == 2 and out == "" and message in err
 
 
 # -- topo ---------------------------------------------------------------------------------

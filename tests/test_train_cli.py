@@ -108,6 +108,9 @@ def test_strong_scaling_header_and_quiet(capsys):
         (["--scale", "nan"], "--scale must be a number"),
         (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
         (["--blas-threads", "0"], "--blas-threads must be >= 1"),
+        (["--bucket-mb", "-1"], "--bucket-mb must be >= 0"),
+        (["--bucket-mb", "nan"], "--bucket-mb must be a number, got NaN"),
+        (["--comm-hook", "int8"], "invalid choice"),
     ],
 )
 def test_bad_arguments_exit_2(capsys, argv, message):
@@ -128,6 +131,44 @@ def test_help_explains_every_flag(capsys):
     for action in parser._actions:
         for opt in action.option_strings:
             assert opt in text
+
+
+@pytest.mark.parametrize("update_mode", ["allreduce", "root"])
+def test_gradient_buckets_train_bitwise_as_one_collective(capsys, tmp_path, update_mode):
+    """--bucket-mb: the same parameters as without buckets (the tree, 3 ranks), the flag
+    in the header and the exposed communication in the metrics."""
+    runs = {}
+    for mb in ("0", "0.002"):
+        out_dir = tmp_path / f"run{mb}"
+        rc, out, err = run_main(
+            capsys,
+            [*SMALL, "--devices", "cpu:3", "--iters", "20", "--out", str(out_dir),
+             "--update-mode", update_mode, "--bucket-mb", mb],
+        )  # fmt: skip
+        assert rc == 0, err
+        assert ("gradient buckets of 0.002 MiB" in out) == (mb != "0")
+        records = [json.loads(ln) for ln in (out_dir / "metrics.jsonl").read_text().splitlines()]
+        train = [r for r in records if r["event"] == "train"]
+        assert all(0.0 <= r["exposed_s"] <= r["comm_s"] for r in train)
+        runs[mb] = np.load(out_dir / "final.npz")
+    for k in runs["0"].files:
+        assert np.array_equal(runs["0"][k], runs["0.002"][k]), k
+
+
+def test_float16_comm_hook(capsys, tmp_path):
+    finals = []
+    for hook in ([], ["--comm-hook", "float16"]):
+        out_dir = tmp_path / ("f16" if hook else "f32")
+        rc, out, err = run_main(
+            capsys, [*SMALL, "--iters", "30", "--out", str(out_dir), "--bucket-mb", "0.01", *hook]
+        )
+        assert rc == 0, err
+        assert ("gradients sent as float16" in out) == bool(hook)
+        finals.append(np.load(out_dir / "final.npz"))
+    assert finals[0]["fc0.weight"].dtype == finals[1]["fc0.weight"].dtype == np.float32
+    a, b = (np.concatenate([f[k].ravel() for k in sorted(f.files)]) for f in finals)
+    assert not np.array_equal(a, b)
+    assert np.linalg.norm(a - b) / np.linalg.norm(a) < 1e-2
 
 
 def test_train_from_lmdb_with_cnn_and_target(capsys, tmp_path):

@@ -54,7 +54,8 @@ class DriverConfig:
 
     ``batch_size`` is per rank (``scaling="weak"``) or global (``"strong"``), as
     :func:`nccltree.parallel.per_rank_batch` reads it; ``hidden`` is the MLP's layer
-    widths (other models ignore it); ``comm=False`` turns communication off (a control).
+    widths (other models ignore it); ``comm=False`` turns communication off (a control);
+    ``bucket_bytes`` and ``comm_hook`` are :class:`~nccltree.parallel.DataParallel`'s.
     """
 
     devices: str
@@ -65,6 +66,8 @@ class DriverConfig:
     scaling: str = "weak"
     algorithm: str = "tree"
     update_mode: str = "allreduce"
+    bucket_bytes: int = 0
+    comm_hook: str | None = None
     comm: bool = True
     seed: int = 0
     timeout: float = 60.0
@@ -174,6 +177,11 @@ def open_group(devices: str, algorithm: str, timeout: float) -> Iterator[Process
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
+def bucket_bytes(mib: float) -> int:
+    """``--bucket-mb``'s MiB (2**20 bytes, as PyTorch's ``bucket_cap_mb``) in bytes."""
+    return round(mib * (1 << 20))
+
+
 def make_model(name: str, shape: tuple[int, ...], classes: int, hidden: tuple[int, ...]) -> Model:
     """The reference model ``name`` for examples of ``shape`` and ``classes`` (``hidden``:
     the MLP's layer widths, ignored by the others)."""
@@ -235,6 +243,8 @@ def build_training(
                 devs,
                 algorithm=cfg.algorithm,
                 update_mode=cfg.update_mode,
+                bucket_bytes=cfg.bucket_bytes,
+                comm_hook=cfg.comm_hook,
                 comm=cfg.comm,
                 seed=cfg.seed,
                 timeout=cfg.timeout,

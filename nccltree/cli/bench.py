@@ -16,6 +16,7 @@ import json
 import math
 import os
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -42,6 +43,7 @@ from ._common import (
 from ._training import (
     DriverConfig,
     SolverConfig,
+    bucket_bytes,
     build_training,
     group_devices,
     mpi_world_size,
@@ -49,6 +51,9 @@ from ._training import (
 )
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
     from ..backends.base import Device
     from ..comm.group import ProcessGroup
     from ..topology import Topology
@@ -689,11 +694,13 @@ def train_point(
     args: argparse.Namespace,
     dataset: tuple[str, tuple[int, ...], int],
     group: ProcessGroup | None = None,
+    bucket_mb: float = 0.0,
 ) -> dict[str, object]:
-    """Train ``args.warmup + args.iters`` iterations on ``spec``; figures over the timed
-    iterations (those after the warm-up), as the root sees them, and the machine and
-    devices they were measured on. Over a process ``group`` (``spec``: each process's
-    devices) only global rank 0's process has them; the others return ``{}``."""
+    """Train ``args.warmup + args.iters`` iterations on ``spec`` with gradient buckets of
+    ``bucket_mb`` MiB; figures over the timed iterations (those after the warm-up), as the
+    root sees them, and the machine and devices they were measured on. Over a process
+    ``group`` (``spec``: each process's devices) only global rank 0's process has them;
+    the others return ``{}``."""
     from ..parallel import StepInfo
 
     path, shape, classes = dataset
@@ -705,6 +712,8 @@ def train_point(
         hidden=tuple(int(h) for h in _split(args.hidden)),
         algorithm=args.algorithm,
         blas_threads=args.blas_threads,
+        bucket_bytes=bucket_bytes(bucket_mb),
+        comm_hook=args.comm_hook,
         solver=SolverConfig(lr=0.01, momentum=0.9),
     )
     steps: list[StepInfo] = []
@@ -731,6 +740,11 @@ def train_point(
         "iters": len(timed),
         "examples_per_s": sum(s.examples for s in timed) / secs if secs > 0 else 0.0,
         "comm_fraction": sum(s.comm_s for s in timed) / step_s if step_s > 0 else 0.0,
+        "step_ms": 1e3 * step_s / len(timed),
+        # from the end of backward to the update: the communication backward did not hide
+        "exposed_ms": 1e3 * sum(s.exposed_s for s in timed) / len(timed),
+        "bucket_mb": bucket_mb,
+        "comm_hook": args.comm_hook,
         "backend": backend,
         "algorithm": args.algorithm,
         "model": args.model,
@@ -740,13 +754,105 @@ def train_point(
 
 
 def add_speedups(points: list[dict]) -> None:
-    """Speedup over the first device set of the same scaling mode, and efficiency =
-    speedup / (ranks / its ranks)."""
-    base: dict[str, dict] = {}
+    """Speedup over the first device set of the same scaling mode (and bucket size), and
+    efficiency = speedup / (ranks / its ranks)."""
+    base: dict[tuple[str, float], dict] = {}
     for p in points:
-        b = base.setdefault(p["scaling"], p)
+        b = base.setdefault((p["scaling"], p.get("bucket_mb", 0.0)), p)
         p["speedup"] = p["examples_per_s"] / b["examples_per_s"] if b["examples_per_s"] else 0.0
         p["efficiency"] = p["speedup"] / (p["ranks"] / b["ranks"])
+
+
+#: the figures of a training point that repetitions take the median of
+_MEDIANS = ("examples_per_s", "comm_fraction", "step_ms", "exposed_ms")
+
+
+def median_points(runs: Sequence[Sequence[dict]]) -> list[dict]:
+    """One point per position of ``runs`` (each run a list of points in the same order):
+    the first run's point with the median of each figure of ``_MEDIANS`` over the runs,
+    and the runs' examples/s under ``examples_per_s_runs``."""
+    points = []
+    for same in zip(*runs, strict=True):
+        p = dict(same[0])
+        for key in _MEDIANS:
+            p[key] = statistics.median(float(q[key]) for q in same)
+        p["examples_per_s_runs"] = [q["examples_per_s"] for q in same]
+        points.append(p)
+    return points
+
+
+def add_overlap(points: list[dict]) -> None:
+    """``overlap``: the share of the unbucketed point's exposed communication (same
+    devices and scaling, ``--bucket-mb 0`` in the same sweep) that buckets hid behind
+    backward, ``1 - exposed / exposed without buckets``; None without that point."""
+    base = {(p["devices"], p["scaling"]): p for p in points if p["bucket_mb"] == 0}
+    for p in points:
+        b = base.get((p["devices"], p["scaling"]))
+        ok = b is not None and b["exposed_ms"] > 0
+        p["overlap"] = 1.0 - p["exposed_ms"] / b["exposed_ms"] if ok and b else None
+
+
+def bucket_cells(p: dict) -> list[object]:
+    """A bucket sweep's row (the console table and the Markdown tables share it)."""
+    overlap = p.get("overlap")
+    return [
+        p["devices"],
+        p["ranks"],
+        f"{p['bucket_mb']:g}",
+        f"{p['examples_per_s']:,.0f}",
+        f"{p['step_ms']:.2f}",
+        f"{100 * p['comm_fraction']:.0f}%",
+        f"{p['exposed_ms']:.2f}",
+        "-" if overlap is None else f"{100 * overlap:.0f}%",
+    ]
+
+
+BUCKET_HEADER = (
+    "devices",
+    "ranks",
+    "bucket MiB",
+    "examples/s",
+    "step ms",
+    "comm",
+    "exposed ms",
+    "overlap",
+)
+
+
+def bucket_table(points: Sequence[dict]) -> list[str]:
+    fmt = "{:<16} {:>5} {:>10} {:>12} {:>8} {:>6} {:>10} {:>8}"
+    return [fmt.format(*BUCKET_HEADER)] + [fmt.format(*bucket_cells(p)) for p in points]
+
+
+def plot_buckets(path: str, points: Sequence[dict]) -> None:
+    """Step time and exposed communication against the bucket size, one line per device
+    set and scaling mode (0, no buckets, first)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    sizes = sorted({p["bucket_mb"] for p in points})
+    where = {mb: i for i, mb in enumerate(sizes)}
+    lines = dict.fromkeys((p["devices"], p["scaling"]) for p in points)
+    for i, (devices, scaling) in enumerate(lines):
+        pts = sorted(
+            (p for p in points if (p["devices"], p["scaling"]) == (devices, scaling)),
+            key=lambda p: p["bucket_mb"],
+        )
+        xs = [where[p["bucket_mb"]] for p in pts]
+        label = f"{devices} ({scaling})"
+        a1.plot(xs, [p["step_ms"] for p in pts], "-o", color=f"C{i}", label=label)
+        a2.plot(xs, [p["exposed_ms"] for p in pts], "-o", color=f"C{i}", label=label)
+    a1.set_ylabel("step time (ms)")
+    a2.set_ylabel("exposed communication per step (ms)")
+    for ax in (a1, a2):
+        ax.set_xticks(range(len(sizes)), [f"{mb:g}" for mb in sizes])
+        ax.set_ylim(bottom=0)
+    _finish_pair(
+        fig, (a1, a2), "gradient bucket size (MiB; 0: one all-reduce after backward)", path
+    )
 
 
 def train_cells(p: dict, times: str = "x") -> list[object]:
@@ -799,8 +905,15 @@ def plot_train(path: str, points: Sequence[dict]) -> None:
         a2.plot(xs, [100 * p["efficiency"] for p in pts], "-o", color=f"C{i}", label=mode)
     a1.set_ylabel("examples/s")
     a2.set_ylabel("scaling efficiency (%)")
-    for ax in (a1, a2):
-        ax.set_xlabel("devices")
+    _finish_pair(fig, (a1, a2), "devices", path)
+
+
+def _finish_pair(fig: Figure, axes: Sequence[Axes], xlabel: str, path: str) -> None:
+    """The training plots' common end: labels, grid and legend on both panels, saved."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.set_xlabel(xlabel)
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -829,9 +942,15 @@ def check_train_args(args: argparse.Namespace, *, mpi: bool = False) -> None:
         ("--records", args.records, 1),
         ("--features", args.features, 1),
         ("--blas-threads", 1 if args.blas_threads is None else args.blas_threads, 1),
+        ("--repeat", args.repeat, 1),
     ):
         if v < lo:
             raise UsageError(f"{flag} must be >= {lo}, got {v}")
+    for mb in args.bucket_mb:
+        if not math.isfinite(mb) or mb < 0:
+            raise UsageError(f"--bucket-mb takes sizes >= 0 (MiB), got {mb:g}")
+    if len(set(args.bucket_mb)) != len(args.bucket_mb):
+        raise UsageError(f"--bucket-mb lists a size twice: {' '.join(map(str, args.bucket_mb))}")
     try:
         hidden = [int(h) for h in _split(args.hidden)]
     except ValueError:
@@ -875,8 +994,8 @@ def _check_model(args: argparse.Namespace, hidden: list[int]) -> None:
 def run_train(args: argparse.Namespace, out: TextIO, err: TextIO, *, mpi: bool = False) -> int:
     """The training sweep; ``mpi``: each device set is every MPI process's (a process
     group per set), and global rank 0 alone reports."""
-    points: list[dict] = []
-    total = len(args.devices) * len(args.scaling)
+    runs: list[list[dict]] = []
+    total = len(args.devices) * len(args.scaling) * len(args.bucket_mb) * args.repeat
     root = True
     if mpi:
         from mpi4py import MPI
@@ -887,28 +1006,42 @@ def run_train(args: argparse.Namespace, out: TextIO, err: TextIO, *, mpi: bool =
     progress = SweepProgress(total, args.quiet, err, every_s=0.0)
     with contextlib.ExitStack() as stack:
         dataset = _train_dataset(args, stack)
-        for spec in args.devices:
-            for mode in args.scaling:
-                if mpi:
-                    with open_group(spec, args.algorithm, 60.0) as group:
-                        point = train_point(spec, mode, args, dataset, group)
-                else:
-                    point = train_point(spec, mode, args, dataset)
-                if root:
-                    points.append(point)
-                    progress.step(f"{spec} {mode}: {point['examples_per_s']:,.0f} examples/s")
+        # repetitions interleaved: a change in the machine's load hits every point alike
+        for _ in range(args.repeat):
+            points: list[dict] = []
+            for spec in args.devices:
+                for mode in args.scaling:
+                    for mb in args.bucket_mb:
+                        if mpi:
+                            with open_group(spec, args.algorithm, 60.0) as group:
+                                point = train_point(spec, mode, args, dataset, group, mb)
+                        else:
+                            point = train_point(spec, mode, args, dataset, bucket_mb=mb)
+                        if root:
+                            points.append(point)
+                            buckets = f", buckets {mb:g} MiB" if len(args.bucket_mb) > 1 else ""
+                            progress.step(
+                                f"{spec} {mode}{buckets}: {point['examples_per_s']:,.0f} examples/s"
+                            )
+            runs.append(points)
     progress.clear()
     if not root:
         return ExitStatus.OK
+    points = median_points(runs)
     add_speedups(points)
+    add_overlap(points)
+    sweep = len(args.bucket_mb) > 1
     if not args.quiet:
         print(
             f"# nccltree-bench train: model {args.model}, algorithm {args.algorithm}, "
             f"batch size {args.batch_size} ({', '.join(args.scaling)} scaling), "
-            f"{args.iters} timed iterations after {args.warmup} warm-up",
+            f"{args.iters} timed iterations after {args.warmup} warm-up"
+            + (f", median of {args.repeat} interleaved runs" if args.repeat > 1 else "")
+            + (f", gradients sent as {args.comm_hook}" if args.comm_hook else ""),
             file=out,
         )
-        print("\n".join(train_table(points)), file=out, flush=True)
+        table = bucket_table(points) if sweep else train_table(points)
+        print("\n".join(table), file=out, flush=True)
     if args.json:
         config = {
             k: getattr(args, k)
@@ -925,6 +1058,9 @@ def run_train(args: argparse.Namespace, out: TextIO, err: TextIO, *, mpi: bool =
                 "records",
                 "features",
                 "blas_threads",
+                "bucket_mb",
+                "comm_hook",
+                "repeat",
             )
         }
         write_json(
@@ -939,7 +1075,7 @@ def run_train(args: argparse.Namespace, out: TextIO, err: TextIO, *, mpi: bool =
             },
         )
     if args.plot:
-        plot_train(args.plot, points)
+        (plot_buckets if sweep else plot_train)(args.plot, points)
     return ExitStatus.OK
 
 
@@ -1278,6 +1414,31 @@ def build_parser() -> argparse.ArgumentParser:
         default=5,
         help="untimed iterations first (default: %(default)s)",
     )
+    t.add_argument(
+        "--bucket-mb",
+        nargs="+",
+        type=float,
+        default=[0.0],
+        metavar="X",
+        help="gradient bucket sizes to compare, in MiB (0: one all-reduce after backward), "
+        "e.g. 0 1 4 16; with more than one, the table reports per size the step time, the "
+        "communication share, the exposed communication (from the end of backward to the "
+        "update, per step) and the overlap (the share of the size-0 run's exposed "
+        "communication hidden behind backward), and --plot draws step time against bucket "
+        "size (default: 0)",
+    )
+    t.add_argument(
+        "--comm-hook",
+        choices=["float16"],
+        help="float16: the gradients travel as float16, the update stays float32 (default: none)",
+    )
+    t.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the whole sweep this many times, interleaved, and report the median of "
+        "each figure (default: %(default)s)",
+    )
     t.add_argument("--data", metavar="DB", help="an LMDB to train on (default: a synthetic task)")
     t.add_argument(
         "--records",
@@ -1293,7 +1454,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--json", metavar="FILE", help="write the results as JSON")
     t.add_argument(
-        "--plot", metavar="FILE.png", help="draw examples/s and efficiency against device count"
+        "--plot",
+        metavar="FILE.png",
+        help="draw examples/s and efficiency against device count (with several --bucket-mb: "
+        "step time and exposed communication against bucket size)",
     )
     t.add_argument(
         "--quiet", action="store_true", help="print no table or progress (needs --json or --plot)"

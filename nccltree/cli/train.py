@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, TextIO
 import numpy as np
 
 from .._validate import check_int, check_real
+from ..parallel import COMM_HOOKS
 from ..snapshot import (
     history,
     history_name,
@@ -53,6 +54,7 @@ from ._training import (
     SolverConfig,
     Training,
     TransformConfig,
+    bucket_bytes,
     build_training,
     group_devices,
     make_model,
@@ -129,6 +131,8 @@ class TrainConfig:
     solver: SolverConfig = field(default_factory=_default_solver)
     algorithm: str = "tree"
     update_mode: str = "allreduce"
+    bucket_mb: float = 0.0  # gradient buckets of this many MiB during backward; 0: none
+    comm_hook: str | None = None  # "float16": the gradients travel as float16
     seed: int = 0
     shuffle: bool = False
     out: str | None = None
@@ -180,6 +184,12 @@ class TrainConfig:
         counts = {k: check_int(get(k), _flag(k), min=low) for k, low in ints.items()}
         classes, blas_threads = opt_int("classes", 2), opt_int("blas_threads", 1)
         seed = check_int(get("seed"), "--seed", min=0)
+        bucket_mb = check_real(get("bucket_mb"), "--bucket-mb", min=0.0)
+        comm_hook = get("comm_hook")
+        if comm_hook is not None and comm_hook not in COMM_HOOKS:
+            raise ValueError(
+                f"--comm-hook must be one of {', '.join(COMM_HOOKS)}; got {comm_hook!r}"
+            )
         timeout = check_real(get("timeout"), "--timeout", min=0.0, min_open=True)
         lr, momentum, weight_decay = (
             check_real(get(k), _flag(k)) for k in ("lr", "momentum", "weight_decay")
@@ -218,6 +228,8 @@ class TrainConfig:
             solver=solver,
             algorithm=str(get("algorithm")),
             update_mode=str(get("update_mode")),
+            bucket_mb=bucket_mb,
+            comm_hook=None if comm_hook is None else str(comm_hook),
             seed=seed,
             shuffle=bool(get("shuffle")),
             out=None if out is None else os.path.abspath(str(out)),
@@ -248,6 +260,8 @@ class TrainConfig:
             scaling=self.scaling,
             algorithm=self.algorithm,
             update_mode=self.update_mode,
+            bucket_bytes=bucket_bytes(self.bucket_mb),
+            comm_hook=self.comm_hook,
             seed=self.seed,
             timeout=self.timeout,
             blas_threads=self.blas_threads,
@@ -367,6 +381,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="allreduce: every rank averages the gradients and updates; root: "
         "gradients are summed at rank 0, which updates and broadcasts the "
         f"parameters (Caffe's P2PSync). Same result. (default: {_d('update_mode')})",
+    )
+    g.add_argument(
+        "--bucket-mb",
+        type=float,
+        metavar="X",
+        help="communicate the gradients in buckets of about X MiB while the backward pass "
+        "still runs, each as soon as backward has written it (as PyTorch DDP's "
+        "bucket_cap_mb); 0: one collective over every gradient after backward. Bitwise "
+        "the same parameters with tree and direct, within rounding with ring "
+        f"(default: {_d('bucket_mb')})",
+    )
+    g.add_argument(
+        "--comm-hook",
+        choices=COMM_HOOKS,
+        help="float16: the gradients travel as float16 (half the bytes) and the update "
+        "stays float32; changes the result by float16 rounding (default: none)",
     )
     g.add_argument(
         "--timeout",
@@ -970,7 +1000,9 @@ def _print_header(
             else f"  devices    {cfg.devices} in each of {t.group.nprocs} MPI processes on "
             f"{t.group.nodes} node{'s' if t.group.nodes > 1 else ''} ({n} ranks)"
         ),
-        f"  algorithm  {cfg.algorithm}, update mode {cfg.update_mode}",
+        f"  algorithm  {cfg.algorithm}, update mode {cfg.update_mode}"
+        + (f", gradient buckets of {cfg.bucket_mb:g} MiB" if cfg.bucket_mb else "")
+        + (f", gradients sent as {cfg.comm_hook}" if cfg.comm_hook else ""),
         f"  scaling    {cfg.scaling}: batch {per_rank} per rank, effective batch {effective}"
         + (
             f" (global batch {cfg.batch_size} split across {n} ranks)"
@@ -1013,6 +1045,7 @@ class _Outputs:
             examples=info.examples,
             step_s=info.step_s,
             comm_s=info.comm_s,
+            exposed_s=info.exposed_s,
             elapsed_s=info.elapsed_s,
         )
         self.progress.update(info)

@@ -216,12 +216,28 @@ static inline uint16_t nt_float_to_half(float f) {
     return (uint16_t)(r | sign);
 }
 
+/* ---- bfloat16 <-> float: bfloat16 is the upper 16 bits of a float32, so widening is a
+   shift; narrowing rounds to nearest even by adding 0x7fff plus the lowest kept bit, and
+   turns a NaN into the quiet NaN of its sign (as ml_dtypes does), since the addition
+   could carry a NaN's payload into its exponent or sign ---- */
+
+static inline float nt_bf16_to_float(uint16_t h) { return nt_f32_from_bits((uint32_t)h << 16); }
+
+static inline uint16_t nt_float_to_bf16(float f) {
+    uint32_t u = nt_bits_from_f32(f);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    uint32_t qnan = ((u >> 16) & 0x8000u) | 0x7fc0u;
+    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? qnan : rounded);
+}
+
 /* ---- per-dtype load/store and per-(op, dtype) combine ---- */
 
 #define LD_PLAIN(p, i) ((p)[i])
 #define ST_PLAIN(p, i, v) ((p)[i] = (v))
 #define LD_HALF(p, i) nt_half_to_float((p)[i])
 #define ST_HALF(p, i, v) ((p)[i] = nt_float_to_half(v))
+#define LD_BF16(p, i) nt_bf16_to_float((p)[i])
+#define ST_BF16(p, i, v) ((p)[i] = nt_float_to_bf16(v))
 
 #define C_ADD(a, b) ((a) + (b))
 #define C_MUL(a, b) ((a) * (b))
@@ -237,6 +253,12 @@ static inline uint16_t nt_float_to_half(float f) {
 #define C_MUL32(a, b) ((int32_t)((uint32_t)(a) * (uint32_t)(b)))
 #define C_ADD64(a, b) ((int64_t)((uint64_t)(a) + (uint64_t)(b)))
 #define C_MUL64(a, b) ((int64_t)((uint64_t)(a) * (uint64_t)(b)))
+/* 8-bit operands are promoted to int, whose sum and product cannot overflow; the
+   conversion back keeps the low 8 bits (for int8_t through uint8_t, defined behaviour) */
+#define C_ADD8(a, b) ((int8_t)(uint8_t)((unsigned)(a) + (unsigned)(b)))
+#define C_MUL8(a, b) ((int8_t)(uint8_t)((unsigned)(a) * (unsigned)(b)))
+#define C_ADDU8(a, b) ((uint8_t)((unsigned)(a) + (unsigned)(b)))
+#define C_MULU8(a, b) ((uint8_t)((unsigned)(a) * (unsigned)(b)))
 
 /* The streaming variant of a reduction range: ordinary stores up to the first cache-line
    boundary of d, then whole lines computed by the same element loop into an L1-resident
@@ -351,21 +373,37 @@ NT_DEFINE_REDUCE(sum_i64, int64_t, int64_t, LD_PLAIN, ST_PLAIN, C_ADD64)
 NT_DEFINE_REDUCE(prod_i64, int64_t, int64_t, LD_PLAIN, ST_PLAIN, C_MUL64)
 NT_DEFINE_REDUCE(max_i64, int64_t, int64_t, LD_PLAIN, ST_PLAIN, C_IMAX)
 NT_DEFINE_REDUCE(min_i64, int64_t, int64_t, LD_PLAIN, ST_PLAIN, C_IMIN)
+NT_DEFINE_REDUCE(sum_bf16, uint16_t, float, LD_BF16, ST_BF16, C_ADD)
+NT_DEFINE_REDUCE(prod_bf16, uint16_t, float, LD_BF16, ST_BF16, C_MUL)
+NT_DEFINE_REDUCE(max_bf16, uint16_t, float, LD_BF16, ST_BF16, C_FMAX)
+NT_DEFINE_REDUCE(min_bf16, uint16_t, float, LD_BF16, ST_BF16, C_FMIN)
+NT_DEFINE_REDUCE(sum_i8, int8_t, int8_t, LD_PLAIN, ST_PLAIN, C_ADD8)
+NT_DEFINE_REDUCE(prod_i8, int8_t, int8_t, LD_PLAIN, ST_PLAIN, C_MUL8)
+NT_DEFINE_REDUCE(max_i8, int8_t, int8_t, LD_PLAIN, ST_PLAIN, C_IMAX)
+NT_DEFINE_REDUCE(min_i8, int8_t, int8_t, LD_PLAIN, ST_PLAIN, C_IMIN)
+NT_DEFINE_REDUCE(sum_u8, uint8_t, uint8_t, LD_PLAIN, ST_PLAIN, C_ADDU8)
+NT_DEFINE_REDUCE(prod_u8, uint8_t, uint8_t, LD_PLAIN, ST_PLAIN, C_MULU8)
+NT_DEFINE_REDUCE(max_u8, uint8_t, uint8_t, LD_PLAIN, ST_PLAIN, C_IMAX)
+NT_DEFINE_REDUCE(min_u8, uint8_t, uint8_t, LD_PLAIN, ST_PLAIN, C_IMIN)
+
+/* indexed by the dtype codes of nccltree.h, in their order */
+#define NT_OP_ROW(OP)                                                                     \
+    {NT_ROW(OP##_f16), NT_ROW(OP##_f32), NT_ROW(OP##_f64), NT_ROW(OP##_i32),              \
+     NT_ROW(OP##_i64), NT_ROW(OP##_bf16), NT_ROW(OP##_i8), NT_ROW(OP##_u8)}
 
 static const nt_range_fn nt_reduce_table[NT_NOPS][NT_NDTYPES][NT_MAX_SOURCES] = {
-    {NT_ROW(sum_f16), NT_ROW(sum_f32), NT_ROW(sum_f64), NT_ROW(sum_i32), NT_ROW(sum_i64)},
-    {NT_ROW(prod_f16), NT_ROW(prod_f32), NT_ROW(prod_f64), NT_ROW(prod_i32), NT_ROW(prod_i64)},
-    {NT_ROW(max_f16), NT_ROW(max_f32), NT_ROW(max_f64), NT_ROW(max_i32), NT_ROW(max_i64)},
-    {NT_ROW(min_f16), NT_ROW(min_f32), NT_ROW(min_f64), NT_ROW(min_i32), NT_ROW(min_i64)},
+    NT_OP_ROW(sum), NT_OP_ROW(prod), NT_OP_ROW(max), NT_OP_ROW(min),
 };
 
 /* alpha * sum(srcs): floating dtypes only (integer mean is refused, as by nt_scale) */
 NT_DEFINE_REDUCE_FIN(ssum_f16, uint16_t, float, LD_HALF, ST_HALF, C_ADD, FIN_SCALE)
 NT_DEFINE_REDUCE_FIN(ssum_f32, float, float, LD_PLAIN, ST_PLAIN, C_ADD, FIN_SCALE)
 NT_DEFINE_REDUCE_FIN(ssum_f64, double, double, LD_PLAIN, ST_PLAIN, C_ADD, FIN_SCALE)
+NT_DEFINE_REDUCE_FIN(ssum_bf16, uint16_t, float, LD_BF16, ST_BF16, C_ADD, FIN_SCALE)
 
 static const nt_range_fn nt_scaled_sum_table[NT_NDTYPES][NT_MAX_SOURCES] = {
     NT_ROW(ssum_f16), NT_ROW(ssum_f32), NT_ROW(ssum_f64), {NULL}, {NULL},
+    NT_ROW(ssum_bf16), {NULL}, {NULL},
 };
 
 /* ---- scale and SGD (floating dtypes; scalars are rounded to the array's compute type,
@@ -398,9 +436,15 @@ NT_DEFINE_SCALE(scale_f64, double, double, LD_PLAIN, ST_PLAIN)
 NT_DEFINE_SGD(sgd_f16, uint16_t, float, LD_HALF, ST_HALF)
 NT_DEFINE_SGD(sgd_f32, float, float, LD_PLAIN, ST_PLAIN)
 NT_DEFINE_SGD(sgd_f64, double, double, LD_PLAIN, ST_PLAIN)
+NT_DEFINE_SCALE(scale_bf16, uint16_t, float, LD_BF16, ST_BF16)
+NT_DEFINE_SGD(sgd_bf16, uint16_t, float, LD_BF16, ST_BF16)
 
-static const nt_range_fn nt_scale_table[NT_NDTYPES] = {scale_f16, scale_f32, scale_f64, NULL, NULL};
-static const nt_range_fn nt_sgd_table[NT_NDTYPES] = {sgd_f16, sgd_f32, sgd_f64, NULL, NULL};
+static const nt_range_fn nt_scale_table[NT_NDTYPES] = {
+    scale_f16, scale_f32, scale_f64, NULL, NULL, scale_bf16, NULL, NULL,
+};
+static const nt_range_fn nt_sgd_table[NT_NDTYPES] = {
+    sgd_f16, sgd_f32, sgd_f64, NULL, NULL, sgd_bf16, NULL, NULL,
+};
 
 /* ---- float16 through F16C, chosen at run time (x86-64) ----
    The portable conversions above are exact but cost tens of instructions per element, and
@@ -595,7 +639,7 @@ static void nt_gather_range(const nt_job *job, int64_t lo, int64_t hi) {
 
 /* ---- argument checks ---- */
 
-static const int64_t nt_itemsize[NT_NDTYPES] = {2, 4, 8, 4, 8};
+static const int64_t nt_itemsize[NT_NDTYPES] = {2, 4, 8, 4, 8, 2, 1, 1};
 
 /* 1 if [a, a+nbytes) and [b, b+nbytes) share a byte */
 static int nt_overlaps(const void *a, const void *b, int64_t nbytes) {

@@ -24,8 +24,11 @@ def run_mpi(pg: ProcessGroup, prep: Prepared, entry: Entry) -> None:
     """MPI's own collectives (one rank per process)."""
     pg._one(f"algorithm 'mpi' ({prep.collective})")
     MPI = pg._MPI
-    if prep.dtype == np.float16 and COLLECTIVES[prep.collective].reduces:
-        raise TypeError("algorithm 'mpi' cannot reduce float16 (MPI has no such type)")
+    if prep.dtype.name in ("float16", "bfloat16") and COLLECTIVES[prep.collective].reduces:
+        raise TypeError(
+            f"algorithm 'mpi' cannot reduce {prep.dtype} (MPI has no such type); "
+            "use tree, ring or direct"
+        )
     x, o = prep.ins[0], prep.outs[0]
     t = mpi_type(MPI, prep.dtype)
     mop = {"sum": MPI.SUM, "mean": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX,
@@ -81,8 +84,11 @@ def mpi_type(MPI: ModuleType, dtype: np.dtype) -> _MPI.Datatype:
         "float64": MPI.DOUBLE,
         "int32": MPI.INT32_T,
         "int64": MPI.INT64_T,
-        "float16": MPI.UINT16_T,  # moved as bytes; MPI never reduces it here
-        "uint8": MPI.BYTE,
+        "int8": MPI.INT8_T,
+        "uint8": MPI.UINT8_T,
+        # moved as 16-bit words; MPI never reduces them here
+        "float16": MPI.UINT16_T,
+        "bfloat16": MPI.UINT16_T,
     }
     t = table.get(np.dtype(dtype).name)
     if t is None:

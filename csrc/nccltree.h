@@ -118,6 +118,10 @@ NT_API int nt_max_sources(void);
 /* float16 kernels: enable = 1 uses F16C when the CPU has it (the default), 0 the portable
    conversions, -1 changes nothing; returns 1 when the F16C code is in use. */
 NT_API int nt_use_f16c(int enable);
+/* bfloat16 kernels: enable = 1 uses the AVX2 build of their loops when the CPU has it (the
+   default), 0 the baseline build, -1 changes nothing; returns 1 when AVX2 is in use. The
+   two give the same bits. */
+NT_API int nt_use_avx2(int enable);
 
 /* ---- the wait primitive: a sequence counter in plain memory ----
  *

@@ -53,6 +53,8 @@ __all__ = [
     "sgd_update",
     "sum_into",
     "sum_n",
+    "use_avx2",
+    "use_f16c",
 ]
 
 #: numpy dtype -> C dtype code (csrc/nccltree.h); the keys are ``backends.base.DTYPES``
@@ -154,6 +156,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "nt_copy": [vp, vp, i64, i32],
         "nt_gather": [vp, vp, vp, i32, i32],
         "nt_use_f16c": [i32],
+        "nt_use_avx2": [i32],
         "nt_max_sources": [],
         "nt_counter_wait": [vp, ctypes.c_uint32, i64, i64, i32],
         "nt_counter_add_wake": [vp, ctypes.c_uint32, i32, vp],
@@ -210,6 +213,14 @@ def use_f16c(enable: bool | None = None) -> bool:
     ``True`` back to F16C where the CPU has it; ``None`` only asks."""
     flag = -1 if enable is None else int(bool(enable))
     return bool(library().nt_use_f16c(flag))
+
+
+def use_avx2(enable: bool | None = None) -> bool:
+    """Whether the bfloat16 kernels run their AVX2 build (x86-64 CPUs that have AVX2; the
+    default there) rather than the baseline one: both give the same results. ``False``
+    switches to the baseline build, ``True`` back; ``None`` only asks."""
+    flag = -1 if enable is None else int(bool(enable))
+    return bool(library().nt_use_avx2(flag))
 
 
 def strerror(status: int) -> str:

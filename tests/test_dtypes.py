@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import nccltree as nt
-from nccltree.backends.base import BFLOAT16, FLOAT_DTYPES
+from nccltree.backends.base import BFLOAT16, DTYPES, FLOAT_DTYPES
 from nccltree.comm import bench as drv
 from nccltree.comm._ops import check_dtype, check_op, reference
 from nccltree.comm.collectives import COLLECTIVES
@@ -248,3 +248,12 @@ def test_bench_check_takes_the_new_dtypes():
     got = np.array([-56], np.int8)
     assert drv.count_wrong(got, np.array([200], np.int64), np.int8) == 0
     assert drv.count_wrong(got, np.array([201], np.int64), np.int8) == 1
+
+
+def test_mpi_reduces_every_dtype_but_the_16_bit_floats():
+    from nccltree.comm.group.mpi_collectives import mpi_reduces
+
+    assert [d.name for d in DTYPES if not mpi_reduces(d)] == [
+        "float16",
+        "bfloat16",
+    ]

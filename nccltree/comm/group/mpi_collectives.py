@@ -24,7 +24,7 @@ def run_mpi(pg: ProcessGroup, prep: Prepared, entry: Entry) -> None:
     """MPI's own collectives (one rank per process)."""
     pg._one(f"algorithm 'mpi' ({prep.collective})")
     MPI = pg._MPI
-    if prep.dtype.name in ("float16", "bfloat16") and COLLECTIVES[prep.collective].reduces:
+    if COLLECTIVES[prep.collective].reduces and not mpi_reduces(prep.dtype):
         raise TypeError(
             f"algorithm 'mpi' cannot reduce {prep.dtype} (MPI has no such type); "
             "use tree, ring or direct"
@@ -76,6 +76,12 @@ def _mpi_order(pg: ProcessGroup, coll: str) -> None:
             f"algorithm 'mpi' ({coll}) needs MPI's rank order to be the group's "
             "(node-major); launch the processes of each node contiguously"
         )
+
+
+def mpi_reduces(dtype: np.dtype) -> bool:
+    """Whether MPI can reduce ``dtype``: not float16 or bfloat16, which it has no type for
+    (``mpi_type`` moves them as 16-bit words, for the collectives that do not reduce)."""
+    return np.dtype(dtype).name not in ("float16", "bfloat16")
 
 
 def mpi_type(MPI: ModuleType, dtype: np.dtype) -> _MPI.Datatype:

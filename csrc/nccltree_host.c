@@ -460,6 +460,22 @@ static const nt_range_fn nt_sgd_table[NT_NDTYPES] = {
 
 static int nt_f16c_state = -1; /* -1 undecided, 0 portable code, 1 F16C */
 
+/* *state, decided on first use from what the CPU has (cpu_has) where still undecided */
+static int nt_feature_on(int *state, int (*cpu_has)(void)) {
+    int on = __atomic_load_n(state, __ATOMIC_RELAXED);
+    if (on < 0) {
+        on = cpu_has();
+        __atomic_store_n(state, on, __ATOMIC_RELAXED);
+    }
+    return on;
+}
+
+/* enable = 1: on where the CPU has it; 0: off; -1: unchanged; returns whether it is on */
+static int nt_feature_use(int *state, int enable, int (*cpu_has)(void)) {
+    if (enable >= 0) __atomic_store_n(state, enable ? cpu_has() : 0, __ATOMIC_RELAXED);
+    return nt_feature_on(state, cpu_has);
+}
+
 static int nt_cpu_has_f16c(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
@@ -480,17 +496,20 @@ static int nt_cpu_has_f16c(void) {
 #define VFIN_NONE(acc, va) (acc)
 #define VFIN_SCALE(acc, va) _mm256_mul_ps((acc), (va))
 
-/* PORTABLE: the portable variant of the same reduction, which does the tail */
-#define NT_DEFINE_SPAN_F16C(NAME, VCOMB, VFIN, PORTABLE)                                  \
-    static inline __attribute__((always_inline)) NT_F16C_TARGET void NAME##_span(         \
+/* A reduction over 16-bit floats, 8 elements at a time in float32 lanes: VLD widens 8
+   stored values, VST narrows 8 and stores them (F16C here, bfloat16 through AVX2 below),
+   TARGET the instruction sets they need; PORTABLE, the baseline variant of the same
+   reduction, does the tail. */
+#define NT_DEFINE_SPAN_X8(NAME, TARGET, VLD, VST, VCOMB, VFIN, PORTABLE)                  \
+    static inline __attribute__((always_inline)) TARGET void NAME##_span(                 \
         uint16_t *d, const uint16_t *const *s, int64_t m, const int K, const float alpha) { \
         const __m256 va = _mm256_set1_ps(alpha);                                          \
         (void)va;                                                                         \
         int64_t i = 0;                                                                    \
         for (; i + 8 <= m; i += 8) {                                                      \
-            __m256 acc = V_LD(s[0], i);                                                   \
-            for (int j = 1; j < K; ++j) acc = VCOMB(acc, V_LD(s[j], i));                  \
-            V_ST(d, i, VFIN(acc, va));                                                    \
+            __m256 acc = VLD(s[0], i);                                                    \
+            for (int j = 1; j < K; ++j) acc = VCOMB(acc, VLD(s[j], i));                   \
+            VST(d, i, VFIN(acc, va));                                                     \
         }                                                                                 \
         if (i < m) {                                                                      \
             const uint16_t *rest[NT_MAX_SOURCES];                                         \
@@ -498,43 +517,53 @@ static int nt_cpu_has_f16c(void) {
             PORTABLE##_span(d + i, rest, m - i, K, alpha);                                \
         }                                                                                 \
     }                                                                                     \
-    NT_DEFINE_RANGES(NAME, uint16_t, float, NT_F16C_TARGET)
+    NT_DEFINE_RANGES(NAME, uint16_t, float, TARGET)
 
-NT_DEFINE_SPAN_F16C(sum_f16c, V_ADD, VFIN_NONE, sum_f16)
-NT_DEFINE_SPAN_F16C(prod_f16c, V_MUL, VFIN_NONE, prod_f16)
-NT_DEFINE_SPAN_F16C(max_f16c, V_FMAX, VFIN_NONE, max_f16)
-NT_DEFINE_SPAN_F16C(min_f16c, V_FMIN, VFIN_NONE, min_f16)
-NT_DEFINE_SPAN_F16C(ssum_f16c, V_ADD, VFIN_SCALE, ssum_f16)
-
-static const nt_range_fn nt_reduce_f16c[NT_NOPS][NT_MAX_SOURCES] = {
-    NT_ROW(sum_f16c), NT_ROW(prod_f16c), NT_ROW(max_f16c), NT_ROW(min_f16c),
-};
-static const nt_range_fn nt_scaled_sum_f16c[NT_MAX_SOURCES] = NT_ROW(ssum_f16c);
-
-static NT_F16C_TARGET void scale_f16c(const nt_job *job, int64_t lo, int64_t hi) {
-    uint16_t *x = (uint16_t *)job->dst;
-    const float alpha = (float)job->a;
-    const __m256 va = _mm256_set1_ps(alpha);
-    int64_t i = lo;
-    for (; i + 8 <= hi; i += 8) V_ST(x, i, _mm256_mul_ps(V_LD(x, i), va));
-    if (i < hi) scale_f16(job, i, hi);
-}
-
-static NT_F16C_TARGET void sgd_f16c(const nt_job *job, int64_t lo, int64_t hi) {
-    uint16_t *w = (uint16_t *)job->dst, *g = (uint16_t *)job->aux1, *v = (uint16_t *)job->aux2;
-    const float lr = (float)job->a, mom = (float)job->b, wd = (float)job->c;
-    const __m256 vlr = _mm256_set1_ps(lr), vmom = _mm256_set1_ps(mom), vwd = _mm256_set1_ps(wd);
-    int64_t i = lo;
-    for (; i + 8 <= hi; i += 8) { /* the operations of NT_DEFINE_SGD, in its order */
-        __m256 wi = V_LD(w, i);
-        __m256 gi = _mm256_add_ps(V_LD(g, i), _mm256_mul_ps(vwd, wi));
-        __m256 vi = _mm256_add_ps(_mm256_mul_ps(vmom, V_LD(v, i)), _mm256_mul_ps(vlr, gi));
-        V_ST(g, i, gi);
-        V_ST(v, i, vi);
-        V_ST(w, i, _mm256_sub_ps(wi, vi));
+/* scale and the SGD step the same way; PORTABLE is the baseline range function */
+#define NT_DEFINE_SCALE_X8(NAME, TARGET, VLD, VST, PORTABLE)                              \
+    static TARGET void NAME(const nt_job *job, int64_t lo, int64_t hi) {                  \
+        uint16_t *x = (uint16_t *)job->dst;                                               \
+        const __m256 va = _mm256_set1_ps((float)job->a);                                  \
+        int64_t i = lo;                                                                   \
+        for (; i + 8 <= hi; i += 8) VST(x, i, _mm256_mul_ps(VLD(x, i), va));              \
+        if (i < hi) PORTABLE(job, i, hi);                                                 \
     }
-    if (i < hi) sgd_f16(job, i, hi);
-}
+
+#define NT_DEFINE_SGD_X8(NAME, TARGET, VLD, VST, PORTABLE)                                \
+    static TARGET void NAME(const nt_job *job, int64_t lo, int64_t hi) {                  \
+        uint16_t *w = (uint16_t *)job->dst, *g = (uint16_t *)job->aux1;                   \
+        uint16_t *v = (uint16_t *)job->aux2;                                              \
+        const __m256 vlr = _mm256_set1_ps((float)job->a), vmom = _mm256_set1_ps((float)job->b); \
+        const __m256 vwd = _mm256_set1_ps((float)job->c);                                 \
+        int64_t i = lo;                                                                   \
+        for (; i + 8 <= hi; i += 8) { /* the operations of NT_DEFINE_SGD, in its order */ \
+            __m256 wi = VLD(w, i);                                                        \
+            __m256 gi = _mm256_add_ps(VLD(g, i), _mm256_mul_ps(vwd, wi));                 \
+            __m256 vi = _mm256_add_ps(_mm256_mul_ps(vmom, VLD(v, i)), _mm256_mul_ps(vlr, gi)); \
+            VST(g, i, gi);                                                                \
+            VST(v, i, vi);                                                                \
+            VST(w, i, _mm256_sub_ps(wi, vi));                                             \
+        }                                                                                 \
+        if (i < hi) PORTABLE(job, i, hi);                                                 \
+    }
+
+/* Every 8-wide kernel of one 16-bit float: the reductions, the scaled sum and their
+   tables (nt_reduce_X, nt_scaled_sum_X), scale_X and sgd_X, over the baseline kernels
+   named ..._BASE for the tails. */
+#define NT_DEFINE_X8_KERNELS(X, TARGET, VLD, VST, BASE)                                   \
+    NT_DEFINE_SPAN_X8(sum_##X, TARGET, VLD, VST, V_ADD, VFIN_NONE, sum_##BASE)            \
+    NT_DEFINE_SPAN_X8(prod_##X, TARGET, VLD, VST, V_MUL, VFIN_NONE, prod_##BASE)          \
+    NT_DEFINE_SPAN_X8(max_##X, TARGET, VLD, VST, V_FMAX, VFIN_NONE, max_##BASE)           \
+    NT_DEFINE_SPAN_X8(min_##X, TARGET, VLD, VST, V_FMIN, VFIN_NONE, min_##BASE)           \
+    NT_DEFINE_SPAN_X8(ssum_##X, TARGET, VLD, VST, V_ADD, VFIN_SCALE, ssum_##BASE)         \
+    static const nt_range_fn nt_reduce_##X[NT_NOPS][NT_MAX_SOURCES] = {                   \
+        NT_ROW(sum_##X), NT_ROW(prod_##X), NT_ROW(max_##X), NT_ROW(min_##X),              \
+    };                                                                                    \
+    static const nt_range_fn nt_scaled_sum_##X[NT_MAX_SOURCES] = NT_ROW(ssum_##X);        \
+    NT_DEFINE_SCALE_X8(scale_##X, TARGET, VLD, VST, scale_##BASE)                         \
+    NT_DEFINE_SGD_X8(sgd_##X, TARGET, VLD, VST, sgd_##BASE)
+
+NT_DEFINE_X8_KERNELS(f16c, NT_F16C_TARGET, V_LD, V_ST, f16)
 #endif
 
 /* ---- bfloat16 through AVX2, chosen at run time (x86-64) ----
@@ -583,71 +612,13 @@ static inline __attribute__((always_inline)) NT_AVX2_TARGET void nt_bf16x_store(
 #define B_LD(p, i) nt_bf16x_load((p) + (i))
 #define B_ST(p, i, v) nt_bf16x_store((p) + (i), (v))
 
-/* PORTABLE: the baseline variant of the same reduction, which does the tail */
-#define NT_DEFINE_SPAN_BF16X(NAME, VCOMB, VFIN, PORTABLE)                                 \
-    static inline __attribute__((always_inline)) NT_AVX2_TARGET void NAME##_span(         \
-        uint16_t *d, const uint16_t *const *s, int64_t m, const int K, const float alpha) { \
-        const __m256 va = _mm256_set1_ps(alpha);                                          \
-        (void)va;                                                                         \
-        int64_t i = 0;                                                                    \
-        for (; i + 8 <= m; i += 8) {                                                      \
-            __m256 acc = B_LD(s[0], i);                                                   \
-            for (int j = 1; j < K; ++j) acc = VCOMB(acc, B_LD(s[j], i));                  \
-            B_ST(d, i, VFIN(acc, va));                                                    \
-        }                                                                                 \
-        if (i < m) {                                                                      \
-            const uint16_t *rest[NT_MAX_SOURCES];                                         \
-            for (int j = 0; j < K; ++j) rest[j] = s[j] + i;                               \
-            PORTABLE##_span(d + i, rest, m - i, K, alpha);                                \
-        }                                                                                 \
-    }                                                                                     \
-    NT_DEFINE_RANGES(NAME, uint16_t, float, NT_AVX2_TARGET)
-
-NT_DEFINE_SPAN_BF16X(sum_bf16x, V_ADD, VFIN_NONE, sum_bf16)
-NT_DEFINE_SPAN_BF16X(prod_bf16x, V_MUL, VFIN_NONE, prod_bf16)
-NT_DEFINE_SPAN_BF16X(max_bf16x, V_FMAX, VFIN_NONE, max_bf16)
-NT_DEFINE_SPAN_BF16X(min_bf16x, V_FMIN, VFIN_NONE, min_bf16)
-NT_DEFINE_SPAN_BF16X(ssum_bf16x, V_ADD, VFIN_SCALE, ssum_bf16)
-
-static const nt_range_fn nt_reduce_bf16x[NT_NOPS][NT_MAX_SOURCES] = {
-    NT_ROW(sum_bf16x), NT_ROW(prod_bf16x), NT_ROW(max_bf16x), NT_ROW(min_bf16x),
-};
-static const nt_range_fn nt_scaled_sum_bf16x[NT_MAX_SOURCES] = NT_ROW(ssum_bf16x);
-
-static NT_AVX2_TARGET void scale_bf16x(const nt_job *job, int64_t lo, int64_t hi) {
-    uint16_t *x = (uint16_t *)job->dst;
-    const __m256 va = _mm256_set1_ps((float)job->a);
-    int64_t i = lo;
-    for (; i + 8 <= hi; i += 8) B_ST(x, i, _mm256_mul_ps(B_LD(x, i), va));
-    if (i < hi) scale_bf16(job, i, hi);
-}
-
-static NT_AVX2_TARGET void sgd_bf16x(const nt_job *job, int64_t lo, int64_t hi) {
-    uint16_t *w = (uint16_t *)job->dst, *g = (uint16_t *)job->aux1, *v = (uint16_t *)job->aux2;
-    const __m256 vlr = _mm256_set1_ps((float)job->a), vmom = _mm256_set1_ps((float)job->b);
-    const __m256 vwd = _mm256_set1_ps((float)job->c);
-    int64_t i = lo;
-    for (; i + 8 <= hi; i += 8) { /* the operations of NT_DEFINE_SGD, in its order */
-        __m256 wi = B_LD(w, i);
-        __m256 gi = _mm256_add_ps(B_LD(g, i), _mm256_mul_ps(vwd, wi));
-        __m256 vi = _mm256_add_ps(_mm256_mul_ps(vmom, B_LD(v, i)), _mm256_mul_ps(vlr, gi));
-        B_ST(g, i, gi);
-        B_ST(v, i, vi);
-        B_ST(w, i, _mm256_sub_ps(wi, vi));
-    }
-    if (i < hi) sgd_bf16(job, i, hi);
-}
+NT_DEFINE_X8_KERNELS(bf16x, NT_AVX2_TARGET, B_LD, B_ST, bf16)
 #endif
 
 /* 1 when the bfloat16 kernels use AVX2 (decided on first use: the CPU has it) */
 static int nt_avx2_active(void) {
 #ifdef NT_BF16_AVX2
-    int on = __atomic_load_n(&nt_avx2_state, __ATOMIC_RELAXED);
-    if (on < 0) {
-        on = nt_cpu_has_avx2();
-        __atomic_store_n(&nt_avx2_state, on, __ATOMIC_RELAXED);
-    }
-    return on;
+    return nt_feature_on(&nt_avx2_state, nt_cpu_has_avx2);
 #else
     return 0;
 #endif
@@ -655,22 +626,17 @@ static int nt_avx2_active(void) {
 
 NT_API int nt_use_avx2(int enable) {
 #ifdef NT_BF16_AVX2
-    if (enable >= 0) __atomic_store_n(&nt_avx2_state, enable ? nt_cpu_has_avx2() : 0, __ATOMIC_RELAXED);
+    return nt_feature_use(&nt_avx2_state, enable, nt_cpu_has_avx2);
 #else
     (void)enable;
+    return 0;
 #endif
-    return nt_avx2_active();
 }
 
 /* 1 when the float16 kernels use F16C (decided on first use: the CPU has it) */
 static int nt_f16c_active(void) {
 #ifdef NT_F16C
-    int on = __atomic_load_n(&nt_f16c_state, __ATOMIC_RELAXED);
-    if (on < 0) {
-        on = nt_cpu_has_f16c();
-        __atomic_store_n(&nt_f16c_state, on, __ATOMIC_RELAXED);
-    }
-    return on;
+    return nt_feature_on(&nt_f16c_state, nt_cpu_has_f16c);
 #else
     return 0;
 #endif
@@ -680,11 +646,11 @@ NT_API int nt_max_sources(void) { return NT_MAX_SOURCES; }
 
 NT_API int nt_use_f16c(int enable) {
 #ifdef NT_F16C
-    if (enable >= 0) __atomic_store_n(&nt_f16c_state, enable ? nt_cpu_has_f16c() : 0, __ATOMIC_RELAXED);
+    return nt_feature_use(&nt_f16c_state, enable, nt_cpu_has_f16c);
 #else
     (void)enable;
+    return 0;
 #endif
-    return nt_f16c_active();
 }
 
 static nt_range_fn nt_reduce_fn(int op, int dtype, int k) {

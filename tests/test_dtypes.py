@@ -12,6 +12,7 @@ import itertools
 
 import numpy as np
 import pytest
+from test_collectives import worlds  # noqa: F401 - the fixture
 
 import nccltree as nt
 from nccltree.backends.base import BFLOAT16, DTYPES, FLOAT_DTYPES
@@ -104,31 +105,10 @@ def bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).reshape(-1).view(f"u{a.dtype.itemsize}")
 
 
-@pytest.fixture(scope="module")
-def worlds():
-    made = {}
-
-    def get(n: int, alg: str, inline: bool):
-        key = (n, alg, inline)
-        if key not in made:
-            made[key] = nt.World(
-                nt.devices(f"cpu:{n}"),
-                algorithm=alg,
-                timeout=30,
-                chunk_bytes=512,
-                inline_bytes=(1 << 20) if inline else 0,
-            )
-        return made[key]
-
-    yield get
-    for w in made.values():
-        w.close()
-
-
 @pytest.mark.parametrize("inline", [False, True], ids=["streams", "inline"])
 @pytest.mark.parametrize("n", [3, 4, 5])
 @pytest.mark.parametrize("alg", ALGS)
-def test_every_collective_bitwise_against_its_plan_in_numpy(worlds, alg, n, inline):
+def test_every_collective_bitwise_against_its_plan_in_numpy(worlds, alg, n, inline):  # noqa: F811
     world = worlds(n, alg, inline)
     checked = 0
     for coll, dtype, op, count, in_place in itertools.product(

@@ -3,7 +3,8 @@
  * Every function returns an int status (NT_OK = 0) and takes an explicit thread count,
  * so that N virtual devices on a small machine never oversubscribe it.  Arrays are
  * contiguous; n counts elements (nt_copy: bytes).  float16 is stored as IEEE half and
- * accumulated in float32.  The Python mirror of these codes lives in nccltree/_native.py.
+ * bfloat16 as the upper half of a float32; both are accumulated in float32 and rounded
+ * (to nearest even) once, at the store.  int8/uint8 sums and products wrap around.  The Python mirror of these codes lives in nccltree/_native.py.
  *
  * fork(): a child of a process that had already run a multi-threaded kernel runs every
  * kernel on its calling thread (the OpenMP thread pool does not survive fork).
@@ -24,7 +25,17 @@ extern "C" {
 #endif
 
 /* dtype codes */
-enum { NT_F16 = 0, NT_F32 = 1, NT_F64 = 2, NT_I32 = 3, NT_I64 = 4, NT_NDTYPES = 5 };
+enum {
+    NT_F16 = 0,
+    NT_F32 = 1,
+    NT_F64 = 2,
+    NT_I32 = 3,
+    NT_I64 = 4,
+    NT_BF16 = 5,
+    NT_I8 = 6,
+    NT_U8 = 7,
+    NT_NDTYPES = 8
+};
 /* op codes */
 enum { NT_SUM = 0, NT_PROD = 1, NT_MAX = 2, NT_MIN = 3, NT_NOPS = 4 };
 
@@ -107,6 +118,10 @@ NT_API int nt_max_sources(void);
 /* float16 kernels: enable = 1 uses F16C when the CPU has it (the default), 0 the portable
    conversions, -1 changes nothing; returns 1 when the F16C code is in use. */
 NT_API int nt_use_f16c(int enable);
+/* bfloat16 kernels: enable = 1 uses the AVX2 build of their loops when the CPU has it (the
+   default), 0 the baseline build, -1 changes nothing; returns 1 when AVX2 is in use. The
+   two give the same bits. */
+NT_API int nt_use_avx2(int enable);
 
 /* ---- the wait primitive: a sequence counter in plain memory ----
  *

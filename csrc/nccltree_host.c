@@ -216,12 +216,28 @@ static inline uint16_t nt_float_to_half(float f) {
     return (uint16_t)(r | sign);
 }
 
+/* ---- bfloat16 <-> float: bfloat16 is the upper 16 bits of a float32, so widening is a
+   shift; narrowing rounds to nearest even by adding 0x7fff plus the lowest kept bit, and
+   turns a NaN into the quiet NaN of its sign (as ml_dtypes does), since the addition
+   could carry a NaN's payload into its exponent or sign ---- */
+
+static inline float nt_bf16_to_float(uint16_t h) { return nt_f32_from_bits((uint32_t)h << 16); }
+
+static inline uint16_t nt_float_to_bf16(float f) {
+    uint32_t u = nt_bits_from_f32(f);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    uint32_t qnan = ((u >> 16) & 0x8000u) | 0x7fc0u;
+    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? qnan : rounded);
+}
+
 /* ---- per-dtype load/store and per-(op, dtype) combine ---- */
 
 #define LD_PLAIN(p, i) ((p)[i])
 #define ST_PLAIN(p, i, v) ((p)[i] = (v))
 #define LD_HALF(p, i) nt_half_to_float((p)[i])
 #define ST_HALF(p, i, v) ((p)[i] = nt_float_to_half(v))
+#define LD_BF16(p, i) nt_bf16_to_float((p)[i])
+#define ST_BF16(p, i, v) ((p)[i] = nt_float_to_bf16(v))
 
 #define C_ADD(a, b) ((a) + (b))
 #define C_MUL(a, b) ((a) * (b))
@@ -237,6 +253,12 @@ static inline uint16_t nt_float_to_half(float f) {
 #define C_MUL32(a, b) ((int32_t)((uint32_t)(a) * (uint32_t)(b)))
 #define C_ADD64(a, b) ((int64_t)((uint64_t)(a) + (uint64_t)(b)))
 #define C_MUL64(a, b) ((int64_t)((uint64_t)(a) * (uint64_t)(b)))
+/* 8-bit operands are promoted to int, whose sum and product cannot overflow; the
+   conversion back keeps the low 8 bits (for int8_t through uint8_t, defined behaviour) */
+#define C_ADD8(a, b) ((int8_t)(uint8_t)((unsigned)(a) + (unsigned)(b)))
+#define C_MUL8(a, b) ((int8_t)(uint8_t)((unsigned)(a) * (unsigned)(b)))
+#define C_ADDU8(a, b) ((uint8_t)((unsigned)(a) + (unsigned)(b)))
+#define C_MULU8(a, b) ((uint8_t)((unsigned)(a) * (unsigned)(b)))
 
 /* The streaming variant of a reduction range: ordinary stores up to the first cache-line
    boundary of d, then whole lines computed by the same element loop into an L1-resident
@@ -351,21 +373,37 @@ NT_DEFINE_REDUCE(sum_i64, int64_t, int64_t, LD_PLAIN, ST_PLAIN, C_ADD64)
 NT_DEFINE_REDUCE(prod_i64, int64_t, int64_t, LD_PLAIN, ST_PLAIN, C_MUL64)
 NT_DEFINE_REDUCE(max_i64, int64_t, int64_t, LD_PLAIN, ST_PLAIN, C_IMAX)
 NT_DEFINE_REDUCE(min_i64, int64_t, int64_t, LD_PLAIN, ST_PLAIN, C_IMIN)
+NT_DEFINE_REDUCE(sum_bf16, uint16_t, float, LD_BF16, ST_BF16, C_ADD)
+NT_DEFINE_REDUCE(prod_bf16, uint16_t, float, LD_BF16, ST_BF16, C_MUL)
+NT_DEFINE_REDUCE(max_bf16, uint16_t, float, LD_BF16, ST_BF16, C_FMAX)
+NT_DEFINE_REDUCE(min_bf16, uint16_t, float, LD_BF16, ST_BF16, C_FMIN)
+NT_DEFINE_REDUCE(sum_i8, int8_t, int8_t, LD_PLAIN, ST_PLAIN, C_ADD8)
+NT_DEFINE_REDUCE(prod_i8, int8_t, int8_t, LD_PLAIN, ST_PLAIN, C_MUL8)
+NT_DEFINE_REDUCE(max_i8, int8_t, int8_t, LD_PLAIN, ST_PLAIN, C_IMAX)
+NT_DEFINE_REDUCE(min_i8, int8_t, int8_t, LD_PLAIN, ST_PLAIN, C_IMIN)
+NT_DEFINE_REDUCE(sum_u8, uint8_t, uint8_t, LD_PLAIN, ST_PLAIN, C_ADDU8)
+NT_DEFINE_REDUCE(prod_u8, uint8_t, uint8_t, LD_PLAIN, ST_PLAIN, C_MULU8)
+NT_DEFINE_REDUCE(max_u8, uint8_t, uint8_t, LD_PLAIN, ST_PLAIN, C_IMAX)
+NT_DEFINE_REDUCE(min_u8, uint8_t, uint8_t, LD_PLAIN, ST_PLAIN, C_IMIN)
+
+/* indexed by the dtype codes of nccltree.h, in their order */
+#define NT_OP_ROW(OP)                                                                     \
+    {NT_ROW(OP##_f16), NT_ROW(OP##_f32), NT_ROW(OP##_f64), NT_ROW(OP##_i32),              \
+     NT_ROW(OP##_i64), NT_ROW(OP##_bf16), NT_ROW(OP##_i8), NT_ROW(OP##_u8)}
 
 static const nt_range_fn nt_reduce_table[NT_NOPS][NT_NDTYPES][NT_MAX_SOURCES] = {
-    {NT_ROW(sum_f16), NT_ROW(sum_f32), NT_ROW(sum_f64), NT_ROW(sum_i32), NT_ROW(sum_i64)},
-    {NT_ROW(prod_f16), NT_ROW(prod_f32), NT_ROW(prod_f64), NT_ROW(prod_i32), NT_ROW(prod_i64)},
-    {NT_ROW(max_f16), NT_ROW(max_f32), NT_ROW(max_f64), NT_ROW(max_i32), NT_ROW(max_i64)},
-    {NT_ROW(min_f16), NT_ROW(min_f32), NT_ROW(min_f64), NT_ROW(min_i32), NT_ROW(min_i64)},
+    NT_OP_ROW(sum), NT_OP_ROW(prod), NT_OP_ROW(max), NT_OP_ROW(min),
 };
 
 /* alpha * sum(srcs): floating dtypes only (integer mean is refused, as by nt_scale) */
 NT_DEFINE_REDUCE_FIN(ssum_f16, uint16_t, float, LD_HALF, ST_HALF, C_ADD, FIN_SCALE)
 NT_DEFINE_REDUCE_FIN(ssum_f32, float, float, LD_PLAIN, ST_PLAIN, C_ADD, FIN_SCALE)
 NT_DEFINE_REDUCE_FIN(ssum_f64, double, double, LD_PLAIN, ST_PLAIN, C_ADD, FIN_SCALE)
+NT_DEFINE_REDUCE_FIN(ssum_bf16, uint16_t, float, LD_BF16, ST_BF16, C_ADD, FIN_SCALE)
 
 static const nt_range_fn nt_scaled_sum_table[NT_NDTYPES][NT_MAX_SOURCES] = {
     NT_ROW(ssum_f16), NT_ROW(ssum_f32), NT_ROW(ssum_f64), {NULL}, {NULL},
+    NT_ROW(ssum_bf16), {NULL}, {NULL},
 };
 
 /* ---- scale and SGD (floating dtypes; scalars are rounded to the array's compute type,
@@ -398,9 +436,15 @@ NT_DEFINE_SCALE(scale_f64, double, double, LD_PLAIN, ST_PLAIN)
 NT_DEFINE_SGD(sgd_f16, uint16_t, float, LD_HALF, ST_HALF)
 NT_DEFINE_SGD(sgd_f32, float, float, LD_PLAIN, ST_PLAIN)
 NT_DEFINE_SGD(sgd_f64, double, double, LD_PLAIN, ST_PLAIN)
+NT_DEFINE_SCALE(scale_bf16, uint16_t, float, LD_BF16, ST_BF16)
+NT_DEFINE_SGD(sgd_bf16, uint16_t, float, LD_BF16, ST_BF16)
 
-static const nt_range_fn nt_scale_table[NT_NDTYPES] = {scale_f16, scale_f32, scale_f64, NULL, NULL};
-static const nt_range_fn nt_sgd_table[NT_NDTYPES] = {sgd_f16, sgd_f32, sgd_f64, NULL, NULL};
+static const nt_range_fn nt_scale_table[NT_NDTYPES] = {
+    scale_f16, scale_f32, scale_f64, NULL, NULL, scale_bf16, NULL, NULL,
+};
+static const nt_range_fn nt_sgd_table[NT_NDTYPES] = {
+    sgd_f16, sgd_f32, sgd_f64, NULL, NULL, sgd_bf16, NULL, NULL,
+};
 
 /* ---- float16 through F16C, chosen at run time (x86-64) ----
    The portable conversions above are exact but cost tens of instructions per element, and
@@ -415,6 +459,22 @@ static const nt_range_fn nt_sgd_table[NT_NDTYPES] = {sgd_f16, sgd_f32, sgd_f64, 
 #define NT_F16C_TARGET __attribute__((target("avx,f16c")))
 
 static int nt_f16c_state = -1; /* -1 undecided, 0 portable code, 1 F16C */
+
+/* *state, decided on first use from what the CPU has (cpu_has) where still undecided */
+static int nt_feature_on(int *state, int (*cpu_has)(void)) {
+    int on = __atomic_load_n(state, __ATOMIC_RELAXED);
+    if (on < 0) {
+        on = cpu_has();
+        __atomic_store_n(state, on, __ATOMIC_RELAXED);
+    }
+    return on;
+}
+
+/* enable = 1: on where the CPU has it; 0: off; -1: unchanged; returns whether it is on */
+static int nt_feature_use(int *state, int enable, int (*cpu_has)(void)) {
+    if (enable >= 0) __atomic_store_n(state, enable ? cpu_has() : 0, __ATOMIC_RELAXED);
+    return nt_feature_on(state, cpu_has);
+}
 
 static int nt_cpu_has_f16c(void) {
     __builtin_cpu_init();
@@ -436,17 +496,20 @@ static int nt_cpu_has_f16c(void) {
 #define VFIN_NONE(acc, va) (acc)
 #define VFIN_SCALE(acc, va) _mm256_mul_ps((acc), (va))
 
-/* PORTABLE: the portable variant of the same reduction, which does the tail */
-#define NT_DEFINE_SPAN_F16C(NAME, VCOMB, VFIN, PORTABLE)                                  \
-    static inline __attribute__((always_inline)) NT_F16C_TARGET void NAME##_span(         \
+/* A reduction over 16-bit floats, 8 elements at a time in float32 lanes: VLD widens 8
+   stored values, VST narrows 8 and stores them (F16C here, bfloat16 through AVX2 below),
+   TARGET the instruction sets they need; PORTABLE, the baseline variant of the same
+   reduction, does the tail. */
+#define NT_DEFINE_SPAN_X8(NAME, TARGET, VLD, VST, VCOMB, VFIN, PORTABLE)                  \
+    static inline __attribute__((always_inline)) TARGET void NAME##_span(                 \
         uint16_t *d, const uint16_t *const *s, int64_t m, const int K, const float alpha) { \
         const __m256 va = _mm256_set1_ps(alpha);                                          \
         (void)va;                                                                         \
         int64_t i = 0;                                                                    \
         for (; i + 8 <= m; i += 8) {                                                      \
-            __m256 acc = V_LD(s[0], i);                                                   \
-            for (int j = 1; j < K; ++j) acc = VCOMB(acc, V_LD(s[j], i));                  \
-            V_ST(d, i, VFIN(acc, va));                                                    \
+            __m256 acc = VLD(s[0], i);                                                    \
+            for (int j = 1; j < K; ++j) acc = VCOMB(acc, VLD(s[j], i));                   \
+            VST(d, i, VFIN(acc, va));                                                     \
         }                                                                                 \
         if (i < m) {                                                                      \
             const uint16_t *rest[NT_MAX_SOURCES];                                         \
@@ -454,54 +517,126 @@ static int nt_cpu_has_f16c(void) {
             PORTABLE##_span(d + i, rest, m - i, K, alpha);                                \
         }                                                                                 \
     }                                                                                     \
-    NT_DEFINE_RANGES(NAME, uint16_t, float, NT_F16C_TARGET)
+    NT_DEFINE_RANGES(NAME, uint16_t, float, TARGET)
 
-NT_DEFINE_SPAN_F16C(sum_f16c, V_ADD, VFIN_NONE, sum_f16)
-NT_DEFINE_SPAN_F16C(prod_f16c, V_MUL, VFIN_NONE, prod_f16)
-NT_DEFINE_SPAN_F16C(max_f16c, V_FMAX, VFIN_NONE, max_f16)
-NT_DEFINE_SPAN_F16C(min_f16c, V_FMIN, VFIN_NONE, min_f16)
-NT_DEFINE_SPAN_F16C(ssum_f16c, V_ADD, VFIN_SCALE, ssum_f16)
-
-static const nt_range_fn nt_reduce_f16c[NT_NOPS][NT_MAX_SOURCES] = {
-    NT_ROW(sum_f16c), NT_ROW(prod_f16c), NT_ROW(max_f16c), NT_ROW(min_f16c),
-};
-static const nt_range_fn nt_scaled_sum_f16c[NT_MAX_SOURCES] = NT_ROW(ssum_f16c);
-
-static NT_F16C_TARGET void scale_f16c(const nt_job *job, int64_t lo, int64_t hi) {
-    uint16_t *x = (uint16_t *)job->dst;
-    const float alpha = (float)job->a;
-    const __m256 va = _mm256_set1_ps(alpha);
-    int64_t i = lo;
-    for (; i + 8 <= hi; i += 8) V_ST(x, i, _mm256_mul_ps(V_LD(x, i), va));
-    if (i < hi) scale_f16(job, i, hi);
-}
-
-static NT_F16C_TARGET void sgd_f16c(const nt_job *job, int64_t lo, int64_t hi) {
-    uint16_t *w = (uint16_t *)job->dst, *g = (uint16_t *)job->aux1, *v = (uint16_t *)job->aux2;
-    const float lr = (float)job->a, mom = (float)job->b, wd = (float)job->c;
-    const __m256 vlr = _mm256_set1_ps(lr), vmom = _mm256_set1_ps(mom), vwd = _mm256_set1_ps(wd);
-    int64_t i = lo;
-    for (; i + 8 <= hi; i += 8) { /* the operations of NT_DEFINE_SGD, in its order */
-        __m256 wi = V_LD(w, i);
-        __m256 gi = _mm256_add_ps(V_LD(g, i), _mm256_mul_ps(vwd, wi));
-        __m256 vi = _mm256_add_ps(_mm256_mul_ps(vmom, V_LD(v, i)), _mm256_mul_ps(vlr, gi));
-        V_ST(g, i, gi);
-        V_ST(v, i, vi);
-        V_ST(w, i, _mm256_sub_ps(wi, vi));
+/* scale and the SGD step the same way; PORTABLE is the baseline range function */
+#define NT_DEFINE_SCALE_X8(NAME, TARGET, VLD, VST, PORTABLE)                              \
+    static TARGET void NAME(const nt_job *job, int64_t lo, int64_t hi) {                  \
+        uint16_t *x = (uint16_t *)job->dst;                                               \
+        const __m256 va = _mm256_set1_ps((float)job->a);                                  \
+        int64_t i = lo;                                                                   \
+        for (; i + 8 <= hi; i += 8) VST(x, i, _mm256_mul_ps(VLD(x, i), va));              \
+        if (i < hi) PORTABLE(job, i, hi);                                                 \
     }
-    if (i < hi) sgd_f16(job, i, hi);
-}
+
+#define NT_DEFINE_SGD_X8(NAME, TARGET, VLD, VST, PORTABLE)                                \
+    static TARGET void NAME(const nt_job *job, int64_t lo, int64_t hi) {                  \
+        uint16_t *w = (uint16_t *)job->dst, *g = (uint16_t *)job->aux1;                   \
+        uint16_t *v = (uint16_t *)job->aux2;                                              \
+        const __m256 vlr = _mm256_set1_ps((float)job->a), vmom = _mm256_set1_ps((float)job->b); \
+        const __m256 vwd = _mm256_set1_ps((float)job->c);                                 \
+        int64_t i = lo;                                                                   \
+        for (; i + 8 <= hi; i += 8) { /* the operations of NT_DEFINE_SGD, in its order */ \
+            __m256 wi = VLD(w, i);                                                        \
+            __m256 gi = _mm256_add_ps(VLD(g, i), _mm256_mul_ps(vwd, wi));                 \
+            __m256 vi = _mm256_add_ps(_mm256_mul_ps(vmom, VLD(v, i)), _mm256_mul_ps(vlr, gi)); \
+            VST(g, i, gi);                                                                \
+            VST(v, i, vi);                                                                \
+            VST(w, i, _mm256_sub_ps(wi, vi));                                             \
+        }                                                                                 \
+        if (i < hi) PORTABLE(job, i, hi);                                                 \
+    }
+
+/* Every 8-wide kernel of one 16-bit float: the reductions, the scaled sum and their
+   tables (nt_reduce_X, nt_scaled_sum_X), scale_X and sgd_X, over the baseline kernels
+   named ..._BASE for the tails. */
+#define NT_DEFINE_X8_KERNELS(X, TARGET, VLD, VST, BASE)                                   \
+    NT_DEFINE_SPAN_X8(sum_##X, TARGET, VLD, VST, V_ADD, VFIN_NONE, sum_##BASE)            \
+    NT_DEFINE_SPAN_X8(prod_##X, TARGET, VLD, VST, V_MUL, VFIN_NONE, prod_##BASE)          \
+    NT_DEFINE_SPAN_X8(max_##X, TARGET, VLD, VST, V_FMAX, VFIN_NONE, max_##BASE)           \
+    NT_DEFINE_SPAN_X8(min_##X, TARGET, VLD, VST, V_FMIN, VFIN_NONE, min_##BASE)           \
+    NT_DEFINE_SPAN_X8(ssum_##X, TARGET, VLD, VST, V_ADD, VFIN_SCALE, ssum_##BASE)         \
+    static const nt_range_fn nt_reduce_##X[NT_NOPS][NT_MAX_SOURCES] = {                   \
+        NT_ROW(sum_##X), NT_ROW(prod_##X), NT_ROW(max_##X), NT_ROW(min_##X),              \
+    };                                                                                    \
+    static const nt_range_fn nt_scaled_sum_##X[NT_MAX_SOURCES] = NT_ROW(ssum_##X);        \
+    NT_DEFINE_SCALE_X8(scale_##X, TARGET, VLD, VST, scale_##BASE)                         \
+    NT_DEFINE_SGD_X8(sgd_##X, TARGET, VLD, VST, sgd_##BASE)
+
+NT_DEFINE_X8_KERNELS(f16c, NT_F16C_TARGET, V_LD, V_ST, f16)
 #endif
+
+/* ---- bfloat16 through AVX2, chosen at run time (x86-64) ----
+   The baseline build's bfloat16 loops are integer arithmetic that SSE2 runs 4 elements at
+   a time, with shuffles to narrow 32-bit lanes to 16. These variants take 8 at a time with
+   AVX2 (a zero-extending load and a shift to widen; the same round-to-nearest-even and
+   NaN rule to narrow, then one pack): the same operations in the same order per element,
+   so the results are bitwise those of the baseline code (NaNs stay NaN; which operand's
+   NaN an instruction passes on may differ). Tails shorter than 8 run the baseline
+   functions. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define NT_BF16_AVX2 1
+#define NT_AVX2_TARGET __attribute__((target("avx2")))
+
+static int nt_avx2_state = -1; /* -1 undecided, 0 baseline code, 1 AVX2 */
+
+static int nt_cpu_has_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2");
+}
+
+static inline __attribute__((always_inline)) NT_AVX2_TARGET __m256 nt_bf16x_load(
+    const uint16_t *p) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+/* nt_float_to_bf16 lane by lane */
+static inline __attribute__((always_inline)) NT_AVX2_TARGET void nt_bf16x_store(uint16_t *p,
+                                                                               __m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i hi = _mm256_srli_epi32(u, 16);
+    const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    r = _mm256_srli_epi32(r, 16);
+    const __m256i qnan = _mm256_or_si256(_mm256_and_si256(hi, _mm256_set1_epi32(0x8000)),
+                                         _mm256_set1_epi32(0x7fc0));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, qnan, nan);
+    /* every lane holds a value below 2^16: the unsigned-saturating pack keeps it; the pack
+       works within 128-bit halves, so the permute puts the two halves' results together */
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
+}
+
+#define B_LD(p, i) nt_bf16x_load((p) + (i))
+#define B_ST(p, i, v) nt_bf16x_store((p) + (i), (v))
+
+NT_DEFINE_X8_KERNELS(bf16x, NT_AVX2_TARGET, B_LD, B_ST, bf16)
+#endif
+
+/* 1 when the bfloat16 kernels use AVX2 (decided on first use: the CPU has it) */
+static int nt_avx2_active(void) {
+#ifdef NT_BF16_AVX2
+    return nt_feature_on(&nt_avx2_state, nt_cpu_has_avx2);
+#else
+    return 0;
+#endif
+}
+
+NT_API int nt_use_avx2(int enable) {
+#ifdef NT_BF16_AVX2
+    return nt_feature_use(&nt_avx2_state, enable, nt_cpu_has_avx2);
+#else
+    (void)enable;
+    return 0;
+#endif
+}
 
 /* 1 when the float16 kernels use F16C (decided on first use: the CPU has it) */
 static int nt_f16c_active(void) {
 #ifdef NT_F16C
-    int on = __atomic_load_n(&nt_f16c_state, __ATOMIC_RELAXED);
-    if (on < 0) {
-        on = nt_cpu_has_f16c();
-        __atomic_store_n(&nt_f16c_state, on, __ATOMIC_RELAXED);
-    }
-    return on;
+    return nt_feature_on(&nt_f16c_state, nt_cpu_has_f16c);
 #else
     return 0;
 #endif
@@ -511,16 +646,19 @@ NT_API int nt_max_sources(void) { return NT_MAX_SOURCES; }
 
 NT_API int nt_use_f16c(int enable) {
 #ifdef NT_F16C
-    if (enable >= 0) __atomic_store_n(&nt_f16c_state, enable ? nt_cpu_has_f16c() : 0, __ATOMIC_RELAXED);
+    return nt_feature_use(&nt_f16c_state, enable, nt_cpu_has_f16c);
 #else
     (void)enable;
+    return 0;
 #endif
-    return nt_f16c_active();
 }
 
 static nt_range_fn nt_reduce_fn(int op, int dtype, int k) {
 #ifdef NT_F16C
     if (dtype == NT_F16 && nt_f16c_active()) return nt_reduce_f16c[op][k - 1];
+#endif
+#ifdef NT_BF16_AVX2
+    if (dtype == NT_BF16 && nt_avx2_active()) return nt_reduce_bf16x[op][k - 1];
 #endif
     return nt_reduce_table[op][dtype][k - 1];
 }
@@ -529,6 +667,9 @@ static nt_range_fn nt_scaled_sum_fn(int dtype, int k) {
 #ifdef NT_F16C
     if (dtype == NT_F16 && nt_f16c_active()) return nt_scaled_sum_f16c[k - 1];
 #endif
+#ifdef NT_BF16_AVX2
+    if (dtype == NT_BF16 && nt_avx2_active()) return nt_scaled_sum_bf16x[k - 1];
+#endif
     return nt_scaled_sum_table[dtype][k - 1];
 }
 
@@ -536,12 +677,18 @@ static nt_range_fn nt_scale_fn(int dtype) {
 #ifdef NT_F16C
     if (dtype == NT_F16 && nt_f16c_active()) return scale_f16c;
 #endif
+#ifdef NT_BF16_AVX2
+    if (dtype == NT_BF16 && nt_avx2_active()) return scale_bf16x;
+#endif
     return nt_scale_table[dtype];
 }
 
 static nt_range_fn nt_sgd_fn(int dtype) {
 #ifdef NT_F16C
     if (dtype == NT_F16 && nt_f16c_active()) return sgd_f16c;
+#endif
+#ifdef NT_BF16_AVX2
+    if (dtype == NT_BF16 && nt_avx2_active()) return sgd_bf16x;
 #endif
     return nt_sgd_table[dtype];
 }
@@ -595,7 +742,7 @@ static void nt_gather_range(const nt_job *job, int64_t lo, int64_t hi) {
 
 /* ---- argument checks ---- */
 
-static const int64_t nt_itemsize[NT_NDTYPES] = {2, 4, 8, 4, 8};
+static const int64_t nt_itemsize[NT_NDTYPES] = {2, 4, 8, 4, 8, 2, 1, 1};
 
 /* 1 if [a, a+nbytes) and [b, b+nbytes) share a byte */
 static int nt_overlaps(const void *a, const void *b, int64_t nbytes) {

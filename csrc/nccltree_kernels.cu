@@ -4,7 +4,12 @@
 // The file includes no headers, so the same text compiles with nvcc (to the shipped
 // fatbin) and with NVRTC at run time (cupy.RawModule(code=...)) when the fatbin is missing.
 // float16 is stored as IEEE half bits and accumulated in float32 (PTX cvt instructions,
-// which need no cuda_fp16.h).  Every kernel is a grid-stride loop; reduce/sum_into/scale/
+// which need no cuda_fp16.h).  bfloat16 (the upper half of a float32, in a struct of its
+// own so that it does not take float16's path) is accumulated in float32 too and rounded
+// to nearest even by integer arithmetic, bit for bit as the host library rounds it (no
+// cuda_bf16.h, and no cvt.rn.bf16.f32, which needs compute capability 8.0).  int8/uint8
+// are computed in int (wrapping sums and products keep the same low 8 bits) and
+// truncated at the store.  Every kernel is a grid-stride loop; reduce/sum_into/scale/
 // sgd use 16-byte vector loads and stores when every pointer involved has the same offset
 // within 16 bytes: a scalar head of up to 16/sizeof(T) - 1 elements brings them all to a
 // 16-byte boundary, the body runs on vectors, a scalar tail ends it.  Pointers with
@@ -18,13 +23,15 @@
 // same options), so the fatbin and the run-time compiled module are bitwise the same.
 //
 // Signatures (n counts elements, T is the storage type, S the scalar type:
-// float for f16/f32, double for f64):
-//   nt_reduce_n_{sum,prod,max,min}_{f16,f32,f64,i32,i64}(T *dst, nt_srcs srcs, int k, long long n)
-//   nt_reduce_n_scaled_sum_{f16,f32,f64}(T *dst, nt_srcs srcs, int k, long long n, S alpha)
+// float for f16/bf16/f32, double for f64):
+//   nt_reduce_n_{sum,prod,max,min}_{f16,bf16,f32,f64,i8,u8,i32,i64}(T *dst, nt_srcs srcs, int k,
+//                                                                  long long n)
+//   nt_reduce_n_scaled_sum_{f16,bf16,f32,f64}(T *dst, nt_srcs srcs, int k, long long n, S alpha)
 //                                    dst = alpha * sum(srcs) (a mean in one pass)
 //   nt_sum_into_{dtype}(T *dst, const T *src, long long n)              dst += src
-//   nt_scale_{f16,f32,f64}(T *x, S alpha, long long n)                 x *= alpha
-//   nt_sgd_update_{f16,f32,f64}(T *w, T *g, T *v, S lr, S momentum, S weight_decay, long long n)
+//   nt_scale_{f16,bf16,f32,f64}(T *x, S alpha, long long n)            x *= alpha
+//   nt_sgd_update_{f16,bf16,f32,f64}(T *w, T *g, T *v, S lr, S momentum, S weight_decay,
+//                                    long long n)
 //                                    g += wd*w; v = momentum*v + lr*g; w -= v
 
 // Sources one reduce takes: must equal nccltree.backends.base.MAX_FUSED (and NT_MAX_SOURCES
@@ -58,6 +65,48 @@ struct nt_io<unsigned short> {  // IEEE half bits
         asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
         return h;
     }
+};
+
+// bfloat16 bits: widening is a shift; narrowing adds 0x7fff plus the lowest kept bit
+// (round to nearest even) and turns a NaN into the quiet NaN of its sign, as ml_dtypes does
+struct nt_bf16 {
+    unsigned short bits;
+};
+
+template <>
+struct nt_io<nt_bf16> {
+    typedef float acc;
+    // bit moves by PTX mov, as the half conversions use cvt: no header needed
+    static __device__ __forceinline__ float load(nt_bf16 h) {
+        float f;
+        asm("mov.b32 %0, %1;" : "=f"(f) : "r"((unsigned)h.bits << 16));
+        return f;
+    }
+    static __device__ __forceinline__ nt_bf16 store(float f) {
+        unsigned u;
+        asm("mov.b32 %0, %1;" : "=r"(u) : "f"(f));
+        const unsigned rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        const unsigned qnan = ((u >> 16) & 0x8000u) | 0x7fc0u;
+        nt_bf16 h;
+        h.bits = (unsigned short)(((u & 0x7fffffffu) > 0x7f800000u) ? qnan : rounded);
+        return h;
+    }
+};
+
+template <>
+struct nt_io<signed char> {
+    typedef int acc;
+    static __device__ __forceinline__ int load(signed char x) { return x; }
+    static __device__ __forceinline__ signed char store(int x) {
+        return (signed char)(unsigned char)(unsigned)x;
+    }
+};
+
+template <>
+struct nt_io<unsigned char> {
+    typedef int acc;
+    static __device__ __forceinline__ int load(unsigned char x) { return x; }
+    static __device__ __forceinline__ unsigned char store(int x) { return (unsigned char)(unsigned)x; }
 };
 
 // ---- ops; integer sum/prod wrap around (as numpy's) through unsigned arithmetic ----
@@ -281,6 +330,10 @@ NT_ALL_OPS(f32, float)
 NT_ALL_OPS(f64, double)
 NT_ALL_OPS(i32, int)
 NT_ALL_OPS(i64, long long)
+NT_ALL_OPS(bf16, nt_bf16)
+NT_ALL_OPS(i8, signed char)
+NT_ALL_OPS(u8, unsigned char)
 NT_FLOAT_ONLY(f16, unsigned short, float)
 NT_FLOAT_ONLY(f32, float, float)
 NT_FLOAT_ONLY(f64, double, double)
+NT_FLOAT_ONLY(bf16, nt_bf16, float)

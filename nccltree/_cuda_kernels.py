@@ -6,6 +6,10 @@ compiled at run time by NVRTC.  Wrappers take CuPy arrays and a ``cupy.cuda.Stre
 None for the current stream) and enqueue one kernel; nothing here synchronises.  CuPy is
 imported only when a kernel is first needed.
 
+CuPy has no bfloat16 dtype: a bfloat16 array lives in a ``uint16`` CuPy array and the
+call names the dtype, ``reduce_n(dst, srcs, dtype="bfloat16")`` (likewise ``sum_into``,
+``scale`` and ``sgd_update``); int8 and uint8 are CuPy's own.
+
 The run-time compilation calls NVRTC itself rather than ``cupy.RawModule(code=...)``:
 CuPy appends ``-ftz=true`` after the caller's options and the last one wins, so a module
 compiled that way flushes float32 subnormals to zero and differs bitwise from the fatbin,
@@ -26,10 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from ._errors import BackendUnavailable
 from ._validate import check_real
-from .backends.base import MAX_FUSED, REDUCE_OPS, Array, check_dtype, check_same
+from .backends.base import BFLOAT16, MAX_FUSED, REDUCE_OPS, Array, check_dtype, check_same
 
 FATBIN = "nccltree_kernels.fatbin"
 SOURCE = "nccltree_kernels.cu"
@@ -56,13 +61,19 @@ _SUFFIX: dict[np.dtype[Any], str] = {
     np.dtype(np.float64): "f64",
     np.dtype(np.int32): "i32",
     np.dtype(np.int64): "i64",
+    BFLOAT16: "bf16",
+    np.dtype(np.int8): "i8",
+    np.dtype(np.uint8): "u8",
 }
-# scalar argument type of scale / sgd_update (float16 computes in float32)
+# scalar argument type of scale / sgd_update (float16 and bfloat16 compute in float32)
 _SCALAR: dict[np.dtype[Any], type[np.floating[Any]]] = {
     np.dtype(np.float16): np.float32,
     np.dtype(np.float32): np.float32,
     np.dtype(np.float64): np.float64,
+    BFLOAT16: np.float32,
 }
+#: the CuPy dtype that carries each dtype CuPy lacks
+CARRIER = {BFLOAT16: np.dtype(np.uint16)}
 OPS = REDUCE_OPS
 # the nt_srcs struct: eight device pointers passed by value
 _SRCS = np.dtype([("p", "<u8", (MAX_SOURCES,))])
@@ -300,9 +311,34 @@ def _array(x: Array, name: str) -> Array:
     return x
 
 
-def _suffix(x: Array, name: str, accepted: Mapping[np.dtype[Any], object]) -> str:
-    check_dtype(x, name, tuple(accepted))
-    return _SUFFIX[x.dtype]
+def kernel_dtype(
+    x: Array, name: str, accepted: Mapping[np.dtype, object], dtype: DTypeLike | None = None
+) -> np.dtype:
+    """The dtype a kernel computes ``x`` in: its own (one of ``accepted``), or ``dtype``,
+    which names bfloat16 for the ``uint16`` array that carries it (TypeError otherwise)."""
+    if dtype is None:
+        check_dtype(x, name, tuple(accepted))
+        return np.dtype(x.dtype)
+    want = np.dtype(dtype)
+    if want == x.dtype and want not in CARRIER:
+        check_dtype(x, name, tuple(accepted))
+        return want
+    if want not in CARRIER or want not in accepted:
+        names = ", ".join(str(d) for d in accepted)
+        raise TypeError(f"dtype={want} is not one of the kernels' {names} for {name}")
+    if x.dtype != CARRIER[want]:
+        raise TypeError(
+            f"dtype={want} needs {name} to be a {CARRIER[want]} array holding its bits "
+            f"(CuPy has no {want} dtype); got {x.dtype}"
+        )
+    return want
+
+
+def _suffix(
+    x: Array, name: str, accepted: Mapping[np.dtype, object], dtype: DTypeLike | None = None
+) -> tuple[str, np.dtype]:
+    logical = kernel_dtype(x, name, accepted, dtype)
+    return _SUFFIX[logical], logical
 
 
 def _device_of(dst: Array, stream: Any) -> int:
@@ -335,14 +371,21 @@ def _launch(dst: Array, name: str, n: int, args: tuple[Any, ...], stream: Any) -
 
 
 def reduce_n(
-    dst: Array, srcs: Sequence[Array], op: str = "sum", stream: Any = None, alpha: float = 1.0
+    dst: Array,
+    srcs: Sequence[Array],
+    op: str = "sum",
+    stream: Any = None,
+    alpha: float = 1.0,
+    *,
+    dtype: DTypeLike | None = None,
 ) -> Array:
     """``dst = op(srcs[0], ..., srcs[k-1])``, 1 <= k <= 8, one kernel; returns ``dst``.
 
     Sources may live on peer GPUs (read over peer access); ``dst`` may be one of them.
     ``alpha != 1.0`` writes ``alpha * sum(srcs)`` in the same kernel (``op="sum"``,
     floating dtypes; the host library's rule: bitwise a sum then :func:`scale` for
-    float32/float64, float16 rounded once).
+    float32/float64, float16 and bfloat16 rounded once). ``dtype="bfloat16"``: the
+    arrays are ``uint16`` CuPy arrays holding bfloat16 bits.
     """
     if op not in OPS:
         raise ValueError(f"op must be one of {', '.join(OPS)}; got {op!r}")
@@ -351,7 +394,7 @@ def reduce_n(
     scaled = alpha != 1.0
     if scaled and op != "sum":
         raise ValueError(f"alpha != 1.0 needs op='sum'; got op={op!r}")
-    suffix = _suffix(dst, "dst", _SCALAR if scaled else _SUFFIX)
+    suffix, logical = _suffix(dst, "dst", _SCALAR if scaled else _SUFFIX, dtype)
     if not isinstance(srcs, (list, tuple)):
         raise TypeError("srcs must be a list or tuple of cupy arrays")
     if not 1 <= len(srcs) <= MAX_SOURCES:
@@ -364,30 +407,32 @@ def reduce_n(
     if n:
         args: tuple[Any, ...] = (dst, ptrs, np.int32(len(srcs)), np.int64(n))
         if scaled:
-            args += (_SCALAR[dst.dtype](alpha),)
+            args += (_SCALAR[logical](alpha),)
             _launch(dst, f"nt_reduce_n_scaled_sum_{suffix}", n, args, stream)
         else:
             _launch(dst, f"nt_reduce_n_{op}_{suffix}", n, args, stream)
     return dst
 
 
-def sum_into(dst: Array, src: Array, stream: Any = None) -> Array:
+def sum_into(
+    dst: Array, src: Array, stream: Any = None, *, dtype: DTypeLike | None = None
+) -> Array:
     """``dst += src``; returns ``dst``."""
     dst = _array(dst, "dst")
-    suffix = _suffix(dst, "dst", _SUFFIX)
+    suffix, _ = _suffix(dst, "dst", _SUFFIX, dtype)
     check_same(_array(src, "src"), dst, "src", "dst")
     if dst.size:
         _launch(dst, f"nt_sum_into_{suffix}", dst.size, (dst, src, np.int64(dst.size)), stream)
     return dst
 
 
-def scale(x: Array, alpha: float, stream: Any = None) -> Array:
+def scale(x: Array, alpha: float, stream: Any = None, *, dtype: DTypeLike | None = None) -> Array:
     """``x *= alpha`` for floating arrays; returns ``x``."""
     x = _array(x, "x")
-    suffix = _suffix(x, "x", _SCALAR)
+    suffix, logical = _suffix(x, "x", _SCALAR, dtype)
     alpha = check_real(alpha, "alpha")
     if x.size:
-        a = _SCALAR[x.dtype](alpha)
+        a = _SCALAR[logical](alpha)
         _launch(x, f"nt_scale_{suffix}", x.size, (x, a, np.int64(x.size)), stream)
     return x
 
@@ -400,10 +445,12 @@ def sgd_update(
     momentum: float,
     weight_decay: float,
     stream: Any = None,
+    *,
+    dtype: DTypeLike | None = None,
 ) -> Array:
     """Caffe's step in one kernel: ``g += wd*w; v = momentum*v + lr*g; w -= v``; returns w."""
     w = _array(w, "w")
-    suffix = _suffix(w, "w", _SCALAR)
+    suffix, logical = _suffix(w, "w", _SCALAR, dtype)
     check_same(_array(g, "g"), w, "g", "w")
     check_same(_array(v, "v"), w, "v", "w")
     hyper = [
@@ -411,7 +458,7 @@ def sgd_update(
         for x, name in ((lr, "lr"), (momentum, "momentum"), (weight_decay, "weight_decay"))
     ]
     if w.size:
-        t = _SCALAR[w.dtype]
+        t = _SCALAR[logical]
         args = (w, g, v, *(t(x) for x in hyper), np.int64(w.size))
         _launch(w, f"nt_sgd_update_{suffix}", w.size, args, stream)
     return w

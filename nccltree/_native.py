@@ -27,7 +27,7 @@ import numpy as np
 
 from ._errors import BackendUnavailable, NativeError
 from ._validate import check_int, check_real
-from .backends.base import FLOAT_DTYPES, MAX_FUSED, check_dtype, check_same
+from .backends.base import BFLOAT16, FLOAT_DTYPES, MAX_FUSED, check_dtype, check_same
 
 if TYPE_CHECKING:
     from _typeshed import WriteableBuffer
@@ -53,6 +53,8 @@ __all__ = [
     "sgd_update",
     "sum_into",
     "sum_n",
+    "use_avx2",
+    "use_f16c",
 ]
 
 #: numpy dtype -> C dtype code (csrc/nccltree.h); the keys are ``backends.base.DTYPES``
@@ -62,6 +64,9 @@ DTYPES: dict[np.dtype[Any], int] = {
     np.dtype(np.float64): 2,
     np.dtype(np.int32): 3,
     np.dtype(np.int64): 4,
+    BFLOAT16: 5,
+    np.dtype(np.int8): 6,
+    np.dtype(np.uint8): 7,
 }
 #: op name -> C op code
 OPS: dict[str, int] = {"sum": 0, "prod": 1, "max": 2, "min": 3}
@@ -151,6 +156,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "nt_copy": [vp, vp, i64, i32],
         "nt_gather": [vp, vp, vp, i32, i32],
         "nt_use_f16c": [i32],
+        "nt_use_avx2": [i32],
         "nt_max_sources": [],
         "nt_counter_wait": [vp, ctypes.c_uint32, i64, i64, i32],
         "nt_counter_add_wake": [vp, ctypes.c_uint32, i32, vp],
@@ -207,6 +213,14 @@ def use_f16c(enable: bool | None = None) -> bool:
     ``True`` back to F16C where the CPU has it; ``None`` only asks."""
     flag = -1 if enable is None else int(bool(enable))
     return bool(library().nt_use_f16c(flag))
+
+
+def use_avx2(enable: bool | None = None) -> bool:
+    """Whether the bfloat16 kernels run their AVX2 build (x86-64 CPUs that have AVX2; the
+    default there) rather than the baseline one: both give the same results. ``False``
+    switches to the baseline build, ``True`` back; ``None`` only asks."""
+    flag = -1 if enable is None else int(bool(enable))
+    return bool(library().nt_use_avx2(flag))
 
 
 def strerror(status: int) -> str:
@@ -278,14 +292,15 @@ def reduce_n(
 ) -> np.ndarray:
     """``dst = op(srcs[0], ..., srcs[k-1])`` in one pass, 1 <= k <= 8; returns ``dst``.
 
-    Sources are combined left to right (float16 in float32).  ``dst`` may be one of the
+    Sources are combined left to right (float16 and bfloat16 in float32, rounded once;
+    int8/uint8 sums and products wrap around).  ``dst`` may be one of the
     sources (the same array memory), but must not partially overlap any of them.
 
     ``alpha != 1.0`` writes ``alpha * sum(srcs)`` in the same pass (a mean needs no second
     pass over ``dst``): only for ``op="sum"`` and floating dtypes, with alpha rounded to
     the compute type as :func:`scale` rounds it, so float32/float64 results are bitwise
-    those of the sum followed by :func:`scale`.  float16 is scaled in float32 and rounded
-    once, so it is slightly more accurate than the two-pass form.
+    those of the sum followed by :func:`scale`.  float16 and bfloat16 are scaled in float32
+    and rounded once, so they are slightly more accurate than the two-pass form.
     """
     code = OPS.get(op) if isinstance(op, str) else None
     if code is None:
@@ -351,7 +366,8 @@ def sgd_update(
 ) -> np.ndarray:
     """Caffe's SGD step in one pass: ``g += wd*w; v = momentum*v + lr*g; w -= v``.
 
-    Updates ``w``, ``g`` and ``v`` in place (floating dtypes; float16 computed in float32)
+    Updates ``w``, ``g`` and ``v`` in place (floating dtypes; float16 and bfloat16 computed
+    in float32)
     and returns ``w``.  The three arrays must not overlap.
     """
     w = check_host_array(w, "w", writable=True)

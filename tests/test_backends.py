@@ -378,7 +378,7 @@ def test_host_kernel_dtype_errors_at_enqueue(host_devs):
     with pytest.raises(TypeError, match="accepted"):
         s.scale(np.zeros(3, np.int32), 2.0)
     with pytest.raises(TypeError, match="accepted"):
-        s.reduce(np.zeros(3, np.uint8), [np.zeros(3, np.uint8)])
+        s.reduce(np.zeros(3, np.uint16), [np.zeros(3, np.uint16)])
 
 
 def test_copy_moves_bytes_between_dtypes(host_devs):

@@ -87,7 +87,7 @@ def test_dtype_names():
     assert drv.check_dtype("double") == np.float64
     assert drv.check_dtype("int64") == np.int64
     with pytest.raises(ValueError, match="accepted: float16"):
-        drv.check_dtype("uint8")
+        drv.check_dtype("uint16")
 
 
 # -- data and check -----------------------------------------------------------------------

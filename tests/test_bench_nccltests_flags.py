@@ -113,7 +113,7 @@ def test_d_all_and_o_all_run_every_valid_pair(tmp_path, capsys):
     code, out, _ = run([*argv, *FAST, "--json", str(js)], capsys)
     assert code == 0
     pairs = {(r["dtype"], r["op"]) for r in json.loads(js.read_text())["records"]}
-    floats = {"float16", "float32", "float64"}
+    floats = {"float16", "float32", "float64", "bfloat16"}
     want = {(str(d), o) for d in _ops.DTYPES for o in _ops.OPS if o != "mean" or str(d) in floats}
     assert pairs == want
     assert all(r[-1] == "0" for r in rows(out))  # every result checked and right

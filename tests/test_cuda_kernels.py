@@ -16,7 +16,7 @@ from test_native import reference  # the host kernels' reference, same rules
 from nccltree import BackendUnavailable
 from nccltree import _cuda_kernels as ck
 
-DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
+DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64, np.int8, np.uint8]
 FLOATS = [np.float16, np.float32, np.float64]
 
 
@@ -457,7 +457,7 @@ def test_misaligned_views_launch_with_their_own_pointers(fake_cupy) -> None:
 
 def sources(dtype: type, op: str, k: int, n: int, seed: int = 0) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
-    if np.dtype(dtype).kind == "i":
+    if np.dtype(dtype).kind in "iu":
         info = np.iinfo(dtype)
         return [rng.integers(info.min, info.max, n, dtype=dtype) for _ in range(k)]
     if op == "prod":

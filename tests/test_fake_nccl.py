@@ -20,7 +20,7 @@ import nccltree as nt
 from nccltree.comm import nccl as nccl_engine
 
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter")
-DTYPES = (np.float16, np.float32, np.float64, np.int32, np.int64)
+DTYPES = (np.float16, np.float32, np.float64, np.int32, np.int64, np.int8, np.uint8)
 METHOD = {
     "all_reduce": "allReduce",
     "reduce": "reduce",

@@ -14,10 +14,12 @@ import pytest
 
 from nccltree import BackendUnavailable, NativeError
 from nccltree import _native as nat
+from nccltree.backends.base import BFLOAT16, HALF_DTYPES
 from nccltree.comm._ops import reference as ops_reference
 
-DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
-FLOATS = [np.float16, np.float32, np.float64]
+BF16 = BFLOAT16.type
+DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64, BF16, np.int8, np.uint8]
+FLOATS = [np.float16, np.float32, np.float64, BF16]
 SIZES = [0, 1, 7, 8, 1023, 4099, 300_001]
 BIG = max(SIZES)
 KERNEL_OPS = ("sum", "prod", "max", "min")
@@ -29,7 +31,7 @@ def pool(dtype: type, op: str = "sum") -> tuple[np.ndarray, ...]:
     rng = np.random.default_rng([DTYPES.index(dtype), list(KERNEL_OPS).index(op)])
     out = []
     for _ in range(nat.MAX_SOURCES):
-        if np.dtype(dtype).kind == "i":
+        if np.dtype(dtype).kind in "iu":
             info = np.iinfo(dtype)
             # the full range, so integer sums and products wrap around
             a = rng.integers(info.min, info.max, BIG + 1, dtype=dtype, endpoint=True)
@@ -51,8 +53,9 @@ reference = functools.partial(ops_reference, rounding="kernel")
 def assert_bitwise(got: np.ndarray, want: np.ndarray) -> None:
     """Equal bit patterns; NaNs only need to be NaN in the same places."""
     assert got.dtype == want.dtype and got.shape == want.shape
-    if got.dtype.kind == "f":
-        nan_got, nan_want = np.isnan(got), np.isnan(want)
+    if got.dtype in nat.FLOAT_DTYPES:
+        with np.errstate(invalid="ignore"):  # ml_dtypes' isnan warns on NaN
+            nan_got, nan_want = np.isnan(got), np.isnan(want)
         np.testing.assert_array_equal(nan_got, nan_want)
         bits = np.dtype(f"u{got.dtype.itemsize}")
         got, want = got[~nan_got].view(bits), want[~nan_want].view(bits)
@@ -195,6 +198,57 @@ def test_float16_rounding_matches_numpy() -> None:
     assert np.isinf(out[1]) and out[0] == 65504 and np.signbit(out[4])
 
 
+def test_bfloat16_round_trip_is_exact() -> None:
+    every = np.arange(2**16, dtype=np.uint16).view(BFLOAT16)
+    out = np.empty_like(every)
+    nat.reduce_n(out, [every], "sum")
+    assert_bitwise(out, every)
+    # NaNs come back as the quiet NaN of their sign, as ml_dtypes narrows them
+    with np.errstate(invalid="ignore"):
+        nan = np.isnan(every)
+    want = np.where(np.signbit(every[nan]), 0xFFC0, 0x7FC0).astype(np.uint16)
+    np.testing.assert_array_equal(out[nan].view(np.uint16), want)
+
+
+def test_bfloat16_rounding_matches_ml_dtypes() -> None:
+    # random bit patterns summed in float32 land on ties (to even), subnormals, overflow
+    # to infinity and NaN; three sources so that rounding once differs from rounding twice
+    rng = np.random.default_rng(2)
+    bits = rng.integers(0, 2**16, 2**18, dtype=np.uint16)
+    a, b, c = (np.roll(bits, j).view(BFLOAT16) for j in range(3))
+    out = np.empty_like(a)
+    nat.reduce_n(out, [a, b, c], "sum")
+    assert_bitwise(out, reference("sum", [a, b, c]))
+    with np.errstate(all="ignore"):
+        twice = (a + b) + c  # numpy with ml_dtypes: rounds after each add
+    assert (out.view(np.uint16) != twice.view(np.uint16)).sum() > 100
+    edge = np.array([3.3895e38, 1.0, 2.0**-133, -0.0, 1.0, 256.0], BFLOAT16)
+    tiny = np.array([3e36, 2.0**-9, 2.0**-133, -0.0, 3 * 2.0**-8, 1.0], BFLOAT16)
+    out = np.empty_like(edge)
+    nat.reduce_n(out, [edge, tiny], "sum")
+    assert_bitwise(out, reference("sum", [edge, tiny]))
+    # overflow, below half a unit (1 + 2^-9 -> 1), the smallest subnormal doubled,
+    # -0 + -0, and two ties to even: 1 + 1.5 units -> 1 + 2 units, 256 + 1 -> 256
+    assert np.isinf(out[0]) and out[1] == 1.0 and out[2] == 2.0**-132
+    assert np.signbit(out[3]) and out[4] == 1.0 + 2.0**-6 and out[5] == 256.0
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8])
+def test_8bit_integers_wrap(dtype: type) -> None:
+    info = np.iinfo(dtype)
+    a = np.array([info.max, info.min, 100, 16, 3], dtype)
+    b = np.array([1, info.max, 100, 16, info.max], dtype)
+    dst = np.empty_like(a)
+    nat.reduce_n(dst, [a, b], "sum")
+    np.testing.assert_array_equal(dst, (a.astype(np.int64) + b).astype(dtype))
+    nat.reduce_n(dst, [a, b, b], "prod")
+    np.testing.assert_array_equal(dst, (a.astype(np.int64) * b * b).astype(dtype))
+    nat.reduce_n(dst, [a, b], "max")
+    np.testing.assert_array_equal(dst, np.maximum(a, b))
+    nat.reduce_n(dst, [a, b], "min")
+    np.testing.assert_array_equal(dst, np.minimum(a, b))
+
+
 # ---- large calls: the streaming-store path ----
 
 # Mirrors of csrc/nccltree_host.c: from these destination sizes a reduction whose dst is not
@@ -223,7 +277,7 @@ def big_pool(dtype: type) -> tuple[np.ndarray, ...]:
     rng = np.random.default_rng([7, DTYPES.index(dtype)])
     out = []
     for j in range(nat.MAX_SOURCES):
-        if np.dtype(dtype).kind == "i":
+        if np.dtype(dtype).kind in "iu":
             info = np.iinfo(dtype)
             a = rng.integers(info.min, info.max, n, dtype=dtype, endpoint=True)
         else:
@@ -343,7 +397,7 @@ def test_large_copy(nthreads: int) -> None:
 @pytest.mark.parametrize("nthreads", [1, 3])
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
 def test_scale(dtype: type, nthreads: int) -> None:
-    wide = np.float32 if dtype == np.float16 else dtype
+    wide = np.float32 if dtype in HALF_DTYPES else dtype
     for n in SIZES:
         for alpha in (0.25, 1 / 3, -7.5):
             x = pool(dtype)[0][:n].copy()
@@ -355,7 +409,7 @@ def test_scale(dtype: type, nthreads: int) -> None:
 @pytest.mark.parametrize("nthreads", [1, 2, 3])
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
 def test_sgd_update_matches_caffe_rule(dtype: type, nthreads: int) -> None:
-    wide = np.float32 if dtype == np.float16 else dtype
+    wide = np.float32 if dtype in HALF_DTYPES else dtype
     lr, mom, wd = 0.05, 0.9, 5e-4
     src = pool(dtype)
     for n in SIZES:
@@ -428,7 +482,7 @@ def test_large_scaled_sum_streams_with_the_same_result(dtype: type, nthreads: in
         buf, dst = guarded(n, dtype, offset=k % 3)
         alpha = 0.125 if k % 2 else 1 / 3
         nat.reduce_n(dst, srcs, nthreads=nthreads, alpha=alpha)
-        want = one_rounding(srcs, alpha) if dtype == np.float16 else two_pass(srcs, alpha)
+        want = one_rounding(srcs, alpha) if dtype in HALF_DTYPES else two_pass(srcs, alpha)
         assert_bitwise(dst, want)
         assert_guards_intact(buf, dst)
 
@@ -452,8 +506,10 @@ def test_scaled_sum_float16_rounds_once(k: int) -> None:
 
 def test_scaled_sum_refuses_integers_and_other_ops() -> None:
     i32 = np.zeros(8, np.int32)
-    with pytest.raises(TypeError, match="accepted: float16, float32, float64"):
+    with pytest.raises(TypeError, match="accepted: float16, float32, float64, bfloat16$"):
         nat.reduce_n(i32, [i32], alpha=0.5)
+    with pytest.raises(TypeError, match="accepted: float16, float32, float64, bfloat16$"):
+        nat.reduce_n(np.zeros(8, np.int8), [np.zeros(8, np.int8)], alpha=0.5)
     with pytest.raises(ValueError, match="op='sum'"):
         nat.reduce_n(F32.copy(), [F32], op="max", alpha=0.5)
     with pytest.raises(TypeError, match="alpha"):
@@ -466,6 +522,9 @@ def test_scaled_sum_refuses_integers_and_other_ops() -> None:
     cases = [
         (lib.nt_reduce_n_scaled(0, 3, pa, _ptrs(b), 1, 8, 0.5, 1), nat.ERR_UNSUPPORTED),
         (lib.nt_reduce_n_scaled(0, 4, pa, _ptrs(b), 1, 8, 0.5, 1), nat.ERR_UNSUPPORTED),
+        (lib.nt_reduce_n_scaled(0, 6, pa, _ptrs(b), 1, 8, 0.5, 1), nat.ERR_UNSUPPORTED),
+        (lib.nt_reduce_n_scaled(0, 7, pa, _ptrs(b), 1, 8, 0.5, 1), nat.ERR_UNSUPPORTED),
+        (lib.nt_reduce_n_scaled(0, 8, pa, _ptrs(b), 1, 8, 0.5, 1), nat.ERR_DTYPE),
         (lib.nt_reduce_n_scaled(0, 9, pa, _ptrs(b), 1, 8, 0.5, 1), nat.ERR_DTYPE),
         (lib.nt_reduce_n_scaled(1, 1, pa, _ptrs(b), 1, 8, 0.5, 1), nat.ERR_OP),
         (lib.nt_reduce_n_scaled(2, 1, pa, _ptrs(b), 1, 8, 0.5, 1), nat.ERR_OP),
@@ -524,7 +583,7 @@ def ro(a: np.ndarray) -> np.ndarray:
         ),
         (lambda: nat.reduce_n(ro(F32), [F32]), ValueError, "writeable"),
         (
-            lambda: nat.reduce_n(np.zeros(8, np.uint8), [np.zeros(8, np.uint8)]),
+            lambda: nat.reduce_n(np.zeros(8, np.uint16), [np.zeros(8, np.uint16)]),
             TypeError,
             "accepted: float16",
         ),
@@ -613,9 +672,12 @@ def test_c_statuses_map_to_exceptions() -> None:
         ),
         (lib.nt_reduce_n(0, 1, pa, _ptrs(b), 1, 8, 0), nat.ERR_THREADS, ValueError),
         (lib.nt_reduce_n(0, 1, pa + 4, _ptrs(a), 1, 4, 1), nat.ERR_OVERLAP, ValueError),
-        (lib.nt_sum_into(5, pa, pb, 8, 1), nat.ERR_DTYPE, TypeError),
+        (lib.nt_sum_into(8, pa, pb, 8, 1), nat.ERR_DTYPE, TypeError),
         (lib.nt_sum_n(1, pa, _ptrs(b), 9, 8, 1), nat.ERR_NSOURCES, ValueError),
         (lib.nt_scale(3, pa, 2.0, 8, 1), nat.ERR_UNSUPPORTED, TypeError),
+        (lib.nt_scale(6, pa, 2.0, 8, 1), nat.ERR_UNSUPPORTED, TypeError),
+        (lib.nt_scale(7, pa, 2.0, 8, 1), nat.ERR_UNSUPPORTED, TypeError),
+        (lib.nt_sgd_update(7, pa, pb, pa, 0.1, 0.9, 0.0, 8, 1), nat.ERR_UNSUPPORTED, TypeError),
         (lib.nt_scale(1, None, 2.0, 8, 1), nat.ERR_NULL, ValueError),
         (lib.nt_sgd_update(4, pa, pb, pa, 0.1, 0.9, 0.0, 8, 1), nat.ERR_UNSUPPORTED, TypeError),
         (lib.nt_sgd_update(1, pa, pb, pa, 0.1, 0.9, 0.0, 8, 1), nat.ERR_OVERLAP, ValueError),

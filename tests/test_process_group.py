@@ -55,6 +55,9 @@ GRIDS = {
                        "--dtypes", "float32", "--ops", "sum", "--counts", "1,1000,70001"]),
     "2 processes of 2 ranks": (2, ["--devices", "cpu:2", "--algorithms", "tree,ring,direct,auto",
                                    "--dtypes", "float64", "--ops", "sum,prod"]),
+    "3 processes, bfloat16 and 8-bit integers": (
+        3, ["--algorithms", "tree,ring,direct,mpi", "--dtypes", "bfloat16,int8,uint8",
+            "--ops", "sum,mean,prod,max,min", "--counts", "1,1000,70001"]),
 }  # fmt: skip
 
 

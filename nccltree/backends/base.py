@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple, Protocol, SupportsIndex, TypeVar
 
+import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
@@ -29,12 +30,23 @@ REDUCE_OPS = ("sum", "prod", "max", "min")
 #: source's ``NT_MAX_SOURCES``.
 MAX_FUSED = 8
 
+#: bfloat16, as numpy arrays carry it (the ``ml_dtypes`` package's dtype, whose numpy
+#: ``kind`` is ``"V"``, not ``"f"``: test floating dtypes with ``FLOAT_DTYPES``).
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
 #: The dtypes of the kernels (host and CUDA alike); ``FLOAT_DTYPES`` those that scale,
-#: the SGD step and a scaled sum accept.
-DTYPES: tuple[np.dtype[Any], ...] = tuple(
-    np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")
+#: the SGD step and a scaled sum accept; ``HALF_DTYPES`` the 16-bit floats, which the
+#: kernels accumulate in float32 and round once, at the store.
+DTYPES: tuple[np.dtype[Any], ...] = (
+    *(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")),
+    BFLOAT16,
+    np.dtype(np.int8),
+    np.dtype(np.uint8),
 )
-FLOAT_DTYPES: tuple[np.dtype[Any], ...] = tuple(dt for dt in DTYPES if dt.kind == "f")
+FLOAT_DTYPES: tuple[np.dtype[Any], ...] = tuple(
+    dt for dt in DTYPES if dt.kind == "f" or dt == BFLOAT16
+)
+HALF_DTYPES = (np.dtype(np.float16), BFLOAT16)
 
 #: A device's array: ``numpy.ndarray`` on the host backend, ``cupy.ndarray`` on CUDA (CuPy
 #: ships no type information, hence ``Any``).

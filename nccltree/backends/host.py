@@ -28,6 +28,7 @@ from .. import _native
 from .._errors import CommTimeout, NcclTreeError
 from .._validate import check_int, check_real
 from .base import (
+    HALF_DTYPES,
     CopyArgs,
     Device,
     Event,
@@ -292,8 +293,8 @@ def _op_wait(core: _Core, seq: int) -> None:
 # in np.add and 5.1 us through the kernel, a 1 MiB one 132 against 80 us). numpy sums k
 # sources in k - 1 passes over the destination, so a reduce counts its bytes that many
 # times. Results are bitwise the same (both combine sources left to right, rounding to the
-# dtype after each step, no FMA), except for float16, which the native kernels accumulate
-# in float32 and therefore always run.
+# dtype after each step, no FMA), except for float16 and bfloat16, which the native kernels
+# accumulate in float32 and therefore always run.
 SMALL_BYTES = 64 << 10
 _UFUNCS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
 
@@ -322,7 +323,7 @@ def _copy_op(
 
 def _op_reduce(threads: int, r: ReduceArgs) -> None:
     dst, srcs, op, alpha = r.dst, r.srcs, r.op, r.alpha
-    if dst.nbytes * max(1, len(srcs) - 1) <= SMALL_BYTES and dst.dtype != np.float16:
+    if dst.nbytes * max(1, len(srcs) - 1) <= SMALL_BYTES and dst.dtype not in HALF_DTYPES:
         _small_reduce(dst, srcs, _UFUNCS[op], alpha)
     else:
 

@@ -432,6 +432,7 @@ def resolve_devices(args: argparse.Namespace) -> str:
 def _variants(args: argparse.Namespace) -> list[tuple[str, str]]:
     """The (dtype, op) pairs of -d and -o; ``all`` takes every one, leaving out the
     pairs that cannot be (mean of integers) unless both were named."""
+    from ..backends.base import FLOAT_DTYPES
     from ..comm import _ops
 
     every_dtype = args.dtype.strip().lower() == "all"
@@ -442,8 +443,7 @@ def _variants(args: argparse.Namespace) -> list[tuple[str, str]]:
         raise UsageError("-d/--dtype and -o/--op need a value (or all)")
     pairs = [(d, o) for d in dtypes for o in ops]
     if every_dtype or every_op:
-        floats = {"float16", "float32", "float64"}
-        pairs = [(d, o) for d, o in pairs if o != "mean" or drv.check_dtype(d).name in floats]
+        pairs = [(d, o) for d, o in pairs if o != "mean" or drv.check_dtype(d) in FLOAT_DTYPES]
     return pairs
 
 
@@ -1269,8 +1269,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         "--datatype",
         default=d["dtype"],
-        help="float16, float32, float64, int32, int64 (half, float, double, int "
-        "too); comma-separated, or all (every dtype) (default: %(default)s)",
+        help="float16, float32, float64, int32, int64, bfloat16, int8, uint8 (half, "
+        "float, double, int too); comma-separated, or all (every dtype) (default: %(default)s)",
     )
     c.add_argument(
         "-a",

@@ -7,18 +7,21 @@ from typing import Literal
 
 import numpy as np
 
+from ..backends import base
+
 # name -> the elementwise op the kernels apply between contributions; "mean" is a sum
 # followed by a scale of 1/size on the rank that holds the final value.
 OPS = {"sum": "sum", "mean": "sum", "max": "max", "min": "min", "prod": "prod"}
 
-DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64"))
+# the kernels' dtypes: the backends' one list
+DTYPES = base.DTYPES
 
 
 def check_op(op: str, dtype: np.dtype) -> str:
     """The kernel op for ``op`` on ``dtype``; ValueError/TypeError for bad combinations."""
     if not isinstance(op, str) or op not in OPS:
         raise ValueError(f"unknown reduction op {op!r}; accepted: {', '.join(OPS)}")
-    if op == "mean" and dtype.kind != "f":
+    if op == "mean" and dtype not in base.FLOAT_DTYPES:
         raise TypeError(f"op 'mean' needs a floating-point dtype, got {dtype}")
     return OPS[op]
 
@@ -36,7 +39,7 @@ _NP_OPS = {"sum": np.add, "mean": np.add, "prod": np.multiply, "max": np.maximum
 
 def widen(a: np.ndarray) -> np.ndarray:
     """``a`` in float64 (int64 for integers): what a reference compares in."""
-    return a.astype(np.float64 if a.dtype.kind == "f" else np.int64)
+    return a.astype(np.float64 if a.dtype in base.FLOAT_DTYPES else np.int64)
 
 
 def reference(
@@ -55,7 +58,7 @@ def reference(
     tolerance (the benchmark's ``#wrong``, the collective tests).
 
     ``rounding="kernel"``: as one fused kernel pass computes it, to compare bitwise: in the
-    arrays' dtype (integers wrap), float16 accumulated in float32; ``mean`` is the sum
+    arrays' dtype (integers wrap), float16 and bfloat16 accumulated in float32; ``mean`` is the sum
     times ``1/len(arrays)``, ``alpha`` is rounded to that compute type and multiplies the
     finished sum; the result is rounded to the arrays' dtype once, at the end.
     """
@@ -72,7 +75,7 @@ def reference(
         return acc if alpha == 1.0 else acc * alpha
     if rounding != "kernel":
         raise ValueError(f"unknown rounding {rounding!r}; accepted: wide, kernel")
-    wide = np.dtype(np.float32) if dtype == np.float16 else dtype
+    wide = np.dtype(np.float32) if dtype in base.HALF_DTYPES else dtype
     if op == "mean":
         alpha = alpha / len(arrays)
     with np.errstate(over="ignore", invalid="ignore"):

@@ -32,10 +32,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+import ml_dtypes
 import numpy as np
 from numpy.typing import DTypeLike
 
 from .._validate import check_index, check_int, check_real, is_int
+from ..backends.base import FLOAT_DTYPES
 from . import _ops
 from ._args import Array
 from ._ops import reference, widen
@@ -97,16 +99,20 @@ def init_data(
 
 def _poison(count: int, dtype: np.dtype) -> np.ndarray:
     """What output buffers hold before a call: a value no correct result has, so that an
-    element the collective forgot to write counts as wrong."""
-    fill = np.nan if dtype.kind == "f" else np.iinfo(dtype).min
-    return np.full(count, fill, dtype)
+    element the collective forgot to write counts as wrong: NaN for floats, the most
+    negative integer of the dtype's width for integers (for uint8 its image, 128, which
+    no result of :func:`init_data` reaches below 32 ranks)."""
+    if dtype in FLOAT_DTYPES:
+        return np.full(count, np.nan, dtype)
+    low = np.iinfo(np.dtype(f"i{dtype.itemsize}")).min
+    return np.full(count, low, np.dtype(f"i{dtype.itemsize}")).view(dtype)
 
 
 def tolerance(dtype: DTypeLike) -> float:
     """Relative tolerance of the check: integers are exact; floats may round a mean (or a
-    float16 result accumulated in float32) by an ulp or so."""
+    float16 or bfloat16 result accumulated in float32) by an ulp or so."""
     dtype = np.dtype(dtype)
-    return 0.0 if dtype.kind != "f" else 4 * float(np.finfo(dtype).eps)
+    return 0.0 if dtype not in FLOAT_DTYPES else 4 * float(ml_dtypes.finfo(dtype).eps)
 
 
 def count_wrong(actual: np.ndarray, expected: np.ndarray, dtype: DTypeLike) -> int:
@@ -118,7 +124,8 @@ def count_wrong(actual: np.ndarray, expected: np.ndarray, dtype: DTypeLike) -> i
     a = widen(np.asarray(actual).reshape(-1))
     tol = tolerance(dtype)
     if tol == 0.0:
-        return int(np.count_nonzero(a != expected))
+        # integer sums and products wrap around in the dtype (int8 past 127, say)
+        return int(np.count_nonzero(a != widen(expected.astype(dtype))))
     ok = np.abs(a - expected) <= tol * np.maximum(1.0, np.abs(expected))
     return int(a.size - np.count_nonzero(ok))
 

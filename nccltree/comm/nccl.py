@@ -38,6 +38,10 @@ _DTYPES = {
     "float64": "NCCL_FLOAT64",
     "int32": "NCCL_INT32",
     "int64": "NCCL_INT64",
+    # a bfloat16 buffer is a uint16 CuPy array whose call names its dtype (CuPy has none)
+    "bfloat16": "NCCL_BFLOAT16",
+    "int8": "NCCL_INT8",
+    "uint8": "NCCL_UINT8",
 }
 _OPS = {
     "sum": "NCCL_SUM",

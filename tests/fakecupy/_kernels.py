@@ -2,8 +2,11 @@
 
 Each kernel follows the .cu exactly, element by element: the same argument list (pointers,
 the ``nt_srcs`` struct of 8 pointers passed by value, ``int k``, ``long long n``, scalars
-of type S), float16 loaded into float32, combined in source order and rounded once when
-stored, integer sum/prod wrapping, NaN-propagating max/min as ``(a > b || a != a) ? a : b``.
+of type S), float16 and bfloat16 loaded into float32, combined in source order and
+rounded once when stored (bfloat16 through ml_dtypes, whose rounding the .cu's integer
+arithmetic reproduces), int8/uint8 computed in int32 and truncated when stored, integer
+sum/prod wrapping, NaN-propagating max/min as ``(a > b || a != a) ? a : b``. A bfloat16
+pointer is a ``uint16`` array, as CuPy, which has no bfloat16 dtype, passes it.
 A module compiled with ``-ftz=true`` flushes float32 subnormal inputs and results to zero,
 as the PTX ``.ftz`` instructions do. The vector/scalar split of the .cu never changes an
 element's value, so it is not modelled.
@@ -19,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from nccltree.backends.base import MAX_FUSED
+from nccltree.backends.base import BFLOAT16, MAX_FUSED
 
 from . import _core
 
@@ -32,12 +35,25 @@ _TYPES: dict[str, np.dtype[Any]] = {
     "f64": np.dtype(np.float64),
     "i32": np.dtype(np.int32),
     "i64": np.dtype(np.int64),
+    "bf16": BFLOAT16,
+    "i8": np.dtype(np.int8),
+    "u8": np.dtype(np.uint8),
 }
 _SCALAR: dict[str, np.dtype[Any]] = {
     "f16": np.dtype(np.float32),
     "f32": np.dtype(np.float32),
     "f64": np.dtype(np.float64),
+    "bf16": np.dtype(np.float32),
 }
+# the compute type of each storage type (nt_io<T>::acc in the .cu)
+_ACC: dict[str, np.dtype[Any]] = {
+    "f16": np.dtype(np.float32),
+    "bf16": np.dtype(np.float32),
+    "i8": np.dtype(np.int32),
+    "u8": np.dtype(np.int32),
+}
+# the CuPy array dtype of a kernel's pointers, where it is not the storage type
+_POINTER = {"bf16": np.dtype(np.uint16)}
 _I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
 
 
@@ -50,7 +66,7 @@ class Param:
 def _signatures() -> dict[str, tuple[Param, ...]]:
     sig: dict[str, tuple[Param, ...]] = {}
     for sfx, t in _TYPES.items():
-        ptr = Param("ptr", t)
+        ptr = Param("ptr", _POINTER.get(sfx, t))
         for op in ("sum", "prod", "max", "min"):
             sig[f"nt_reduce_n_{op}_{sfx}"] = (
                 ptr, Param("srcs", None), Param("scalar", _I32), Param("scalar", _I64)
@@ -228,7 +244,7 @@ def execute(fake: _core.FakeCuda, name: str, args: tuple[Any, ...], ftz: bool) -
     """Run a (checked) kernel on the fake's memory."""
     sfx = name.rsplit("_", 1)[1]
     t = _TYPES[sfx]
-    acc_t = np.dtype(np.float32) if sfx == "f16" else t
+    acc_t = _ACC.get(sfx, t)
     fl = (lambda a: _ftz(a)) if ftz else (lambda a: a)
 
     def arr(ptr: int, n: int) -> np.ndarray:

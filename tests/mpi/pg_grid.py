@@ -16,6 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 import nccltree as nt
+from nccltree.backends.base import FLOAT_DTYPES
 from nccltree.comm.collectives import COLLECTIVES
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -48,23 +49,31 @@ for alg in args.algorithms.split(","):
         DTYPES, OPS, counts, (False, True),
     ):  # fmt: skip
         c = COLLECTIVES[coll]
-        if op == "mean" and dtype.startswith("int"):
+        is_float = np.dtype(dtype) in FLOAT_DTYPES
+        if op == "mean" and not is_float:
             continue
         if (not c.reduces and op != "sum") or (in_place and not c.in_place_ok):
             continue
-        if alg == "mpi" and (
-            (dtype == "float16" and c.reduces)
-            or (
-                pg.nodes > 1
-                and coll in ("all_gather", "gather", "scatter", "all_to_all", "sendrecv")
-            )
-        ):
+        if alg == "mpi" and dtype in ("float16", "bfloat16") and c.reduces:
+            # refused, by name
+            try:
+                pg.call(coll, [np.zeros(c.in_count(count, n), dtype) for _ in pg.ranks],
+                        [np.zeros(c.out_count(count, n), dtype) for _ in pg.ranks],
+                        op=op, root=n - 1 if c.rooted else 0)  # fmt: skip
+                failures.append(f"mpi {coll} {dtype}: not refused")
+            except TypeError as exc:
+                if f"cannot reduce {dtype}" not in str(exc):
+                    failures.append(f"mpi {coll} {dtype}: {exc}")
+            continue
+        if alg == "mpi" and pg.nodes > 1 and coll in (
+            "all_gather", "gather", "scatter", "all_to_all", "sendrecv"
+        ):  # fmt: skip
             continue
         if op == "prod" and count > 1000:
             continue
         root = n - 1 if c.rooted else 0
         rng = np.random.default_rng(count * 7 + len(coll))
-        if dtype.startswith("int"):
+        if not is_float:
             full = [rng.integers(-3, 4, c.in_count(count, n)).astype(dtype) for _ in range(n)]
         else:
             lo, hi = (0.8, 1.25) if op == "prod" else (-1, 1)
@@ -117,7 +126,11 @@ for alg in args.algorithms.split(","):
                 if not np.array_equal(xs[i], full[r]):
                     failures.append(f"{what} rank {r}: input changed")
                 continue
-            tol = {"float16": 2e-2, "float32": 2e-5, "float64": 1e-12}.get(dtype, 0)
+            tol = {"float16": 2e-2, "float32": 2e-5, "float64": 1e-12, "bfloat16": 5e-2}.get(
+                dtype, 0
+            )
+            if not is_float:
+                want = want.astype(dtype)  # integers wrap (uint8 of negative data)
             if not np.allclose(got.astype(np.float64), want, rtol=tol, atol=tol):
                 failures.append(f"{what} rank {r}: wrong result")
             elif alg not in ("mpi", "auto") and not np.array_equal(

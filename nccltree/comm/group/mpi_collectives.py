@@ -24,8 +24,11 @@ def run_mpi(pg: ProcessGroup, prep: Prepared, entry: Entry) -> None:
     """MPI's own collectives (one rank per process)."""
     pg._one(f"algorithm 'mpi' ({prep.collective})")
     MPI = pg._MPI
-    if prep.dtype == np.float16 and COLLECTIVES[prep.collective].reduces:
-        raise TypeError("algorithm 'mpi' cannot reduce float16 (MPI has no such type)")
+    if COLLECTIVES[prep.collective].reduces and not mpi_reduces(prep.dtype):
+        raise TypeError(
+            f"algorithm 'mpi' cannot reduce {prep.dtype} (MPI has no such type); "
+            "use tree, ring or direct"
+        )
     x, o = prep.ins[0], prep.outs[0]
     t = mpi_type(MPI, prep.dtype)
     mop = {"sum": MPI.SUM, "mean": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX,
@@ -94,14 +97,23 @@ def _mpi_order(pg: ProcessGroup, coll: str) -> None:
         )
 
 
+def mpi_reduces(dtype: np.dtype) -> bool:
+    """Whether MPI can reduce ``dtype``: not float16 or bfloat16, which it has no type for
+    (``mpi_type`` moves them as 16-bit words, for the collectives that do not reduce)."""
+    return np.dtype(dtype).name not in ("float16", "bfloat16")
+
+
 def mpi_type(MPI: ModuleType, dtype: np.dtype) -> _MPI.Datatype:
     table = {
         "float32": MPI.FLOAT,
         "float64": MPI.DOUBLE,
         "int32": MPI.INT32_T,
         "int64": MPI.INT64_T,
-        "float16": MPI.UINT16_T,  # moved as bytes; MPI never reduces it here
-        "uint8": MPI.BYTE,
+        "int8": MPI.INT8_T,
+        "uint8": MPI.UINT8_T,
+        # moved as 16-bit words; MPI never reduces them here
+        "float16": MPI.UINT16_T,
+        "bfloat16": MPI.UINT16_T,
     }
     t = table.get(np.dtype(dtype).name)
     if t is None:

@@ -1124,9 +1124,11 @@ class DataParallel:
         """Over a process group: all-gather every rank's ``(loss, stop flag)``; returns the
         losses in global rank order, and sets ``run.agreed_stop`` when any rank's process
         was asked to stop, so that every rank stops after this same iteration."""
-        mine = np.array([loss, 1.0 if run.stop.is_set() else 0.0], dtype=np.float64)
-        every = np.empty(2 * self.size, dtype=np.float64)
-        comm.all_gather(mine, every)
+        dev = self.devices[comm.index]
+        mine = dev.from_host(np.array([loss, 1.0 if run.stop.is_set() else 0.0], np.float64))
+        out = dev.from_host(np.empty(2 * self.size, dtype=np.float64))  # on a GPU group: CuPy
+        comm.all_gather(mine, out)
+        every = out if isinstance(out, np.ndarray) else dev.to_host(out)
         if every[1::2].any():
             run.agreed_stop = True
         return [float(v) for v in every[0::2]]

@@ -19,7 +19,7 @@ from nccltree.comm.collectives import COLLECTIVES, collective
 from nccltree.comm.plan import check_races
 
 NEW = ("gather", "scatter", "all_to_all", "sendrecv")
-DTYPES = ("float32", "float64", "int32", "int64", "float16")
+DTYPES = ("float32", "float64", "int32", "int64", "float16", "bfloat16", "int8", "uint8")
 
 
 def _inputs(coll: str, n: int, count: int, dtype: str) -> list[np.ndarray]:

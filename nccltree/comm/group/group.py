@@ -64,7 +64,7 @@ from ..plan import IN, OUT, STAGE, TMP, Plan, Step
 from ..work import Work
 from .gpu import DeviceBlock, GpuSide, PeerBlock, message_order
 from .local import Collectives, GroupComm, LocalRendezvous, run_local
-from .mpi_collectives import mpi_type, run_mpi
+from .mpi_collectives import mpi_reduces, mpi_type, run_mpi
 from .p2p import GroupP2p
 from .schedule import RECV, Item, Schedule, split
 from .staging import MIRROR, Staging
@@ -850,7 +850,7 @@ class ProcessGroup(Collectives):
             prep.nbytes <= AUTO_MPI_BYTES
             and len(self.ranks) == 1
             and self._mpi_rank_of_proc == list(range(self.nprocs))
-            and not (prep.dtype == np.float16 and COLLECTIVES[prep.collective].reduces)
+            and not (COLLECTIVES[prep.collective].reduces and not mpi_reduces(prep.dtype))
         ):
             return "mpi"
         return "tree" if self.nodes > 1 else "direct"
@@ -1620,10 +1620,11 @@ class ProcessGroup(Collectives):
                 raw = reason.encode()[: _REASON_BYTES - 1]
                 self._ctl.buf[_REASON : _REASON + len(raw)] = raw
                 self._i64[_ABORT // 8] = self.proc + 1
-            if isinstance(exc, (PeerFailure, CommTimeout)):
-                import atexit
+            # MPI_Finalize would wait for processes that may never come (a dead one, one
+            # stuck, or peers of an aborted group): leave without it, whatever failed
+            import atexit
 
-                atexit.register(exit_without_finalize)
+            atexit.register(exit_without_finalize)
             text = self.flight.dump(f"rank {self.rank} (process {self.proc}, node {self.node})")
             text = f"nccltree: {type(exc).__name__}: {exc}\n{text}"
             if isinstance(exc, CommError) and hasattr(exc, "add_note"):

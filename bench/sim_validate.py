@@ -53,12 +53,15 @@ def main() -> int:
         for r in recs:
             coll = COLLECTIVES[r.collective]
             item = 4
-            cin, cout = coll.in_count(r.count, n), coll.out_count(r.count, n)
-            machine = sim.host_machine(n, cal, r.count * item, n * (cin + cout) * item)
+            # NCCL's count (a block for all_gather and reduce_scatter; the table's count
+            # column is the elements of the whole array)
+            count = coll.count_for(r.size // item, n)
+            cin, cout = coll.in_count(count, n), coll.out_count(count, n)
+            machine = sim.host_machine(n, cal, count * item, n * (cin + cout) * item)
             pred = (
                 cal.call_s[n]
                 + sim.simulate_collective(
-                    machine, r.algorithm, r.collective, r.count, chunk_bytes=HOST_CHUNK_BYTES
+                    machine, r.algorithm, r.collective, count, chunk_bytes=HOST_CHUNK_BYTES
                 ).time_s
             )
             rows.append({"ranks": n, "collective": r.collective, "algorithm": r.algorithm,

@@ -146,10 +146,13 @@ def test_calibrate_host_measures_positive_costs_and_the_host_machine_uses_them()
     assert set(cal.copy_gbps) == {1, 2} and len(cal.copy_gbps[2]) == 6
     assert all(g > 0 for c in cal.copy_gbps.values() for _, g in c)
     assert cal.step_s > 0 and cal.call_s[3] > 0
-    # the rate for a working set: the measurement at the largest size not above it
-    sizes = [b for b, _ in cal.copy_gbps[2]]
-    assert cal.rate(2, sizes[2] + 1) == cal.copy_gbps[2][2][1]
-    assert cal.rate(2, 1) == cal.copy_gbps[2][0][1]
+    # the rate for a working set: the measurements at the sizes measured, interpolated
+    # between them (log2 of the size), the end ones beyond
+    curve = cal.copy_gbps[2]
+    assert cal.rate(2, curve[2][0]) == pytest.approx(curve[2][1])
+    mid = cal.rate(2, int((curve[2][0] * curve[3][0]) ** 0.5))
+    assert mid == pytest.approx((curve[2][1] + curve[3][1]) / 2, rel=1e-6)
+    assert cal.rate(2, 1) == curve[0][1] and cal.rate(2, 1 << 40) == curve[-1][1]
     m = sim.host_machine(3, cal, 1 << 20, 6 << 20)
     assert m.memory(0) == m.memory(1) == m.memory(2)  # one memory for every host rank
     assert m.device.memory_gbps == cal.rate(2, 6 << 20)  # 1 MiB per rank: every core

@@ -20,7 +20,6 @@ import statistics
 from nccltree import sim
 from nccltree.comm import bench as drv
 from nccltree.comm.collectives import COLLECTIVES
-from nccltree.comm.world import HOST_CHUNK_BYTES
 
 COLLS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter")
 ALGS = ("tree", "ring", "direct")
@@ -56,14 +55,7 @@ def main() -> int:
             # NCCL's count (a block for all_gather and reduce_scatter; the table's count
             # column is the elements of the whole array)
             count = coll.count_for(r.size // item, n)
-            cin, cout = coll.in_count(count, n), coll.out_count(count, n)
-            machine = sim.host_machine(n, cal, count * item, n * (cin + cout) * item)
-            pred = (
-                cal.call_s[n]
-                + sim.simulate_collective(
-                    machine, r.algorithm, r.collective, count, chunk_bytes=HOST_CHUNK_BYTES
-                ).time_s
-            )
+            pred = sim.predict_host(cal, n, r.algorithm, r.collective, count, item)
             rows.append({"ranks": n, "collective": r.collective, "algorithm": r.algorithm,
                          "size": r.size, "measured_us": r.time_us,
                          "predicted_us": pred * 1e6,
@@ -82,9 +74,7 @@ def main() -> int:
           f"{load1[0]:.2f}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"calibration": {"cores": cal.cores, "step_s": cal.step_s,
-                                       "call_s": cal.call_s,
-                                       "copy_gbps": {t: list(c) for t, c in cal.copy_gbps.items()}},
+            json.dump({"calibration": cal.to_json(),
                        "rows": rows, "median_error": med,
                        "worst_ratio": worst, "load": [load0, load1]}, f, indent=1)  # fmt: skip
     return 0

@@ -3,27 +3,31 @@ runs the exact plan nccltree would execute.
 
 **The machine** (:class:`Machine`): a :class:`~nccltree.topology.Topology` (which devices
 are linked how), a device model (:class:`DeviceModel`: memory bandwidth, NVLink rate per
-link, PCIe generation; :data:`DEVICES` holds data-sheet figures), the network rate
-between nodes, and the host's cost of issuing one step. Every directed link and every
-device's memory is a resource with a bandwidth:
+link, PCIe generation; :data:`DEVICES` holds data-sheet figures), each node's network
+rate, the host's cost of issuing one step, and which host thread issues each rank's steps.
+Every directed link and every device's memory is a resource with a bandwidth:
 
 - ``NVLINK`` with n links: n x the model's per-link rate, per direction;
 - ``SAME_BOARD``, ``PIX``, ``PXB``, ``PHB``, ``NODE``, ``SYS``: the model's PCIe x16 rate,
   times an efficiency that falls with the distance (:data:`PCIE_EFFICIENCY`);
-- ``NET``: the network rate given;
 - ``SAME_DEVICE``: the device's own memory;
-- a pair without peer access: half its rate (the copy is staged through the host).
+- a pair without peer access: half its rate (the copy is staged through the host);
+- each GPU's PCIe link to the host, per direction; each node's host memory (staging
+  buffers live there); each node's network output and input (``NET`` links between nodes
+  are not resources of their own: whatever crosses takes the two nodes' network).
 
 **The simulation** (:func:`simulate`): each rank's stream performs its steps in plan order.
-A step starts when its stream is free, the events it waits for are recorded, and the host
-has issued it (one thread issues every step in the plan's global order, at ``issue_s``
-each: the cost that bounds logical ranks on one GPU). A data step is a flow with fixed
-demands on resources: a copy moves its bytes over the link and reads and writes the two
-memories; a fused reduce reads each source (over its link when remote) and writes the
-destination, on the executing device. Concurrent flows share each resource max-min
-fairly (progressive filling), recomputed whenever a flow starts or ends; every step pays
-its link's latency before it moves data. The result is the predicted time and, per
-resource, the bytes moved and the time it was busy.
+A step starts when its stream is free, the events it waits for are recorded, and its
+host thread has issued it (``issuers``: one thread for every rank by default, as an
+in-process World; one per rank as process groups run; each issues its ranks' steps in the
+plan's order, at ``issue_s`` each: the cost that bounds logical ranks on one GPU). A data
+step is a flow with fixed demands on resources: a copy moves its bytes over the link and
+reads and writes the two memories; a fused reduce reads each source (over its link when
+remote) and writes the destination, on the executing device. Concurrent flows share each
+resource max-min fairly (progressive filling), recomputed whenever a flow starts or ends
+among the flows joined to it through resources that can bind; every step pays its link's
+latency before it moves data. The result is the predicted time and, per resource, the
+bytes moved and the time it was busy.
 
 This is a model: it knows nothing of protocols, kernels' occupancy or caches. Its
 constants are data-sheet figures, named with their sources in :data:`DEVICES`.
@@ -131,16 +135,19 @@ PCIE_LATENCY_S = 3e-6
 
 @dataclass(frozen=True)
 class Machine:
-    """What :func:`simulate` runs a plan on (see the module docstring). ``issue_s``: the
-    host's time to issue one step (13 us measured through CuPy on an H200; about 1.5 us
-    on the host backend); ``sync_steps_cost``: whether records and waits cost it too (on
-    GPUs each is a CUDA call; the host backend's inline calls skip them)."""
+    """What :func:`simulate` runs a plan on (see the module docstring). ``net_gbps``: each
+    node's network rate per direction (all its NICs); ``issue_s``: the host's time to
+    issue one step (13 us measured through CuPy on an H200; about 1.5 us on the host
+    backend); ``sync_steps_cost``: whether records and waits cost it too (on GPUs each is
+    a CUDA call; the host backend's inline calls skip them); ``issuers``: the host thread
+    issuing each rank's steps (None: one thread for all, an in-process World)."""
 
     topology: Topology
     device: DeviceModel
     net_gbps: float = 12.5
     issue_s: float = 13e-6
     sync_steps_cost: bool = True
+    issuers: tuple[int, ...] | None = None
 
     def link_gbps(self, link: Link) -> float:
         """The rate of one direction of ``link`` (GB/s)."""
@@ -177,6 +184,17 @@ class Machine:
     def memory(self, rank: int) -> int:
         return self._memories[rank]
 
+    @functools.cached_property
+    def nodes(self) -> tuple[int, ...]:
+        """Each rank's node: ranks joined by any link but ``NET`` share one, numbered in
+        order of their lowest rank."""
+        topo = self.topology
+        node: list[int] = []
+        for r in range(topo.n):
+            same = [q for q in range(r) if topo.link(r, q).kind != LinkKind.NET]
+            node.append(node[same[0]] if same else max(node, default=-1) + 1)
+        return tuple(node)
+
 
 @dataclass
 class SimResult:
@@ -190,49 +208,68 @@ class SimResult:
 
 @dataclass
 class _Flow:
-    stream: int
     demands: dict[str, float]  # resource -> bytes per byte of the flow
-    left: float  # bytes of the flow still to move
+    left: float  # bytes of the flow still to move, as of ``since``
+    solo: float  # its rate alone: the least of its resources' capacity / demand
+    since: float = 0.0
     rate: float = 0.0
+
+    def end(self) -> float:
+        return self.since + self.left / self.rate if self.rate > 0 else float("inf")
 
 
 def _flow(m: Machine, step: Step, itemsize: int) -> tuple[dict[str, float], float, float]:
     """A data step as (demands, bytes, latency): its resources and bytes per flow byte.
     Ranks on one memory (``SAME_DEVICE``: logical ranks of a GPU, host devices) share
-    that memory's bandwidth; staging buffers live in host memory, reached over PCIe."""
+    that memory's bandwidth. Staging buffers live in the host memory of their rank's node,
+    reached over the rank's PCIe link (one resource per direction); whatever crosses
+    between nodes also takes the sending node's network output and the receiving node's
+    input."""
     topo = m.topology
     e = step.rank
     assert step.dst is not None
     nbytes = float(step.dst.count * itemsize)
     demands: dict[str, float] = {}
     latency = 0.0
+    # a place is a rank (its device's memory) or ("host", rank): the host memory of the
+    # rank's node, reached over that rank's PCIe link
+    Place = tuple[str, int]
 
-    def where(role: str, rank: int) -> int:
-        return -1 if role == STAGE else rank  # staging lives in host memory
+    def where(role: str, rank: int) -> Place:
+        return ("host" if role == STAGE else "dev", rank)
 
     def add(res: str, amount: float = 1.0) -> None:
         demands[res] = demands.get(res, 0.0) + amount
 
-    def mem(x: int) -> str:
-        return "mem host" if x < 0 else f"mem {m.memory(x)}"
+    def mem(x: Place) -> str:
+        return f"mem host {m.nodes[x[1]]}" if x[0] == "host" else f"mem {m.memory(x[1])}"
 
-    def move(src: int, dst: int) -> None:
-        """Bytes from ``src``'s memory to ``dst``'s (-1: the host's)."""
+    def move(src: Place, dst: Place) -> None:
+        """Bytes from ``src``'s memory to ``dst``'s."""
         nonlocal latency
-        if src >= 0 and dst >= 0 and m.memory(src) == m.memory(dst):
+        if mem(src) == mem(dst):
             add(mem(src), 2.0)  # read and written in the one memory
             latency = max(latency, LATENCY_S[LinkKind.SAME_DEVICE])
             return
-        if src < 0 or dst < 0:
-            add(f"pcie {max(src, dst)}")  # to or from pinned host memory
+        a, b = src[1], dst[1]
+        if src[0] == "host" or dst[0] == "host":
+            if src[0] == "dev":
+                add(f"pcie {a} up")  # from the device to pinned host memory
+            if dst[0] == "dev":
+                add(f"pcie {b} down")
             latency = max(latency, PCIE_LATENCY_S)
-        else:
-            add(f"link {src}->{dst}")
-            latency = max(latency, m.latency_s(topo.link(src, dst)))
+        elif topo.link(a, b).kind != LinkKind.NET:
+            add(f"link {a}->{b}")
+            latency = max(latency, m.latency_s(topo.link(a, b)))
+        if m.nodes[a] != m.nodes[b]:
+            add(f"net out {m.nodes[a]}")
+            add(f"net in {m.nodes[b]}")
+            latency = max(latency, LATENCY_S[LinkKind.NET])
         add(mem(src))
         add(mem(dst))
 
     dst = where(step.dst.role, step.dst.rank)
+    here: Place = ("dev", e)
     if step.kind == "scale":
         add(mem(dst), 2.0)
     elif step.kind == "copy":
@@ -240,55 +277,74 @@ def _flow(m: Machine, step: Step, itemsize: int) -> tuple[dict[str, float], floa
     else:  # reduce: each source read by the executing device, the result written
         for b in step.srcs:
             s = where(b.role, b.rank)
-            if s >= 0 and m.memory(s) == m.memory(e):
-                add(mem(e))
+            if mem(s) == mem(here):
+                add(mem(here))
             else:
-                move(s, e)
-                demands[mem(e)] -= 1.0  # arriving data is consumed, not stored
-        if dst >= 0 and m.memory(dst) == m.memory(e):
-            add(mem(e))
+                move(s, here)
+                demands[mem(here)] -= 1.0  # arriving data is consumed, not stored
+        if mem(dst) == mem(here):
+            add(mem(here))
         else:
-            move(e, dst)
-            demands[mem(e)] -= 1.0  # the result leaves from registers, not memory
+            move(here, dst)
+            demands[mem(here)] -= 1.0  # the result leaves from registers, not memory
     return {k: v for k, v in demands.items() if v > 0}, nbytes, latency
 
 
 def _capacity(m: Machine, res: str) -> float:
     kind, where = res.split(" ", 1)
     if kind == "mem":
-        return (DEVICES["host"].memory_gbps if where == "host" else m.device.memory_gbps) * GB
+        host = where.startswith("host")
+        return (DEVICES["host"].memory_gbps if host else m.device.memory_gbps) * GB
     if kind == "pcie":
         return PCIE_X16_GBPS.get(m.device.pcie_gen, DEVICES["host"].memory_gbps) * GB
+    if kind == "net":
+        return m.net_gbps * GB
     a, b = (int(x) for x in where.split("->"))
     return m.link_gbps(m.topology.link(a, b)) * GB
 
 
-def _share(flows: list[_Flow], caps: dict[str, float]) -> None:
-    """Max-min fair rates (progressive filling) of ``flows`` over the capacities."""
-    left = dict(caps)
-    active = [f for f in flows]
+def _share(flows: Sequence[_Flow], caps: dict[str, float], tight: set[str]) -> None:
+    """Max-min fair rates (progressive filling) of ``flows`` over the ``tight`` resources'
+    capacities, each flow also held to its ``solo`` rate. Resources that are not tight
+    cannot bind (their flows' solo rates fit in them together) and are left out: the
+    allocation is the same, and flows joined only through them are independent."""
+    active = list(flows)
+    left = {}
     for f in active:
         f.rate = 0.0
+        for res in f.demands:
+            if res in tight:
+                left[res] = caps[res]
+    level = 0.0
     while active:
-        level = float("inf")
-        for res, cap in left.items():
-            weight = sum(f.demands.get(res, 0.0) for f in active)
-            if weight > 0:
-                level = min(level, cap / weight)
-        if level == float("inf"):
-            break
-        frozen = []
-        for res, cap in list(left.items()):
-            weight = sum(f.demands.get(res, 0.0) for f in active)
-            if weight > 0 and cap / weight <= level * (1 + 1e-12):
-                frozen += [f for f in active if f.demands.get(res, 0.0) > 0]
-        frozen_ids = {id(f) for f in frozen}
+        weight: dict[str, float] = {}
         for f in active:
-            if id(f) in frozen_ids:
-                f.rate = level
-                for res, d in f.demands.items():
-                    left[res] = max(0.0, left[res] - d * level)
-        active = [f for f in active if id(f) not in frozen_ids]
+            for res, d in f.demands.items():
+                if res in left:
+                    weight[res] = weight.get(res, 0.0) + d
+        # every active flow rises by the same amount until a resource fills or a flow
+        # reaches its solo rate
+        step = min(f.solo for f in active) - level
+        for res, w in weight.items():
+            step = min(step, left[res] / w)
+        step = max(step, 0.0)
+        level += step
+        full = set()
+        for res, w in weight.items():
+            left[res] -= w * step
+            if left[res] <= caps[res] * 1e-12:
+                full.add(res)
+        still = []
+        for f in active:
+            if f.solo <= level * (1 + 1e-12) or any(r in full for r in f.demands):
+                f.rate = min(level, f.solo)
+            else:
+                still.append(f)
+        if len(still) == len(active):  # nothing froze: rounding; settle at this level
+            for f in active:
+                f.rate = min(level, f.solo)
+            break
+        active = still
 
 
 def simulate(plan: Plan, machine: Machine, itemsize: int = 4) -> SimResult:
@@ -297,94 +353,143 @@ def simulate(plan: Plan, machine: Machine, itemsize: int = 4) -> SimResult:
     n = plan.size
     if machine.topology.n != n:
         raise ValueError(f"the plan has {n} ranks, the machine's topology {machine.topology.n}")
-    per_stream: list[list[tuple[int, Step]]] = [[] for _ in range(n)]
-    # the host issues every step, records and waits included (each a CUDA call), in the
-    # plan's order
-    issued_at: dict[int, float] = {}
-    issued = 0
+    issuers = machine.issuers or (0,) * n
+    if len(issuers) != n:
+        raise ValueError(f"the machine names {len(issuers)} issuers for {n} ranks")
+    per_stream: list[list[int]] = [[] for _ in range(n)]
+    # each host thread issues its ranks' steps (records and waits too, each a CUDA call,
+    # where they cost) in the plan's order
+    issued_at: list[float] = []
+    issued: dict[int, int] = {}
     for i, s in enumerate(plan.steps):
-        per_stream[s.rank].append((i, s))
+        per_stream[s.rank].append(i)
+        h = issuers[s.rank]
         if machine.sync_steps_cost or s.kind not in ("record", "wait"):
-            issued += 1
-        issued_at[i] = issued * machine.issue_s
+            issued[h] = issued.get(h, 0) + 1
+        issued_at.append(issued.get(h, 0) * machine.issue_s)
+    steps = plan.steps
     pos = [0] * n
-    free_at = [0.0] * n  # when each stream is free (no flow running on it)
+    free_at = [0.0] * n  # when each stream is free (no flow running or pending on it)
+    busy = [False] * n  # a flow of the stream is pending or running
     running: dict[int, _Flow] = {}  # stream -> its flow
-    pending: list[tuple[float, int, int, Step]] = []  # (start, stream, index, step)
+    pending: list[tuple[float, int, int]] = []  # (start, stream, step index)
     recorded: dict[int, float] = {}
+    waiting: dict[int, list[int]] = {}  # event -> streams blocked on it
     result = SimResult(0.0)
     caps: dict[str, float] = {}
+    users: dict[str, set[int]] = {}  # resource -> streams whose flows use it
+    load: dict[str, float] = {}  # resource -> sum of its flows' demand x solo rate
+    tight: set[str] = set()
+    first_use: dict[str, float] = {}  # resource -> when its current busy spell began
+    flows: dict[int, tuple[dict[str, float], float, float]] = {}
     now = 0.0
+
+    def flow_of(i: int) -> tuple[dict[str, float], float, float]:
+        f = flows.get(i)
+        if f is None:
+            f = flows[i] = _flow(machine, steps[i], itemsize)
+            for res in f[0]:
+                if res not in caps:
+                    caps[res] = _capacity(machine, res)
+        return f
 
     def advance(r: int) -> None:
         """Walk stream r's steps from its position while it can (records, satisfied
         waits), until a data step is scheduled or a wait blocks."""
-        while (
-            pos[r] < len(per_stream[r]) and r not in running and not any(p[1] == r for p in pending)
-        ):
-            i, s = per_stream[r][pos[r]]
+        own = per_stream[r]
+        while pos[r] < len(own) and not busy[r]:
+            i = own[pos[r]]
+            s = steps[i]
             if s.kind == "record":
                 recorded[s.event] = max(free_at[r], issued_at[i])
+                work.extend(waiting.pop(s.event, ()))
                 pos[r] += 1
                 continue
             if s.kind == "wait":
                 t = recorded.get(s.event)
                 if t is None:
+                    waiting.setdefault(s.event, []).append(r)
                     return  # its record comes later (another stream)
                 free_at[r] = max(free_at[r], t, issued_at[i])
                 pos[r] += 1
                 continue
-            demands, nbytes, latency = _flow(machine, s, itemsize)
-            start = max(free_at[r], issued_at[i]) + latency
-            for res in demands:
-                caps.setdefault(res, _capacity(machine, res))
-            heapq.heappush(pending, (start, r, i, s))
+            _, _, latency = flow_of(i)
+            heapq.heappush(pending, (max(free_at[r], issued_at[i]) + latency, r, i))
+            busy[r] = True
             pos[r] += 1
             return
 
-    def advance_all() -> None:
-        # a record on one stream may release a wait on another: until nothing moves
-        moved = True
-        while moved:
-            before = (list(pos), len(pending))
-            for r in range(n):
-                if r not in running:
-                    advance(r)
-            moved = (list(pos), len(pending)) != before
+    def settle(seeds: set[int]) -> None:
+        """Recompute the rates of the flows joined to ``seeds`` through tight resources."""
+        group: set[int] = set()
+        todo = [r for r in seeds if r in running]
+        while todo:
+            r = todo.pop()
+            if r in group:
+                continue
+            group.add(r)
+            for res in running[r].demands:
+                if res in tight:
+                    todo.extend(q for q in users[res] if q not in group)
+        for r in group:  # bring each flow's remaining bytes up to now
+            f = running[r]
+            f.left -= f.rate * (now - f.since)
+            f.since = now
+        _share([running[r] for r in group], caps, tight)
 
-    advance_all()
+    work = list(range(n))
+    while work:
+        advance(work.pop())
     while pending or running:
         # the next change: a flow ends, or a pending flow starts
-        next_end = min(
-            (now + f.left / f.rate for f in running.values() if f.rate > 0), default=float("inf")
-        )
+        next_end = min((f.end() for f in running.values()), default=float("inf"))
         next_start = pending[0][0] if pending else float("inf")
         t = min(next_end, next_start)
         if t == float("inf"):
             raise AssertionError("the plan cannot progress (a wait without its record)")
-        dt = t - now
-        for f in running.values():
-            moved = f.rate * dt
-            f.left -= moved
-            for res, d in f.demands.items():
-                result.bytes[res] = result.bytes.get(res, 0.0) + moved * d
-                result.busy_s[res] = result.busy_s.get(res, 0.0) + dt
         now = t
-        done = [r for r, f in running.items() if f.left <= 1e-6 * max(1.0, f.rate * 1e-9)]
-        for r in done:
+        seeds: set[int] = set()
+        for r, f in list(running.items()):
+            if f.end() > now * (1 + 1e-12) + 1e-15:
+                continue
             del running[r]
             free_at[r] = now
+            busy[r] = False
+            work.append(r)
+            for res, d in f.demands.items():
+                if res in tight:
+                    seeds.update(users[res])
+                users[res].discard(r)
+                load[res] -= d * f.solo
+                if not users[res]:
+                    result.busy_s[res] = result.busy_s.get(res, 0.0) + now - first_use[res]
+                if load[res] <= caps[res] * (1 + 1e-9):
+                    tight.discard(res)
         while pending and pending[0][0] <= now:
-            _, r, i, s = heapq.heappop(pending)
-            demands, nbytes, _ = _flow(machine, s, itemsize)
-            if nbytes <= 0:
+            _, r, i = heapq.heappop(pending)
+            demands, nbytes, _ = flow_of(i)
+            if nbytes <= 0 or not demands:
                 free_at[r] = now
-                done.append(r)
+                busy[r] = False
+                work.append(r)
                 continue
-            running[r] = _Flow(r, demands, nbytes)
-        _share(list(running.values()), caps)
-        advance_all()
-        _share(list(running.values()), caps)
+            solo = min(caps[res] / d for res, d in demands.items())
+            running[r] = _Flow(demands, nbytes, solo, now)
+            seeds.add(r)
+            for res, d in demands.items():
+                result.bytes[res] = result.bytes.get(res, 0.0) + nbytes * d
+                u = users.setdefault(res, set())
+                if not u:
+                    first_use[res] = now
+                u.add(r)
+                load[res] = load.get(res, 0.0) + d * solo
+                if load[res] > caps[res] * (1 + 1e-9):
+                    tight.add(res)
+        while work:
+            advance(work.pop())
+        seeds -= {r for r in seeds if r not in running}
+        if seeds:
+            settle(seeds)
     if any(pos[r] < len(per_stream[r]) for r in range(n)):
         raise AssertionError("the plan cannot progress (a wait without its record)")
     result.time_s = max([now, *free_at])
@@ -494,10 +599,7 @@ def nccl_model_time(m: Machine, collective: str, nbytes: int) -> tuple[float, st
 
     topo = m.topology
     n = topo.n
-    node_of: list[int] = []
-    for r in range(n):
-        same = [q for q in range(r) if topo.link(r, q).kind != LinkKind.NET]
-        node_of.append(node_of[same[0]] if same else max(node_of, default=-1) + 1)
+    node_of = m.nodes
     nodes = max(node_of) + 1
     ppn = n // nodes
     intra_bw, hw = _node_busbw(m, [r for r in range(n) if node_of[r] == 0])
@@ -561,6 +663,52 @@ class HostCalibration:
                 f = (math.log2(nbytes) - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
                 return g0 + f * (g1 - g0)
         return curve[-1][1]
+
+    def to_json(self) -> dict[str, object]:
+        """A JSON-ready record (what ``nccltree-bench calibrate --json`` writes)."""
+        return {"cores": self.cores, "step_s": self.step_s,
+                "call_s": {str(n): t for n, t in self.call_s.items()},
+                "copy_gbps": {str(t): [list(p) for p in c] for t, c in self.copy_gbps.items()}}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: object) -> HostCalibration:
+        """The calibration :meth:`to_json` wrote; ``ValueError`` naming what is wrong."""
+        if not isinstance(data, dict):
+            raise ValueError("a calibration is a JSON object")
+        missing = [k for k in ("cores", "step_s", "call_s", "copy_gbps") if k not in data]
+        if missing:
+            raise ValueError(f"the calibration lacks {', '.join(missing)}")
+        try:
+            cores = check_int(data["cores"], "cores", min=1)
+            step_s = check_real(data["step_s"], "step_s", min=0)
+            call_s = {int(n): float(check_real(t, "call_s", min=0))
+                      for n, t in dict(data["call_s"]).items()}  # fmt: skip
+            copy = {int(t): tuple((int(b), float(check_real(g, "copy_gbps", min=1e-9)))
+                                  for b, g in curve)
+                    for t, curve in dict(data["copy_gbps"]).items()}  # fmt: skip
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"the calibration is malformed: {exc}") from None
+        if not call_s or not copy or any(not c for c in copy.values()):
+            raise ValueError("the calibration has no call costs or no copy rates")
+        return cls(cores, copy, float(step_s), call_s)
+
+
+def predict_host(
+    cal: HostCalibration, n: int, algorithm: str, collective: str, count: int,
+    itemsize: int = 4,
+) -> float:  # fmt: skip
+    """The predicted time (seconds) of one out-of-place call on ``n`` host devices of the
+    calibrated machine: the call's fixed cost (measured for ``n`` ranks, else the nearest
+    rank count's) plus its plan simulated on :func:`host_machine`."""
+    from .comm.collectives import COLLECTIVES
+    from .comm.world import HOST_CHUNK_BYTES
+
+    coll = COLLECTIVES[collective]
+    cin, cout = coll.in_count(count, n), coll.out_count(count, n)
+    machine = host_machine(n, cal, count * itemsize, n * (cin + cout) * itemsize)
+    fixed = cal.call_s[min(cal.call_s, key=lambda k: abs(k - n))]
+    return fixed + simulate_collective(machine, algorithm, collective, count,
+                                       itemsize=itemsize, chunk_bytes=HOST_CHUNK_BYTES).time_s  # fmt: skip
 
 
 def calibrate_host(
@@ -652,6 +800,7 @@ __all__: Sequence[str] = [
     "cluster_topology",
     "host_machine",
     "nccl_model_time",
+    "predict_host",
     "simulate",
     "simulate_collective",
 ]

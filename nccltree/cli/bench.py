@@ -1515,6 +1515,11 @@ def main(argv: list[str] | None = None, *, world_factory: drv.WorldFactory | Non
 
             with checking():
                 return run_simulate(args, sys.stdout)
+        if args.command == "calibrate":
+            from ._simulate import run_calibrate
+
+            with checking():
+                return run_calibrate(args, sys.stdout)
         if args.command != "topo" and (args.mpi or mpi_world_size() > 1):
             return _under_mpi(args)
         # first every flag is checked (and Worlds created): errors here run nothing

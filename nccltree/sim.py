@@ -143,22 +143,34 @@ class Machine:
     sync_steps_cost: bool = True
 
     def link_gbps(self, link: Link) -> float:
-        """The rate of one direction of ``link`` (GB/s)."""
+        """The rate of one direction of ``link`` (GB/s). The link's own nominal rate
+        (``link.gbps``: from a topology JSON, or filled by detection from NVML) where it
+        carries one, else the device model's data-sheet figure; either way a PCIe path
+        gets the share of its distance (:data:`PCIE_EFFICIENCY`) and a pair without peer
+        access half (staged through the host)."""
         k = link.kind
         if k in (LinkKind.SELF, LinkKind.SAME_DEVICE):
-            rate = self.device.memory_gbps / 2  # a copy reads and writes the one memory
+            # a copy reads and writes the one memory
+            rate = link.gbps if link.gbps is not None else self.device.memory_gbps / 2
         elif k == LinkKind.NVLINK:
-            rate = link.nvlinks * self.device.nvlink_gbps
+            rate = link.gbps if link.gbps is not None else link.nvlinks * self.device.nvlink_gbps
         elif k == LinkKind.NET:
-            rate = self.net_gbps
+            rate = link.gbps if link.gbps is not None else self.net_gbps
         else:
-            pcie = PCIE_X16_GBPS.get(self.device.pcie_gen, self.device.memory_gbps / 2)
+            pcie = link.gbps
+            if pcie is None:
+                pcie = PCIE_X16_GBPS.get(self.device.pcie_gen, self.device.memory_gbps / 2)
             rate = pcie * PCIE_EFFICIENCY[k]
         if not link.p2p and k != LinkKind.NET:
             rate /= 2  # staged through the host: two transfers
         return rate
 
     def latency_s(self, link: Link) -> float:
+        """One transfer's latency over ``link`` (seconds): the link's own
+        (``link.latency_s``) where it carries one, else :data:`LATENCY_S` by kind
+        (:data:`PCIE_LATENCY_S` for the PCIe kinds)."""
+        if link.latency_s is not None:
+            return link.latency_s
         return LATENCY_S.get(link.kind, PCIE_LATENCY_S)
 
     @functools.cached_property
@@ -483,8 +495,20 @@ def _node_busbw(m: Machine, ranks: Sequence[int]) -> tuple[float, str]:
         links = (
             counts[0] if len(set(counts)) == 1 and len(counts) == len(ranks) - 1 else sum(counts)
         )
-        per_gpu.append(links * m.device.nvlink_gbps)
+        per_gpu.append(links * _nvlink_per_link_gbps(m, a, ranks))
     return min(per_gpu), "nvlink"
+
+
+def _nvlink_per_link_gbps(m: Machine, a: int, ranks: Sequence[int]) -> float:
+    """One NVLink link's rate per direction at rank ``a``: from the rates its NVLink
+    links carry (the slowest per link), else the device model's."""
+    topo = m.topology
+    rates = [
+        link.gbps / link.nvlinks
+        for link in (topo.link(a, b) for b in ranks if b != a)
+        if link.kind == LinkKind.NVLINK and link.gbps is not None
+    ]
+    return min(rates) if rates else m.device.nvlink_gbps
 
 
 def nccl_model_time(m: Machine, collective: str, nbytes: int) -> tuple[float, str]:

@@ -14,6 +14,10 @@ device's memory is a resource with a bandwidth:
 - ``SAME_DEVICE``: the device's own memory;
 - a pair without peer access: half its rate (the copy is staged through the host).
 
+A link that carries its own numbers (``Link.gbps``, ``Link.latency_s``: from a topology
+JSON file, or read from NVML by detection) has them in place of the model's rate and the
+kind's latency (:meth:`Machine.link_gbps`, :meth:`Machine.latency_s`).
+
 **The simulation** (:func:`simulate`): each rank's stream performs its steps in plan order.
 A step starts when its stream is free, the events it waits for are recorded, and the host
 has issued it (one thread issues every step in the plan's global order, at ``issue_s``

@@ -946,8 +946,9 @@ class World:
     def _choose(self, prep: Prepared) -> str:
         if self.algorithm != "auto":
             return self.algorithm
-        # the choice depends only on the size once NCCL's usability is known (asked once,
-        # then kept): remember it, so a repeated call does not walk the table again
+        # the choice depends only on the collective and the size once NCCL's usability is
+        # known (asked once, then kept): remember it, so a repeated call does not walk the
+        # table (or ask the model) again
         key = (prep.collective, prep.nbytes)
         alg = self._auto_choices.get(key)
         if alg is None:

@@ -16,6 +16,10 @@ Every directed link and every device's memory is a resource with a bandwidth:
   buffers live there); each node's network output and input (``NET`` links between nodes
   are not resources of their own: whatever crosses takes the two nodes' network).
 
+A link that carries its own numbers (``Link.gbps``, ``Link.latency_s``: from a topology
+JSON file, or read from NVML by detection) has them in place of the model's rate and the
+kind's latency (:meth:`Machine.link_gbps`, :meth:`Machine.latency_s`).
+
 **The simulation** (:func:`simulate`): each rank's stream performs its steps in plan order.
 A step starts when its stream is free, the events it waits for are recorded, and its
 host thread has issued it (``issuers``: one thread for every rank by default, as an
@@ -150,22 +154,34 @@ class Machine:
     issuers: tuple[int, ...] | None = None
 
     def link_gbps(self, link: Link) -> float:
-        """The rate of one direction of ``link`` (GB/s)."""
+        """The rate of one direction of ``link`` (GB/s). The link's own nominal rate
+        (``link.gbps``: from a topology JSON, or filled by detection from NVML) where it
+        carries one, else the device model's data-sheet figure; either way a PCIe path
+        gets the share of its distance (:data:`PCIE_EFFICIENCY`) and a pair without peer
+        access half (staged through the host)."""
         k = link.kind
         if k in (LinkKind.SELF, LinkKind.SAME_DEVICE):
-            rate = self.device.memory_gbps / 2  # a copy reads and writes the one memory
+            # a copy reads and writes the one memory
+            rate = link.gbps if link.gbps is not None else self.device.memory_gbps / 2
         elif k == LinkKind.NVLINK:
-            rate = link.nvlinks * self.device.nvlink_gbps
+            rate = link.gbps if link.gbps is not None else link.nvlinks * self.device.nvlink_gbps
         elif k == LinkKind.NET:
-            rate = self.net_gbps
+            rate = link.gbps if link.gbps is not None else self.net_gbps
         else:
-            pcie = PCIE_X16_GBPS.get(self.device.pcie_gen, self.device.memory_gbps / 2)
+            pcie = link.gbps
+            if pcie is None:
+                pcie = PCIE_X16_GBPS.get(self.device.pcie_gen, self.device.memory_gbps / 2)
             rate = pcie * PCIE_EFFICIENCY[k]
         if not link.p2p and k != LinkKind.NET:
             rate /= 2  # staged through the host: two transfers
         return rate
 
     def latency_s(self, link: Link) -> float:
+        """One transfer's latency over ``link`` (seconds): the link's own
+        (``link.latency_s``) where it carries one, else :data:`LATENCY_S` by kind
+        (:data:`PCIE_LATENCY_S` for the PCIe kinds)."""
+        if link.latency_s is not None:
+            return link.latency_s
         return LATENCY_S.get(link.kind, PCIE_LATENCY_S)
 
     @functools.cached_property
@@ -258,9 +274,11 @@ def _flow(m: Machine, step: Step, itemsize: int) -> tuple[dict[str, float], floa
             if dst[0] == "dev":
                 add(f"pcie {b} down")
             latency = max(latency, PCIE_LATENCY_S)
-        elif topo.link(a, b).kind != LinkKind.NET:
-            add(f"link {a}->{b}")
-            latency = max(latency, m.latency_s(topo.link(a, b)))
+        else:
+            link = topo.link(a, b)
+            if link.kind != LinkKind.NET or link.gbps is not None:
+                add(f"link {a}->{b}")  # a NET pair only where it carries a rate of its own
+            latency = max(latency, m.latency_s(link))
         if m.nodes[a] != m.nodes[b]:
             add(f"net out {m.nodes[a]}")
             add(f"net in {m.nodes[b]}")
@@ -588,8 +606,20 @@ def _node_busbw(m: Machine, ranks: Sequence[int]) -> tuple[float, str]:
         links = (
             counts[0] if len(set(counts)) == 1 and len(counts) == len(ranks) - 1 else sum(counts)
         )
-        per_gpu.append(links * m.device.nvlink_gbps)
+        per_gpu.append(links * _nvlink_per_link_gbps(m, a, ranks))
     return min(per_gpu), "nvlink"
+
+
+def _nvlink_per_link_gbps(m: Machine, a: int, ranks: Sequence[int]) -> float:
+    """One NVLink link's rate per direction at rank ``a``: from the rates its NVLink
+    links carry (the slowest per link), else the device model's."""
+    topo = m.topology
+    rates = [
+        link.gbps / link.nvlinks
+        for link in (topo.link(a, b) for b in ranks if b != a)
+        if link.kind == LinkKind.NVLINK and link.gbps is not None
+    ]
+    return min(rates) if rates else m.device.nvlink_gbps
 
 
 def nccl_model_time(m: Machine, collective: str, nbytes: int) -> tuple[float, str]:

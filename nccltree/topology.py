@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import warnings
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from . import _smi
 from ._errors import BackendUnavailable
 from ._topo_presets import FLAT_DESCRIPTION, PRESETS
-from ._validate import check_index, check_int
+from ._validate import check_index, check_int, check_real
 
 if TYPE_CHECKING:
     from .backends.base import Device
@@ -100,15 +101,28 @@ _P2P_TOKENS = frozenset({"X", "OK", "CNS", "GNS", "TNS", "NS", "DR", "U"})
 
 @dataclass(frozen=True)
 class Link:
-    """One link of the matrix: its kind, NVLink count (NVLINK only) and peer access."""
+    """One link of the matrix: its kind, NVLink count (NVLINK only) and peer access, and
+    optionally its numbers: ``gbps``, the link's nominal rate in each direction (GB/s,
+    1e9 bytes per second: NVLink links x the rate per link, PCIe lanes x the rate per
+    lane, as detection fills it), and ``latency_s``, one transfer's latency (seconds).
+    ``None`` (the default) leaves them to the simulator's device model (``nccltree.sim``).
+    They are the same in both directions, as the matrix is symmetric."""
 
     kind: LinkKind
     nvlinks: int = 0
     p2p: bool = True
+    gbps: float | None = None
+    latency_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", LinkKind(self.kind))
         object.__setattr__(self, "nvlinks", check_int(self.nvlinks, "nvlinks", min=0))
+        if self.gbps is not None:
+            object.__setattr__(self, "gbps", check_real(self.gbps, "gbps", min=0.0, min_open=True))
+        if self.latency_s is not None:
+            object.__setattr__(self, "latency_s", check_real(self.latency_s, "latency_s", min=0.0))
+        if self.kind == LinkKind.SELF and (self.gbps is not None or self.latency_s is not None):
+            raise ValueError("a SELF link (a device and itself) carries no rate or latency")
         if (self.kind == LinkKind.NVLINK) != (self.nvlinks > 0):
             raise ValueError(
                 f"nvlinks must be >= 1 for an NVLINK link and 0 otherwise, got {self.kind.name} "
@@ -166,6 +180,29 @@ def _is_link_token(tok: str) -> bool:
 
 
 _SELF = Link(LinkKind.SELF)
+
+
+def _json_matrix(data: dict[str, object], field: str, n: int | None) -> list[list[object]] | None:
+    """``data[field]`` as an ``n`` x ``n`` list of lists (square when ``n`` is None), or
+    None where the field is absent; a ``ValueError`` naming the field otherwise."""
+    rows = data.get(field)
+    if rows is None:
+        return None
+    size = len(rows) if isinstance(rows, list) and n is None else n
+    if not (isinstance(rows, list) and len(rows) == size):
+        raise ValueError(
+            f"'{field}' must be a list of {size if size is not None else 'N'} rows, one per "
+            f"device, got {type(rows).__name__}"
+            + (f" of {len(rows)}" if isinstance(rows, list) else "")
+        )
+    for i, row in enumerate(rows):
+        if not (isinstance(row, list) and len(row) == size):
+            got = f"{len(row)} entries" if isinstance(row, list) else type(row).__name__
+            raise ValueError(
+                f"'{field}' row {i} must be a list of {size} entries (the matrix is square, "
+                f"one row and column per device), got {got}"
+            )
+    return rows
 
 
 class Topology:
@@ -389,24 +426,36 @@ class Topology:
         return cls(links, names)
 
     def to_json(self) -> str:
-        """A JSON text that ``from_json`` reads back to an equal topology."""
-        return json.dumps(
-            {
-                "format": "nccltree.topology",
-                "version": 1,
-                "names": list(self._names),
-                "links": [[link.token for link in row] for row in self._links],
-                "p2p": [[link.p2p for link in row] for row in self._links],
-            }
-        )
+        """A JSON text that ``from_json`` reads back to an equal topology.
+
+        An object with ``format`` ``"nccltree.topology"``, ``version`` 1, ``names`` (one
+        per device), ``links`` (the N x N matrix of nvidia-smi tokens: ``X``, ``NV4``,
+        ``PIX``...) and ``p2p`` (N x N booleans, peer access); where some link carries
+        numbers, also ``gbps`` (N x N: GB/s per direction, or null) and ``latency_s``
+        (N x N: seconds, or null), each written only when some link has it."""
+        data: dict[str, object] = {
+            "format": "nccltree.topology",
+            "version": 1,
+            "names": list(self._names),
+            "links": [[link.token for link in row] for row in self._links],
+            "p2p": [[link.p2p for link in row] for row in self._links],
+        }
+        if any(link.gbps is not None for row in self._links for link in row):
+            data["gbps"] = [[link.gbps for link in row] for row in self._links]
+        if any(link.latency_s is not None for row in self._links for link in row):
+            data["latency_s"] = [[link.latency_s for link in row] for row in self._links]
+        return json.dumps(data)
 
     @classmethod
-    def from_json(cls, text: str) -> Topology:
-        """Read a topology written by ``to_json``."""
+    def from_json(cls, text: str | bytes) -> Topology:
+        """Read a topology written by ``to_json`` (or by hand, in the same format).
+
+        Malformed input is a ``ValueError`` naming the field and what it expected
+        (``names``, ``gbps`` and ``latency_s`` are optional; ``p2p`` is not)."""
         if not isinstance(text, (str, bytes, bytearray)):
             raise TypeError(f"expected JSON text, got {type(text).__name__}")
         try:
-            data: Any = json.loads(text)
+            data: object = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"not a JSON topology: {exc}") from None
         if not isinstance(data, dict) or data.get("format") != "nccltree.topology":
@@ -417,16 +466,63 @@ class Topology:
             raise ValueError(
                 f"unsupported topology JSON version {data.get('version')!r} (accepted: 1)"
             )
-        tokens, p2p, names = data.get("links"), data.get("p2p"), data.get("names")
-        if not (isinstance(tokens, list) and isinstance(p2p, list) and len(tokens) == len(p2p)):
-            raise ValueError("a JSON topology needs 'links' and 'p2p' matrices of one size")
-        links = []
-        for i, (trow, prow) in enumerate(zip(tokens, p2p, strict=True)):
-            if not (isinstance(trow, list) and isinstance(prow, list) and len(trow) == len(prow)):
-                raise ValueError(f"row {i} of 'links' and 'p2p' differ in shape")
-            links.append(
-                [Link.from_token(str(t), bool(p)) for t, p in zip(trow, prow, strict=True)]
+        tokens = _json_matrix(data, "links", None)
+        if tokens is None or not tokens:
+            raise ValueError(
+                "a JSON topology needs 'links': a non-empty square list of lists of link "
+                "tokens (X, NV#, BRD, DEV, PIX, PXB, PHB, NODE, SYS, SOC, NET)"
             )
+        n = len(tokens)
+        p2p = _json_matrix(data, "p2p", n)
+        if p2p is None:
+            raise ValueError(
+                f"a JSON topology needs 'p2p': {n} x {n} booleans (peer access), like 'links'"
+            )
+        gbps = _json_matrix(data, "gbps", n)
+        latency = _json_matrix(data, "latency_s", n)
+        names = data.get("names")
+        if names is not None and not (
+            isinstance(names, list) and len(names) == n and all(isinstance(x, str) for x in names)
+        ):
+            raise ValueError(f"'names' must be a list of {n} strings, got {names!r}")
+        links = []
+        for i in range(n):
+            row = []
+            for j in range(n):
+                where = f"[{i}][{j}]"
+                tok, peer = tokens[i][j], p2p[i][j]
+                if not isinstance(tok, str):
+                    raise ValueError(f"links{where} must be a link token (a string), got {tok!r}")
+                if not isinstance(peer, bool):
+                    raise ValueError(f"p2p{where} must be true or false, got {peer!r}")
+                rate = None if gbps is None else gbps[i][j]
+                lat = None if latency is None else latency[i][j]
+                for field, value, what in (
+                    ("gbps", rate, "a number of GB/s > 0"),
+                    ("latency_s", lat, "a number of seconds >= 0"),
+                ):
+                    if value is None:
+                        continue
+                    if (
+                        isinstance(value, bool)
+                        or not isinstance(value, (int, float))
+                        or not math.isfinite(value)
+                        or value < 0
+                        or (value == 0 and field == "gbps")
+                    ):
+                        raise ValueError(f"{field}{where} must be {what}, or null; got {value!r}")
+                try:
+                    link = Link.from_token(tok, peer)
+                    if rate is not None or lat is not None:
+                        link = dataclasses.replace(
+                            link,
+                            gbps=None if rate is None else float(cast(float, rate)),
+                            latency_s=None if lat is None else float(cast(float, lat)),
+                        )
+                except ValueError as exc:
+                    raise ValueError(f"links{where}: {exc}") from None
+                row.append(link)
+            links.append(row)
         return cls(links, names)
 
     # -- printing ----------------------------------------------------------------------
@@ -515,6 +611,45 @@ _P2P_CAPS_READ = 0
 _P2P_CAPS_NVLINK = 2
 _P2P_STATUS_OK = 0
 _NVLINK_REMOTE_SWITCH = 2
+
+# -- link rates from NVML: nominal, per direction, GB/s = 1e9 B/s --------------------------
+#: One NVLink link's rate per direction, by NVLink version: the NVLink bandwidth NVIDIA's
+#: data sheets give (both directions, every link) / links / 2. 1.0: Tesla P100, 160 GB/s
+#: over 4 links; 2.0: Tesla V100, 300 GB/s over 6; 3.0: A100, 600 GB/s over 12; 4.0:
+#: H100 SXM, 900 GB/s over 18; 5.0: B200, 1.8 TB/s over 18. Versions NVML names but no
+#: data sheet here pins down (2.2, 3.1, 6.0) are left out: their links get no rate.
+NVLINK_LINK_GBPS = {"1.0": 20.0, "2.0": 25.0, "3.0": 25.0, "4.0": 25.0, "5.0": 50.0}
+#: What ``nvmlDeviceGetNvLinkVersion`` returns (NVML's ``nvmlNvlinkVersion_t``)
+NVML_NVLINK_VERSION = {
+    1: "1.0",
+    2: "2.0",
+    3: "2.2",
+    4: "3.0",
+    5: "3.1",
+    6: "4.0",
+    7: "5.0",
+    8: "6.0",
+}
+#: One PCIe lane's rate per direction, by generation, from the PCI Express Base
+#: Specification's signalling rate and encoding: 2.5 and 5 GT/s with 8b/10b (1.0, 2.0);
+#: 8, 16 and 32 GT/s with 128b/130b (3.0: 0.985, 4.0: 1.969, 5.0: 3.938 GB/s). x16 is 16
+#: lanes (``nccltree.sim.PCIE_X16_GBPS``).
+PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938}
+
+
+def nvlink_gbps(version: int) -> float | None:
+    """One NVLink link's rate per direction (GB/s) for the version number NVML reports
+    (:data:`NVML_NVLINK_VERSION`); None where it is not known."""
+    return NVLINK_LINK_GBPS.get(NVML_NVLINK_VERSION.get(version, ""))
+
+
+def pcie_gbps(generation: int, width: int) -> float | None:
+    """A PCIe link's rate per direction (GB/s): ``width`` lanes of ``generation``
+    (:data:`PCIE_LANE_GBPS`); None where either is not known."""
+    lane = PCIE_LANE_GBPS.get(generation)
+    return None if lane is None or width <= 0 else round(lane * width, 3)
+
+
 _BUS_ID = re.compile(r"([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)\.([0-7])")
 
 
@@ -580,11 +715,17 @@ def links_by_bus(buses: Sequence[str]) -> list[list[Link]]:
 
 def _detect_by_nvml(nvml: Any, buses: list[str]) -> list[list[Link]]:
     def ask(default: Any, fn: Any, *args: Any) -> Any:
-        # NVML answers "not supported" for absent features (no NVLink, no board id).
+        # NVML answers "not supported" for absent features (no NVLink, no board id); an
+        # older pynvml lacks the newer functions (fn None)
+        if fn is None:
+            return default
         try:
             return fn(*args)
         except nvml.NVMLError:
             return default
+
+    def optional(name: str) -> Any:
+        return getattr(nvml, name, None)
 
     phys = [_bus_key(b) for b in buses]  # a GPU is named by its bus id here
     uniq = sorted(set(phys))
@@ -592,11 +733,16 @@ def _detect_by_nvml(nvml: Any, buses: list[str]) -> list[list[Link]]:
     handle = {p: nvml.nvmlDeviceGetHandleByPciBusId(name[p]) for p in uniq}
     direct: dict[tuple[int, ...], dict[tuple[int, ...], int]] = {}
     to_switch: dict[tuple[int, ...], int] = {}
+    per_link: dict[tuple[int, ...], float | None] = {}  # a GPU's NVLink rate per link
+    pcie: dict[tuple[int, ...], float | None] = {}  # a GPU's PCIe rate
     for p in uniq:
         direct[p], to_switch[p] = {}, 0
+        rates: set[float | None] = set()
         for link in range(nvml.NVML_NVLINK_MAX_LINKS):
             if ask(0, nvml.nvmlDeviceGetNvLinkState, handle[p], link) != 1:
                 continue
+            version = ask(None, optional("nvmlDeviceGetNvLinkVersion"), handle[p], link)
+            rates.add(None if version is None else nvlink_gbps(int(version)))
             if (
                 ask(-1, nvml.nvmlDeviceGetNvLinkRemoteDeviceType, handle[p], link)
                 == _NVLINK_REMOTE_SWITCH
@@ -607,6 +753,16 @@ def _detect_by_nvml(nvml: Any, buses: list[str]) -> list[list[Link]]:
             if remote is not None:
                 key = _bus_key(remote.busId)
                 direct[p][key] = direct[p].get(key, 0) + 1
+        # a rate only where every active link's version is known (the slowest if mixed)
+        per_link[p] = None if not rates or None in rates else min(cast("set[float]", rates))
+        # the most the GPU and its slot agree on (the current figures drop when idle)
+        gen = ask(None, optional("nvmlDeviceGetMaxPcieLinkGeneration"), handle[p])
+        if gen is None:
+            gen = ask(None, optional("nvmlDeviceGetCurrPcieLinkGeneration"), handle[p])
+        width = ask(None, optional("nvmlDeviceGetMaxPcieLinkWidth"), handle[p])
+        if width is None:
+            width = ask(None, optional("nvmlDeviceGetCurrPcieLinkWidth"), handle[p])
+        pcie[p] = None if gen is None or width is None else pcie_gbps(int(gen), int(width))
     board = {}
     for p in uniq:
         if ask(0, nvml.nvmlDeviceGetMultiGpuBoard, handle[p]):
@@ -623,11 +779,16 @@ def _detect_by_nvml(nvml: Any, buses: list[str]) -> list[list[Link]]:
             if ask(-1, nvml.nvmlDeviceGetP2PStatus, hp, hq, _P2P_CAPS_NVLINK) == _P2P_STATUS_OK:
                 nvlinks = min(to_switch[p], to_switch[q])
         if nvlinks:
-            return Link(LinkKind.NVLINK, nvlinks, p2p)
+            rp, rq = per_link[p], per_link[q]
+            rate = None if rp is None or rq is None else nvlinks * min(rp, rq)
+            return Link(LinkKind.NVLINK, nvlinks, p2p, gbps=rate)
+        # over PCIe: the narrower end's rate
+        ep, eq = pcie[p], pcie[q]
+        rate = None if ep is None or eq is None else min(ep, eq)
         if board.get(p) is not None and board.get(p) == board.get(q):
-            return Link(LinkKind.SAME_BOARD, 0, p2p)
+            return Link(LinkKind.SAME_BOARD, 0, p2p, gbps=rate)
         level = ask(50, nvml.nvmlDeviceGetTopologyCommonAncestor, hp, hq)
-        return Link(_NVML_LEVEL_KIND.get(level, LinkKind.SYS), 0, p2p)
+        return Link(_NVML_LEVEL_KIND.get(level, LinkKind.SYS), 0, p2p, gbps=rate)
 
     cache = {(p, q): pair(p, q) for p in uniq for q in uniq if p <= q}
     n = len(phys)

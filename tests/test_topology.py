@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import types
@@ -509,6 +510,31 @@ def topologies(draw, max_n: int = 12) -> Topology:
     return Topology([[links[min(i, j)][max(i, j)] for j in range(n)] for i in range(n)])
 
 
+@st.composite
+def numbered(draw, link_strategy=_LINKS) -> Link:
+    """A link of ``_LINKS``, with or without a rate and a latency."""
+    link = draw(link_strategy)
+    if link.kind == K.SELF:
+        return link
+    gbps = draw(st.none() | st.floats(1e-3, 1e4, allow_nan=False, allow_infinity=False))
+    lat = draw(st.none() | st.floats(0, 1e-3, allow_nan=False, allow_infinity=False))
+    return dataclasses.replace(link, gbps=gbps, latency_s=lat)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_json_round_trip_with_numbers(data):
+    n = data.draw(st.integers(1, 8))
+    links = [[Link(K.SELF)] * n for _ in range(n)]
+    for i in range(n):
+        for j in range(i + 1, n):
+            links[i][j] = links[j][i] = data.draw(numbered())
+    topo = Topology(links)
+    text = topo.to_json()
+    assert Topology.from_json(text) == topo
+    assert Topology.from_json(text).to_json() == text
+
+
 @settings(max_examples=40, deadline=None)
 @given(topologies())
 def test_json_round_trip(topo):
@@ -545,13 +571,95 @@ def test_json_keeps_names():
                     "p2p": [[True]],
                 }
             ),
-            "differ in shape",
+            r"'links' row 0 must be a list of 1 entries",
         ),
     ],
 )
 def test_from_json_malformed(text, message):
     with pytest.raises(ValueError, match=message):
         Topology.from_json(text)
+
+
+def _two(**fields):
+    """A JSON topology of two PIX-linked devices, with ``fields`` replaced."""
+    data = {
+        "format": "nccltree.topology",
+        "version": 1,
+        "links": [["X", "PIX"], ["PIX", "X"]],
+        "p2p": [[True, True], [True, True]],
+    }
+    data.update(fields)
+    return json.dumps({k: v for k, v in data.items() if v is not None})
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (_two(links=[]), r"needs 'links': a non-empty square list"),
+        (_two(links="PIX"), r"'links' must be a list of N rows, one per device, got str"),
+        (
+            _two(p2p=[[True, True]]),
+            r"'p2p' must be a list of 2 rows, one per device, got list of 1",
+        ),
+        (_two(p2p=[[True, True], [True, 1]]), r"p2p\[1\]\[1\] must be true or false, got 1"),
+        (_two(links=[["X", 4], ["PIX", "X"]]), r"links\[0\]\[1\] must be a link token"),
+        (_two(links=[["X", "NVX"], ["NVX", "X"]]), r"links\[0\]\[1\]: unknown link token"),
+        (_two(gbps=[[None, -1], [-1, None]]), r"gbps\[0\]\[1\] must be a number of GB/s > 0"),
+        (_two(gbps=[[None, 0], [0, None]]), r"gbps\[0\]\[1\] must be a number of GB/s > 0"),
+        (_two(gbps=[[None, "fast"], ["fast", None]]), r"gbps\[0\]\[1\] .* got 'fast'"),
+        (_two(gbps=[[None, True], [True, None]]), r"gbps\[0\]\[1\] .* got True"),
+        (_two(gbps=[[None, 1.0]]), r"'gbps' must be a list of 2 rows"),
+        (_two(gbps=[[None, 1.0], [None]]), r"'gbps' row 1 must be a list of 2 entries"),
+        (_two(gbps=[[1.0, 2.0], [2.0, None]]), r"links\[0\]\[0\]: a SELF link .* no rate"),
+        (_two(gbps=[[None, 2.0], [3.0, None]]), r"symmetric"),
+        (
+            _two(latency_s=[[None, -2], [-2, None]]),
+            r"latency_s\[0\]\[1\] must be a number of seconds",
+        ),
+        (_two(names=["a"]), r"'names' must be a list of 2 strings, got \['a'\]"),
+        (_two(names=["a", 1]), r"'names' must be a list of 2 strings"),
+    ],
+)
+def test_from_json_says_which_field(text, message):
+    with pytest.raises(ValueError, match=message):
+        Topology.from_json(text)
+
+
+def test_json_carries_link_numbers():
+    s = Link(K.SELF)
+    nv = Link(K.NVLINK, 4, gbps=100.0, latency_s=2e-6)
+    pcie = Link(K.PIX, gbps=31.5)
+    plain = Link(K.SYS, p2p=False)
+    topo = Topology([[s, nv, pcie], [nv, s, plain], [pcie, plain, s]])
+    data = json.loads(topo.to_json())
+    assert data["gbps"] == [[None, 100.0, 31.5], [100.0, None, None], [31.5, None, None]]
+    assert data["latency_s"][0][1] == 2e-6
+    assert data["latency_s"][0][2] is None
+    back = Topology.from_json(topo.to_json())
+    assert back == topo
+    assert back.link(1, 0).gbps == 100.0 and back.link(0, 1).latency_s == pytest.approx(2e-6)
+    # without numbers the text is as before: no gbps or latency_us fields
+    assert "gbps" not in json.loads(Topology.preset("dgx1").to_json())
+
+
+def test_json_by_hand_gives_numbers_where_written():
+    text = _two(gbps=[[None, 12], [12, None]])
+    topo = Topology.from_json(text)
+    assert topo.link(0, 1) == Link(K.PIX, gbps=12.0)
+    assert topo.link(0, 1).latency_s is None
+
+
+def test_link_numbers_are_checked():
+    with pytest.raises(ValueError, match="gbps must be > 0"):
+        Link(K.PIX, gbps=0)
+    with pytest.raises(ValueError, match="latency_s must be >= 0"):
+        Link(K.PIX, latency_s=-1e-6)
+    with pytest.raises(TypeError, match="gbps must be a real number"):
+        Link(K.PIX, gbps="1")
+    with pytest.raises(ValueError, match="SELF link"):
+        Link(K.SELF, latency_s=1e-6)
+    assert Link(K.NVLINK, 2, gbps=50) == Link(K.NVLINK, 2, gbps=50.0)
+    assert Link(K.NVLINK, 2, gbps=50) != Link(K.NVLINK, 2)
 
 
 def test_from_json_type_error():
@@ -603,12 +711,17 @@ class FakeNVMLError(Exception):
     pass
 
 
-def fake_machine(monkeypatch):
+def fake_machine(monkeypatch, nvlink_version=None, pcie=None, curr_pcie=None):
     """Four GPUs as CUDA numbers them 0..3, listed by NVML in another (PCI) order.
 
     Sockets: CUDA 0, 2, 3 and CUDA 1, 4, 5. CUDA 0-1: two direct NVLinks across the
     sockets. CUDA 2-3: one K80-style board. CUDA 4-5: twelve NVLinks each into NVSwitch.
     Peer access within a socket and over NVLink.
+
+    ``nvlink_version`` (CUDA number -> what nvmlDeviceGetNvLinkVersion returns),
+    ``pcie`` and ``curr_pcie`` (CUDA number -> (generation, width), the Max and Curr
+    queries) add those functions; without them the fake has none of them, as an older
+    pynvml. A fake of NVML checks the wiring only, not what a real driver answers.
     """
     bus = [
         "0000:3B:00.0",
@@ -664,6 +777,25 @@ def fake_machine(monkeypatch):
     nvml.nvmlDeviceGetBoardId = lambda h: board[h]
     nvml.nvmlDeviceGetP2PStatus = p2p_status
     nvml.nvmlDeviceGetTopologyCommonAncestor = ancestor
+
+    def table(values, index):
+        def ask(h, *link):
+            if h not in values:
+                raise FakeNVMLError("not supported")
+            if link:
+                need_nvlink(h, link[0])  # only active links have a version
+            return values[h] if index is None else values[h][index]
+
+        return ask
+
+    if nvlink_version is not None:
+        nvml.nvmlDeviceGetNvLinkVersion = table(nvlink_version, None)
+    if pcie is not None:
+        nvml.nvmlDeviceGetMaxPcieLinkGeneration = table(pcie, 0)
+        nvml.nvmlDeviceGetMaxPcieLinkWidth = table(pcie, 1)
+    if curr_pcie is not None:
+        nvml.nvmlDeviceGetCurrPcieLinkGeneration = table(curr_pcie, 0)
+        nvml.nvmlDeviceGetCurrPcieLinkWidth = table(curr_pcie, 1)
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
 
     runtime = SimpleNamespace(
@@ -699,6 +831,62 @@ def test_detect_cuda_through_nvml(monkeypatch):
         ".1..111",
     ]
     assert calls == ["init", "shutdown"]
+
+
+def test_detect_cuda_through_nvml_fills_link_rates(monkeypatch):
+    """NVLink version x link count and PCIe generation x width become each link's rate
+    (the narrower end's over PCIe). A fake of NVML: this checks the wiring, not what a
+    real driver reports."""
+    fake_machine(
+        monkeypatch,
+        nvlink_version={0: 2, 1: 2, 4: 6, 5: 6},  # NVLink 2.0 (V100), 4.0 (H100)
+        pcie={0: (3, 16), 1: (3, 16), 2: (4, 16), 3: (4, 8), 4: (5, 16), 5: (5, 16)},
+    )
+    topo = Topology.detect(fake_devices("cuda", [0, 1, 2, 3, 4, 5, 1]))
+    rate = [[topo.link(i, j).gbps for j in range(topo.n)] for i in range(topo.n)]
+    assert rate[0][1] == 2 * 25.0  # two NVLink 2.0 links
+    assert rate[4][5] == 12 * 25.0  # twelve NVLink 4.0 links into the switch
+    assert rate[2][3] == pytest.approx(8 * 1.969)  # the board: gen 4, the x8 end
+    assert rate[0][2] == pytest.approx(16 * 0.985)  # NODE: gen 3 x16 against gen 4 x16
+    assert rate[1][4] == pytest.approx(16 * 0.985)
+    assert rate[1][6] is None  # one GPU twice: its memory, the device model's figure
+    assert all(topo.link(i, j).latency_s is None for i in range(7) for j in range(7))
+    # the kinds and peer access are those detected without the numbers
+    fake_machine(monkeypatch)
+    plain = Topology.detect(fake_devices("cuda", [0, 1, 2, 3, 4, 5, 1]))
+    assert tokens(plain) == tokens(topo) and p2p_rows(plain) == p2p_rows(topo)
+    assert all(plain.link(i, j).gbps is None for i in range(7) for j in range(7))
+
+
+def test_detect_cuda_link_rates_only_where_nvml_tells(monkeypatch):
+    """Unknown NVLink versions (2.2, a future one) and generations give no rate; the
+    current PCIe figures stand in where the maximum ones are not answered. A fake of
+    NVML: wiring only."""
+    fake_machine(
+        monkeypatch,
+        nvlink_version={0: 3, 1: 3, 4: 4, 5: 99},
+        pcie={0: (3, 16), 1: (9, 16)},
+        curr_pcie={2: (4, 16), 3: (4, 16)},
+    )
+    topo = Topology.detect(fake_devices("cuda", [0, 1, 2, 3, 4, 5]))
+    assert topo.link(0, 1).gbps is None  # NVLink 2.2: no data sheet here
+    assert topo.link(4, 5).gbps is None  # one end's version unknown
+    assert topo.link(2, 3).gbps == pytest.approx(16 * 1.969)  # the current figures
+    assert topo.link(0, 2).gbps == pytest.approx(16 * 0.985)  # max on one end, current
+    assert topo.link(0, 4).gbps is None  # GPU 4 answers no PCIe query
+    assert topo.link(1, 2).gbps is None  # generation 9 is unknown
+
+
+def test_link_rate_constants():
+    from nccltree import sim, topology
+
+    assert topology.nvlink_gbps(1) == 20.0  # NVLink 1.0
+    assert [topology.nvlink_gbps(v) for v in (2, 4, 6)] == [25.0] * 3  # 2.0, 3.0, 4.0
+    assert topology.nvlink_gbps(3) is None and topology.nvlink_gbps(0) is None
+    # x16 at each generation is the simulator's data-sheet PCIe figure
+    for gen, x16 in sim.PCIE_X16_GBPS.items():
+        assert topology.pcie_gbps(gen, 16) == pytest.approx(x16, rel=2e-3)
+    assert topology.pcie_gbps(4, 0) is None and topology.pcie_gbps(7, 16) is None
 
 
 def test_detect_cuda_without_nvml_warns_and_uses_peer_access(monkeypatch):

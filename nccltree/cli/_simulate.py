@@ -16,6 +16,9 @@ from ._common import ExitStatus, Parser, UsageError, check_output
 if TYPE_CHECKING:
     from ..sim import HostCalibration
 
+if TYPE_CHECKING:
+    from ..topology import Topology
+
 SIM_ALGORITHMS = ("tree", "ring", "direct", "nccl-model")
 NCCL_MODELED = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 PROCESSES = {"one": "one process", "node": "a process per node", "gpu": "a process per GPU"}
@@ -27,17 +30,32 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
         help="predict the collectives table on a machine you do not have",
         description="Build the plans nccltree would run and simulate them on a link model "
         "of a machine (nccltree.sim): each link's rate from the topology and the device "
-        "model's data sheet, each device's memory bandwidth, the host's cost of issuing "
-        "a step, flows sharing links fairly. Prints predicted time, algbw and busbw, with "
-        "the columns of `collectives`. A model, not a measurement: see docs/benchmarks.md. "
-        "64 ranks over 8 nodes take about half a minute for a sweep of 21 sizes and four "
+        "model's data sheet (or the link's own rate, where a topology JSON file carries "
+        "one), each device's memory bandwidth, the host's cost of issuing a step, flows "
+        "sharing links fairly. Prints predicted time, algbw and busbw, with the columns "
+        "of `collectives`. A model, not a measurement: see docs/benchmarks.md. 64 ranks "
+        "over 8 nodes take about half a minute for a sweep of 21 sizes and four "
         "algorithms.",
     )
     src = s.add_mutually_exclusive_group(required=True)
-    src.add_argument("--topo", metavar="PRESET", help="dgx1, nvswitch8, k80x4, pcie2s8, "
-                     "flat:N; or cpu:N with --calibration (N host devices of the calibrated "
-                     "machine)")  # fmt: skip
-    src.add_argument("--smi", metavar="FILE", help="a saved `nvidia-smi topo -m` output")
+    src.add_argument(
+        "--topo",
+        metavar="PRESET|FILE",
+        help="a preset (dgx1, nvswitch8, k80x4, pcie2s8, flat:N), or a topology JSON "
+        "file: the format of Topology.to_json, which `nccltree-bench topo --json FILE` "
+        "writes (with the link rates GPU detection read from NVML). Its optional 'gbps' "
+        "(GB/s per direction) and 'latency_s' (seconds) matrices give links their own "
+        "numbers, which replace the --gpu model's data-sheet figures for those links "
+        "(null: the model's). A preset name wins over a file of that name (./NAME for "
+        "the file); or cpu:N with --calibration (N host devices of the calibrated "
+        "machine)",
+    )
+    src.add_argument(
+        "--smi",
+        metavar="FILE",
+        help="a saved `nvidia-smi topo -m` output (link kinds only: every rate comes from "
+        "the --gpu model)",
+    )
     s.add_argument("--gpu", default="h100", help="device model: v100, a100, h100, h200, "
                    "rtx4090, host (default: %(default)s)")  # fmt: skip
     s.add_argument("--calibration", metavar="FILE", help="predict the host backend from "
@@ -186,13 +204,16 @@ def run_simulate(args: argparse.Namespace, out: TextIO) -> int:
         cal = _load_calibration(args.calibration)
         topo = Topology.preset(f"flat:{n_host}")
     elif args.topo:
-        try:
-            topo = Topology.preset(args.topo)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
+        topo = load_topology(args.topo)
     else:
-        with open(args.smi, encoding="utf-8") as f:
-            topo = Topology.from_smi(f.read())
+        try:
+            with open(args.smi, encoding="utf-8") as f:
+                topo = Topology.from_smi(f.read())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--smi {args.smi}: {exc}") from None
+    numbered = sum(
+        topo.link(i, j).gbps is not None for i in range(topo.n) for j in range(topo.n) if i != j
+    )
     if args.nodes > 1:
         topo = sim.cluster_topology(topo, args.nodes)
     n = topo.n
@@ -222,6 +243,10 @@ def run_simulate(args: argparse.Namespace, out: TextIO) -> int:
         "issue_us": args.issue_us, "processes": processes,
         "source": "calibrate" if cal else sim.DEVICES[args.gpu].source,
     }  # fmt: skip
+    if numbered:
+        print(f"# {numbered} of {topo.n * (topo.n - 1)} links carry their own rates (GB/s "
+              f"per direction, from {args.topo}); the others the device model's", file=out)  # fmt: skip
+        desc["links_with_rates"] = numbered
     records: list[drv.BenchRecord] = []
     for name in colls:
         coll = COLLECTIVES[name]
@@ -260,3 +285,34 @@ def run_simulate(args: argparse.Namespace, out: TextIO) -> int:
 
         plot_collectives(args.plot, records)
     return ExitStatus.OK
+
+
+def load_topology(value: str) -> Topology:
+    """``--topo``: a preset by name, else a topology JSON file; a :class:`UsageError`
+    saying which of the two failed and why."""
+    import os
+
+    from ..topology import Topology
+
+    presets = Topology.presets()
+    if value in presets or value.startswith("flat:"):
+        try:
+            return Topology.preset(value)
+        except ValueError as exc:
+            raise UsageError(f"--topo {value}: {exc}") from None
+    if not os.path.exists(value):
+        raise UsageError(
+            f"--topo {value}: neither a preset ({', '.join(presets)}) nor a file (no such file)"
+        )
+    try:
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--topo {value}: cannot read the file: {exc}") from None
+    try:
+        return Topology.from_json(text)
+    except ValueError as exc:
+        hint = ""
+        if not text.lstrip().startswith("{"):
+            hint = " (a saved `nvidia-smi topo -m` output goes to --smi)"
+        raise UsageError(f"--topo {value}: not a topology JSON file: {exc}{hint}") from None

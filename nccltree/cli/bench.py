@@ -1117,6 +1117,8 @@ def resolve_topology(args: argparse.Namespace) -> tuple[Topology, str, Tree]:
 
     if args.dot:
         check_output("--dot", args.dot)
+    if args.json:
+        check_output("--json", args.json)
     if args.preset:
         topo, where = Topology.preset(args.preset), f"preset {args.preset}"
     elif args.smi:
@@ -1134,10 +1136,23 @@ def run_topo(topo: Topology, where: str, tree: Tree, args: argparse.Namespace, o
     print(f"# topology ({where}, {topo.n} devices)", file=out)
     print(str(topo), file=out)
     print("", file=out)
+    rates = [[topo.link(i, j).gbps for j in range(topo.n)] for i in range(topo.n)]
+    if any(r is not None for row in rates for r in row):
+        print("Link rates (GB/s per direction; -: none known, the simulator's device model "
+              "decides):", file=out)  # fmt: skip
+        width = max(6, *(len(x) for x in topo.names)) + 2
+        print(" " * width + "".join(x.ljust(width) for x in topo.names).rstrip(), file=out)
+        for i, (name, row) in enumerate(zip(topo.names, rates, strict=True)):
+            cells = [" X" if i == j else "-" if r is None else f"{r:g}" for j, r in enumerate(row)]
+            print(name.ljust(width) + "".join(c.ljust(width) for c in cells).rstrip(), file=out)
+        print("", file=out)
     print(str(tree), file=out, flush=True)
     if args.dot:
         with write_output(args.dot) as f:
             f.write(topology_dot(topo, tree))
+    if args.json:
+        with write_output(args.json) as f:
+            f.write(topo.to_json() + "\n")
     return ExitStatus.OK
 
 
@@ -1484,6 +1499,12 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--smi", metavar="FILE", help="a saved `nvidia-smi topo -m` output")
     g.add_argument("--root", type=int, default=None, help="root the tree at this rank")
     g.add_argument("--dot", metavar="FILE", help="also write the graph as Graphviz dot")
+    g.add_argument(
+        "--json",
+        metavar="FILE",
+        help="also write the topology as JSON (Topology.to_json: link kinds, peer access "
+        "and the link rates detection read from NVML), for `simulate --topo FILE`",
+    )
     from ._simulate import add_parser as add_simulate
 
     add_simulate(sub)

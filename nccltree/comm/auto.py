@@ -17,12 +17,14 @@ are not measured yet.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ..backends.base import Device
     from ..topology import Topology
+    from .plan import Plan
 
 UNIFORM_PEER = "uniform-peer"  # every pair of devices has the same link, with peer access
 OTHER = "other"
@@ -101,3 +103,142 @@ def choose_rule(backend: str, topo_class: str, nbytes: int, usable: Callable[[st
         if rule.holds(nbytes) and usable(rule.algorithm):
             return rule
     raise AssertionError(f"no auto rule for {nbytes} B on {backend}/{topo_class}")
+
+
+# -- consulting the simulator (NCCLTREE_AUTO=model) ------------------------------------------
+#
+# The GPU rules above are guesses nobody measured. With NCCLTREE_AUTO=model a CUDA World
+# asks the simulator (nccltree.sim) instead wherever the table picks a hand-built
+# algorithm: it simulates the tree, ring and direct plans of the call on a Machine made of
+# the World's topology (with the link rates detection read) and the GPU's device model,
+# and takes the fastest. Where the table picks NCCL, NCCL stays. Off by default until a GPU
+# run has confirmed the model's choices.
+
+AUTO_ENV = "NCCLTREE_AUTO"
+AUTO_MODES = ("table", "model")
+#: the device model taken where no model's name matches the GPU's
+DEFAULT_DEVICE_MODEL = "h100"
+
+
+def auto_mode(value: str | None = None) -> str:
+    """``table`` or ``model``: ``value``, else ``NCCLTREE_AUTO`` (unset: ``table``). An
+    unknown value warns and counts as ``table`` (not worth failing a training run for)."""
+    import os
+
+    raw = os.environ.get(AUTO_ENV, "") if value is None else value
+    mode = raw.strip().lower() or "table"
+    if mode not in AUTO_MODES:
+        import warnings
+
+        warnings.warn(
+            f"{AUTO_ENV}={raw!r}: accepted values are {', '.join(AUTO_MODES)} (or unset); "
+            "using table",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return "table"
+    return mode
+
+
+def device_model_for(gpu_name: str) -> tuple[str, str]:
+    """(the key of ``nccltree.sim.DEVICES`` whose model the GPU's name names, a note):
+    ``"NVIDIA H100 80GB HBM3"`` is ``h100``, ``"Tesla V100-SXM2-16GB"`` ``v100``,
+    ``"NVIDIA GeForce RTX 4090"`` ``rtx4090``; where none matches, ``h100`` and a note
+    saying so (the note is empty otherwise)."""
+    import re
+
+    from ..sim import DEVICES
+
+    low = gpu_name.lower()
+    for key in DEVICES:
+        if key == "host":
+            continue
+        m = re.fullmatch(r"([a-z]+)(\d+)", key)
+        body = f"{m.group(1)}[ -]?{m.group(2)}" if m else re.escape(key)
+        # a whole model number: "a100" is not in "A1000"
+        if re.search(rf"(?<![a-z0-9]){body}(?![0-9])", low):
+            return key, ""
+    known = ", ".join(k for k in DEVICES if k != "host")
+    return DEFAULT_DEVICE_MODEL, (
+        f"no device model matches GPU {gpu_name!r} (known: {known}); the "
+        f"{DEFAULT_DEVICE_MODEL} model's figures stand in"
+    )
+
+
+def gpu_name(devices: Sequence[Device]) -> str:
+    """The model name of the first device's GPU, as CUDA reports it (``""`` where it
+    cannot be asked)."""
+    try:
+        import cupy
+
+        props = cupy.cuda.runtime.getDeviceProperties(int(getattr(devices[0], "physical_id", 0)))
+    except Exception:  # noqa: BLE001 - a name is only a hint; the default model stands in
+        return ""
+    name = props.get("name", b"")
+    return name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name)
+
+
+def size_class(nbytes: int) -> int:
+    """The size class of a message of ``nbytes`` per rank: the smallest power of two
+    holding it (0 for an empty one)."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """What the model chose for one (collective, size class): the algorithm, every
+    candidate's predicted time (seconds), and the device model used."""
+
+    algorithm: str
+    predicted_s: dict[str, float]
+    device: str
+    nbytes: int  # the call simulated: bytes per rank
+
+    @property
+    def why(self) -> str:
+        times = ", ".join(f"{a} {t * 1e6:.1f} us" for a, t in self.predicted_s.items())
+        return (
+            f"the simulator's prediction on the {self.device} device model for "
+            f"{self.nbytes} B per rank: {times} (NCCLTREE_AUTO=model)"
+        )
+
+
+class ModelChooser:
+    """``auto`` consulting the simulator, for one World: the fastest of the hand-built
+    plans on a ``Machine`` of ``topology`` and the GPU's device model, decided once per
+    (collective, size class) by simulating that class's first call, then cached."""
+
+    CANDIDATES = ("tree", "ring", "direct")
+
+    def __init__(self, topology: Topology, gpu_name: str) -> None:
+        from .. import sim
+
+        self.device, self.note = device_model_for(gpu_name)
+        self.machine = sim.Machine(topology, sim.DEVICES[self.device])
+        self._cache: dict[tuple[str, int], ModelChoice | None] = {}
+
+    def cached(self, collective: str, nbytes: int) -> bool:
+        return (collective, size_class(nbytes)) in self._cache
+
+    def choose(
+        self, collective: str, nbytes: int, itemsize: int, plan_for: Callable[[str], Plan]
+    ) -> ModelChoice | None:
+        """The model's choice for a call of ``collective`` with ``nbytes`` per rank;
+        ``plan_for(algorithm)`` builds the call's plan. None where no candidate has a
+        plan (the table decides then)."""
+        from ..sim import simulate
+
+        key = (collective, size_class(nbytes))
+        if key not in self._cache:
+            times: dict[str, float] = {}
+            for alg in self.CANDIDATES:
+                try:
+                    plan = plan_for(alg)
+                except ValueError:  # no plan of this algorithm for this collective
+                    continue
+                times[alg] = simulate(plan, self.machine, itemsize).time_s
+            best = min(times, key=lambda a: (times[a], self.CANDIDATES.index(a)), default=None)
+            self._cache[key] = (
+                None if best is None else ModelChoice(best, times, self.device, nbytes)
+            )
+        return self._cache[key]

@@ -192,7 +192,14 @@ class World:
             raise ValueError(f"topology has {topology.n} devices, the World {self.size}")
         self.topology = topology
         self._topology_class = auto.topology_class(topology)
-        self._auto_choices: dict[int, str] = {}  # bytes per rank -> what "auto" ran
+        # (collective, bytes per rank) -> what "auto" ran
+        self._auto_choices: dict[tuple[str, int], str] = {}
+        # NCCLTREE_AUTO=model: on GPUs the simulator picks among the hand-built plans
+        # (auto.ModelChooser, made at the first choice: it asks CuPy for the GPU's name)
+        self._auto_model_on = (
+            algorithm == "auto" and devices[0].backend == "cuda" and auto.auto_mode() == "model"
+        )
+        self._auto_model: auto.ModelChooser | None = None
         self._trees: dict[int, Tree] = {}
         self._plans: dict[tuple[object, ...], Plan] = {}
         # the cached plans resolved for this World's devices (executor.Program), same keys
@@ -939,22 +946,58 @@ class World:
     def _choose(self, prep: Prepared) -> str:
         if self.algorithm != "auto":
             return self.algorithm
-        # the choice depends only on the size once NCCL's usability is known (asked once,
-        # then kept): remember it, so a repeated call does not walk the table again
-        alg = self._auto_choices.get(prep.nbytes)
+        # the choice depends only on the collective and the size once NCCL's usability is
+        # known (asked once, then kept): remember it, so a repeated call does not walk the
+        # table (or ask the model) again
+        key = (prep.collective, prep.nbytes)
+        alg = self._auto_choices.get(key)
         if alg is None:
             rule = auto.choose_rule(self.backend, self._topology_class, prep.nbytes, self._usable)
-            alg = rule.algorithm
+            alg, why = rule.algorithm, rule.why
+            if self._auto_model_on and alg != "nccl":  # NCCL stays where the table takes it
+                choice = self._model_choice(prep)
+                if choice is not None:
+                    alg, why = choice.algorithm, choice.why
             if debug.info_enabled():
                 debug.log.info(
                     f"World of {self.size} ranks: auto chose {alg} for {prep.nbytes} B per "
-                    f"rank ({self.backend} backend, {self._topology_class} topology): "
-                    f"{rule.why}"
+                    f"rank ({prep.collective}, {self.backend} backend, "
+                    f"{self._topology_class} topology): {why}"
                 )
             if len(self._auto_choices) >= 1024:
                 self._auto_choices.clear()
-            self._auto_choices[prep.nbytes] = alg
+            self._auto_choices[key] = alg
         return alg
+
+    def _model_choice(self, prep: Prepared) -> auto.ModelChoice | None:
+        """What the simulator predicts fastest for this call (NCCLTREE_AUTO=model)."""
+        if self._auto_model is None:
+            name = auto.gpu_name(self.devices)
+            self._auto_model = auto.ModelChooser(self.topology, name)
+            if debug.info_enabled():
+                debug.log.info(
+                    f"World of {self.size} ranks: auto consults the simulator "
+                    f"(NCCLTREE_AUTO=model) with the {self._auto_model.device} device model "
+                    f"for GPU {name!r}"
+                    + (f": {self._auto_model.note}" if self._auto_model.note else "")
+                )
+        itemsize = prep.dtype.itemsize
+
+        def plan_for(algorithm: str) -> Plan:
+            return build_plan(
+                algorithm,
+                prep.collective,
+                size=self.size,
+                count=prep.count,
+                op=prep.op,
+                root=prep.root,
+                in_place=prep.in_place,
+                chunk=self._chunk_elements(prep),
+                tree_for=self.tree,
+                itemsize=itemsize,
+            )
+
+        return self._auto_model.choose(prep.collective, prep.nbytes, itemsize, plan_for)
 
     def _usable(self, algorithm: str) -> bool:
         return algorithm != "nccl" or self._nccl_usable()

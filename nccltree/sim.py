@@ -108,6 +108,28 @@ DEVICES: dict[str, DeviceModel] = {
             "NVIDIA GeForce RTX 4090 specifications: 1,008 GB/s, no NVLink, PCIe 4.0 x16",
         ),  # fmt: skip
         DeviceModel(
+            "h100pcie",
+            2000.0,
+            25.0,
+            5,
+            "NVIDIA H100 PCIe data sheet: 2 TB/s, NVLink bridge 600 GB/s over 12 links, PCIe Gen5",
+        ),  # fmt: skip
+        DeviceModel(
+            "h800",
+            3350.0,
+            25.0,
+            5,
+            "NVIDIA H800 SXM5 data sheet: 3.35 TB/s, NVLink 400 GB/s over 8 links",
+        ),  # fmt: skip
+        DeviceModel(
+            "rtx2080ti",
+            616.0,
+            25.0,
+            3,
+            "NVIDIA GeForce RTX 2080 Ti specifications: 616 GB/s, PCIe 3.0 x16; Turing "
+            "architecture whitepaper: TU102 NVLink 100 GB/s over 2 links",
+        ),  # fmt: skip
+        DeviceModel(
             "host",
             20.0,
             0.0,

@@ -2,8 +2,10 @@
 ``bench/published/`` (one public nccl-tests all_reduce run each, with its GPU model, its
 topology and, between nodes, its network rate), build the machine, predict the busbw at
 each measured size with nccltree's ring plan (``sim.simulate_collective``, chunked as a
-GPU World chunks) and with NCCL's own cost model (``sim.nccl_model_time``), and print
-both next to the measurement.
+GPU World chunks, issued as ``nccltree-bench simulate`` assumes by default: one host
+thread on one node, a process per GPU across nodes), with the same plan issued by a
+process per GPU everywhere, and with NCCL's own cost model (``sim.nccl_model_time``),
+and print them next to the measurement.
 
     python bench/sim_published.py [--dir DIR] [--only ID,...] [--markdown FILE]
 
@@ -87,7 +89,7 @@ class Row:
     nbytes: int
     measured: float
     ring: float | None  # None: not simulated (over --max-bytes)
-    ring_free: float | None  # the ring plan with no host issue cost: the links alone
+    ring_procs: float | None  # the ring plan issued by a process per GPU
     nccl_model: float
     nccl_alg: str
 
@@ -96,8 +98,8 @@ class Row:
         return None if self.ring is None else self.ring / self.measured
 
     @property
-    def free_ratio(self) -> float | None:
-        return None if self.ring_free is None else self.ring_free / self.measured
+    def procs_ratio(self) -> float | None:
+        return None if self.ring_procs is None else self.ring_procs / self.measured
 
     @property
     def model_ratio(self) -> float:
@@ -183,22 +185,26 @@ def load_all(directory: Path = DATA_DIR) -> list[Source]:
 
 
 def machine(src: Source) -> sim.Machine:
-    """The simulated machine: the node's topology (times ``nodes`` over the stated
-    network), the data-sheet device model, the simulator's default issue cost."""
+    """The simulated machine, as ``nccltree-bench simulate`` builds it: the node's
+    topology (times ``nodes`` over the stated network rate per node), the data-sheet
+    device model, the default issue cost, issued by one host thread on one node (an
+    in-process World) or by one per GPU across nodes (a process per GPU)."""
     topo = src.topology
-    if src.nodes > 1:
-        topo = sim.cluster_topology(topo, src.nodes)
-    if src.network_gbps is None:
+    if src.nodes == 1:
         return sim.Machine(topo, sim.DEVICES[src.device])
-    return sim.Machine(topo, sim.DEVICES[src.device], net_gbps=src.network_gbps)
+    topo = sim.cluster_topology(topo, src.nodes)
+    assert src.network_gbps is not None  # checked by load
+    return sim.Machine(topo, sim.DEVICES[src.device], net_gbps=src.network_gbps,
+                       issuers=tuple(range(topo.n)))  # fmt: skip
 
 
 def compare(src: Source, max_bytes: float = math.inf) -> list[Row]:
     """Predict every measured size of ``src``: the ring plan (as ``nccltree-bench
-    simulate`` builds and chunks it; skipped above ``max_bytes``), the same plan with no
-    host issue cost (what the links and memories alone allow), and NCCL's model."""
+    simulate`` builds and chunks it; skipped above ``max_bytes``), the same plan issued
+    by a process per GPU (as process groups run it; the same machine across nodes), and
+    NCCL's model."""
     m = machine(src)
-    free = dataclasses.replace(m, issue_s=0.0)
+    procs = dataclasses.replace(m, issuers=tuple(range(m.topology.n)))
     coll = COLLECTIVES["all_reduce"]
     n = m.topology.n
     rows = []
@@ -206,16 +212,16 @@ def compare(src: Source, max_bytes: float = math.inf) -> list[Row]:
         count = coll.count_for(nbytes // ITEMSIZE, n)
         size = coll.nbytes(count, n, ITEMSIZE)
         factor = coll.bus_factor(n)
-        ring = ring_free = None
+        ring = ring_procs = None
         if size <= max_bytes:
-            ring, ring_free = (
+            ring, ring_procs = (
                 size / sim.simulate_collective(
                     mm, "ring", "all_reduce", count, itemsize=ITEMSIZE,
                     chunk_bytes=gpu_chunk_bytes(size)).time_s / 1e9 * factor
-                for mm in (m, free)
+                for mm in (m, procs)
             )  # fmt: skip
         t, alg = sim.nccl_model_time(m, "all_reduce", size)
-        rows.append(Row(src, nbytes, measured, ring, ring_free, size / t / 1e9 * factor, alg))
+        rows.append(Row(src, nbytes, measured, ring, ring_procs, size / t / 1e9 * factor, alg))
     return rows
 
 
@@ -235,7 +241,7 @@ def _yes(ratio: float | None) -> str:
 
 
 HEADER = ("source", "GPU", "class", "ranks", "size", "measured", "ring plan", "ring / meas.",
-          "within", "NCCL model", "model / meas.", "within", "ring, no issue cost",
+          "within", "NCCL model", "model / meas.", "within", "ring, process per GPU",
           "/ meas.")  # fmt: skip
 
 
@@ -246,8 +252,8 @@ def table_rows(rows: Iterable[Row]) -> list[tuple[str, ...]]:
         out.append((s.id, s.device, s.klass, str(s.ranks), _fmt_size(r.nbytes),
                     _fmt(r.measured, 2), _fmt(r.ring), _fmt(r.ring_ratio, 2),
                     _yes(r.ring_ratio), f"{r.nccl_model:.1f} ({r.nccl_alg})",
-                    f"{r.model_ratio:.2f}", _yes(r.model_ratio), _fmt(r.ring_free),
-                    _fmt(r.free_ratio, 2)))  # fmt: skip
+                    f"{r.model_ratio:.2f}", _yes(r.model_ratio), _fmt(r.ring_procs),
+                    _fmt(r.procs_ratio, 2)))  # fmt: skip
     return out
 
 
@@ -261,15 +267,15 @@ def summary(rows: Sequence[Row]) -> list[tuple[str, ...]]:
         sims = [r for r in sel if r.ring is not None]
         ring_hits = sum(within(r.ring_ratio) for r in sims)
         model_hits = sum(within(r.model_ratio) for r in sel)
-        free_hits = sum(within(r.free_ratio) for r in sims)
+        procs_hits = sum(within(r.procs_ratio) for r in sims)
         srcs = len({r.source.id for r in sel})
         out.append((klass, str(srcs), str(len(sel)), f"{ring_hits} / {len(sims)}",
-                    f"{model_hits} / {len(sel)}", f"{free_hits} / {len(sims)}"))  # fmt: skip
+                    f"{model_hits} / {len(sel)}", f"{procs_hits} / {len(sims)}"))  # fmt: skip
     return out
 
 
 SUMMARY_HEADER = ("class", "sources", "points", "ring plan within 35%", "NCCL model within 35%",
-                  "ring, no issue cost, within 35%")  # fmt: skip
+                  "ring, process per GPU, within 35%")  # fmt: skip
 
 
 def markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -50,8 +50,8 @@ def test_the_comparison_on_a_small_source() -> None:
     # through the host, so no prediction can beat half the switch's x16 rate
     staged = sim.PCIE_X16_GBPS[3] * sim.PCIE_EFFICIENCY[LinkKind.PIX] / 2
     for r in rows:
-        assert r.ring is not None and r.ring_free is not None
-        assert 0 < r.ring <= r.ring_free <= staged * 1.001
+        assert r.ring is not None and r.ring_procs is not None
+        assert 0 < r.ring <= r.ring_procs * 1.001 and r.ring_procs <= staged * 1.001
         assert 0 < r.nccl_model <= staged * 1.001 and r.nccl_alg in ("ring", "tree")
         assert r.ring_ratio == pytest.approx(r.ring / r.measured)
     assert sp.summary(rows)[0][:3] == ("PCIe", "1", str(len(rows)))

@@ -57,7 +57,7 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
         "the --gpu model)",
     )
     s.add_argument("--gpu", default="h100", help="device model: v100, a100, h100, h200, "
-                   "rtx4090, host (default: %(default)s)")  # fmt: skip
+                   "h100pcie, h800, rtx4090, rtx2080ti, host (default: %(default)s)")  # fmt: skip
     s.add_argument("--calibration", metavar="FILE", help="predict the host backend from "
                    "`nccltree-bench calibrate --json FILE` (with --topo cpu:N)")  # fmt: skip
     s.add_argument("--nodes", type=int, default=1, help="copies of the topology, one per "

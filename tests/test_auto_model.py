@@ -172,7 +172,9 @@ def test_the_chooser_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     "name, key",
     [
         ("NVIDIA H100 80GB HBM3", "h100"),
-        ("NVIDIA H100 PCIe", "h100"),
+        ("NVIDIA H100 PCIe", "h100pcie"),
+        ("NVIDIA H800", "h800"),
+        ("NVIDIA GeForce RTX 2080 Ti", "rtx2080ti"),
         ("NVIDIA H200", "h200"),
         ("NVIDIA A100-SXM4-80GB", "a100"),
         ("Tesla V100-SXM2-16GB", "v100"),
@@ -183,7 +185,9 @@ def test_gpu_names_find_their_device_model(name: str, key: str) -> None:
     assert auto.device_model_for(name) == (key, "")
 
 
-@pytest.mark.parametrize("name", ["NVIDIA RTX A1000", "NVIDIA L4", "Fake GPU 0", ""])
+@pytest.mark.parametrize(
+    "name", ["NVIDIA RTX A1000", "NVIDIA L4", "NVIDIA GeForce RTX 2080", "Fake GPU 0", ""]
+)
 def test_other_gpus_get_the_default_model_and_a_note(name: str) -> None:
     key, note = auto.device_model_for(name)
     assert key == auto.DEFAULT_DEVICE_MODEL == "h100"

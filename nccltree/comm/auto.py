@@ -143,18 +143,18 @@ def auto_mode(value: str | None = None) -> str:
 def device_model_for(gpu_name: str) -> tuple[str, str]:
     """(the key of ``nccltree.sim.DEVICES`` whose model the GPU's name names, a note):
     ``"NVIDIA H100 80GB HBM3"`` is ``h100``, ``"Tesla V100-SXM2-16GB"`` ``v100``,
-    ``"NVIDIA GeForce RTX 4090"`` ``rtx4090``; where none matches, ``h100`` and a note
+    ``"NVIDIA GeForce RTX 4090"`` ``rtx4090``, ``"NVIDIA H100 PCIe"`` ``h100pcie``; where none matches, ``h100`` and a note
     saying so (the note is empty otherwise)."""
     import re
 
     from ..sim import DEVICES
 
     low = gpu_name.lower()
-    for key in DEVICES:
-        if key == "host":
-            continue
-        m = re.fullmatch(r"([a-z]+)(\d+)", key)
-        body = f"{m.group(1)}[ -]?{m.group(2)}" if m else re.escape(key)
+    # the most specific key first: "h100pcie" before "h100"
+    for key in sorted((k for k in DEVICES if k != "host"), key=len, reverse=True):
+        # letters and digits, a space or a dash allowed between: "rtx2080ti" is
+        # "RTX 2080 Ti", "h100pcie" "H100 PCIe"
+        body = "[ -]?".join(re.findall(r"[a-z]+|\d+", key))
         # a whole model number: "a100" is not in "A1000"
         if re.search(rf"(?<![a-z0-9]){body}(?![0-9])", low):
             return key, ""

@@ -81,6 +81,15 @@ ring = arr(np.zeros(100, np.float32))
 pg.sendrecv(arr(np.full(100, me, np.float32)), (me + 1) % n, ring, (me - 1) % n)
 if not np.all(host(ring) == (me - 1) % n):
     failures.append(f"ring: got {host(ring)[0]}")
+# from a symmetric buffer (pg.empty): its receiver reads it where it is, twice (the
+# second time after the sender rewrote it)
+sym = pg.empty(1000, np.float32)
+for k in range(2):
+    sym[...] = arr(np.arange(1000, dtype=np.float32) + me + k)
+    got_sym = arr(np.zeros(1000, np.float32))
+    pg.sendrecv(sym, (me + 1) % n, got_sym, (me - 1) % n)
+    if not np.array_equal(host(got_sym), np.arange(1000) + (me - 1) % n + k):
+        failures.append(f"from a symmetric buffer ({k}): got {host(got_sym)[:3]}")
 # a pipeline of lone sends and receives
 for micro in range(3):
     x = arr(np.full(8, float(micro)))
@@ -163,6 +172,28 @@ if me in (0, 1):
         z = pg.recv(arr(np.zeros(4, np.float32)), 0)
     if not np.all(host(z) == 5.0):
         failures.append(f"after the mismatch: {host(z)}")
+
+# across nodes (MPI), in a batch with a ring exchange: only the receiver raises, after
+# the ring's messages moved (NCCL would hang until the watchdog: host arrays only)
+if node_of[0] != node_of[n - 1] and xp is np:
+    raised = None
+    ring = np.zeros(7, np.float32)
+    try:
+        with pg.batch():
+            if me == 0:
+                pg.send(np.ones(4, np.float32), n - 1)
+            elif me == n - 1:
+                pg.recv(np.zeros(6, np.float32), 0)
+            pg.send(np.full(7, me, np.float32), (me + 1) % n)
+            pg.recv(ring, (me - 1) % n)
+    except ValueError as exc:
+        raised = str(exc)
+    if (raised is not None) != (me == n - 1) or (
+        raised is not None and "received 4 float32 from rank 0, expected 6" not in raised
+    ):
+        failures.append(f"mismatch across nodes, rank {me}: {raised}")
+    if not np.all(ring == (me - 1) % n):
+        failures.append(f"ring beside the mismatch: {ring}")
 
 
 # uneven all_to_all: rank r sends (r + q) % 3 + k elements to rank q, valued 100 r + q

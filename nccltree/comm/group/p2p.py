@@ -58,10 +58,10 @@ if TYPE_CHECKING:
     from .group import ProcessGroup
 
 # The node's mailboxes, in its control segment after the processes' slots (see Mailboxes)
-_ENTRY = 6  # int64 words per message: offset, bytes, status, receiver's bytes, tag, -
+_ENTRY = 6  # int64 words per message: offset, bytes, status, receiver's bytes, tag, where
 _PAIR = 8  # int64 words per ordered pair: posted, consumed (counters), first seq,
 #            first entry, the arena generation the receiver mapped, -
-_OFFSET, _NBYTES, _STATUS, _THEIRS, _TAG = range(5)
+_OFFSET, _NBYTES, _STATUS, _THEIRS, _TAG, _WHERE = range(6)  # where: 0 arena, h+1 heap h
 _FIRST_SEQ, _FIRST_ENTRY, _MAPPED = 2, 3, 4
 _OK, _MISMATCH = 1, 2
 _ALIGN = 256
@@ -194,11 +194,12 @@ class GroupP2p:
         local = self.local(peer)
         if local and kind == "send" and peer != pg.rank and pending is not None:
             cap = pg._mail.cap
-            if sum(op.local and op.kind == "send" and op.peer != pg.rank for op in pending) >= cap:
+            if self._batch.sends >= cap:
                 raise ValueError(
                     f"rank {pg.rank}: a batch holds at most {cap} sends to the processes of "
                     "its node"
                 )
+            self._batch.sends += 1
         if entry is None:
             pg._seq += 1
             what = f"{kind} {'to' if kind == 'send' else 'from'} {peer}"
@@ -269,14 +270,14 @@ class GroupP2p:
         self._to_self(local, mismatched)
         pg._inflight = [op.request for op in remote if op.kind == "send" and op.request]
         try:
-            self._wait(remote)
+            self._wait(remote, mismatched)
             self._consume(recvs, mismatched)
             self._await_consumed(sends, mismatched)
         finally:
             pg._inflight = []
         pg._settle_arenas()
 
-    def _wait(self, ops: list[_Posted]) -> None:
+    def _wait(self, ops: list[_Posted], mismatched: list[str]) -> None:
         pg = self.pg
         MPI = pg._MPI
         statuses = []
@@ -290,7 +291,9 @@ class GroupP2p:
             if op.kind == "recv":
                 got = status.Get_count(mpi_type(MPI, op.buf.dtype))
                 if got != op.buf.size:
-                    raise ValueError(
+                    # raised once the batch's messages within the node moved too
+                    op.entry.state = "size mismatch"
+                    mismatched.append(
                         f"rank {pg.rank}: received {got} {op.buf.dtype} from rank "
                         f"{op.peer}, expected {op.buf.size}"
                     )
@@ -312,8 +315,9 @@ class GroupP2p:
         return sends, recvs
 
     def _publish(self, sends: list[_Posted]) -> None:
-        """Copy the sends into this process's arena, describe them in its table, and tell
-        each receiver how many there are."""
+        """Copy the sends into this process's arena (those in symmetric buffers, which the
+        node's processes have mapped, stay where they are: one copy instead of two),
+        describe them in its table, and tell each receiver how many there are."""
         if not sends:
             return
         pg = self.pg
@@ -321,7 +325,10 @@ class GroupP2p:
         by_proc: dict[int, list[_Posted]] = {}
         for op in sends:
             by_proc.setdefault(pg._proc_of_rank[op.peer], []).append(op)
-        total = sum(-(-op.buf.nbytes // _ALIGN) * _ALIGN for op in sends)
+        heap = {id(op): pg._heap_of(op.buf) for op in sends} if pg._heaps else {}
+        total = sum(
+            -(-op.buf.nbytes // _ALIGN) * _ALIGN for op in sends if heap.get(id(op)) is None
+        )
         pg._ensure_arena(total)
         pg._own_gen[0] = pg._arena_gen[pg.proc]
         arena = pg._arenas.get(pg.proc)
@@ -332,12 +339,16 @@ class GroupP2p:
         for q, ops in by_proc.items():
             firsts.append((q, k, len(ops)))
             for op in ops:
-                if op.buf.nbytes:
-                    assert arena is not None
-                    pg._copy(arena.view(op.buf.dtype, op.buf.size, off), op.buf)
-                table[k, :_ENTRY] = (off, op.buf.nbytes, 0, 0, op.tag, 0)
+                h = heap.get(id(op))
+                if h is not None:
+                    table[k, :_ENTRY] = (h[1], op.buf.nbytes, 0, 0, op.tag, h[0] + 1)
+                else:
+                    if op.buf.nbytes:
+                        assert arena is not None
+                        pg._copy(arena.view(op.buf.dtype, op.buf.size, off), op.buf)
+                    table[k, :_ENTRY] = (off, op.buf.nbytes, 0, 0, op.tag, 0)
+                    off += -(-op.buf.nbytes // _ALIGN) * _ALIGN
                 op.slot = k
-                off += -(-op.buf.nbytes // _ALIGN) * _ALIGN
                 k += 1
         if pg._gpu is not None:
             pg._gpu.published()  # the copies, before a receiver reads them
@@ -387,7 +398,7 @@ class GroupP2p:
             pair = mail.pair(q, pg.proc)
             k = int(pair[_FIRST_ENTRY]) + n - int(pair[_FIRST_SEQ])
             e = mail.table(q)[k]
-            off, nbytes, tag = int(e[_OFFSET]), int(e[_NBYTES]), int(e[_TAG])
+            off, nbytes, tag, where = int(e[_OFFSET]), int(e[_NBYTES]), int(e[_TAG]), int(e[_WHERE])
             if nbytes != op.buf.nbytes or tag != op.tag:
                 e[_THEIRS] = op.buf.nbytes
                 e[_STATUS] = _MISMATCH
@@ -395,10 +406,10 @@ class GroupP2p:
                 mismatched.append(_mismatch_text(pg.rank, op, nbytes, tag != op.tag))
             else:
                 if nbytes:
-                    arena = pg._arenas[q]
+                    mem = pg._heaps[where - 1][q] if where else pg._arenas[q]
                     if g is not None:
                         g.after([q])
-                    pg._copy(op.buf, arena.view(op.buf.dtype, op.buf.size, off))
+                    pg._copy(op.buf, mem.view(op.buf.dtype, op.buf.size, off))
                 e[_STATUS] = _OK
             self._received[q] = n + 1
             unacked.append(q)
@@ -492,6 +503,7 @@ class GroupP2p:
         self.drain()
         self._batch.ops = []
         self._batch.stream = None
+        self._batch.sends = 0  # to the node's other processes
         try:
             yield
         except BaseException:

@@ -343,12 +343,13 @@ def test_gpu_training_over_two_processes_sharing_a_gpu_equals_one_process(
 
 
 P2P_FAKE = {
-    # name: (mpiexec parts, worker arguments, the ranks NCCL may carry messages with)
-    "one node, a GPU per process (CUDA IPC)": (3, [], {}),
+    # name: (mpiexec parts, worker arguments, the ranks NCCL may carry messages with,
+    # whether streams wait on peer events: events mode, one node)
+    "one node, a GPU per process (CUDA IPC)": (3, [], {}, True),
     "one node, processes sharing GPU 0 (CUDA IPC; NCCL would refuse)": (
-        2, ["--devices", "gpu:0"], {}),
+        2, ["--devices", "gpu:0"], {}, True),
     "two nodes x two processes (CUDA IPC within, NCCL between)": (
-        _nodes(2, 2), [], {0: {2, 3}, 1: {2, 3}, 2: {0, 1}, 3: {0, 1}}),
+        _nodes(2, 2), [], {0: {2, 3}, 1: {2, 3}, 2: {0, 1}, 3: {0, 1}}, False),
 }  # fmt: skip
 
 
@@ -368,7 +369,7 @@ def test_on_the_fake_send_recv_and_all_to_all_v(name: str, tmp_path: Path) -> No
     both sides, all_to_all_v), results against numpy. Within a node the messages go
     through the senders' arenas, opened over CUDA IPC, never NCCL or MPI; between nodes
     NCCL carries them."""
-    parts, args, nccl_peers = P2P_FAKE[name]
+    parts, args, nccl_peers, events = P2P_FAKE[name]
     reports, proc = _p2p_run(tmp_path, parts, "--fake", "4", "--big", "5000", *args,
                              timeout=240)  # fmt: skip
     n = parts if isinstance(parts, int) else sum(p[0] for p in parts)
@@ -378,6 +379,7 @@ def test_on_the_fake_send_recv_and_all_to_all_v(name: str, tmp_path: Path) -> No
         assert not r["misuse"], r
         assert r["ipc_open"] > 0, r
         assert set(r["nccl_p2p_peers"]) == nccl_peers.get(r["rank"], set()), r
+        assert (r["waits_on_peer_events"] > 0) == events, r
         assert r["p2p_within_node"] == r["p2p_to_other_nodes"] == 0, r
         assert r["collectives_after_init"] == 0, r
 

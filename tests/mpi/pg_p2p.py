@@ -232,6 +232,12 @@ if fake is not None:
     out["nccl_p2p_peers"] = sorted(
         {int(c.peer) for c in fake.nccl.calls if c.method in ("send", "recv")}
     )
+    # the group's stream waiting on its peers' inter-process events (one node), never
+    # across nodes, where counters mean "done"
+    opened = {e[3] for e in fake.ipc_log if e[0] == "open_event"}
+    out["waits_on_peer_events"] = sum(
+        1 for op in fake.ops if op.kind == "wait_event" and op.src in opened
+    )
 y = arr(np.ones(2))
 pg.all_reduce(y)  # and its collectives
 if not np.all(host(y) == n):

@@ -196,6 +196,11 @@ if node_of[0] != node_of[n - 1] and xp is np:
         failures.append(f"ring beside the mismatch: {ring}")
 
 
+def _unpaired() -> None:
+    with pg.batch():
+        pg.send(arr(np.ones(2)), me)
+
+
 # uneven all_to_all: rank r sends (r + q) % 3 + k elements to rank q, valued 100 r + q
 def a2a(dtype: str, k: int) -> None:
     sc = [(me + q) % 3 + k for q in range(n)]
@@ -225,6 +230,20 @@ if me == 0 and same_node and raised is None:
     failures.append("all_to_all_v mismatch not raised at the sender")
 if me > 1 and raised is not None:
     failures.append(f"all_to_all_v mismatch raised on rank {me}: {raised}")
+# argument errors, raised where they are made, before anything moves
+for what, fn, text in (
+    ("a lone send to itself", lambda: pg.send(arr(np.ones(2)), me), "needs both halves"),
+    ("a peer out of range", lambda: pg.recv(arr(np.ones(2)), n), f"is not a rank of {n}"),
+    ("unpaired messages to itself", lambda: _unpaired(), "they must pair up"),
+    ("counts of another length", lambda: pg.all_to_all_v(arr(np.ones(2)), arr(np.ones(2)),
+                                                          [1, 1] * n, [1] * n), "a count per rank"),
+):  # fmt: skip
+    try:
+        fn()
+        failures.append(f"{what}: not refused")
+    except ValueError as exc:
+        if text not in str(exc):
+            failures.append(f"{what}: {exc}")
 a2a("float32", 2)  # the group goes on
 if fake is not None:
     # the ranks NCCL carried send/recv messages to or from (the collectives after use

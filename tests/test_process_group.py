@@ -208,8 +208,53 @@ def test_split_and_new_group_make_independent_groups(alg: str, tmp_path: Path) -
     assert all(r["failures"] == [] for r in reports), reports
 
 
-def test_send_and_recv_between_processes(tmp_path: Path) -> None:
-    """A ring with sendrecv, a pipeline of lone sends, an all-pairs batch, a short
-    message caught by its receiver, collectives after."""
-    reports = _reports(tmp_path, 3, "pg_p2p.py")
-    assert len(reports) == 3 and all(r["failures"] == [] for r in reports), reports
+P2P = {
+    # name: (mpiexec parts, whether processes of one node share memory)
+    "3 processes of one node": (3, True),
+    "2 nodes x 2 processes": (_nodes(2, 2), True),
+    "2 processes, shared memory off": ([(2, {"NCCLTREE_SHM": "0"})], False),
+}
+
+
+@pytest.mark.parametrize("name", list(P2P))
+def test_send_and_recv_between_processes(name: str, tmp_path: Path) -> None:
+    """A ring with sendrecv, a pipeline of lone sends, an all-pairs batch of two messages
+    per pair, a batch of large messages to everyone (no deadlock), a size mismatch
+    (within a node raised on both sides), all_to_all_v against numpy and with a count
+    that disagrees, collectives after. Within a node no payload goes through MPI, and
+    all_to_all_v is no MPI collective."""
+    parts, shm = P2P[name]
+    reports = _reports(tmp_path, parts, "pg_p2p.py", "--big", str(1 << 17), timeout=120)
+    nprocs = parts if isinstance(parts, int) else sum(n for n, _ in parts)
+    assert len(reports) == nprocs and all(r["failures"] == [] for r in reports), reports
+    nodes = {r["node"] for r in reports}
+    for r in reports:
+        assert r["collectives_after_init"] == 0, r
+        if shm:
+            assert r["p2p_within_node"] == 0, r
+        else:
+            assert r["p2p_within_node"] > 0, r
+        assert (r["p2p_to_other_nodes"] > 0) == (len(nodes) > 1), r
+
+
+def test_a_process_killed_during_send_and_recv_is_named(tmp_path: Path) -> None:
+    before = _shm_names()
+    t0 = time.monotonic()
+    parts = [(1, {}), (1, {}, "{cmd}; sleep 20"), (1, {})]
+    proc = run_mpi(parts, HERE / "pg_faults.py", "p2p-kill", "5", faults=True, timeout=60)
+    failed = _failure_lines(proc.stderr)
+    assert set(failed) == {0, 2}, proc.stderr[-3000:]
+    for line in failed.values():
+        assert line.startswith("nccltree: PeerFailure: "), line
+        assert "ranks [1]" in line and "died" in line, line
+    assert proc.returncode != 0
+    assert time.monotonic() - t0 < 40
+    assert _shm_names() <= before
+
+
+def test_a_message_that_never_comes_times_out_by_name(tmp_path: Path) -> None:
+    proc = run_mpi(3, HERE / "pg_faults.py", "p2p-absent", "2", faults=True, timeout=60)
+    failed = _failure_lines(proc.stderr)
+    assert failed.get(0, "").startswith("nccltree: CommTimeout: rank 0: waited 2 s for ranks [1]")
+    assert "message #0" in failed[0], failed
+    assert proc.returncode != 0

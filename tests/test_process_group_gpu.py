@@ -342,18 +342,90 @@ def test_gpu_training_over_two_processes_sharing_a_gpu_equals_one_process(
         assert np.array_equal(a[k], b[k]), k
 
 
+P2P_FAKE = {
+    # name: (mpiexec parts, worker arguments, the ranks NCCL may carry messages with,
+    # whether streams wait on peer events: events mode, one node)
+    "one node, a GPU per process (CUDA IPC)": (3, [], {}, True),
+    "one node, processes sharing GPU 0 (CUDA IPC; NCCL would refuse)": (
+        2, ["--devices", "gpu:0"], {}, True),
+    "two nodes x two processes (CUDA IPC within, NCCL between)": (
+        _nodes(2, 2), [], {0: {2, 3}, 1: {2, 3}, 2: {0, 1}, 3: {0, 1}}, False),
+}  # fmt: skip
+
+
+def _p2p_run(tmp: Path, parts: Any, *args: str, **kw: Any) -> tuple[list[dict[str, Any]], Any]:
+    out = tmp / "out"
+    out.mkdir(exist_ok=True)
+    proc = run_mpi(parts, HERE / "pg_p2p.py", *args, env={"NCCLTREE_TEST_OUT": str(out)}, **kw)
+    return [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))], proc
+
+
 @pytest.mark.mpi
 @needs_mpi
-def test_on_the_fake_send_and_recv_go_over_nccl(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", list(P2P_FAKE))
+def test_on_the_fake_send_recv_and_all_to_all_v(name: str, tmp_path: Path) -> None:
     """Wiring check on tests/fakecupy (not GPU verification): the p2p worker with CuPy
-    arrays, a batch being one NCCL group of sends and receives."""
-    out = tmp_path / "out"
-    out.mkdir()
-    proc = run_mpi(3, HERE / "pg_p2p.py", "--fake", "4", env={"NCCLTREE_TEST_OUT": str(out)},
-                   timeout=120)  # fmt: skip
+    arrays (ring, pipeline, ordered pairs, a batch of large messages, size mismatches on
+    both sides, all_to_all_v), results against numpy. Within a node the messages go
+    through the senders' arenas, opened over CUDA IPC, never NCCL or MPI; between nodes
+    NCCL carries them."""
+    parts, args, nccl_peers, events = P2P_FAKE[name]
+    reports, proc = _p2p_run(tmp_path, parts, "--fake", "4", "--big", "5000", *args,
+                             timeout=240)  # fmt: skip
+    n = parts if isinstance(parts, int) else sum(p[0] for p in parts)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    reports = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
-    assert len(reports) == 3 and all(r["failures"] == [] for r in reports), reports
+    assert len(reports) == n and all(r["failures"] == [] for r in reports), reports
+    for r in reports:
+        assert not r["misuse"], r
+        assert r["ipc_open"] > 0, r
+        assert set(r["nccl_p2p_peers"]) == nccl_peers.get(r["rank"], set()), r
+        assert (r["waits_on_peer_events"] > 0) == events, r
+        assert r["p2p_within_node"] == r["p2p_to_other_nodes"] == 0, r
+        assert r["collectives_after_init"] == 0, r
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_on_the_fake_a_process_killed_before_its_messages_is_named(tmp_path: Path) -> None:
+    """Wiring check on tests/fakecupy (not GPU verification): rank 1 dies before the
+    batch of large messages; the others, waiting for its messages or its receives over
+    CUDA IPC, name it and exit on their own."""
+    parts = [(1, {}), (1, {}, "{cmd}; sleep 20"), (1, {})]
+    _, proc = _p2p_run(tmp_path, parts, "--fake", "4", "--big", "5000", "--kill", "1",
+                       faults=True, timeout=90)  # fmt: skip
+    for rank in (0, 2):
+        lines = re.findall(rf"nccltree: PeerFailure: rank {rank}: [^\n]*", proc.stderr)
+        assert lines and "ranks [1]" in lines[0] and "died" in lines[0], proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@needs_mpi
+def test_gpu_send_recv_and_all_to_all_v_between_processes_sharing_one_gpu(
+    tmp_path: Path,
+) -> None:
+    """Two processes on GPU 0: send/recv, batches and all_to_all_v over CUDA IPC (NCCL
+    refuses two ranks on one GPU), results against numpy, mismatches on both sides."""
+    if gpu_count() < 1:
+        pytest.skip("needs a GPU")
+    reports, proc = _p2p_run(tmp_path, 2, "--devices", "gpu:0", "--big", str(1 << 22),
+                             timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(reports) == 2 and all(r["failures"] == [] for r in reports), reports
+    assert all(r["p2p_within_node"] == 0 for r in reports), reports
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@needs_mpi
+def test_gpu_a_process_killed_before_its_messages_is_named(tmp_path: Path) -> None:
+    if gpu_count() < 1:
+        pytest.skip("needs a GPU")
+    parts = [(1, {}), (1, {}, "{cmd}; sleep 20")]
+    _, proc = _p2p_run(tmp_path, parts, "--devices", "gpu:0", "--kill", "1", faults=True,
+                       timeout=120)  # fmt: skip
+    lines = re.findall(r"nccltree: PeerFailure: rank 0: [^\n]*", proc.stderr)
+    assert lines and "ranks [1]" in lines[0] and "died" in lines[0], proc.stderr[-3000:]
 
 
 @pytest.mark.mpi

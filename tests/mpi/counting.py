@@ -1,7 +1,8 @@
 """A wrapper of an mpi4py communicator that counts what goes through the MPI layer:
 collective calls, and point-to-point payload bytes to processes of this node and of
-other nodes (by host name or NCCLTREE_NODE, exchanged once when wrapped). Independent of
-the process group's own counters."""
+other nodes (by host name or NCCLTREE_NODE, exchanged once when wrapped): the
+collectives' payload, and apart from it the send/recv communicator's (a duplicate of the
+payload communicator). Independent of the process group's own counters."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ _COLLECTIVES = {
     "Allreduce", "Reduce", "Bcast", "Allgather", "Reduce_scatter_block", "Barrier",
     "allgather", "bcast", "allreduce", "barrier", "gather", "scatter", "Split", "Dup",
     "Alltoall", "Gather", "Scatter", "Iallreduce", "Ireduce", "Ibcast", "Iallgather",
-    "Ireduce_scatter_block", "Ibarrier",
+    "Ireduce_scatter_block", "Ibarrier", "Ialltoall", "Ialltoallv", "Igather", "Iscatter",
 }  # fmt: skip
 
 
@@ -24,16 +25,19 @@ class _Shared:
         self.local_bytes = 0
         self.remote_bytes = 0
         self.control_bytes = 0  # point-to-point bytes on communicators duplicated later
+        self.p2p_local_bytes = 0  # send/recv bytes to processes of this node
+        self.p2p_remote_bytes = 0  # ... and of other nodes
         self.dups = 0
 
 
 class CountingComm:
     def __init__(
         self, comm: Any, shared: _Shared | None = None, nodes: list[str] | None = None,
-        payload: bool = True,
+        payload: bool = True, p2p: bool = False,
     ):  # fmt: skip
         self._c = comm
         self._payload = payload
+        self._p2p = p2p
         self._s = shared or _Shared()
         if nodes is None:
             name = os.environ.get("NCCLTREE_NODE") or MPI.Get_processor_name()
@@ -59,9 +63,18 @@ class CountingComm:
     def control_bytes(self) -> int:
         return self._s.control_bytes
 
+    @property
+    def p2p_local_bytes(self) -> int:
+        return self._s.p2p_local_bytes
+
+    @property
+    def p2p_remote_bytes(self) -> int:
+        return self._s.p2p_remote_bytes
+
     def reset(self) -> None:
         s = self._s
         s.collectives = s.local_bytes = s.remote_bytes = s.control_bytes = 0
+        s.p2p_local_bytes = s.p2p_remote_bytes = 0
 
     def Dup(self) -> CountingComm:
         # the group duplicates the communicator for its payload first, then for control
@@ -73,7 +86,9 @@ class CountingComm:
             payload = self._s.dups % 2 == 1
         else:
             payload = False
-        dup = CountingComm(self._c.Dup(), self._s, self._nodes, payload=payload)
+        # the payload communicator's duplicate: the group's send/recv space
+        p2p = not self._root and self._payload
+        dup = CountingComm(self._c.Dup(), self._s, self._nodes, payload=payload, p2p=p2p)
         dup._root = False
         return dup
 
@@ -84,7 +99,12 @@ class CountingComm:
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> Any:
         arr = buf[0] if isinstance(buf, (list, tuple)) else buf
         nbytes = int(getattr(arr, "nbytes", 0))
-        if not self._payload:
+        if self._p2p:
+            if self._nodes[dest] == self._nodes[self._me]:
+                self._s.p2p_local_bytes += nbytes
+            else:
+                self._s.p2p_remote_bytes += nbytes
+        elif not self._payload:
             self._s.control_bytes += nbytes
         elif self._nodes[dest] == self._nodes[self._me]:
             self._s.local_bytes += nbytes

@@ -4,8 +4,9 @@
 
 MODE: ``kill`` (process 1 is SIGKILLed by a timer while the group runs collectives),
 ``absent`` (process 1 never calls the collective), ``mismatch`` (process 1 passes
-another count; then every process calls correctly). Survivors exit with status 3 after a
-fault, 0 otherwise.
+another count; then every process calls correctly), ``p2p-kill`` (as ``kill``, while
+the ranks exchange in a ring with ``sendrecv``), ``p2p-absent`` (rank 0 waits for a
+message rank 1 never sends). Survivors exit with status 3 after a fault, 0 otherwise.
 """
 
 from __future__ import annotations
@@ -43,6 +44,22 @@ try:
         for _ in range(100000):
             pg.all_reduce(x)
             x /= pg.size
+    elif mode == "p2p-kill":
+        if pg.rank == victim:
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        x = np.ones(1 << 18, np.float32)
+        y = np.empty_like(x)
+        for _ in range(100000):
+            pg.sendrecv(x, (pg.rank + 1) % pg.size, y, (pg.rank - 1) % pg.size)
+    elif mode == "p2p-absent":
+        if pg.rank == victim:
+            time.sleep(timeout + 2)
+            report({"rank": pg.rank, "absent": True})
+            sys.exit(0)
+        if pg.rank == 0:
+            pg.recv(np.ones(8, np.float32), victim)
+        else:
+            pg.all_reduce(np.ones(8, np.float32))
     elif mode == "absent":
         if pg.rank == victim:
             time.sleep(timeout + 2)

@@ -65,7 +65,7 @@ from ..work import Work
 from .gpu import DeviceBlock, GpuSide, PeerBlock, message_order
 from .local import Collectives, GroupComm, LocalRendezvous, run_local
 from .mpi_collectives import mpi_reduces, mpi_type, run_mpi
-from .p2p import GroupP2p
+from .p2p import TAG_ALL_TO_ALL, GroupP2p, Mailboxes, mailbox_bytes
 from .schedule import RECV, Item, Schedule, split
 from .staging import MIRROR, Staging
 from .staging import plan as staged_plan
@@ -333,7 +333,7 @@ class ProcessGroup(Collectives):
         MPI = self._MPI
         self._node_comm = self._comm.Split(self._tnode_of_proc[self.proc], self.proc)
         lead = self._node_comm.Get_rank() == 0
-        size = _SLOTS + _SLOT * len(self._node_procs)
+        size = _SLOTS + _SLOT * len(self._node_procs) + mailbox_bytes(len(self._node_procs))
         if not self.shm:
             # a process of its own: its control block is private memory
             seg = Segment("", size, mmap.mmap(-1, size))
@@ -359,10 +359,10 @@ class ProcessGroup(Collectives):
 
         self._arrive = {p: counter(p, _ARRIVE) for p in self._node_procs}
         self._progress = {p: counter(p, _PROGRESS) for p in self._node_procs}
-        self._ack = {p: counter(p, _ACK) for p in self._node_procs}
         self._sync = {p: counter(p, _SYNC) for p in self._node_procs}
         self._sync_n = 0
-        self._acks_expected = 0
+        # point-to-point within the node; also who mapped which arena (see _settle_arenas)
+        self._mail = Mailboxes(buf, _SLOTS + _SLOT * len(self._node_procs), self._node_procs)
         self._i64 = np.frombuffer(buf, np.int64, (_SLOTS + _SLOT * len(self._node_procs)) // 8)
         self._slot_i64(self.proc, _PID)[0] = os.getpid()
         self._own_gen = self._slot_i64(self.proc, _ARENA_GEN)
@@ -550,11 +550,13 @@ class ProcessGroup(Collectives):
     # -- point-to-point (p2p.py) ---------------------------------------------------------
     def send(self, x: Array, peer: int, *, stream: Stream | None = None) -> None:
         """Send ``x`` to rank ``peer`` (matched with its n-th receive from this rank)."""
+        self._p2p.drain()
         with self._lock:
             self._p2p.post("send", x, peer, stream)
 
     def recv(self, out: Array, peer: int, *, stream: Stream | None = None) -> Array:
         """Receive into ``out`` rank ``peer``'s n-th send to this rank; returns ``out``."""
+        self._p2p.drain()
         with self._lock:
             self._p2p.post("recv", out, peer, stream)
         return out
@@ -585,9 +587,13 @@ class ProcessGroup(Collectives):
         """all_to_all with uneven blocks, one rank per process: ``x`` holds this rank's
         blocks for ranks 0, 1, ... (``send_counts[q]`` elements for rank q), ``out``
         receives rank p's block at the place its ``recv_counts`` give (rank p's
-        ``send_counts[me]`` must equal ``recv_counts[p]``: each side says its own). Host
-        arrays: MPI's ``Ialltoallv`` (bounded wait); CuPy arrays: one batch of NCCL sends
-        and receives (one GPU per process). Returns ``out``."""
+        ``send_counts[me]`` must equal ``recv_counts[p]``: each side says its own). One
+        batch of sends and receives (p2p.py): within the node through the arenas (shared
+        memory; CUDA IPC on GPUs), to other nodes as MPI messages (host arrays) or NCCL
+        sends and receives (CuPy arrays). Blocks meet in one order with the pair's
+        send/recv: every rank calls it at the same point of its exchanges with each peer.
+        A block of another size than its receiver expects raises ``ValueError`` (within
+        the node on both sides, the group going on). Returns ``out``."""
         sc = [check_int(c, "send_counts[i]", min=0) for c in send_counts]
         rc = [check_int(c, "recv_counts[i]", min=0) for c in recv_counts]
         if len(sc) != self.size or len(rc) != self.size:
@@ -608,37 +614,23 @@ class ProcessGroup(Collectives):
             raise TypeError(f"rank {self.rank}: output dtype {oa.dtype} differs from {xa.dtype}")
         sd = np.cumsum([0, *sc[:-1]]).tolist()
         rd = np.cumsum([0, *rc[:-1]]).tolist()
-        if self._gpu is not None:
-            with self.batch():
-                for q in range(self.size):
-                    if sc[q]:
-                        self.send(xa[sd[q] : sd[q] + sc[q]], q, stream=stream)
-                for q in range(self.size):
-                    if rc[q]:
-                        self.recv(oa[rd[q] : rd[q] + rc[q]], q, stream=stream)
-            return out
-        with self._lock:
+        p2p = self._p2p
+        # empty blocks travel too (a size mismatch is then seen), except over NCCL, which
+        # orders nothing for them
+        nccl = self._gpu is not None
+        with p2p.batch(), self._lock:
             self._check_usable()
-            MPI = self._MPI
-            t = mpi_type(MPI, xa.dtype)
-            # MPI indexes the counts by its own ranks: the group's, permuted (one rank
-            # per process: group rank = process index); the places stay the group's
-            proc_of_mpi = {m: p for p, m in enumerate(self._mpi_rank_of_proc)}
-            order = [proc_of_mpi[m] for m in range(self.nprocs)]
-            sc, sd = [sc[g] for g in order], [sd[g] for g in order]
-            rc, rd = [rc[g] for g in order], [rd[g] for g in order]
             self._seq += 1
-            entry = self.flight.start(self._seq, "all_to_all_v", xa.size, xa.dtype, "mpi")
-            try:
-                req = self._p2p.comm.Ialltoallv([xa, (sc, sd), t], [oa, (rc, rd), t])
-                self._wait_request(req, -1, "MPI's all_to_all_v")
-            except (ValueError, TypeError):
-                raise
-            except BaseException as exc:
-                entry.state = f"failed: {type(exc).__name__}"
-                self._fail(exc)
-                raise
-            entry.state, entry.ended = "done", time.monotonic()
+            where = "p2p" if all(p2p.local(q) for q in range(self.size)) else "p2p-net"
+            entry = self.flight.start(self._seq, "all_to_all_v", xa.size, xa.dtype, where)
+            for q in range(self.size):
+                if sc[q] or not (nccl and not p2p.local(q)):
+                    blk = xa[sd[q] : sd[q] + sc[q]]
+                    p2p.post("send", blk, q, stream, entry, TAG_ALL_TO_ALL)
+            for q in range(self.size):
+                if rc[q] or not (nccl and not p2p.local(q)):
+                    blk = oa[rd[q] : rd[q] + rc[q]]
+                    p2p.post("recv", blk, q, stream, entry, TAG_ALL_TO_ALL)
         return out
 
     def split(self, color: int | None, key: int = 0) -> ProcessGroup | None:
@@ -1472,47 +1464,51 @@ class ProcessGroup(Collectives):
         self._arenas[self.proc] = seg
         self._arena_gen[self.proc] = gen
         self._slot_i64(self.proc, _ARENA_SIZE)[0] = size
-        others = len(self._node_procs) - 1
-        if others:
-            self._acks_expected += others
-            self._pending_unlink.append((seg, self._acks_expected))
+        if len(self._node_procs) > 1:
+            self._pending_unlink.append((seg, gen))
         else:
             seg.unlink()
 
     def _refresh_arenas(self) -> None:
-        """Map the node's arenas that grew since the last call (every process maps every
-        new arena, so its creator can unlink it once all have acknowledged)."""
+        """Map the node's arenas that grew since the last call."""
         for q in self._node_procs:
-            if q == self.proc:
-                continue
-            gen = int(self._peer_gen[q][0])
-            if gen and self._arena_gen[q] != gen:
-                old = self._arenas.pop(q, None)
-                if old is not None:
-                    if self._gpu is not None:
-                        self._gpu.wait_stream()  # this process's GPU may still read it
-                    old.close()
+            if q != self.proc:
+                self._refresh_arena(q)
+
+    def _refresh_arena(self, q: int) -> None:
+        """Map process ``q``'s arena if it grew, and say so in the mailboxes: its creator
+        unlinks an arena's name once every process of the node mapped it or a newer one
+        (send/recv map only their peers' arenas, when they need them)."""
+        gen = int(self._peer_gen[q][0])
+        if gen and self._arena_gen[q] != gen:
+            old = self._arenas.pop(q, None)
+            if old is not None:
                 if self._gpu is not None:
-                    at = _SLOTS + _SLOT * self._slot_of[q] + _IPC_ARENA
-                    handle = bytes(self._ctl.buf[at : at + _IPC_BYTES])
-                    size = int(self._slot_i64(q, _ARENA_SIZE)[0])
-                    self._arenas[q] = PeerBlock(
-                        self._gpu.device, self._gpu.owner_ordinal(q), handle, size
-                    )
-                else:
-                    pid = int(self._slot_i64(q, _PID)[0])
-                    self._arenas[q] = Segment.attach(name_for(self._job, pid, f"arena{gen}"))
-                self._arena_gen[q] = gen
-                self._ack[q].add(1)
+                    self._gpu.wait_stream()  # this process's GPU may still read it
+                old.close()
+            if self._gpu is not None:
+                at = _SLOTS + _SLOT * self._slot_of[q] + _IPC_ARENA
+                handle = bytes(self._ctl.buf[at : at + _IPC_BYTES])
+                size = int(self._slot_i64(q, _ARENA_SIZE)[0])
+                self._arenas[q] = PeerBlock(
+                    self._gpu.device, self._gpu.owner_ordinal(q), handle, size
+                )
+            else:
+                pid = int(self._slot_i64(q, _PID)[0])
+                self._arenas[q] = Segment.attach(name_for(self._job, pid, f"arena{gen}"))
+            self._arena_gen[q] = gen
+            self._mail.set_mapped(q, self.proc, gen)
 
     def _settle_arenas(self) -> None:
-        """Unlink this process's new arenas once every process of the node mapped them."""
+        """Unlink this process's new arenas once every process of the node mapped them
+        (or a newer one: a process maps only an arena's newest generation)."""
         keep = []
-        for seg, want in self._pending_unlink:
-            if self._ack[self.proc].wait(want, 0.0):
+        others = [p for p in self._node_procs if p != self.proc]
+        for seg, gen in self._pending_unlink:
+            if all(self._mail.mapped(self.proc, p) >= gen for p in others):
                 seg.unlink()
             else:
-                keep.append((seg, want))
+                keep.append((seg, gen))
         self._pending_unlink = keep
 
     def _heap_of(self, arr: np.ndarray) -> tuple[int, int] | None:
@@ -1615,6 +1611,10 @@ class ProcessGroup(Collectives):
             for seg, _ in self._pending_unlink:
                 seg.unlink()
             self._pending_unlink = []
+            if self.shm and len(self._node_procs) > 1:
+                # ... nor a dead process's: an arena that only its send/recv peers mapped
+                # keeps its name until every process of the node has mapped it
+                remove_stale()
             if not isinstance(exc, PeerFailure) and not self._closed:
                 reason = f"ranks {list(self.ranks)} failed: {type(exc).__name__}: {exc}"
                 raw = reason.encode()[: _REASON_BYTES - 1]

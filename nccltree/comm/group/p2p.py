@@ -1,18 +1,40 @@
 """Point-to-point on a process group (one rank per process): ``pg.send``, ``pg.recv``,
-``pg.sendrecv`` and ``with pg.batch():``.
+``pg.sendrecv``, ``with pg.batch():`` and ``pg.all_to_all_v`` (a batch of them).
 
 As for a World's ranks (:mod:`nccltree.comm.p2p`), the n-th send from A to B matches the
 n-th receive at B from A; a lone send may wait for its receive, so ranks that exchange
-post both halves in one batch. Host arrays travel as MPI messages on a communicator of
-their own (non-blocking, waited on with the group's bounded, liveness-checking waits);
-CuPy arrays as NCCL sends and receives on the caller's stream (one GPU per process; a
-batch is one NCCL group), watched by the group's watchdog. A receive of another size
-than its send raises ``ValueError`` on the receiving rank (MPI tells only the receiver);
-a timeout or a dead peer fails the group, as in a collective.
+post both halves in one batch.
+
+Two transports, chosen per peer:
+
+- **Within a node** (the processes sharing memory), through the staging arena the
+  collectives use: the sender copies its messages into its arena (host: shared memory;
+  GPU: device memory exported through CUDA IPC), writes one table entry per message
+  (where, how many bytes) into the node's control segment and moves the pair's
+  ``posted`` counter on; the receiver waits for that counter, copies the message out
+  of the sender's arena (host: a copy; GPU: a peer copy on the group's stream, after the
+  sender's inter-process event) and moves the pair's ``consumed`` counter on; the sender
+  returns once its messages are consumed (its arena is then free again). Counters are
+  the C futex primitive of the collectives; every wait is bounded by the group's timeout
+  and watches the node's processes. A receive of another size than its send fails on
+  both sides with ``ValueError`` (the receiver marks the entry), once the rest of the
+  batch completed; the group goes on.
+- **Between nodes**: host arrays as MPI messages on a communicator of their own
+  (non-blocking, waited on with the group's bounded, liveness-checking waits); CuPy
+  arrays as NCCL sends and receives on the caller's stream (a batch is one NCCL group),
+  watched by the group's watchdog. A receive of another size than its send raises
+  ``ValueError`` on the receiving rank only (MPI tells only the receiver); a timeout or
+  a dead peer fails the group, as in a collective. A GPU group whose processes cannot
+  reach each other's GPUs through IPC uses NCCL within the node too.
+
+A batch cannot deadlock: its sends within the node are all published before any of its
+waits (the arena is grown to hold them all), its messages to other nodes are all posted
+before any wait, and a receiver acknowledges what it consumed before it blocks again.
 """
 
 from __future__ import annotations
 
+import mmap
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +42,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from ... import _native
 from ..._errors import CommError
 from ...backends.base import data_ptr
 from .._args import Array, _device_array
@@ -32,6 +57,73 @@ if TYPE_CHECKING:
     from ...backends.base import Stream
     from .group import ProcessGroup
 
+# The node's mailboxes, in its control segment after the processes' slots (see Mailboxes)
+_ENTRY = 6  # int64 words per message: offset, bytes, status, receiver's bytes, tag, where
+_PAIR = 8  # int64 words per ordered pair: posted, consumed (counters), first seq,
+#            first entry, the arena generation the receiver mapped, -
+_OFFSET, _NBYTES, _STATUS, _THEIRS, _TAG, _WHERE = range(6)  # where: 0 arena, h+1 heap h
+_FIRST_SEQ, _FIRST_ENTRY, _MAPPED = 2, 3, 4
+_OK, _MISMATCH = 1, 2
+_ALIGN = 256
+#: ``all_to_all_v``'s messages carry this tag (``send``/``recv``: 0)
+TAG_ALL_TO_ALL = 1
+
+
+def table_entries(nprocs: int) -> int:
+    """Messages one process may publish to its node in one batch."""
+    return max(1024, 4 * nprocs)
+
+
+def mailbox_bytes(nprocs: int) -> int:
+    """Bytes of the mailboxes of a node of ``nprocs`` processes."""
+    return 8 * (nprocs * table_entries(nprocs) * _ENTRY + nprocs * nprocs * _PAIR)
+
+
+class Mailboxes:
+    """The node's point-to-point state in shared memory: per process a table of its
+    published messages; per ordered pair (sender, receiver) two counters (``posted`` by
+    the sender, ``consumed`` by the receiver), where the sender's current batch to the
+    receiver starts (its sequence number and table entry), and the generation of the
+    sender's arena the receiver has mapped (which tells the sender when an arena's name
+    may go, see ``ProcessGroup._settle_arenas``)."""
+
+    def __init__(self, buf: mmap.mmap, offset: int, procs: list[int]) -> None:
+        n = len(procs)
+        self.slot = {p: i for i, p in enumerate(procs)}
+        self.cap = table_entries(n)
+        words = n * self.cap * _ENTRY
+        tables = np.frombuffer(buf, np.int64, words, offset)
+        self.tables = tables.reshape(n, self.cap, _ENTRY)
+        at = offset + 8 * words
+        self.pairs = np.frombuffer(buf, np.int64, n * n * _PAIR, at).reshape(n, n, _PAIR)
+        self._buf = buf
+        self._at = at
+        self._counters: dict[tuple[int, int, int], _native.Counter] = {}
+
+    def counter(self, sender: int, receiver: int, which: int) -> _native.Counter:
+        """``which`` 0: posted, 1: consumed, of the pair (sender, receiver)."""
+        key = (sender, receiver, which)
+        c = self._counters.get(key)
+        if c is None:
+            n = len(self.slot)
+            i = self.slot[sender] * n + self.slot[receiver]
+            c = _native.Counter(self._buf, self._at + 8 * (i * _PAIR + which), shared=True)
+            self._counters[key] = c
+        return c
+
+    def pair(self, sender: int, receiver: int) -> np.ndarray:
+        return self.pairs[self.slot[sender], self.slot[receiver]]
+
+    def table(self, sender: int) -> np.ndarray:
+        return self.tables[self.slot[sender]]
+
+    def mapped(self, owner: int, peer: int) -> int:
+        """The generation of ``owner``'s arena that ``peer`` has mapped."""
+        return int(self.pair(owner, peer)[_MAPPED])
+
+    def set_mapped(self, owner: int, peer: int, gen: int) -> None:
+        self.pair(owner, peer)[_MAPPED] = gen
+
 
 @dataclass
 class _Posted:
@@ -39,8 +131,11 @@ class _Posted:
     peer: int
     buf: Array
     entry: Entry
-    request: _MPI.Request | None = None  # host: the MPI request
-    call: tuple[str, tuple[object, ...]] | None = None  # GPU: the NCCL method, arguments
+    tag: int = 0
+    local: bool = False  # within the node: the arena and the mailboxes
+    slot: int = -1  # a send within the node: its entry in this process's table
+    request: _MPI.Request | None = None  # host, another node: the MPI request
+    call: tuple[str, tuple[object, ...]] | None = None  # GPU, NCCL: the method, arguments
 
 
 class GroupP2p:
@@ -50,6 +145,8 @@ class GroupP2p:
         self.pg = pg
         self.comm = pg._comm.Dup()  # a message space of its own: matched per pair, in order
         self._batch = threading.local()
+        self._sent = dict.fromkeys(pg._node_procs, 0)  # messages published to each process
+        self._received = dict.fromkeys(pg._node_procs, 0)  # messages consumed from each
 
     def close(self) -> None:
         try:
@@ -57,7 +154,30 @@ class GroupP2p:
         except Exception:  # noqa: BLE001 - best effort at teardown
             pass
 
-    def post(self, kind: str, buf: Array, peer: int, stream: Stream | None) -> None:
+    # -- which transport ----------------------------------------------------------------
+    def local(self, peer: int) -> bool:
+        """Whether messages with rank ``peer`` go through the node's arenas (shared
+        memory, or CUDA IPC for a GPU group whose processes reach each other's GPUs)."""
+        pg = self.pg
+        if pg._proc_of_rank[peer] not in self._sent:
+            return False
+        return pg._gpu is None or not pg._gpu.ipc_problem
+
+    def drain(self) -> None:
+        """The host group's calls in flight on its stream finished (they use the arena)."""
+        pg = self.pg
+        if pg._gpu is None and pg._stream is not None:
+            pg._stream.synchronize(pg.timeout)
+
+    def post(
+        self,
+        kind: str,
+        buf: Array,
+        peer: int,
+        stream: Stream | None,
+        entry: Entry | None = None,
+        tag: int = 0,
+    ) -> None:
         """Check and issue one send or receive; outside a batch, finish it too."""
         pg = self.pg
         pg._check_usable()
@@ -71,10 +191,24 @@ class GroupP2p:
                 f"rank {pg.rank}: a {kind} with itself needs both halves in one batch "
                 "(with pg.batch(): ...)"
             )
-        pg._seq += 1
-        what = f"{kind} {'to' if kind == 'send' else 'from'} {peer}"
-        op = _Posted(kind, peer, arr, pg.flight.start(pg._seq, what, arr.size, arr.dtype, "p2p"))
-        if pg._gpu is not None:
+        local = self.local(peer)
+        if local and kind == "send" and peer != pg.rank and pending is not None:
+            cap = pg._mail.cap
+            if self._batch.sends >= cap:
+                raise ValueError(
+                    f"rank {pg.rank}: a batch holds at most {cap} sends to the processes of "
+                    "its node"
+                )
+            self._batch.sends += 1
+        if entry is None:
+            pg._seq += 1
+            what = f"{kind} {'to' if kind == 'send' else 'from'} {peer}"
+            alg = "p2p" if local else "p2p-net"
+            entry = pg.flight.start(pg._seq, what, arr.size, arr.dtype, alg)
+        op = _Posted(kind, peer, arr, entry, tag, local)
+        if local:
+            pass  # moved at the end of the batch
+        elif pg._gpu is not None:
             from ..nccl import stream_handle
             from .gpu import nccl_dtype
 
@@ -89,7 +223,7 @@ class GroupP2p:
             dest = pg._mpi_rank_of_proc[pg._proc_of_rank[peer]]
             t = mpi_type(pg._MPI, arr.dtype)
             send = kind == "send"
-            op.request = (self.comm.Isend if send else self.comm.Irecv)([arr, t], dest, 0)
+            op.request = (self.comm.Isend if send else self.comm.Irecv)([arr, t], dest, tag)
         if pending is not None:
             pending.append(op)
             self._batch.stream = stream
@@ -97,25 +231,53 @@ class GroupP2p:
             self._finish([op], stream)
 
     def _finish(self, ops: list[_Posted], stream: Stream | None) -> None:
-        """Host: wait for the messages (bounded). GPU: issue them as one NCCL group."""
+        """Move the batch's messages: within the node through the arenas, to other nodes
+        as MPI messages (host) or one NCCL group (GPU). Size mismatches within the node
+        raise ``ValueError`` once everything else completed."""
         pg = self.pg
-        try:
-            if pg._gpu is not None:
-                self._launch(ops, stream)
-            else:
-                self._wait(ops)
-        except (ValueError, TypeError):
-            raise
-        except BaseException as exc:
-            for op in ops:
-                op.entry.state = f"failed: {type(exc).__name__}"
-            pg._fail(exc)
-            raise
+        mismatched: list[str] = []
+        with pg._lock:
+            try:
+                pg._check_usable()
+                local = [op for op in ops if op.local]
+                remote = [op for op in ops if not op.local]
+                if pg._gpu is not None:
+                    self._gpu_finish(local, remote, stream, mismatched)
+                else:
+                    self._host_finish(local, remote, mismatched)
+            except (ValueError, TypeError):
+                raise
+            except BaseException as exc:
+                for op in ops:
+                    op.entry.state = f"failed: {type(exc).__name__}"
+                pg._fail(exc)
+                raise
         now = time.monotonic()
         for op in ops:
-            op.entry.state, op.entry.ended = "done", now
+            if op.entry.state != "size mismatch":
+                op.entry.state = "done"
+            op.entry.ended = now
+        if mismatched:
+            raise ValueError("\n".join(mismatched))
 
-    def _wait(self, ops: list[_Posted]) -> None:
+    # -- host ---------------------------------------------------------------------------
+    def _host_finish(
+        self, local: list[_Posted], remote: list[_Posted], mismatched: list[str]
+    ) -> None:
+        pg = self.pg
+        sends, recvs = self._split_local(local)
+        self._publish(sends)
+        self._to_self(local, mismatched)
+        pg._inflight = [op.request for op in remote if op.kind == "send" and op.request]
+        try:
+            self._wait(remote, mismatched)
+            self._consume(recvs, mismatched)
+            self._await_consumed(sends, mismatched)
+        finally:
+            pg._inflight = []
+        pg._settle_arenas()
+
+    def _wait(self, ops: list[_Posted], mismatched: list[str]) -> None:
         pg = self.pg
         MPI = pg._MPI
         statuses = []
@@ -129,12 +291,189 @@ class GroupP2p:
             if op.kind == "recv":
                 got = status.Get_count(mpi_type(MPI, op.buf.dtype))
                 if got != op.buf.size:
-                    raise ValueError(
+                    # raised once the batch's messages within the node moved too
+                    op.entry.state = "size mismatch"
+                    mismatched.append(
                         f"rank {pg.rank}: received {got} {op.buf.dtype} from rank "
                         f"{op.peer}, expected {op.buf.size}"
                     )
 
-    def _launch(self, ops: list[_Posted], stream: Stream | None) -> None:
+    # -- within the node (host and GPU alike; a GPU's copies go on the group's stream) --
+    def _split_local(self, local: list[_Posted]) -> tuple[list[_Posted], list[_Posted]]:
+        """The sends to and receives from the node's other processes; the batch's
+        messages to itself checked to pair up (before anything moves)."""
+        me = self.pg.rank
+        to_self = sum(op.kind == "send" and op.peer == me for op in local)
+        from_self = sum(op.kind == "recv" and op.peer == me for op in local)
+        if to_self != from_self:
+            raise ValueError(
+                f"rank {me}: a batch sends {to_self} messages to this rank and receives "
+                f"{from_self} from it; they must pair up"
+            )
+        sends = [op for op in local if op.kind == "send" and op.peer != me]
+        recvs = [op for op in local if op.kind == "recv" and op.peer != me]
+        return sends, recvs
+
+    def _publish(self, sends: list[_Posted]) -> None:
+        """Copy the sends into this process's arena (those in symmetric buffers, which the
+        node's processes have mapped, stay where they are: one copy instead of two),
+        describe them in its table, and tell each receiver how many there are."""
+        if not sends:
+            return
+        pg = self.pg
+        mail = pg._mail
+        by_proc: dict[int, list[_Posted]] = {}
+        for op in sends:
+            by_proc.setdefault(pg._proc_of_rank[op.peer], []).append(op)
+        heap = {id(op): pg._heap_of(op.buf) for op in sends} if pg._heaps else {}
+        total = sum(
+            -(-op.buf.nbytes // _ALIGN) * _ALIGN for op in sends if heap.get(id(op)) is None
+        )
+        pg._ensure_arena(total)
+        pg._own_gen[0] = pg._arena_gen[pg.proc]
+        arena = pg._arenas.get(pg.proc)
+        table = mail.table(pg.proc)
+        k = 0
+        off = 0
+        firsts: list[tuple[int, int, int]] = []
+        for q, ops in by_proc.items():
+            firsts.append((q, k, len(ops)))
+            for op in ops:
+                h = heap.get(id(op))
+                if h is not None:
+                    table[k, :_ENTRY] = (h[1], op.buf.nbytes, 0, 0, op.tag, h[0] + 1)
+                else:
+                    if op.buf.nbytes:
+                        assert arena is not None
+                        pg._copy(arena.view(op.buf.dtype, op.buf.size, off), op.buf)
+                    table[k, :_ENTRY] = (off, op.buf.nbytes, 0, 0, op.tag, 0)
+                    off += -(-op.buf.nbytes // _ALIGN) * _ALIGN
+                op.slot = k
+                k += 1
+        if pg._gpu is not None:
+            pg._gpu.published()  # the copies, before a receiver reads them
+        for q, first, count in firsts:
+            pair = mail.pair(pg.proc, q)
+            pair[_FIRST_SEQ] = self._sent[q]
+            pair[_FIRST_ENTRY] = first
+            self._sent[q] += count
+            mail.counter(pg.proc, q, 0).add(count)
+
+    def _to_self(self, local: list[_Posted], mismatched: list[str]) -> None:
+        me = self.pg.rank
+        sends = [op for op in local if op.kind == "send" and op.peer == me]
+        recvs = [op for op in local if op.kind == "recv" and op.peer == me]
+        for s, r in zip(sends, recvs, strict=True):
+            if s.buf.nbytes != r.buf.nbytes or s.tag != r.tag:
+                r.entry.state = s.entry.state = "size mismatch"
+                mismatched.append(_mismatch_text(me, r, s.buf.nbytes, s.tag != r.tag))
+            else:
+                self.pg._copy(r.buf, s.buf)
+
+    def _consume(self, recvs: list[_Posted], mismatched: list[str]) -> None:
+        """Each receive, in order: wait for its message, copy it out of the sender's
+        arena, acknowledge it (acknowledgements are flushed before any wait that blocks:
+        the sender's next message may wait for them)."""
+        pg = self.pg
+        mail = pg._mail
+        g = pg._gpu
+        unacked: list[int] = []
+
+        def flush() -> None:
+            if unacked:
+                if g is not None:
+                    g.published()  # the copies out, before the sender reuses its arena
+                for q in unacked:
+                    mail.counter(q, pg.proc, 1).add(1)
+                unacked.clear()
+
+        for op in recvs:
+            q = pg._proc_of_rank[op.peer]
+            n = self._received[q]
+            posted = mail.counter(q, pg.proc, 0)
+            if not posted.wait(n + 1, 0.0):
+                flush()
+                pg._wait_counter(posted, n + 1, q, f"message #{n} of its sends to this rank")
+            pg._refresh_arena(q)
+            pair = mail.pair(q, pg.proc)
+            k = int(pair[_FIRST_ENTRY]) + n - int(pair[_FIRST_SEQ])
+            e = mail.table(q)[k]
+            off, nbytes, tag, where = int(e[_OFFSET]), int(e[_NBYTES]), int(e[_TAG]), int(e[_WHERE])
+            if nbytes != op.buf.nbytes or tag != op.tag:
+                e[_THEIRS] = op.buf.nbytes
+                e[_STATUS] = _MISMATCH
+                op.entry.state = "size mismatch"
+                mismatched.append(_mismatch_text(pg.rank, op, nbytes, tag != op.tag))
+            else:
+                if nbytes:
+                    mem = pg._heaps[where - 1][q] if where else pg._arenas[q]
+                    if g is not None:
+                        g.after([q])
+                    pg._copy(op.buf, mem.view(op.buf.dtype, op.buf.size, off))
+                e[_STATUS] = _OK
+            self._received[q] = n + 1
+            unacked.append(q)
+        flush()
+
+    def _await_consumed(self, sends: list[_Posted], mismatched: list[str]) -> None:
+        """This process's messages consumed (its arena is free again); the mismatches
+        its receivers found."""
+        if not sends:
+            return
+        pg = self.pg
+        mail = pg._mail
+        procs = list(dict.fromkeys(pg._proc_of_rank[op.peer] for op in sends))
+        for q in procs:
+            pg._wait_counter(mail.counter(pg.proc, q, 1), self._sent[q], q, "its receive")
+        if pg._gpu is not None:
+            pg._gpu.after(procs)  # later writes to the arena after their copies out
+        table = mail.table(pg.proc)
+        for op in sends:
+            if int(table[op.slot, _STATUS]) == _MISMATCH:
+                theirs = int(table[op.slot, _THEIRS])
+                op.entry.state = "size mismatch"
+                why = (
+                    f"whose receive takes {theirs} bytes"
+                    if theirs != op.buf.nbytes
+                    else "which received it as another kind of operation"
+                )
+                mismatched.append(
+                    f"rank {pg.rank}: sent {op.buf.size} {op.buf.dtype} ({op.buf.nbytes} "
+                    f"bytes) to rank {op.peer}, {why}"
+                )
+
+    # -- GPU ------------------------------------------------------------------------------
+    def _gpu_finish(
+        self,
+        local: list[_Posted],
+        remote: list[_Posted],
+        stream: Stream | None,
+        mismatched: list[str],
+    ) -> None:
+        pg = self.pg
+        g = pg._gpu
+        assert g is not None
+        caller = stream if stream is not None else pg.devices[0].current_stream()
+        if not local:
+            self._launch(remote, caller)
+            return
+        sends, recvs = self._split_local(local)
+        # the group's stream after the caller's work (the sends' data is written there),
+        # the caller's after the group's at the end
+        g.caller, g.caller_waits = caller, True
+        try:
+            g.begin()
+            self._publish(sends)
+            self._to_self(local, mismatched)
+            if remote:
+                self._launch(remote, caller)  # on the caller's stream, waits for nobody here
+            self._consume(recvs, mismatched)
+            self._await_consumed(sends, mismatched)
+            g.end("send/recv within the node", [op.buf for op in local])
+        finally:
+            g.caller, g.caller_waits = None, True
+
+    def _launch(self, ops: list[_Posted], caller: Stream) -> None:
         g = self.pg._gpu
         assert g is not None
         engine = g.ensure_nccl()
@@ -154,7 +493,6 @@ class GroupP2p:
             error = error or exc
         if error is not None:
             raise CommError(f"rank {self.pg.rank}: NCCL send/recv failed: {error!r}") from error
-        caller = stream if stream is not None else self.pg.devices[0].current_stream()
         g.watch("NCCL send/recv", [caller.record()], [op.buf for op in ops])
 
     @contextmanager
@@ -162,8 +500,10 @@ class GroupP2p:
         """Post every send and receive of the block; finish them all at its end."""
         if getattr(self._batch, "ops", None) is not None:
             raise ValueError(f"rank {self.pg.rank}: batches do not nest")
+        self.drain()
         self._batch.ops = []
         self._batch.stream = None
+        self._batch.sends = 0  # to the node's other processes
         try:
             yield
         except BaseException:
@@ -171,3 +511,14 @@ class GroupP2p:
             raise
         ops, self._batch.ops = self._batch.ops, None
         self._finish(ops, self._batch.stream)
+
+
+def _mismatch_text(me: int, op: _Posted, nbytes: int, tag_differs: bool) -> str:
+    if tag_differs:
+        return (
+            f"rank {me}: the message from rank {op.peer} is another kind of operation "
+            "(send/recv and all_to_all_v meet in one order per pair of ranks)"
+        )
+    item = op.buf.dtype.itemsize
+    got = f"{nbytes // item}" if nbytes % item == 0 else f"{nbytes} bytes of"
+    return f"rank {me}: received {got} {op.buf.dtype} from rank {op.peer}, expected {op.buf.size}"

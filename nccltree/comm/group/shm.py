@@ -139,13 +139,8 @@ def remove_stale() -> list[str]:
         if not m or m.group(1) != me:
             continue
         pid = int(m.group(2))
-        try:
-            os.kill(pid, 0)
-            continue  # alive (or another user's process with that id: leave it)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
+        if alive(pid):
+            continue  # (or another user's process with that id: leave it)
         try:
             os.unlink(os.path.join(SHM_DIR, name))
             removed.append(name)

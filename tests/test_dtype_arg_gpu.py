@@ -280,3 +280,36 @@ def test_gpu_bf16_all_reduce_nccl_matches_numpy():
             np.testing.assert_allclose(got, reference("sum", full), rtol=n * 2**-8)
     finally:
         devs[0].runtime.shutdown()
+
+
+@pytest.mark.parametrize("fake_cupy", [{"n_gpus": 3}], indirect=True)
+def test_fake_benchmark_bfloat16_on_gpus(fake_cupy: Any, capsys: pytest.CaptureFixture[str]):
+    """``nccltree-bench collectives -d bfloat16`` on GPUs: uint16 CuPy buffers, every call
+    naming ``dtype="bfloat16"``: no wrong element, bf16 kernels and ncclBfloat16 (wiring
+    check on the fake, not GPU verification)."""
+    from cupy.cuda import nccl
+
+    from nccltree.cli import bench as cli
+    from nccltree.comm import bench as drv
+
+    colls = ["all_reduce", "reduce", "reduce_scatter", "broadcast", "all_gather"]
+    with drv.Benchmark("gpu:0,1,2", algorithms=["tree", "ring", "direct", "nccl"],
+                       collectives=colls, sizes=[96, 6144], dtype="bfloat16", op="mean",
+                       iters=1, warmup=0) as bench:  # fmt: skip
+        assert bench.carrier == np.dtype(np.uint16)
+        data = bench._size_data(drv.COLLECTIVES["all_reduce"], 96)
+        ins, _, outs = bench._buffers(drv.COLLECTIVES["all_reduce"], data, False)
+        assert all(a.dtype == np.uint16 for a in (*ins, *outs))
+        records = list(bench)
+    assert records and all(r.wrong == 0 for r in records), [r for r in records if r.wrong]
+    assert {r.dtype for r in records} == {"bfloat16"}
+    assert any(k.name.endswith("_bf16") for k in fake_cupy.launches)
+    reducing = [c for c in fake_cupy.nccl.calls if c.method in ("allReduce", "reduce",
+                                                                "reduceScatter")]  # fmt: skip
+    assert reducing and all(c.datatype == nccl.NCCL_BFLOAT16 for c in reducing)
+    # the command line, the same way
+    rc = cli.main(["collectives", "--devices", "gpu:0,1,2", "-d", "bfloat16", "-b", "64",
+                   "-e", "64", "-n", "1", "-w", "0", "--algorithm", "tree,nccl"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "bfloat16" in out

@@ -301,6 +301,19 @@ def test_gpu_two_processes_sharing_one_gpu_through_ipc(tmp_path: Path) -> None:
 @pytest.mark.gpu
 @pytest.mark.mpi
 @needs_mpi
+def test_gpu_bfloat16_in_uint16_arrays_two_processes_sharing_one_gpu(tmp_path: Path) -> None:
+    """bfloat16 as uint16 CuPy arrays named ``dtype="bfloat16"``, two processes on GPU 0
+    (CUDA IPC): tree, ring and direct, every collective and placement, against numpy."""
+    if gpu_count() < 1:
+        pytest.skip("needs a GPU")
+    reports, proc = _run(tmp_path, 2, "--devices", "gpu:0", "--dtypes", "bfloat16",
+                         "--counts", "1,1000,70001", timeout=300)  # fmt: skip
+    _all_pass(reports, 2, proc)
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@needs_mpi
 def test_gpu_a_killed_process_is_named(tmp_path: Path) -> None:
     if gpu_count() < 1:
         pytest.skip("needs a GPU")

@@ -103,10 +103,13 @@ def test_fake_world_reductions_launch_the_bf16_kernels(fake_cupy: Any, alg: str,
                 want = host_result(world.topology, alg, "reduce_scatter", full, op)
                 for r in range(n):
                     np.testing.assert_array_equal(outs[r].get(), bits(want[r]))
-            # the plan cache holds the bfloat16 programs, told the dtype they compute in
-            programs = [p for k, p in world._programs.items() if k[-2] == BFLOAT16.str]
-            assert programs and all(p.dtype == BFLOAT16 for p in programs)
-            assert all(k[-1] == np.dtype(np.uint16).str for k in world._programs)
+            # the plan cache keys the dtype the arrays carry, and its programs name it
+            assert world._programs
+            assert all(k[-1] == BFLOAT16.str for k in world._programs)
+            assert all(p.dtype == BFLOAT16 for p in world._programs.values())
+            # float16 arrays of the same size: programs of their own, naming no dtype
+            world.all_reduce([d.zeros(300, np.float16) for d in devs])
+            assert any(k[-1] is None and p.dtype is None for k, p in world._programs.items())
     finally:
         devs[0].runtime.shutdown()
 

@@ -1103,8 +1103,10 @@ class World:
     def _program(self, algorithm: str, prep: Prepared) -> Program:
         """The cached plan of a call, resolved for this World (built on first use)."""
         # the chunk follows from these and the World's chunk setting, so it is no part of
-        # the key; the dtype (its itemsize lets the plan align what it chooses) and the
-        # arrays' own, when they carry it: the program names it to the kernels
+        # the key; the itemsize lets the plan align what it chooses (dtypes of one size
+        # share a plan); the dtype the arrays carry, where they carry one (bfloat16 in
+        # uint16 CuPy arrays), is named to the kernels by the program, so it keys it too
+        carried = prep.carried
         key = (
             algorithm,
             prep.collective,
@@ -1112,8 +1114,8 @@ class World:
             prep.op,
             prep.root,
             prep.in_place,
-            prep.dtype.str,
-            prep.array_dtype.str,
+            prep.dtype.itemsize,
+            None if carried is None else carried.str,
         )
         program = self._programs.get(key)
         if program is None:

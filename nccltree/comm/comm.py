@@ -40,6 +40,10 @@ class Comm:
     Every rank calls the same collectives in the same order; the last to arrive runs the
     collective for all. Arguments are checked for all ranks together, so a bad argument
     raises on every rank before any buffer is written.
+
+    ``dtype`` (every collective, send and recv): as for the World's collectives (None:
+    the arrays' own; ``"bfloat16"`` for ``uint16`` arrays of its bits, how CuPy arrays
+    carry it); the ranks of one call name the same.
     """
 
     def __init__(self, world: World, rank: int) -> None:

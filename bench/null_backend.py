@@ -71,7 +71,7 @@ class NullStream(Stream):
     def _reduce(self, r: ReduceArgs) -> None:
         return None
 
-    def _scale(self, x: Any, alpha: float) -> None:
+    def _scale(self, x: Any, alpha: float, dtype: np.dtype | None = None) -> None:
         return None
 
     def _sgd_update(self, a: SgdArgs) -> None:

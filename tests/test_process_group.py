@@ -109,6 +109,23 @@ def test_numbering_bytes_symmetric_buffers_and_reinit(tmp_path: Path) -> None:
     assert crossed == reports[0]["plan_cross_bytes"] == 2 * 4 * (1 << 16)
 
 
+@pytest.mark.parametrize(
+    "parts, args",
+    [(2, []), (_nodes(1, 1), []), (2, ["--devices", "cpu:2"])],
+    ids=["2 processes", "2 nodes", "2 processes of 2 ranks"],
+)
+def test_uint16_named_bfloat16(tmp_path: Path, parts: Any, args: list[str]) -> None:
+    """``dtype="bfloat16"`` on uint16 host buffers: bitwise the bfloat16 arrays' results
+    on every reducing collective and algorithm (pg.call, the one-rank API, per-rank
+    faces); data movement and send/recv take it; MPI's reduction refused by name."""
+    reports = _reports(tmp_path, parts, "pg_dtype.py", *args, timeout=240)
+    assert len(reports) == 2
+    for rep in reports:
+        assert rep["failures"] == [], rep["failures"]
+        assert rep["checked"] > 50
+        assert rep["mpi_refused"] is True and rep["auto_off_mpi"] is True
+
+
 def test_cross_node_bytes_two_by_two(tmp_path: Path) -> None:
     reports = _reports(tmp_path, _nodes(2, 2), "pg_misc.py")
     crossed = sum(r["remote_bytes"] for r in reports)

@@ -96,6 +96,36 @@ def test_on_the_fake_every_collective_matches_numpy(name: str, tmp_path: Path) -
         assert r["topology"] == topology, r
 
 
+BF16_FAKE = {
+    # name: (mpiexec parts, worker arguments, NCCL methods)
+    "one node, every algorithm": (
+        3, ["--algorithms", "tree,ring,direct,nccl"],
+        ["allGather", "allReduce", "broadcast", "reduce", "reduceScatter"]),
+    "two nodes x two processes (NCCL send/recv of uint16 between nodes)": (
+        _nodes(2, 2), ["--algorithms", "tree,direct"], ["recv", "send"]),
+}  # fmt: skip
+
+
+@pytest.mark.mpi
+@needs_mpi
+@pytest.mark.parametrize("name", list(BF16_FAKE))
+def test_on_the_fake_bfloat16_in_uint16_cupy_arrays(name: str, tmp_path: Path) -> None:
+    """Wiring check on tests/fakecupy (not GPU verification): GPU groups take bfloat16 as
+    uint16 CuPy arrays named ``dtype="bfloat16"`` on every collective and placement; the
+    values match numpy, and every NCCL call (the collectives of algorithm nccl, the
+    sends and receives between nodes) carries ncclBfloat16."""
+    parts, args, nccl = BF16_FAKE[name]
+    reports, proc = _run(tmp_path, parts, "--fake", "4", "--dtypes", "bfloat16",
+                         "--counts", "5,70001", *args, timeout=300)  # fmt: skip
+    n = parts if isinstance(parts, int) else sum(p[0] for p in parts)
+    _all_pass(reports, n, proc)
+    for r in reports:
+        assert r["nccl"] == nccl, r
+        # NCCL_BFLOAT16 for the data; besides it only NCCL_UINT8, the one-byte notes that
+        # stand in for empty messages between nodes
+        assert set(r["nccl_datatypes"]) - {1} == {9}, r
+
+
 @pytest.mark.mpi
 @needs_mpi
 def test_on_the_fake_nccl_refuses_processes_sharing_a_gpu(tmp_path: Path) -> None:
@@ -265,6 +295,19 @@ def test_gpu_two_processes_sharing_one_gpu_through_ipc(tmp_path: Path) -> None:
         pytest.skip("needs a GPU")
     reports, proc = _run(tmp_path, 2, "--devices", "gpu:0", "--counts", "1,1000,70001,1000003",
                          timeout=400)  # fmt: skip
+    _all_pass(reports, 2, proc)
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@needs_mpi
+def test_gpu_bfloat16_in_uint16_arrays_two_processes_sharing_one_gpu(tmp_path: Path) -> None:
+    """bfloat16 as uint16 CuPy arrays named ``dtype="bfloat16"``, two processes on GPU 0
+    (CUDA IPC): tree, ring and direct, every collective and placement, against numpy."""
+    if gpu_count() < 1:
+        pytest.skip("needs a GPU")
+    reports, proc = _run(tmp_path, 2, "--devices", "gpu:0", "--dtypes", "bfloat16",
+                         "--counts", "1,1000,70001", timeout=300)  # fmt: skip
     _all_pass(reports, 2, proc)
 
 

@@ -36,6 +36,13 @@ xs = arrays(lambda r: np.full(4, r + 1, np.float32))
 world.all_reduce(xs)
 assert host(xs[0])[0] == n * (n + 1) / 2
 
+# bfloat16: CuPy has no such dtype, so its bits travel in uint16 arrays and the call
+# names the dtype (the same call on host devices: bitwise the ml_dtypes.bfloat16 result)
+bf16 = np.dtype("bfloat16")  # numpy knows the name through ml_dtypes (nccltree imports it)
+xs = arrays(lambda r: np.full(4, r + 0.5, bf16).view(np.uint16))
+world.all_reduce(xs, dtype="bfloat16")
+assert float(host(xs[0]).view(bf16)[0]) == n * n / 2
+
 # reduce and broadcast: to and from a root
 xs = arrays(lambda r: np.full(4, r, np.float32))
 world.reduce(xs, root=n - 1, op="max")

@@ -48,6 +48,11 @@ FLOAT_DTYPES: tuple[np.dtype[Any], ...] = tuple(
 )
 HALF_DTYPES = (np.dtype(np.float16), BFLOAT16)
 
+#: The array dtype that carries each kernel dtype an array library may lack: CuPy has no
+#: bfloat16, so a bfloat16 buffer on a GPU is a ``uint16`` array of its bits, and every
+#: call that computes on it names the dtype (``dtype="bfloat16"``).
+CARRIERS: dict[np.dtype, np.dtype] = {BFLOAT16: np.dtype(np.uint16)}
+
 #: A device's array: ``numpy.ndarray`` on the host backend, ``cupy.ndarray`` on CUDA (CuPy
 #: ships no type information, hence ``Any``).
 Array = Any
@@ -139,6 +144,7 @@ class Stream(abc.ABC):
         src_devices: Sequence[Device | None] | None = None,
         dst_device: Device | None = None,
         alpha: float = 1.0,
+        dtype: npt.DTypeLike | None = None,
     ) -> None:
         """``dst = op(*srcs)`` elementwise in one fused pass, in this stream's order.
 
@@ -154,12 +160,19 @@ class Stream(abc.ABC):
         float32/float64 results are bitwise those of the reduce followed by
         ``scale(dst, alpha)``; float16 is scaled before its one rounding (slightly more
         accurate than the two steps).
-        """
-        self._reduce(check_reduce(self.device, dst, srcs, op, src_devices, dst_device, alpha))
 
-    def scale(self, x: Array, alpha: float) -> None:
-        """``x *= alpha`` (floating dtypes; alpha a finite real number)."""
-        self._scale(x, check_scale(self.device, x, alpha))
+        ``dtype``: the dtype to compute in when the arrays carry it (``"bfloat16"`` for
+        ``uint16`` arrays of its bits, see :func:`carried_dtype`); None: the arrays' own.
+        """
+        self._reduce(
+            check_reduce(self.device, dst, srcs, op, src_devices, dst_device, alpha, dtype)
+        )
+
+    def scale(self, x: Array, alpha: float, *, dtype: npt.DTypeLike | None = None) -> None:
+        """``x *= alpha`` (floating dtypes; alpha a finite real number; ``dtype`` as in
+        :meth:`reduce`)."""
+        x, a, carried = check_scale(self.device, x, alpha, dtype)
+        self._scale(x, a, carried)
 
     def sgd_update(
         self, w: Array, g: Array, v: Array, lr: float, momentum: float, weight_decay: float
@@ -215,9 +228,10 @@ class Stream(abc.ABC):
         """``reduce`` of arguments already checked (see :meth:`copy_checked`)."""
         self._reduce(r)
 
-    def scale_checked(self, x: Array, alpha: float) -> None:
-        """``scale`` of arguments already checked (see :meth:`copy_checked`)."""
-        self._scale(x, alpha)
+    def scale_checked(self, x: Array, alpha: float, dtype: np.dtype | None = None) -> None:
+        """``scale`` of arguments already checked (see :meth:`copy_checked`); ``dtype``:
+        the dtype ``x`` carries (None: its own)."""
+        self._scale(x, alpha, dtype)
 
     # -- what a backend implements: the operations with their arguments checked ----------
 
@@ -230,8 +244,9 @@ class Stream(abc.ABC):
         """Enqueue a checked reduction (folded with ``run_fold`` beyond ``MAX_FUSED``)."""
 
     @abc.abstractmethod
-    def _scale(self, x: Array, alpha: float) -> None:
-        """Enqueue a checked ``x *= alpha``."""
+    def _scale(self, x: Array, alpha: float, dtype: np.dtype | None = None) -> None:
+        """Enqueue a checked ``x *= alpha``; ``dtype``: the dtype ``x`` carries (a
+        ``uint16`` CuPy array of bfloat16 bits), None: its own."""
 
     @abc.abstractmethod
     def _sgd_update(self, a: SgdArgs) -> None:
@@ -535,7 +550,8 @@ class CopyArgs(NamedTuple):
 
 class ReduceArgs(NamedTuple):
     """A checked ``Stream.reduce``: one device per source (the dst's where none was
-    given), ``alpha`` a float (1.0 unless ``op`` is ``"sum"`` and the dtype floating)."""
+    given), ``alpha`` a float (1.0 unless ``op`` is ``"sum"`` and the dtype floating),
+    ``dtype`` the dtype the arrays carry (None: their own; see :func:`carried_dtype`)."""
 
     dst: Array
     srcs: list[Array]
@@ -543,6 +559,7 @@ class ReduceArgs(NamedTuple):
     src_devices: list[Device]
     dst_device: Device
     alpha: float
+    dtype: np.dtype | None = None
 
 
 class SgdArgs(NamedTuple):
@@ -555,6 +572,46 @@ class SgdArgs(NamedTuple):
     lr: float
     momentum: float
     weight_decay: float
+
+
+def carried_dtype(arr: Array, dtype: npt.DTypeLike | None, what: str) -> np.dtype | None:
+    """The dtype a call computes ``arr`` in when it differs from the array's own: None
+    when ``dtype`` is None or the array's dtype; bfloat16 for ``dtype="bfloat16"`` and a
+    ``uint16`` array of its bits (its :data:`CARRIERS`). Anything else: ``TypeError``
+    (``ValueError`` for an unknown name), naming ``what`` and the argument."""
+    if dtype is None:
+        return None
+    try:
+        want = BFLOAT16 if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype)
+    except TypeError as exc:
+        raise ValueError(f"dtype={dtype!r} is not a dtype name: {exc}") from None
+    if want == arr.dtype:
+        return None
+    carrier = CARRIERS.get(want)
+    if carrier is None:
+        carried = ", ".join(f"{d} in {c}" for d, c in CARRIERS.items())
+        raise TypeError(
+            f"{what}: dtype={want} differs from the array's dtype {arr.dtype}; a dtype= "
+            f"other than the arrays' own names one they carry ({carried})"
+        )
+    if arr.dtype != carrier:
+        raise TypeError(
+            f"{what}: dtype={want} takes {want} arrays or {carrier} arrays holding its bits "
+            f"(2-byte items); got {arr.dtype}"
+        )
+    return want
+
+
+def carry(arr: Array, dtype: np.dtype | None) -> tuple[Array, np.dtype | None]:
+    """``arr`` ready for a kernel of ``dtype`` (from :func:`carried_dtype`): a numpy array
+    is viewed as that dtype (numpy has it, through ``ml_dtypes``), so nothing downstream
+    needs to know; another library's array stays as it is and the dtype is returned with
+    it, for the kernel to be told."""
+    if dtype is None:
+        return arr, None
+    if isinstance(arr, np.ndarray):
+        return arr.view(dtype), None
+    return arr, dtype
 
 
 def check_dtype(arr: Array, what: str, accepted: Sequence[np.dtype[Any]]) -> None:
@@ -594,8 +651,10 @@ def check_reduce(
     src_devices: Iterable[object] | None,
     dst_device: object,
     alpha: object,
+    dtype: npt.DTypeLike | None = None,
 ) -> ReduceArgs:
-    """The arguments of ``device``'s streams' ``reduce``, checked."""
+    """The arguments of ``device``'s streams' ``reduce``, checked (numpy arrays that
+    carry ``dtype`` viewed as it)."""
     if not isinstance(op, str) or op not in REDUCE_OPS:
         raise ValueError(f"op must be one of {', '.join(REDUCE_OPS)}; got {op!r}")
     a = check_real(alpha, "alpha")
@@ -603,7 +662,13 @@ def check_reduce(
         raise ValueError(f"alpha != 1.0 needs op='sum'; got op={op!r}")
     dst_dev = device._same_backend(dst_device, "dst_device") or device
     dst_dev._check_operand(dst, "dst", writable=True)
-    check_dtype(dst, "dst", DTYPES if a == 1.0 else FLOAT_DTYPES)
+    logical = carried_dtype(dst, dtype, "dst")
+    accepted = DTYPES if a == 1.0 else FLOAT_DTYPES
+    if logical is None:
+        check_dtype(dst, "dst", accepted)
+    elif logical not in accepted:
+        raise TypeError(f"dtype={logical} is not accepted for dst; accepted: "
+                        f"{', '.join(str(dt) for dt in accepted)}")  # fmt: skip
     srcs = list(srcs)
     if not srcs:
         raise ValueError("reduce needs at least one source")
@@ -620,14 +685,24 @@ def check_reduce(
         d._check_operand(s, f"srcs[{i}]")
         if s.dtype != dst.dtype or s.size != dst.size:
             raise ValueError(f"srcs[{i}] is {s.dtype}[{s.size}] but dst is {dst.dtype}[{dst.size}]")
+    if logical is not None:
+        dst, carried = carry(dst, logical)
+        srcs = [carry(s, logical)[0] for s in srcs]
+        return ReduceArgs(dst, srcs, op, devs, dst_dev, a, carried)
     return ReduceArgs(dst, srcs, op, devs, dst_dev, a)
 
 
-def check_scale(device: Device, x: Array, alpha: object) -> float:
-    """The arguments of ``scale`` on ``device``, checked; returns alpha as a float."""
+def check_scale(
+    device: Device, x: Array, alpha: object, dtype: npt.DTypeLike | None = None
+) -> tuple[Array, float, np.dtype | None]:
+    """The arguments of ``scale`` on ``device``, checked; returns ``x`` (a numpy array
+    that carries ``dtype`` viewed as it), alpha as a float, and the dtype ``x`` carries
+    (None: its own)."""
     device._check_operand(x, "x", writable=True)
-    check_dtype(x, "x", FLOAT_DTYPES)
-    return check_real(alpha, "alpha")
+    x, carried = carry(x, carried_dtype(x, dtype, "x"))
+    if carried is None:
+        check_dtype(x, "x", FLOAT_DTYPES)
+    return x, check_real(alpha, "alpha"), carried
 
 
 def check_sgd(

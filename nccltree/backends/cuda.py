@@ -283,7 +283,7 @@ class CudaStream(Stream):
             aliases = [i for i, s in enumerate(inputs) if _overlap(s, out)]
 
             def launch(o: Array, ins: list[Array], a: float) -> None:
-                _k.reduce_n(o, ins, r.op, self._cs, alpha=a)
+                _k.reduce_n(o, ins, r.op, self._cs, alpha=a, dtype=r.dtype)
 
             run_fold(out, inputs, r.alpha, aliases, launch, lambda: cp.empty(dst.shape, dst.dtype))
             if not direct and dst.nbytes:
@@ -291,9 +291,9 @@ class CudaStream(Stream):
                     dst.data.ptr, dpid, out.data.ptr, pid, dst.nbytes, stream_ptr
                 )
 
-    def _scale(self, x: Array, alpha: float) -> None:
+    def _scale(self, x: Array, alpha: float, dtype: np.dtype | None = None) -> None:
         with self._on():
-            _k.scale(x, alpha, self._cs)
+            _k.scale(x, alpha, self._cs, dtype=dtype)
 
     def _sgd_update(self, a: SgdArgs) -> None:
         with self._on():

@@ -38,6 +38,7 @@ from .base import (
     Stream,
     Transfer,
     as_shape,
+    carry,
     check_host_out,
     run_fold,
     timeout_or_default,
@@ -323,6 +324,8 @@ def _copy_op(
 
 def _op_reduce(threads: int, r: ReduceArgs) -> None:
     dst, srcs, op, alpha = r.dst, r.srcs, r.op, r.alpha
+    if r.dtype is not None:  # numpy has every dtype: view arrays that carry one as it
+        dst, srcs = carry(dst, r.dtype)[0], [carry(s, r.dtype)[0] for s in srcs]
     if dst.nbytes * max(1, len(srcs) - 1) <= SMALL_BYTES and dst.dtype not in HALF_DTYPES:
         _small_reduce(dst, srcs, _UFUNCS[op], alpha)
     else:
@@ -429,8 +432,8 @@ class HostStream(Stream):
     def _reduce(self, r: ReduceArgs) -> None:
         self._submit(_op_reduce, (self._threads(), r))
 
-    def _scale(self, x: np.ndarray, alpha: float) -> None:
-        self._submit(_op_scale, (self._threads(), x, alpha))
+    def _scale(self, x: np.ndarray, alpha: float, dtype: np.dtype | None = None) -> None:
+        self._submit(_op_scale, (self._threads(), carry(x, dtype)[0], alpha))
 
     def _sgd_update(self, a: SgdArgs) -> None:
         self._submit(_op_sgd, (self._threads(), a))

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .._validate import check_index
-from ..backends.base import data_ptr
+from ..backends.base import BFLOAT16, CARRIERS, carried_dtype, data_ptr
 from . import _ops
 from .collectives import COLLECTIVES, Collective
 
@@ -24,7 +25,12 @@ Array = Any
 @dataclass
 class Prepared:
     """One collective call, checked: flat views per rank and the call's shape. ``count``
-    is NCCL's count (one rank's block for all_gather and reduce_scatter)."""
+    is NCCL's count (one rank's block for all_gather and reduce_scatter).
+
+    ``dtype`` is the dtype the call computes in; ``storage`` that of the arrays, when it
+    differs (bfloat16 in ``uint16`` CuPy arrays: CuPy has no bfloat16, so the call names
+    it with ``dtype="bfloat16"``). Host arrays never differ: numpy has bfloat16
+    (``ml_dtypes``), so the flat views of a ``uint16`` host buffer are bfloat16 views."""
 
     collective: str
     ins: list[Array]  # flat views
@@ -35,6 +41,17 @@ class Prepared:
     in_place: bool
     op: str
     root: int
+    storage: np.dtype | None = None
+
+    @property
+    def array_dtype(self) -> np.dtype:
+        """The dtype of the arrays: what scratch memory beside them is allocated in."""
+        return self.dtype if self.storage is None else self.storage
+
+    @property
+    def carried(self) -> np.dtype | None:
+        """The dtype to name to the kernels when the arrays carry it (else None)."""
+        return None if self.storage is None else self.dtype
 
     @property
     def nbytes(self) -> int:
@@ -63,9 +80,13 @@ def prepare(
     root: object,
     ranks: Sequence[int] | None = None,
     size: int | None = None,
+    dtype: object = None,
 ) -> Prepared:
     """Check every rank's arguments together (ValueError/TypeError naming the rank) and
     return flat views and the call's shape; nothing is written.
+
+    ``dtype``: the dtype to compute in, None for the arrays' own; ``"bfloat16"`` also
+    takes ``uint16`` arrays holding its bits (see :func:`check_call_dtype`).
 
     ``ranks``/``size``: the devices are ranks ``ranks`` of a group of ``size`` ranks (the
     local ranks of one process of a process group); by default every rank, ``0..n-1``.
@@ -86,15 +107,16 @@ def prepare(
         outs_arr.append(
             None if outs[i] is None else _device_array(dev, outs[i], f"rank {r}: output")
         )
-    dtype = ins[0].dtype
+    logical = check_call_dtype(dtype)
+    stored = ins[0].dtype
     for i, x in enumerate(ins):
         r = ids[i]
-        if x.dtype != dtype:
-            raise TypeError(f"dtype mismatch: rank {ids[0]} has {dtype}, rank {r} has {x.dtype}")
+        if x.dtype != stored:
+            raise TypeError(f"dtype mismatch: rank {ids[0]} has {stored}, rank {r} has {x.dtype}")
         o = outs_arr[i]
-        if o is not None and o.dtype != dtype:
-            raise TypeError(f"rank {r}: output dtype {o.dtype} differs from input {dtype}")
-    dtype = _ops.check_dtype(dtype)
+        if o is not None and o.dtype != stored:
+            raise TypeError(f"rank {r}: output dtype {o.dtype} differs from input {stored}")
+    ins, outs_arr, dtype, storage = resolve_dtype(ins, outs_arr, logical, f"rank {ids[0]}: input")
     if coll.reduces:
         _ops.check_op(op, dtype)
     size = ins[0].size
@@ -150,7 +172,64 @@ def prepare(
         # only the root's output is written, so only its placement matters (a process
         # without the root: its own ranks' placement, which every process then checks)
         all_in_place = in_place[ids.index(at)] if at in ids else all_in_place
-    return Prepared(collective, flat_in, flat_out, results, dtype, count, all_in_place, op, at)
+    return Prepared(
+        collective, flat_in, flat_out, results, dtype, count, all_in_place, op, at, storage
+    )
+
+
+def resolve_dtype(
+    ins: list[Array], outs: list[Array | None], logical: np.dtype | None, what: str
+) -> tuple[list[Array], list[Array | None], np.dtype, np.dtype | None]:
+    """The call's dtype for arrays of one dtype (checked already) and the checked
+    ``dtype=`` argument ``logical``: (inputs, outputs, dtype, storage). Numpy arrays that
+    carry ``logical`` come back viewed as it; other arrays as they are, with their own
+    dtype as ``storage`` (see :class:`Prepared`). TypeError for a ``dtype=`` the arrays
+    do not fit and for a carrier dtype without one."""
+    stored = ins[0].dtype
+    storage = None
+    if logical is not None:
+        carried = carried_dtype(ins[0], logical, what)
+        if carried is not None:
+            if all(isinstance(x, np.ndarray) for x in ins):
+                # numpy has the dtype: the views are of it, nothing downstream sees uint16
+                ins = [x.view(carried) for x in ins]
+                outs = [None if o is None else o.view(carried) for o in outs]
+            else:
+                storage = stored
+            stored = carried
+    elif stored in CARRIERS.values():
+        names = " or ".join(f'dtype="{d}"' for d, c in CARRIERS.items() if c == stored)
+        raise TypeError(
+            f"unsupported dtype {stored}; accepted: {', '.join(str(d) for d in _ops.DTYPES)} "
+            f"({stored} arrays that hold the bits of another dtype take {names})"
+        )
+    return ins, outs, _ops.check_dtype(stored), storage
+
+
+def check_call_dtype(dtype: object) -> np.dtype | None:
+    """A collective's ``dtype=`` argument: None (the arrays' own), or one of the kernels'
+    dtypes, by name (``"bfloat16"``) or as a numpy dtype; ValueError for a name that is
+    not a dtype, TypeError for a dtype the collectives do not take. Whether the arrays
+    fit it is checked with them (:func:`~nccltree.backends.base.carried_dtype`):
+    ``"bfloat16"`` takes bfloat16 arrays and ``uint16`` arrays of its bits, every other
+    dtype only arrays of itself."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        return BFLOAT16  # numpy knows the name only through ml_dtypes' type
+    try:
+        dt = np.dtype(cast("DTypeLike", dtype))
+    except TypeError:
+        raise ValueError(
+            f"dtype={dtype!r} is not a dtype; accepted: None (the arrays' own), "
+            f"{', '.join(str(d) for d in _ops.DTYPES)}"
+        ) from None
+    if dt not in _ops.DTYPES:
+        raise TypeError(
+            f"dtype={dt} is not one the collectives take; accepted: None (the arrays' own), "
+            f"{', '.join(str(d) for d in _ops.DTYPES)}"
+        )
+    return dt
 
 
 def _as_list(xs: object, what: str, n: int) -> list[Any]:

@@ -37,7 +37,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from .._validate import check_index, check_int, check_real, is_int
-from ..backends.base import FLOAT_DTYPES
+from ..backends.base import CARRIERS, FLOAT_DTYPES
 from . import _ops
 from ._args import Array
 from ._ops import reference, widen
@@ -349,14 +349,20 @@ class GroupWorld:
         outs: Sequence[np.ndarray] | None,
         op: str = "sum",
         root: int = 0,
+        dtype: DTypeLike | None = None,
     ) -> list[np.ndarray]:
         self.pg.algorithm = self.algorithm
-        return self.pg.call(collective, xs, outs, op=op, root=root)
+        return self.pg.call(collective, xs, outs, op=op, root=root, dtype=dtype)
 
     def all_reduce(
-        self, xs: Sequence[np.ndarray], *, outs: Sequence[np.ndarray] | None = None, op: str = "sum"
+        self,
+        xs: Sequence[np.ndarray],
+        *,
+        outs: Sequence[np.ndarray] | None = None,
+        op: str = "sum",
+        dtype: DTypeLike | None = None,
     ) -> list[np.ndarray]:
-        return self._call("all_reduce", xs, outs, op)
+        return self._call("all_reduce", xs, outs, op, dtype=dtype)
 
     def reduce(
         self,
@@ -365,43 +371,76 @@ class GroupWorld:
         outs: Sequence[np.ndarray] | None = None,
         root: int = 0,
         op: str = "sum",
+        dtype: DTypeLike | None = None,
     ) -> list[np.ndarray]:
-        return self._call("reduce", xs, outs, op, root)
+        return self._call("reduce", xs, outs, op, root, dtype=dtype)
 
     def broadcast(
-        self, xs: Sequence[np.ndarray], *, outs: Sequence[np.ndarray] | None = None, root: int = 0
+        self,
+        xs: Sequence[np.ndarray],
+        *,
+        outs: Sequence[np.ndarray] | None = None,
+        root: int = 0,
+        dtype: DTypeLike | None = None,
     ) -> list[np.ndarray]:
-        return self._call("broadcast", xs, outs, root=root)
+        return self._call("broadcast", xs, outs, root=root, dtype=dtype)
 
     def all_gather(
-        self, xs: Sequence[np.ndarray], *, outs: Sequence[np.ndarray] | None = None
+        self,
+        xs: Sequence[np.ndarray],
+        *,
+        outs: Sequence[np.ndarray] | None = None,
+        dtype: DTypeLike | None = None,
     ) -> list[np.ndarray]:
-        return self._call("all_gather", xs, outs)
+        return self._call("all_gather", xs, outs, dtype=dtype)
 
     def reduce_scatter(
-        self, xs: Sequence[np.ndarray], *, outs: Sequence[np.ndarray] | None = None, op: str = "sum"
+        self,
+        xs: Sequence[np.ndarray],
+        *,
+        outs: Sequence[np.ndarray] | None = None,
+        op: str = "sum",
+        dtype: DTypeLike | None = None,
     ) -> list[np.ndarray]:
-        return self._call("reduce_scatter", xs, outs, op)
+        return self._call("reduce_scatter", xs, outs, op, dtype=dtype)
 
     def gather(
-        self, xs: Sequence[np.ndarray], *, outs: Sequence[np.ndarray] | None = None, root: int = 0
+        self,
+        xs: Sequence[np.ndarray],
+        *,
+        outs: Sequence[np.ndarray] | None = None,
+        root: int = 0,
+        dtype: DTypeLike | None = None,
     ) -> list[np.ndarray]:
-        return self._call("gather", xs, outs, root=root)
+        return self._call("gather", xs, outs, root=root, dtype=dtype)
 
     def scatter(
-        self, xs: Sequence[np.ndarray], *, outs: Sequence[np.ndarray] | None = None, root: int = 0
+        self,
+        xs: Sequence[np.ndarray],
+        *,
+        outs: Sequence[np.ndarray] | None = None,
+        root: int = 0,
+        dtype: DTypeLike | None = None,
     ) -> list[np.ndarray]:
-        return self._call("scatter", xs, outs, root=root)
+        return self._call("scatter", xs, outs, root=root, dtype=dtype)
 
     def all_to_all(
-        self, xs: Sequence[np.ndarray], *, outs: Sequence[np.ndarray] | None = None
+        self,
+        xs: Sequence[np.ndarray],
+        *,
+        outs: Sequence[np.ndarray] | None = None,
+        dtype: DTypeLike | None = None,
     ) -> list[np.ndarray]:
-        return self._call("all_to_all", xs, outs)
+        return self._call("all_to_all", xs, outs, dtype=dtype)
 
     def sendrecv(
-        self, xs: Sequence[np.ndarray], *, outs: Sequence[np.ndarray] | None = None
+        self,
+        xs: Sequence[np.ndarray],
+        *,
+        outs: Sequence[np.ndarray] | None = None,
+        dtype: DTypeLike | None = None,
     ) -> list[np.ndarray]:
-        return self._call("sendrecv", xs, outs)
+        return self._call("sendrecv", xs, outs, dtype=dtype)
 
     def _on_devices(self, host: Sequence[np.ndarray]) -> list[Array]:
         """Host arrays copied to this process's ranks' devices (GPU groups take device
@@ -756,11 +795,14 @@ class Benchmark:
             if isinstance(world, GroupWorld):
                 raise ValueError("a trace runs in one process (not over a process group)")
             ins, outs, _ = self._buffers(coll, data, False)
-            prep_alg = world._choose_for(coll.name, ins, outs, self.op, self.root)
+            dtype = self._keywords(coll).get("dtype")
+            prep_alg = world._choose_for(coll.name, ins, outs, self.op, self.root,
+                                         dtype=cast("DTypeLike | None", dtype))  # fmt: skip
             if prep_alg not in ALGORITHMS:
                 continue
             spans = world.trace(coll.name, ins, outs, op=self.op if coll.reduces else "sum",
-                                root=self.root, algorithm=prep_alg)  # fmt: skip
+                                root=self.root, algorithm=prep_alg,
+                                dtype=cast("DTypeLike | None", dtype))  # fmt: skip
             title = f"{alg}{f' ({prep_alg})' if alg != prep_alg else ''}: {coll.name} "
             title += f"{coll.nbytes(data.count, self.n, self.dtype.itemsize)} B"
             runs.append((title, [str(getattr(d, "name", d)) for d in self.devices], spans))
@@ -780,23 +822,46 @@ class Benchmark:
         expected = coll.expected(inputs, self.op, self.root) if self.check else None
         return _SizeData(elements, count, cin, cout, inputs, expected)
 
+    @property
+    def carrier(self) -> np.dtype | None:
+        """The dtype the device buffers carry the benchmark's dtype in, when the devices'
+        array library lacks it (bfloat16 on GPUs: ``uint16`` CuPy arrays, every call
+        then naming ``dtype="bfloat16"``); None: the dtype itself."""
+        if self.devices[0].backend == "cuda":
+            return CARRIERS.get(self.dtype)
+        return None
+
+    def _keywords(self, coll: Collective) -> dict[str, object]:
+        """The keywords of one call: op and root as the collective takes them, and the
+        dtype when the buffers carry it."""
+        kw = coll.keywords(self.op, self.root)
+        if self.carrier is not None:
+            kw["dtype"] = self.dtype.name
+        return kw
+
     def _buffers(
         self, coll: Collective, data: _SizeData, in_place: bool
     ) -> tuple[list[Array], list[Array] | None, list[Array]]:
-        """Device buffers of one call: (inputs, outputs or None, result buffers)."""
+        """Device buffers of one call: (inputs, outputs or None, result buffers), in the
+        :attr:`carrier` dtype where there is one."""
         ins, outs = [], []
+        carrier = self.carrier
+
+        def held(a: np.ndarray) -> np.ndarray:
+            return a if carrier is None else a.view(carrier)
+
         for r, dev in zip(self.local_ranks, self.devices, strict=True):
             x = data.inputs[r]
             if in_place:
                 oi, oo = coll.in_place(r, data.count, self.n)
                 host = _poison(max(data.in_count, data.out_count), self.dtype)
                 host[oi : oi + data.in_count] = x
-                big = dev.from_host(host)
+                big = dev.from_host(held(host))
                 ins.append(big[oi : oi + data.in_count])
                 outs.append(big[oo : oo + data.out_count])
             else:
-                ins.append(dev.from_host(x))
-                outs.append(dev.from_host(_poison(data.out_count, self.dtype)))
+                ins.append(dev.from_host(held(x)))
+                outs.append(dev.from_host(held(_poison(data.out_count, self.dtype))))
         call_outs = None if in_place and coll.one_buffer else outs
         return ins, call_outs, outs
 
@@ -805,7 +870,7 @@ class Benchmark:
     ) -> BenchRecord:
         """Warm up, time, check one size x algorithm x placement."""
         method = getattr(self.worlds[algorithm], coll.name)  # World.all_reduce, ...
-        keywords = coll.keywords(self.op, self.root)
+        keywords = self._keywords(coll)
         ins, call_outs, outs = self._buffers(coll, data, in_place)
 
         def run() -> None:
@@ -866,6 +931,8 @@ class Benchmark:
             dev = self.devices[i]
             got = ins[i] if which == "in" else outs[i]
             host = got if dev.backend == "host" else dev.to_host(got)
+            if host.dtype != self.dtype:  # the bits of a carrier (uint16 for bfloat16)
+                host = host.view(self.dtype)
             wrong += count_wrong(host, want, self.dtype)
         return wrong
 

@@ -8,6 +8,9 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
+from numpy.typing import DTypeLike
+
 from .. import _native
 from .._errors import CommError, CommTimeout, MissingRanks, NcclTreeError, PeerFailure
 from ._args import Array, Launched
@@ -28,6 +31,7 @@ class _Call:
     root: int
     stream: Stream | None
     async_op: bool
+    dtype: object = None
 
 
 class Comm:
@@ -36,6 +40,10 @@ class Comm:
     Every rank calls the same collectives in the same order; the last to arrive runs the
     collective for all. Arguments are checked for all ranks together, so a bad argument
     raises on every rank before any buffer is written.
+
+    ``dtype`` (every collective, send and recv): as for the World's collectives (None:
+    the arrays' own; ``"bfloat16"`` for ``uint16`` arrays of its bits, how CuPy arrays
+    carry it); the ranks of one call name the same.
     """
 
     def __init__(self, world: World, rank: int) -> None:
@@ -59,9 +67,10 @@ class Comm:
         root: int,
         stream: Stream | None,
         async_op: bool,
+        dtype: DTypeLike | None = None,
     ) -> Any:
         stream = self.world._caller_stream(self.rank, stream)
-        call = _Call(collective, x, out, op, root, stream, async_op)
+        call = _Call(collective, x, out, op, root, stream, async_op, _dtype_key(dtype))
         return self.world._rendezvous.arrive(self.rank, call)
 
     def all_reduce(
@@ -72,9 +81,10 @@ class Comm:
         op: str = "sum",
         stream: Stream | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> Any:
         """``op`` over every rank's ``x``; returns ``out`` (or ``x`` in place), or a Work."""
-        return self._call("all_reduce", x, out, op, 0, stream, async_op)
+        return self._call("all_reduce", x, out, op, 0, stream, async_op, dtype)
 
     def reduce(
         self,
@@ -85,9 +95,10 @@ class Comm:
         op: str = "sum",
         stream: Stream | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> Any:
         """``op`` over every rank's ``x`` at ``root``; other ranks' ``x`` stay unchanged."""
-        return self._call("reduce", x, out, op, root, stream, async_op)
+        return self._call("reduce", x, out, op, root, stream, async_op, dtype)
 
     def broadcast(
         self,
@@ -97,15 +108,22 @@ class Comm:
         out: Array = None,
         stream: Stream | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> Any:
         """Every rank gets the root's ``x``."""
-        return self._call("broadcast", x, out, "sum", root, stream, async_op)
+        return self._call("broadcast", x, out, "sum", root, stream, async_op, dtype)
 
     def all_gather(
-        self, x: Array, out: Array, *, stream: Stream | None = None, async_op: bool = False
+        self,
+        x: Array,
+        out: Array,
+        *,
+        stream: Stream | None = None,
+        async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> Any:
         """``out`` gets every rank's ``x``, rank i's at ``[i*x.size, (i+1)*x.size)``."""
-        return self._call("all_gather", x, out, "sum", 0, stream, async_op)
+        return self._call("all_gather", x, out, "sum", 0, stream, async_op, dtype)
 
     def reduce_scatter(
         self,
@@ -115,9 +133,10 @@ class Comm:
         op: str = "sum",
         stream: Stream | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> Any:
         """``out`` gets block ``rank`` of ``op`` over every rank's ``x``."""
-        return self._call("reduce_scatter", x, out, op, 0, stream, async_op)
+        return self._call("reduce_scatter", x, out, op, 0, stream, async_op, dtype)
 
     def gather(
         self,
@@ -127,11 +146,14 @@ class Comm:
         *,
         stream: Stream | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> Array | Work:
         """The root's ``out`` gets every rank's ``x``, rank i's at ``[i*x.size,
         (i+1)*x.size)``; every rank passes an ``out`` of that size, only the root's is
         written."""
-        return cast("Array | Work", self._call("gather", x, out, "sum", root, stream, async_op))
+        return cast(
+            "Array | Work", self._call("gather", x, out, "sum", root, stream, async_op, dtype)
+        )
 
     def scatter(
         self,
@@ -141,39 +163,73 @@ class Comm:
         *,
         stream: Stream | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> Array | Work:
         """``out`` gets block ``rank`` of the root's ``x`` (every rank passes an ``x`` of
         that size; only the root's is read)."""
-        return cast("Array | Work", self._call("scatter", x, out, "sum", root, stream, async_op))
+        return cast(
+            "Array | Work", self._call("scatter", x, out, "sum", root, stream, async_op, dtype)
+        )
 
     def all_to_all(
-        self, x: Array, out: Array, *, stream: Stream | None = None, async_op: bool = False
+        self,
+        x: Array,
+        out: Array,
+        *,
+        stream: Stream | None = None,
+        async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> Array | Work:
         """Block q of ``x`` goes to rank q, whose block ``rank`` of ``out`` it becomes
         (equal blocks; not in place)."""
-        return cast("Array | Work", self._call("all_to_all", x, out, "sum", 0, stream, async_op))
+        return cast(
+            "Array | Work", self._call("all_to_all", x, out, "sum", 0, stream, async_op, dtype)
+        )
 
-    def send(self, x: Array, peer: int, *, stream: Stream | None = None) -> None:
+    def send(
+        self,
+        x: Array,
+        peer: int,
+        *,
+        stream: Stream | None = None,
+        dtype: DTypeLike | None = None,
+    ) -> None:
         """Send ``x`` to rank ``peer``, matched with its n-th ``recv`` from this rank
         (:mod:`nccltree.comm.p2p`). Returns once matched and issued; inside
-        ``with comm.batch():`` at the end of the block."""
-        self._p2p("send", x, peer, stream)
+        ``with comm.batch():`` at the end of the block. ``dtype``: what ``x`` holds, as
+        for the collectives (``"bfloat16"`` for a ``uint16`` buffer of its bits); the
+        receive must name the same (the bytes move as they are)."""
+        self._p2p("send", x, peer, stream, dtype)
 
-    def recv(self, out: Array, peer: int, *, stream: Stream | None = None) -> Array:
+    def recv(
+        self,
+        out: Array,
+        peer: int,
+        *,
+        stream: Stream | None = None,
+        dtype: DTypeLike | None = None,
+    ) -> Array:
         """Receive into ``out`` what rank ``peer`` sends (its n-th send to this rank);
         returns ``out`` (filled once the call returns, or at the end of a batch; on GPUs
-        ordered on the caller's stream)."""
-        self._p2p("recv", out, peer, stream)
+        ordered on the caller's stream). ``dtype`` as for :meth:`send`."""
+        self._p2p("recv", out, peer, stream, dtype)
         return out
 
     def sendrecv(
-        self, x: Array, dest: int, out: Array, source: int, *, stream: Stream | None = None
+        self,
+        x: Array,
+        dest: int,
+        out: Array,
+        source: int,
+        *,
+        stream: Stream | None = None,
+        dtype: DTypeLike | None = None,
     ) -> Array:
         """Send ``x`` to ``dest`` and receive ``out`` from ``source`` together (one batch:
         no deadlock when ranks exchange in a ring); returns ``out``."""
         with self.batch():
-            self.send(x, dest, stream=stream)
-            self.recv(out, source, stream=stream)
+            self.send(x, dest, stream=stream, dtype=dtype)
+            self.recv(out, source, stream=stream, dtype=dtype)
         return out
 
     def batch(self) -> AbstractContextManager[None]:
@@ -181,7 +237,9 @@ class Comm:
         for all of them when the block ends (NCCL's ``groupStart``/``groupEnd``)."""
         return self.world._mailbox.batch(self.rank)
 
-    def _p2p(self, kind: str, buf: Array, peer: int, stream: Stream | None) -> None:
+    def _p2p(
+        self, kind: str, buf: Array, peer: int, stream: Stream | None, dtype: object = None
+    ) -> None:
         box = self.world._mailbox
         pending = box.in_batch(self.rank)
         if pending is None and peer == self.rank:
@@ -191,7 +249,7 @@ class Comm:
             )
             self.world._argument_error_raised(exc)
             raise exc
-        op = box.post(kind, self.rank, peer, buf, stream)
+        op = box.post(kind, self.rank, peer, buf, stream, dtype)
         if pending is not None:
             pending.append(op)
         else:
@@ -347,9 +405,9 @@ class _Rendezvous:
         calls = [c for c in p.calls if c is not None]
         assert len(calls) == len(p.calls)  # the last rank to arrive runs it
         first = calls[0]
-        key = (first.collective, first.op, first.root, first.async_op)
+        key = (first.collective, first.op, first.root, first.async_op, first.dtype)
         for r, c in enumerate(calls):
-            if (c.collective, c.op, c.root, c.async_op) != key:
+            if (c.collective, c.op, c.root, c.async_op, c.dtype) != key:
                 raise ValueError(
                     f"ranks disagree on the collective: rank 0 called "
                     f"{_describe(first)}, rank {r} called {_describe(c)}"
@@ -365,6 +423,7 @@ class _Rendezvous:
             [c.stream for c in calls],
             first.async_op,
             by_ranks=True,
+            dtype=first.dtype,
         )
 
 
@@ -373,6 +432,20 @@ def _describe(c: _Call) -> str:
         text = "barrier()"
     else:
         text = COLLECTIVES[c.collective].describe(c.op, c.root)
+    if c.dtype is not None:
+        text = text[:-1] + ("" if text.endswith("()") else ", ") + f"dtype={c.dtype!r})"
     if c.async_op:
         text = text[:-1] + ("async)" if text.endswith("()") else ", async)")
     return text
+
+
+def _dtype_key(dtype: object) -> object:
+    """A per-rank call's ``dtype=``, comparable between ranks (``"float32"`` and
+    ``np.float32`` name one dtype); left as given when it is no dtype, for the checks
+    to refuse with the argument named."""
+    if dtype is None or (isinstance(dtype, str) and dtype == "bfloat16"):
+        return dtype
+    try:
+        return np.dtype(cast("DTypeLike", dtype)).name
+    except TypeError:
+        return dtype

@@ -31,6 +31,8 @@ import ctypes
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
+
 from .. import _native
 from .._errors import NcclTreeError
 from ..backends.base import CopyArgs, ReduceArgs
@@ -120,7 +122,10 @@ class Program:
     ``extents[role][rank]`` is the element count of each buffer a call passes (``in``,
     ``out``) or the engine allocates (``tmp``, ``stage``); every range of the plan is
     checked against it here, once, which is what lets every call issue its steps as
-    checked arguments (``Stream.copy_checked`` and the like)."""
+    checked arguments (``Stream.copy_checked`` and the like).
+
+    ``dtype``: the dtype the calls' arrays carry, named to every reduction and scale
+    (bfloat16 in ``uint16`` CuPy arrays); None: the arrays' own."""
 
     __slots__ = (
         "plan",
@@ -131,6 +136,7 @@ class Program:
         "events",
         "devices",
         "memory",
+        "dtype",
         "_native",
     )
 
@@ -139,9 +145,11 @@ class Program:
         plan: Plan,
         devices: Sequence[Device],
         extents: Mapping[str, Sequence[int]],
+        dtype: np.dtype | None = None,
     ) -> None:
         self.plan = plan
         self.devices = list(devices)
+        self.dtype = dtype
         index: dict[Range, int] = {}
         self.ranges: list[Range] = []
 
@@ -232,12 +240,13 @@ class Program:
         """Issue every step on ``streams[step.rank]``, ordered by ``events``."""
         views = self.views(bufs)
         arrays = bufs.arrays
+        dtype = self.dtype
         for op in self.ops:
             st = streams[op.rank]
             if isinstance(op, _Sync):
                 _sync(op, st, events)
             else:
-                _issue(op, st, views, arrays)
+                _issue(op, st, views, arrays, dtype)
 
     def run_inline(
         self, bufs: Buffers, devices: Sequence[HostDevice], threads: int | None = None
@@ -247,7 +256,7 @@ class Program:
         ``threads``: the threads every kernel uses (None: its device's)."""
         arrays = bufs.arrays
         native = self._native if self._native is not None else self._lower()
-        if isinstance(native, _Lowered) and not recording_transfers():
+        if isinstance(native, _Lowered) and self.dtype is None and not recording_transfers():
             # every step in one native call: no Python between the kernels
             code = _native.DTYPES.get(arrays[0][IN].dtype)
             if code is not None:
@@ -264,7 +273,7 @@ class Program:
             d.inline_stream if threads is None else d.inline_stream_with(threads) for d in devices
         ]
         for op in self.data_ops:
-            _issue(op, now[op.rank], views, arrays)
+            _issue(op, now[op.rank], views, arrays, self.dtype)
 
     def _lower(self) -> _Lowered | bool:
         """The data steps lowered for the host library's ``nt_run_steps``, built once;
@@ -330,8 +339,15 @@ def _sync(op: _Sync, st: Stream, events: Sequence[Event]) -> None:
         events[op.event].record(st)
 
 
-def _issue(op: _Data, st: Stream, views: list[Array], arrays: list[dict[str, Array]]) -> None:
-    """Issue one data step (copy, reduce, scale) on ``st``.
+def _issue(
+    op: _Data,
+    st: Stream,
+    views: list[Array],
+    arrays: list[dict[str, Array]],
+    dtype: np.dtype | None = None,
+) -> None:
+    """Issue one data step (copy, reduce, scale) on ``st``; ``dtype``: the dtype the
+    arrays carry (see :class:`Program`), named to reductions and scales.
 
     The arguments are not checked again: every rank's buffers were checked for the whole
     collective by ``prepare``, the scratch and staging buffers are the engine's own, and
@@ -345,6 +361,7 @@ def _issue(op: _Data, st: Stream, views: list[Array], arrays: list[dict[str, Arr
                 op.src_devs,
                 op.dst_dev,
                 op.alpha,
+                dtype,
             )
         )
     elif isinstance(op, _Copy):
@@ -353,4 +370,4 @@ def _issue(op: _Data, st: Stream, views: list[Array], arrays: list[dict[str, Arr
             return
         st.copy_checked(CopyArgs(views[op.dst], views[op.src], op.src_dev, op.dst_dev))
     else:
-        st.scale_checked(views[op.dst], op.alpha)
+        st.scale_checked(views[op.dst], op.alpha, dtype)

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 from .._errors import CommTimeout, PeerFailure
-from ..backends.base import CopyArgs
-from ._args import Array, _device_array
+from ..backends.base import CopyArgs, carried_dtype, carry
+from ._args import Array, _device_array, check_call_dtype
 
 if TYPE_CHECKING:
     from ..backends.base import Event, Stream
@@ -51,6 +51,9 @@ class _Op:
     end: Event | None = None  # the copy's end (GPUs)
     error: BaseException | None = None
     partner: _Op | None = field(default=None, repr=False)
+    #: what the buffer holds: its dtype, or the one ``dtype=`` named for it (bfloat16 in
+    #: a uint16 CuPy array); a send and its receive must agree on it
+    dtype: object = None
 
 
 class Mailbox:
@@ -64,32 +67,57 @@ class Mailbox:
         self._batch = threading.local()
 
     # -- posting and matching -------------------------------------------------------------
-    def post(self, kind: str, rank: int, peer: int, buf: Array, stream: Stream | None) -> _Op:
+    def post(
+        self,
+        kind: str,
+        rank: int,
+        peer: int,
+        buf: Array,
+        stream: Stream | None,
+        dtype: object = None,
+    ) -> _Op:
         """Check and post one operation (matched at once where its partner waits). An
         argument error is the caller's, raised before anything is posted: it does not
-        fail the World (as a collective's argument error does not)."""
+        fail the World (as a collective's argument error does not). ``dtype``: as for a
+        collective (a send moves bytes, so it only has to fit the buffer)."""
         w = self.world
         w._check_usable()
         try:
-            buf = self._check(kind, rank, peer, buf)
+            buf, held = self._check(kind, rank, peer, buf, dtype)
         except (ValueError, TypeError) as exc:
             w._argument_error_raised(exc)
             raise
-        return self._post(kind, rank, peer, buf, stream)
+        op = self._post(kind, rank, peer, buf, stream, held)
+        return op
 
-    def _check(self, kind: str, rank: int, peer: int, buf: Array) -> Array:
+    def _check(
+        self, kind: str, rank: int, peer: int, buf: Array, dtype: object = None
+    ) -> tuple[Array, object]:
         w = self.world
-        buf = _device_array(w.devices[rank], buf, f"rank {rank}: {kind} buffer")
+        what = f"rank {rank}: {kind} buffer"
+        buf = _device_array(w.devices[rank], buf, what)
+        logical = check_call_dtype(dtype)
+        carried = None if logical is None else carried_dtype(buf, logical, what)
+        buf, _ = carry(buf, carried)  # a numpy buffer viewed as the dtype it holds
         if kind == "recv" and not getattr(buf.flags, "writeable", True):
             raise ValueError(f"rank {rank}: the receive buffer is read-only")
         if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < w.size:
             raise ValueError(f"rank {rank}: peer {peer!r} is not a rank of {w.size}")
-        return buf
+        return buf, buf.dtype if carried is None else carried
 
-    def _post(self, kind: str, rank: int, peer: int, buf: Array, stream: Stream | None) -> _Op:
+    def _post(
+        self,
+        kind: str,
+        rank: int,
+        peer: int,
+        buf: Array,
+        stream: Stream | None,
+        held: object = None,
+    ) -> _Op:
         w = self.world
         caller = w._caller_stream(rank, stream)
         op = _Op(kind, rank, peer, buf.reshape(-1), caller)
+        op.dtype = buf.dtype if held is None else held
         if w.backend != "host" and caller is not None:
             op.ready = caller.record()
         elif caller is not None:
@@ -110,10 +138,10 @@ class Mailbox:
         """Move the data of a matched pair (under the lock)."""
         send, recv = (a, b) if a.kind == "send" else (b, a)
         send.partner, recv.partner = recv, send
-        if send.buf.dtype != recv.buf.dtype or send.buf.size != recv.buf.size:
+        if send.dtype != recv.dtype or send.buf.size != recv.buf.size:
             err = ValueError(
-                f"rank {send.rank} sends {send.buf.size} {send.buf.dtype} to rank "
-                f"{recv.rank}, which receives {recv.buf.size} {recv.buf.dtype}"
+                f"rank {send.rank} sends {send.buf.size} {send.dtype} to rank "
+                f"{recv.rank}, which receives {recv.buf.size} {recv.dtype}"
             )
             send.error = recv.error = err
             return

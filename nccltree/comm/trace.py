@@ -78,7 +78,7 @@ def trace_program(
             if isinstance(op, _Sync):
                 spans.append(Span(op.rank, kind(op), t0, 0.0, 0, f"event {op.event}"))
                 continue
-            _issue(op, now[op.rank], views, arrays)
+            _issue(op, now[op.rank], views, arrays, program.dtype)
             detail, count = describe(op)
             spans.append(Span(op.rank, kind(op), t0, time.perf_counter() - t_start - t0,
                               count, detail))  # fmt: skip
@@ -104,7 +104,7 @@ def trace_program(
         with cp.cuda.Device(st.device.physical_id):
             a, b = cp.cuda.Event(), cp.cuda.Event()
             a.record(st.cupy_stream)
-            _issue(op, st, views, arrays)
+            _issue(op, st, views, arrays, program.dtype)
             b.record(st.cupy_stream)
         detail, count = describe(op)
         marks.append((Span(op.rank, kind(op), 0.0, 0.0, count, detail), a, b))

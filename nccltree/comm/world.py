@@ -123,6 +123,13 @@ class World:
     giving each kernel all the cores reaches the memory bandwidth without a hand-off
     between threads (measured: docs/performance.md#inline-calls-on-the-host-backend).
     Calls with ``async_op=True`` or explicit streams go to the streams.
+
+    Every collective takes ``dtype=``: None (the default) computes in the arrays' own
+    dtype; ``"bfloat16"`` also takes ``uint16`` arrays holding bfloat16 bits, which is
+    how CUDA arrays carry it (CuPy has no bfloat16): the reductions run the bfloat16
+    kernels and NCCL gets ``ncclBfloat16``. On host devices a ``uint16`` numpy buffer
+    named so reduces bitwise as the same bits in ``ml_dtypes.bfloat16`` arrays do. Every
+    other ``dtype=`` must be the arrays' own (``TypeError`` otherwise).
     """
 
     def __init__(
@@ -522,9 +529,10 @@ class World:
         *,
         streams: Sequence[Stream | None] | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> Any:
         """Every rank gets ``op`` over all ranks' arrays; in place unless ``outs``."""
-        return self._driver("all_reduce", xs, outs, op, 0, streams, async_op)
+        return self._driver("all_reduce", xs, outs, op, 0, streams, async_op, dtype)
 
     def reduce(
         self,
@@ -535,9 +543,10 @@ class World:
         *,
         streams: Sequence[Stream | None] | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> Any:
         """The root gets ``op`` over all ranks' arrays; other inputs stay unchanged."""
-        return self._driver("reduce", xs, outs, op, root, streams, async_op)
+        return self._driver("reduce", xs, outs, op, root, streams, async_op, dtype)
 
     def broadcast(
         self,
@@ -547,9 +556,10 @@ class World:
         *,
         streams: Sequence[Stream | None] | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> Any:
         """Every rank gets the root's array."""
-        return self._driver("broadcast", xs, outs, "sum", root, streams, async_op)
+        return self._driver("broadcast", xs, outs, "sum", root, streams, async_op, dtype)
 
     def all_gather(
         self,
@@ -558,9 +568,10 @@ class World:
         *,
         streams: Sequence[Stream | None] | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> Any:
         """``outs[r]`` holds every rank's array, rank i's at ``[i*x.size, (i+1)*x.size)``."""
-        return self._driver("all_gather", xs, outs, "sum", 0, streams, async_op)
+        return self._driver("all_gather", xs, outs, "sum", 0, streams, async_op, dtype)
 
     def reduce_scatter(
         self,
@@ -570,9 +581,10 @@ class World:
         *,
         streams: Sequence[Stream | None] | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> Any:
         """``outs[r]`` gets block r of ``op`` over all ranks' arrays."""
-        return self._driver("reduce_scatter", xs, outs, op, 0, streams, async_op)
+        return self._driver("reduce_scatter", xs, outs, op, 0, streams, async_op, dtype)
 
     def gather(
         self,
@@ -582,11 +594,13 @@ class World:
         *,
         streams: Sequence[Stream | None] | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> list[Array] | Work:
         """``outs[root]`` gets every rank's array, rank i's at ``[i*x.size, (i+1)*x.size)``;
         every rank passes an output of that size, only the root's is written."""
         return cast(
-            "list[Array] | Work", self._driver("gather", xs, outs, "sum", root, streams, async_op)
+            "list[Array] | Work",
+            self._driver("gather", xs, outs, "sum", root, streams, async_op, dtype),
         )
 
     def scatter(
@@ -597,11 +611,13 @@ class World:
         *,
         streams: Sequence[Stream | None] | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> list[Array] | Work:
         """``outs[r]`` gets block r of the root's array (every rank passes an input of
         that size; only the root's is read)."""
         return cast(
-            "list[Array] | Work", self._driver("scatter", xs, outs, "sum", root, streams, async_op)
+            "list[Array] | Work",
+            self._driver("scatter", xs, outs, "sum", root, streams, async_op, dtype),
         )
 
     def all_to_all(
@@ -611,11 +627,13 @@ class World:
         *,
         streams: Sequence[Stream | None] | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> list[Array] | Work:
         """Block q of rank r's array goes to block r of rank q's output (equal blocks; not
         in place)."""
         return cast(
-            "list[Array] | Work", self._driver("all_to_all", xs, outs, "sum", 0, streams, async_op)
+            "list[Array] | Work",
+            self._driver("all_to_all", xs, outs, "sum", 0, streams, async_op, dtype),
         )
 
     def sendrecv(
@@ -625,11 +643,13 @@ class World:
         *,
         streams: Sequence[Stream | None] | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> list[Array] | Work:
         """A ring shift, nccl-tests' sendrecv: rank r's array goes to rank r+1's output,
         so ``outs[r]`` gets rank r-1's (per rank, ``comm.sendrecv`` names the peers)."""
         return cast(
-            "list[Array] | Work", self._driver("sendrecv", xs, outs, "sum", 0, streams, async_op)
+            "list[Array] | Work",
+            self._driver("sendrecv", xs, outs, "sum", 0, streams, async_op, dtype),
         )
 
     def all_to_all_v(
@@ -640,6 +660,7 @@ class World:
         *,
         streams: Sequence[Stream | None] | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> list[Array] | Work:
         """all_to_all with uneven blocks: ``counts[r][q]`` elements go from rank r to rank
         q. Rank r's input holds its blocks for ranks 0, 1, ... one after another
@@ -657,7 +678,7 @@ class World:
         with self._lock:
             self._check_usable()
             matrix = _count_matrix(counts, n)
-            prep = _prepare_v(self.devices, xs, outs, matrix)
+            prep = _prepare_v(self.devices, xs, outs, matrix, dtype)
             key = ("all_to_all_v", matrix, prep.dtype.itemsize)
             program = self._programs.get(key)
             if program is None:
@@ -700,6 +721,7 @@ class World:
         root: int,
         streams: Sequence[Stream | None] | None,
         async_op: bool,
+        dtype: DTypeLike | None = None,
     ) -> Any:
         """Every driver-side collective: the caller streams, the launch, a Work or the
         results."""
@@ -711,7 +733,7 @@ class World:
             callers = list(streams)
             if len(callers) != n:
                 raise ValueError(f"streams has {len(callers)} entries for {n} ranks")
-        launched = self._launch(collective, xs, outs, op, root, callers, async_op)
+        launched = self._launch(collective, xs, outs, op, root, callers, async_op, dtype=dtype)
         if async_op:
             return Work(
                 launched.events or [],
@@ -743,12 +765,14 @@ class World:
         streams: list[Stream | None],
         async_op: bool,
         by_ranks: bool = False,
+        dtype: object = None,
     ) -> Launched:
         """``by_ranks``: the ranks' own threads made the call together (the last to arrive
-        runs it), rather than one driver thread."""
+        runs it), rather than one driver thread. ``dtype``: the dtype to compute in (None:
+        the arrays'; ``"bfloat16"`` for ``uint16`` arrays of its bits)."""
         with self._lock:
             self._check_usable()
-            prep = prepare(self.devices, collective, xs, outs, op, root)
+            prep = prepare(self.devices, collective, xs, outs, op, root, dtype=dtype)
             algorithm = self._choose(prep)
             self._seq += 1
             entry = self.flight.start(self._seq, prep.collective, prep.count, prep.dtype, algorithm)
@@ -837,29 +861,29 @@ class World:
         (kept with the program while they stay the World's)."""
         plan = program.plan
         memory = program.memory
-        if memory is None or memory[0] != prep.dtype.str:
+        # in the arrays' dtype: a uint16 scratch beside uint16 arrays that carry bfloat16
+        dt = prep.array_dtype
+        if memory is None or memory[0] != dt.str:
             self._transient = False
-            tmps = [
-                self._scratch_for(r, prep.dtype, plan.scratch.get(r, 0)) for r in range(self.size)
-            ]
+            tmps = [self._scratch_for(r, dt, plan.scratch.get(r, 0)) for r in range(self.size)]
             stages = [
-                self._scratch_for(r, prep.dtype, plan.stage.get(r, 0), pinned=True)
+                self._scratch_for(r, dt, plan.stage.get(r, 0), pinned=True)
                 for r in range(self.size)
             ]
             # after the lookups, which forget every program's buffers when they replace
             # one; a call with buffers of its own (past max_scratch_bytes) keeps none
-            memory = (prep.dtype.str, tmps, stages)
+            memory = (dt.str, tmps, stages)
             if not self._transient:
                 program.memory = memory
         return Buffers(prep.ins, prep.outs, memory[1], memory[2])
 
     def _choose_for(
         self, collective: str, xs: Sequence[Array], outs: Sequence[Array] | None, op: str,
-        root: int,
+        root: int, dtype: DTypeLike | None = None,
     ) -> str:  # fmt: skip
         """The algorithm a call with these arguments would run (nothing runs)."""
         with self._lock:
-            return self._choose(prepare(self.devices, collective, xs, outs, op, root))
+            return self._choose(prepare(self.devices, collective, xs, outs, op, root, dtype=dtype))
 
     def trace(
         self,
@@ -870,16 +894,19 @@ class World:
         op: str = "sum",
         root: int = 0,
         algorithm: str | None = None,
+        dtype: DTypeLike | None = None,
     ) -> list[Span]:
         """Perform one call of ``collective`` (driver side, synchronous) step by step,
         timing each step (:mod:`nccltree.comm.trace`; ``write_chrome_trace`` shows them).
         ``algorithm``: tree, ring or direct (default: the World's choice for this call;
-        NCCL runs as one call and has no steps to show)."""
+        NCCL runs as one call and has no steps to show); ``dtype`` as for the call."""
         from .trace import trace_program
 
         with self._lock:
             self._check_usable()
-            prep = prepare(self.devices, collective_name(collective), xs, outs, op, root)
+            prep = prepare(
+                self.devices, collective_name(collective), xs, outs, op, root, dtype=dtype
+            )
             alg = algorithm if algorithm is not None else self._choose(prep)
             if alg not in ALGORITHMS:
                 raise ValueError(
@@ -1076,7 +1103,10 @@ class World:
     def _program(self, algorithm: str, prep: Prepared) -> Program:
         """The cached plan of a call, resolved for this World (built on first use)."""
         # the chunk follows from these and the World's chunk setting, so it is no part of
-        # the key; the itemsize lets the plan align what it chooses
+        # the key; the itemsize lets the plan align what it chooses (dtypes of one size
+        # share a plan); the dtype the arrays carry, where they carry one (bfloat16 in
+        # uint16 CuPy arrays), is named to the kernels by the program, so it keys it too
+        carried = prep.carried
         key = (
             algorithm,
             prep.collective,
@@ -1085,6 +1115,7 @@ class World:
             prep.root,
             prep.in_place,
             prep.dtype.itemsize,
+            None if carried is None else carried.str,
         )
         program = self._programs.get(key)
         if program is None:
@@ -1111,7 +1142,7 @@ class World:
                 TMP: [plan.scratch.get(r, 0) for r in range(n)],
                 STAGE: [plan.stage.get(r, 0) for r in range(n)],
             }
-            program = Program(plan, self.devices, extents)
+            program = Program(plan, self.devices, extents, prep.carried)
             if debug.info_enabled():
                 debug.log.info(
                     debug.plan_line(plan, prep.dtype.itemsize, f"World of {n} ranks", chunk)
@@ -1210,23 +1241,22 @@ def _count_matrix(counts: Sequence[Sequence[int]], n: int) -> tuple[tuple[int, .
 
 def _prepare_v(
     devices: Sequence[Device], xs: Sequence[Array], outs: Sequence[Array],
-    matrix: tuple[tuple[int, ...], ...],
+    matrix: tuple[tuple[int, ...], ...], dtype: object = None,
 ) -> Prepared:  # fmt: skip
     """all_to_all_v's buffers, checked as a collective's are (one dtype, C-contiguous,
-    the sizes the counts give, no output overlapping an input)."""
-    from ._args import _as_list, _device_array
+    the sizes the counts give, no output overlapping an input, ``dtype=`` as for every
+    collective)."""
+    from ._args import _as_list, _device_array, check_call_dtype, resolve_dtype
 
     n = len(devices)
     ins = [_device_array(d, x, f"rank {r}: input")
            for r, (d, x) in enumerate(zip(devices, _as_list(xs, "inputs", n), strict=True))]  # fmt: skip
     res = [_device_array(d, o, f"rank {r}: output")
            for r, (d, o) in enumerate(zip(devices, _as_list(outs, "outputs", n), strict=True))]  # fmt: skip
-    dtype = ins[0].dtype
-    from . import _ops
-
+    stored = ins[0].dtype
     for r in range(n):
-        if ins[r].dtype != dtype or res[r].dtype != dtype:
-            raise TypeError(f"rank {r}: dtype differs from rank 0's {dtype}")
+        if ins[r].dtype != stored or res[r].dtype != stored:
+            raise TypeError(f"rank {r}: dtype differs from rank 0's {stored}")
         want_in, want_out = sum(matrix[r]), sum(row[r] for row in matrix)
         if ins[r].size != want_in:
             raise ValueError(f"rank {r}: the input needs {want_in} elements (its row of "
@@ -1243,10 +1273,11 @@ def _prepare_v(
             ):
                 raise ValueError(f"all_to_all_v cannot run in place: rank {q}'s output "
                                  f"overlaps rank {r}'s input")  # fmt: skip
-    dtype = _ops.check_dtype(dtype)
+    logical = check_call_dtype(dtype)
+    ins, viewed, dt, storage = resolve_dtype(ins, list(res), logical, "rank 0: input")
     flat_in = [x.reshape(-1) for x in ins]
-    flat_out = [o.reshape(-1) for o in res]
-    return Prepared("all_to_all_v", flat_in, flat_out, list(outs), dtype, 0, False, "sum", 0)
+    flat_out = [o.reshape(-1) for o in viewed if o is not None]
+    return Prepared("all_to_all_v", flat_in, flat_out, list(outs), dt, 0, False, "sum", 0, storage)
 
 
 def _all_to_all_v_plan(matrix: tuple[tuple[int, ...], ...]) -> Plan:

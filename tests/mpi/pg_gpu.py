@@ -6,6 +6,9 @@ per process: what was checked, what failed, and what the CUDA layer saw.
     mpiexec -n 2 python tests/mpi/pg_gpu.py [--devices gpu|gpu:0] [--algorithms tree,ring]
     mpiexec -n 2 python tests/mpi/pg_gpu.py --fake 4   # on tests/fakecupy (wiring only)
 
+``--dtypes bfloat16``: CuPy has no bfloat16, so the buffers are ``uint16`` CuPy arrays
+of its bits and every call says ``dtype="bfloat16"``.
+
 With ``--fake N`` every process runs nccltree's unmodified GPU code on the fake of CuPy's
 layer with N GPUs (CUDA IPC through /dev/shm files, NCCL across processes through MPI):
 that checks wiring, never the GPU. Without it, the real GPU runs it.
@@ -103,21 +106,26 @@ for alg in args.algorithms.split(","):
                         rng = np.random.default_rng(count + 17 * len(coll))
                         full = [rng.integers(-4, 5, c.in_count(count, n)).astype(dtype)
                                 for _ in range(n)]  # fmt: skip
-                        mine = full[pg.rank]
+                        # bfloat16 travels in uint16 CuPy arrays, named by every call
+                        bf16 = dtype == "bfloat16"
+                        store = np.uint16 if bf16 else dtype
+                        named = {"dtype": "bfloat16"} if bf16 else {}
+                        full_bits = [f.view(np.uint16) if bf16 else f for f in full]
+                        mine = full_bits[pg.rank]
                         nout = c.out_count(count, n)
                         what = f"{alg} {coll} {dtype} {op} count={count} {mode}"
                         try:
                             if mode == "symmetric":
-                                x = pg.empty(mine.size, dtype)
+                                x = pg.empty(mine.size, store)
                                 x[...] = cp.asarray(mine)
-                                out = pg.empty(nout, dtype)
+                                out = pg.empty(nout, store)
                             elif mode == "inplace":
                                 # NCCL's in-place layouts: one buffer, or the input
                                 # inside the output (all_gather) and the output inside the
                                 # input (reduce_scatter)
                                 r = pg.rank
                                 if coll == "all_gather":
-                                    out = cp.zeros(nout, dtype)
+                                    out = cp.zeros(nout, store)
                                     out[r * count : (r + 1) * count] = cp.asarray(mine)
                                     x = out[r * count : (r + 1) * count]
                                 elif coll == "reduce_scatter":
@@ -128,12 +136,13 @@ for alg in args.algorithms.split(","):
                                     out = None
                             else:
                                 x = cp.asarray(mine)
-                                out = cp.asarray(np.full(nout, 7, dtype))
+                                out = cp.asarray(np.full(nout, 7, store))
                             if mode in ("call", "inplace"):
                                 outs = None if out is None else [out]
-                                got = pg.call(coll, [x], outs, op=op, root=root)[0]
+                                got = pg.call(coll, [x], outs, op=op, root=root, **named)[0]
                             else:
-                                kw = {"op": op} if c.reduces else {}
+                                kw: dict[str, object] = {"op": op} if c.reduces else {}
+                                kw.update(named)
                                 if c.rooted:
                                     kw["root"] = root
                                 fn = getattr(pg, coll)
@@ -142,11 +151,13 @@ for alg in args.algorithms.split(","):
                                     got = w.result()
                                 else:
                                     got = fn(x, out=out, **kw)
-                            host = cp.asnumpy(got).astype(np.float64)
+                            host = cp.asnumpy(got)
+                            host = (host.view(full[0].dtype) if bf16 else host).astype(np.float64)
                             want = expect(coll, full, pg.rank, n, count, op, root)
                             checked += 1
                             if want is not None:
-                                tol = 1e-2 if (op == "mean" and dtype == "float16") else 1e-6
+                                half = dtype in ("float16", "bfloat16")
+                                tol = 1e-2 if (op == "mean" and half) else 1e-6
                                 if not np.allclose(host, want, rtol=tol, atol=tol):
                                     bad = int(np.argmax(np.abs(host - want)))
                                     failures.append(f"{what}: [{bad}] {host[bad]} != {want[bad]}")
@@ -167,5 +178,6 @@ if fake is not None:
         1 for op in fake.ops if op.kind == "wait_event" and op.src in opened_events
     )
     report["nccl"] = sorted({c.method for c in fake.nccl.calls})
+    report["nccl_datatypes"] = sorted({int(c.datatype) for c in fake.nccl.calls})
     report["misuse"] = fake.misuse[:5]
 write_report(report, me)

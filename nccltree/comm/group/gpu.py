@@ -266,9 +266,16 @@ def nccl_comm(comm: _MPI.Intracomm, rank_of: int, size: int, device: CudaDevice)
 
 
 def nccl_dtype(dtype: np.dtype) -> int:
+    """The NCCL datatype of a buffer that is only moved (sends and receives): a carrier
+    array as the dtype it carries (a uint16 CuPy array of bfloat16 bits as
+    ncclBfloat16; reductions name their dtype through the collective's ``dtype=``)."""
+    from ...backends.base import CARRIERS
     from ..nccl import _DTYPES, _nccl_module
 
-    name = {**_DTYPES, "uint8": "NCCL_UINT8"}.get(np.dtype(dtype).name)
+    carried = {c.name: d.name for d, c in CARRIERS.items()}
+    name = {**_DTYPES, "uint8": "NCCL_UINT8"}.get(
+        carried.get(np.dtype(dtype).name, np.dtype(dtype).name)
+    )
     if name is None:
         raise ValueError(f"NCCL carries no {np.dtype(dtype)}")
     return int(getattr(_nccl_module(), name))

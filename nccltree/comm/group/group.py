@@ -52,10 +52,10 @@ from ... import _native
 from ..._errors import CommError, CommTimeout, PeerFailure
 from ..._validate import check_index, check_int, check_real
 from ...backends import devices as make_devices
-from ...backends.base import Array, Device, data_ptr
+from ...backends.base import Array, Device, carried_dtype, carry, data_ptr
 from ...topology import Topology
 from .. import debug
-from .._args import Prepared, _device_array, prepare
+from .._args import Prepared, _device_array, check_call_dtype, prepare
 from ..algorithms import ALGORITHMS, build_plan
 from ..collectives import COLLECTIVES, collective_name
 from ..executor import Buffers, Program
@@ -500,6 +500,7 @@ class ProcessGroup(Collectives):
         root: int,
         stream: Stream | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> np.ndarray | Work:
         """One rank per process: a synchronous call, or (``stream``/``async_op``, as for
         ``Comm``) one run on the group's own stream, a worker thread, ordered after the
@@ -507,14 +508,15 @@ class ProcessGroup(Collectives):
         ``stream`` (else the returned ``Work``) ordered after it. Calls keep their order:
         a synchronous one first waits for those in flight. Arguments are checked before
         the call returns; a fault surfaces from ``Work.synchronize``/``result``, and the
-        group's later calls fail."""
+        group's later calls fail. ``dtype``: as for a World's collectives."""
         self._one(collective)
         if self._gpu is not None:
-            return self._gpu_call(collective, x, out, op, root, stream, async_op)
+            return self._gpu_call(collective, x, out, op, root, stream, async_op, dtype)
         if not async_op and stream is None:
-            return self.call(collective, [x], None if out is None else [out], op=op, root=root)[0]
+            outs = None if out is None else [out]
+            return self.call(collective, [x], outs, op=op, root=root, dtype=dtype)[0]
         with self._lock:
-            prep = self._prepare(collective, [x], None if out is None else [out], op, root)
+            prep = self._prepare(collective, [x], None if out is None else [out], op, root, dtype)
             return self._enqueue(prep, stream, async_op)
 
     def _gpu_call(
@@ -526,15 +528,16 @@ class ProcessGroup(Collectives):
         root: int,
         stream: Stream | None,
         async_op: bool,
+        dtype: DTypeLike | None = None,
     ) -> Array | Work:
         """A GPU group's call: issued on the group's stream after the work of ``stream``
         (default: the caller's current stream); ``stream`` is ordered after it unless
         ``async_op``, which returns a ``Work`` instead. The host returns once the work is
-        issued."""
+        issued. ``dtype="bfloat16"``: the ``uint16`` CuPy arrays hold bfloat16."""
         g = self._gpu
         assert g is not None
         with self._lock:
-            prep = self._prepare(collective, [x], None if out is None else [out], op, root)
+            prep = self._prepare(collective, [x], None if out is None else [out], op, root, dtype)
             caller = stream if stream is not None else self.devices[0].current_stream()
             g.caller, g.caller_waits = caller, not async_op
             try:
@@ -548,26 +551,45 @@ class ProcessGroup(Collectives):
             return result
 
     # -- point-to-point (p2p.py) ---------------------------------------------------------
-    def send(self, x: Array, peer: int, *, stream: Stream | None = None) -> None:
-        """Send ``x`` to rank ``peer`` (matched with its n-th receive from this rank)."""
+    def send(
+        self, x: Array, peer: int, *, stream: Stream | None = None, dtype: DTypeLike | None = None
+    ) -> None:
+        """Send ``x`` to rank ``peer`` (matched with its n-th receive from this rank);
+        ``dtype`` as for the collectives (the bytes move as they are)."""
+        x = _p2p_buffer(self, x, "send", dtype)
         self._p2p.drain()
         with self._lock:
             self._p2p.post("send", x, peer, stream)
 
-    def recv(self, out: Array, peer: int, *, stream: Stream | None = None) -> Array:
+    def recv(
+        self,
+        out: Array,
+        peer: int,
+        *,
+        stream: Stream | None = None,
+        dtype: DTypeLike | None = None,
+    ) -> Array:
         """Receive into ``out`` rank ``peer``'s n-th send to this rank; returns ``out``."""
+        buf = _p2p_buffer(self, out, "recv", dtype)
         self._p2p.drain()
         with self._lock:
-            self._p2p.post("recv", out, peer, stream)
+            self._p2p.post("recv", buf, peer, stream)
         return out
 
     def sendrecv(
-        self, x: Array, dest: int, out: Array, source: int, *, stream: Stream | None = None
+        self,
+        x: Array,
+        dest: int,
+        out: Array,
+        source: int,
+        *,
+        stream: Stream | None = None,
+        dtype: DTypeLike | None = None,
     ) -> Array:
         """Send ``x`` to ``dest`` and receive ``out`` from ``source`` in one batch."""
         with self.batch():
-            self.send(x, dest, stream=stream)
-            self.recv(out, source, stream=stream)
+            self.send(x, dest, stream=stream, dtype=dtype)
+            self.recv(out, source, stream=stream, dtype=dtype)
         return out
 
     def batch(self) -> AbstractContextManager[None]:
@@ -583,6 +605,7 @@ class ProcessGroup(Collectives):
         recv_counts: Sequence[int],
         *,
         stream: Stream | None = None,
+        dtype: DTypeLike | None = None,
     ) -> Array:
         """all_to_all with uneven blocks, one rank per process: ``x`` holds this rank's
         blocks for ranks 0, 1, ... (``send_counts[q]`` elements for rank q), ``out``
@@ -612,6 +635,8 @@ class ProcessGroup(Collectives):
             )
         if xa.dtype != oa.dtype:
             raise TypeError(f"rank {self.rank}: output dtype {oa.dtype} differs from {xa.dtype}")
+        xa = _p2p_buffer(self, xa, "input", dtype)
+        oa = _p2p_buffer(self, oa, "output", dtype)
         sd = np.cumsum([0, *sc[:-1]]).tolist()
         rd = np.cumsum([0, *rc[:-1]]).tolist()
         p2p = self._p2p
@@ -751,14 +776,16 @@ class ProcessGroup(Collectives):
         *,
         op: str = "sum",
         root: int = 0,
+        dtype: DTypeLike | None = None,
     ) -> list[np.ndarray]:
         """A collective with one array per rank of this process (``xs[i]`` for rank
-        ``ranks[i]``), synchronous; returns each rank's result."""
+        ``ranks[i]``), synchronous; returns each rank's result. ``dtype``: as for a
+        World's collectives (``"bfloat16"`` for ``uint16`` arrays of its bits)."""
         if self._stream is not None:
             # the calls in flight first (outside the lock, which their runs take)
             self._stream.synchronize(self.timeout)
         with self._lock:
-            prep = self._prepare(collective, xs, outs, op, root)
+            prep = self._prepare(collective, xs, outs, op, root, dtype)
             self._perform(prep)
             return cast("list[np.ndarray]", prep.results)
 
@@ -769,11 +796,13 @@ class ProcessGroup(Collectives):
         outs: Sequence[np.ndarray] | None,
         op: str,
         root: int,
+        dtype: object = None,
     ) -> Prepared:
         self._check_usable()
         return prepare(
             self.devices, collective_name(collective), list(xs),
             None if outs is None else list(outs), op, root, ranks=self.ranks, size=self.size,
+            dtype=dtype,
         )  # fmt: skip
 
     def _perform(self, prep: Prepared) -> None:
@@ -868,7 +897,7 @@ class ProcessGroup(Collectives):
         # the dtype itself, not its size: the compiled call keeps typed views and the
         # signature
         key = (algorithm, prep.collective, prep.count, prep.op, prep.root, in_place,
-               prep.dtype.str)  # fmt: skip
+               prep.dtype.str, prep.array_dtype.str)  # fmt: skip
         got = self._compiled.get(key)
         if got is not None:
             return got
@@ -927,7 +956,7 @@ class ProcessGroup(Collectives):
             if pending:
                 recv_before[len(mine.items)] = tuple(pending)
         # this process's items, consecutive steps without waits fused into one program
-        runs = self._runs(plan, mine.items, extents, None, recv_before)
+        runs = self._runs(plan, mine.items, extents, None, recv_before, prep.carried)
         exec_proc = [0] * len(plan.data_steps())
         for p, sched in enumerate(scheds):
             for it in sched.items:
@@ -950,7 +979,7 @@ class ProcessGroup(Collectives):
         staged_runs = None
         if staging is not None:
             extents = {**extents, MIRROR[IN]: extents[IN], MIRROR[OUT]: extents[OUT]}
-            staged_runs = self._runs(plan, mine.items, extents, staging, recv_before)
+            staged_runs = self._runs(plan, mine.items, extents, staging, recv_before, prep.carried)
         writes = {(s.dst.rank, s.dst.role) for s in plan.steps if s.dst is not None}
         got = _Compiled(plan, scheds, mine, layouts, runs, writes, staged_runs, staging)
         got.sig = (
@@ -974,10 +1003,13 @@ class ProcessGroup(Collectives):
         extents: dict[str, list[int]],
         staging: Staging | None,
         recv_before: dict[int, tuple[int, ...]],
+        carried: np.dtype | None = None,
     ) -> list[_Run]:
         """This process's items as runs: consecutive steps without waits fused into one
         program; with ``staging``, its steps and sends rewritten (staging.py); receives
-        (GPU groups across nodes) placed before the items ``recv_before`` names."""
+        (GPU groups across nodes) placed before the items ``recv_before`` names;
+        ``carried``: the dtype the arrays carry, for the programs to name (see
+        :class:`~nccltree.comm.executor.Program`)."""
         n = plan.size
         runs: list[_Run] = []
         group: list[Item] = []
@@ -993,7 +1025,9 @@ class ProcessGroup(Collectives):
                 steps = [st for it in group for st in steps_of(it)]
                 sub = Plan(n, steps, 0, dict(plan.scratch), dict(plan.stage), plan.same_buffer)
                 runs.append(
-                    _Run("steps", Program(sub, self._all_devices, extents), None, len(group))
+                    _Run(
+                        "steps", Program(sub, self._all_devices, extents, carried), None, len(group)
+                    )
                 )
                 group.clear()
 
@@ -1030,7 +1064,7 @@ class ProcessGroup(Collectives):
             g.begin()
         self._arrivals += 1
         seq = self._arrivals
-        dt = prep.dtype
+        dt = prep.array_dtype  # the arrays' (uint16 CuPy arrays that carry bfloat16)
         sig = c.sig
         # 1. this process's arena, grown (a new segment) when the call needs more
         self._ensure_arena(c.layouts[self.proc][1])
@@ -1044,7 +1078,7 @@ class ProcessGroup(Collectives):
         outs = {r: prep.outs[i] for i, r in enumerate(self.ranks)}
         if coll.root_output and prep.in_place and prep.root in ins:
             i = self.ranks.index(prep.root)
-            outs[prep.root] = self.devices[i].empty(prep.outs[i].shape, prep.dtype)
+            outs[prep.root] = self.devices[i].empty(prep.outs[i].shape, dt)
         lay = c.layouts[self.proc][0]
         loc = np.full((MAX_LOCAL_RANKS, 4), -1, np.int64) if heaps else None
         copy_back: list[tuple[np.ndarray, np.ndarray]] = []
@@ -1186,7 +1220,7 @@ class ProcessGroup(Collectives):
             coll = COLLECTIVES[prep.collective]
             nin, nout = coll.in_count(prep.count, self.size), coll.out_count(prep.count, self.size)
             shift, base = _in_place_shape(prep.collective, r, prep.count, self.size)
-            m = mirrors[(r, BASE)] = arena.view(prep.dtype, base, lay[(r, BASE)])
+            m = mirrors[(r, BASE)] = arena.view(prep.array_dtype, base, lay[(r, BASE)])
             mirrors[(r, IN)] = m[max(shift, 0) : max(shift, 0) + nin]
             mirrors[(r, OUT)] = m[max(-shift, 0) : max(-shift, 0) + nout]
         return m
@@ -1205,7 +1239,7 @@ class ProcessGroup(Collectives):
         m = mirrors.get((r, role))
         if m is None:
             assert arena is not None
-            m = mirrors[(r, role)] = arena.view(prep.dtype, size, lay[(r, role)])
+            m = mirrors[(r, role)] = arena.view(prep.array_dtype, size, lay[(r, role)])
         return m
 
     def _stage(
@@ -1284,7 +1318,7 @@ class ProcessGroup(Collectives):
         self, c: _Compiled, prep: Prepared, parity: int
     ) -> list[dict[str, np.ndarray]]:
         n = self.size
-        dt = prep.dtype
+        dt = prep.array_dtype
         coll = COLLECTIVES[prep.collective]
         nin, nout = coll.in_count(prep.count, n), coll.out_count(prep.count, n)
         empty = np.empty(0, dt)
@@ -1632,6 +1666,17 @@ class ProcessGroup(Collectives):
             print(text, file=sys.stderr, flush=True)
 
     # -- algorithm="mpi" ------------------------------------------------------------------
+
+
+def _p2p_buffer(pg: ProcessGroup, buf: Array, what: str, dtype: object) -> Array:
+    """A send's or receive's buffer with its ``dtype=`` checked as a collective's is: a
+    numpy buffer that carries the dtype viewed as it (MPI moves bfloat16 as 16-bit
+    words); a CuPy one as it is (NCCL moves a uint16 buffer as the bfloat16 it holds)."""
+    logical = check_call_dtype(dtype)
+    if logical is None:
+        return buf
+    arr = _device_array(pg.devices[0], buf, f"rank {pg.rank}: {what} buffer")
+    return carry(arr, carried_dtype(arr, logical, f"rank {pg.rank}: {what} buffer"))[0]
 
 
 def _mismatch(pg: ProcessGroup, sig: str, bad: dict[int, str]) -> str:

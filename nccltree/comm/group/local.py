@@ -7,26 +7,30 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from ..._errors import CommError, CommTimeout, PeerFailure
+from ..comm import _dtype_key
 from ..work import Work
 
 if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
+
     from ...backends.base import Stream
     from .group import ProcessGroup
 
 
 class _Meeting:
-    __slots__ = ("collective", "args", "root", "op", "results", "error", "done")
+    __slots__ = ("collective", "args", "root", "op", "dtype", "results", "error", "done")
 
     def __init__(self, n: int) -> None:
         self.collective: list[str | None] = [None] * n
         self.args: list[tuple[np.ndarray, np.ndarray | None] | None] = [None] * n
         self.root: list[int] = [0] * n
         self.op: list[str] = ["sum"] * n
+        self.dtype: list[object] = [None] * n
         self.results: list[np.ndarray] | None = None
         self.error: BaseException | None = None
         self.done = False
@@ -50,7 +54,14 @@ class LocalRendezvous:
             self.cv.notify_all()
 
     def arrive(
-        self, i: int, collective: str, x: np.ndarray, out: np.ndarray | None, op: str, root: int
+        self,
+        i: int,
+        collective: str,
+        x: np.ndarray,
+        out: np.ndarray | None,
+        op: str,
+        root: int,
+        dtype: object = None,
     ) -> np.ndarray:
         pg = self.pg
         with self.cv:
@@ -60,13 +71,19 @@ class LocalRendezvous:
             self.next[i] += 1
             m = self.meetings.setdefault(k, _Meeting(self.n))
             m.collective[i], m.args[i], m.op[i], m.root[i] = collective, (x, out), op, root
+            m.dtype[i] = _dtype_key(dtype)
             last = all(c is not None for c in m.collective)
         if last:
             try:
-                if len(set(m.collective)) != 1 or len(set(m.op)) != 1 or len(set(m.root)) != 1:
+                if (
+                    len(set(m.collective)) != 1
+                    or len(set(m.op)) != 1
+                    or len(set(m.root)) != 1
+                    or any(d != m.dtype[0] for d in m.dtype)
+                ):
                     raise ValueError(
                         f"the ranks of this process call different collectives: "
-                        f"{list(zip(m.collective, m.op, m.root, strict=True))}"
+                        f"{list(zip(m.collective, m.op, m.root, m.dtype, strict=True))}"
                     )
                 args = [a for a in m.args if a is not None]
                 given = [o for _, o in args if o is not None]
@@ -78,6 +95,7 @@ class LocalRendezvous:
                     given or None,
                     op=m.op[0],
                     root=m.root[0],
+                    dtype=cast("DTypeLike | None", m.dtype[0]),
                 )
             except BaseException as exc:  # noqa: BLE001 - handed to every local rank
                 m.error = exc
@@ -107,7 +125,9 @@ class LocalRendezvous:
 
 class Collectives:
     """The collectives of ``Comm`` (host arrays) on top of one method, ``_call``: shared
-    by :class:`GroupComm` and :class:`~nccltree.comm.group.ProcessGroup`."""
+    by :class:`GroupComm` and :class:`~nccltree.comm.group.ProcessGroup`. ``dtype``: as
+    for a World's collectives (None: the arrays' own; ``"bfloat16"`` for ``uint16``
+    arrays of its bits, the CuPy arrays of a GPU group among them)."""
 
     def _call(
         self,
@@ -118,6 +138,7 @@ class Collectives:
         root: int,
         stream: Stream | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> np.ndarray | Work:
         raise NotImplementedError
 
@@ -129,8 +150,9 @@ class Collectives:
         op: str = "sum",
         stream: Stream | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> np.ndarray | Work:
-        return self._call("all_reduce", x, out, op, 0, stream, async_op)
+        return self._call("all_reduce", x, out, op, 0, stream, async_op, dtype)
 
     def reduce(
         self,
@@ -141,8 +163,9 @@ class Collectives:
         op: str = "sum",
         stream: Stream | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> np.ndarray | Work:
-        return self._call("reduce", x, out, op, root, stream, async_op)
+        return self._call("reduce", x, out, op, root, stream, async_op, dtype)
 
     def broadcast(
         self,
@@ -152,8 +175,9 @@ class Collectives:
         out: np.ndarray | None = None,
         stream: Stream | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> np.ndarray | Work:
-        return self._call("broadcast", x, out, "sum", root, stream, async_op)
+        return self._call("broadcast", x, out, "sum", root, stream, async_op, dtype)
 
     def all_gather(
         self,
@@ -162,8 +186,9 @@ class Collectives:
         *,
         stream: Stream | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> np.ndarray | Work:
-        return self._call("all_gather", x, out, "sum", 0, stream, async_op)
+        return self._call("all_gather", x, out, "sum", 0, stream, async_op, dtype)
 
     def reduce_scatter(
         self,
@@ -173,8 +198,9 @@ class Collectives:
         op: str = "sum",
         stream: Stream | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> np.ndarray | Work:
-        return self._call("reduce_scatter", x, out, op, 0, stream, async_op)
+        return self._call("reduce_scatter", x, out, op, 0, stream, async_op, dtype)
 
     def gather(
         self,
@@ -184,8 +210,9 @@ class Collectives:
         root: int = 0,
         stream: Stream | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> np.ndarray | Work:
-        return self._call("gather", x, out, "sum", root, stream, async_op)
+        return self._call("gather", x, out, "sum", root, stream, async_op, dtype)
 
     def scatter(
         self,
@@ -195,8 +222,9 @@ class Collectives:
         root: int = 0,
         stream: Stream | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> np.ndarray | Work:
-        return self._call("scatter", x, out, "sum", root, stream, async_op)
+        return self._call("scatter", x, out, "sum", root, stream, async_op, dtype)
 
     def all_to_all(
         self,
@@ -205,8 +233,9 @@ class Collectives:
         *,
         stream: Stream | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> np.ndarray | Work:
-        return self._call("all_to_all", x, out, "sum", 0, stream, async_op)
+        return self._call("all_to_all", x, out, "sum", 0, stream, async_op, dtype)
 
 
 class GroupComm(Collectives):
@@ -229,15 +258,16 @@ class GroupComm(Collectives):
         root: int,
         stream: Stream | None = None,
         async_op: bool = False,
+        dtype: DTypeLike | None = None,
     ) -> np.ndarray | Work:
         if len(self.pg.ranks) == 1:
-            return self.pg._call(collective, x, out, op, root, stream, async_op)
+            return self.pg._call(collective, x, out, op, root, stream, async_op, dtype)
         if stream is not None or async_op:
             raise ValueError(
                 "stream= and async_op= take one rank per process (this process holds "
                 f"{len(self.pg.ranks)}): call synchronously from each rank's thread"
             )
-        return self.pg._local.arrive(self.index, collective, x, out, op, root)
+        return self.pg._local.arrive(self.index, collective, x, out, op, root, dtype)
 
     def barrier(self) -> None:
         if self.pg.gpu:

@@ -1008,23 +1008,26 @@ class World:
                     f"for GPU {name!r}"
                     + (f": {self._auto_model.note}" if self._auto_model.note else "")
                 )
-        itemsize = prep.dtype.itemsize
+        return self._auto_model.choose(
+            prep.collective, prep.nbytes, prep.dtype.itemsize, lambda a: self._build_plan(a, prep)
+        )
 
-        def plan_for(algorithm: str) -> Plan:
-            return build_plan(
-                algorithm,
-                prep.collective,
-                size=self.size,
-                count=prep.count,
-                op=prep.op,
-                root=prep.root,
-                in_place=prep.in_place,
-                chunk=self._chunk_elements(prep),
-                tree_for=self.tree,
-                itemsize=itemsize,
-            )
-
-        return self._auto_model.choose(prep.collective, prep.nbytes, itemsize, plan_for)
+    def _build_plan(self, algorithm: str, prep: Prepared) -> Plan:
+        """The plan this World builds for ``prep`` with ``algorithm``. The itemsize lets
+        the plan align the slices and chunks it chooses (256 B), so the vector kernels
+        keep their vector path."""
+        return build_plan(
+            algorithm,
+            prep.collective,
+            size=self.size,
+            count=prep.count,
+            op=prep.op,
+            root=prep.root,
+            in_place=prep.in_place,
+            chunk=self._chunk_elements(prep),
+            tree_for=self.tree,
+            itemsize=prep.dtype.itemsize,
+        )
 
     def _usable(self, algorithm: str) -> bool:
         return algorithm != "nccl" or self._nccl_usable()
@@ -1120,20 +1123,7 @@ class World:
         program = self._programs.get(key)
         if program is None:
             chunk = self._chunk_elements(prep)
-            # the itemsize lets the plan align the slices and chunks it chooses (256 B), so
-            # the vector kernels keep their vector path
-            plan = build_plan(
-                algorithm,
-                prep.collective,
-                size=self.size,
-                count=prep.count,
-                op=prep.op,
-                root=prep.root,
-                in_place=prep.in_place,
-                chunk=chunk,
-                tree_for=self.tree,
-                itemsize=prep.dtype.itemsize,
-            )
+            plan = self._build_plan(algorithm, prep)
             coll = COLLECTIVES[prep.collective]
             n = self.size
             extents = {

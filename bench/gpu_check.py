@@ -1029,6 +1029,26 @@ class Check:
             st["status"] = "ok"
         self.save()
 
+    # -- the simulator against what the sweep measured (CPU only, seconds) -------------
+    def prediction(self) -> None:
+        """``bench/sim_vs_gpu_check.py`` over this run's results: every measured
+        out-of-place all_reduce against nccltree.sim's prediction, in
+        ``sim_vs_measured.md``. Post-processing: a failure here is a note, not a failed
+        check."""
+        if self.remaining() < 10 or "sweep" not in self.stages:
+            return
+        md = self.out / "sim_vs_measured.md"
+        md.unlink(missing_ok=True)
+        argv = [sys.executable, str(BENCH / "sim_vs_gpu_check.py"), str(self.out),
+                "--markdown", str(md)]  # fmt: skip
+        ran = self.run(argv, self.out / "sim_vs_measured.txt", min(60.0, self.remaining() - 5))
+        if ran.rc != 0 or not md.exists():
+            self.notes.append(f"prediction: sim_vs_gpu_check.py failed (rc {ran.rc})")
+            return
+        last = [ln for ln in md.read_text().splitlines() if ln.startswith("median |")]
+        self.results["prediction"] = {"markdown": md.name, "summary": last[0] if last else None}
+        self.save()
+
     # -- reserves: time kept for the stages still to come (those planned) ------------
     def _share(self, stage: str, fraction: float) -> float:
         planned = bool(self.plan.get(stage))
@@ -1186,6 +1206,12 @@ class Check:
         if topo:
             lines.append(f"topology  {topo['status']}:")
             lines += [f"  {t}" for t in topo.get("matrix", [])[:12]]
+        pred = self.results.get("prediction")
+        if pred:
+            lines.append(
+                f"predicted nccltree.sim against the sweep's all_reduce: "
+                f"{pred.get('summary') or 'no point'} ({pred['markdown']})"
+            )
         for n in self.notes:
             lines.append(f"note: {n}")
         if self.failures:
@@ -1232,6 +1258,7 @@ class Check:
                 self.issue_cost(plan["issue_cost"])
             if plan["process_groups"]:
                 self.process_groups()
+            self.prediction()
             skipped = [k for k in STAGES if k not in self.stages]
             if skipped:
                 self.notes.append(f"stages left out (--stages): {', '.join(skipped)}")

@@ -5,14 +5,13 @@ Results"), so this checks the reading and the arithmetic, not a GPU."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import sim_vs_gpu_check as svc
+from conftest import bench_module
 from test_sim import H200_MEASURED
+
+svc = bench_module("sim_vs_gpu_check")
 
 MB = 1 << 20
 

@@ -58,3 +58,19 @@ def test_pg_train_smoke(tmp_path: Path) -> None:
     assert rows[0]["efficiency"] == 1.0
     assert all(r["examples_per_s"][0] > 0 for r in rows)
     assert "mpiexec -n 2" in proc.stdout
+
+
+@needs_mpi
+@pytest.mark.mpi
+def test_pg_p2p_bench_smoke(tmp_path: Path) -> None:
+    """bench/pg_p2p_bench.py: every case at a small size and at a chunked one, checked."""
+    from mpirun import run_mpi
+
+    out = tmp_path / "p2p.json"
+    proc = run_mpi(2, ROOT / "bench" / "pg_p2p_bench.py", "--sizes", "8,5M", "--reps", "1",
+                   "--iters", "1", "--json", str(out), timeout=90)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = json.loads(out.read_text())
+    assert got["wrong"] == [] and got["processes"] == 2
+    assert set(got["us_per_call"]) == {"8", str(5 << 20)}
+    assert all(v > 0 for row in got["us_per_call"].values() for v in row.values())

@@ -8,12 +8,14 @@ post both halves in one batch.
 Two transports, chosen per peer:
 
 - **Within a node** (the processes sharing memory), through the staging arena the
-  collectives use: the sender copies its messages into its arena (host: shared memory;
-  GPU: device memory exported through CUDA IPC), writes one table entry per message
-  (where, how many bytes) into the node's control segment and moves the pair's
-  ``posted`` counter on; the receiver waits for that counter, copies the message out
-  of the sender's arena (host: a copy; GPU: a peer copy on the group's stream, after the
-  sender's inter-process event) and moves the pair's ``consumed`` counter on; the sender
+  collectives use: the sender writes one table entry per message (where, how many
+  bytes) into the node's control segment, moves the pair's ``posted`` counter on and
+  copies its messages into its arena (host: shared memory, above 4 MiB in 2 MiB chunks
+  counted in the entry as each is in; GPU: device memory exported through CUDA IPC, all
+  copied before ``posted`` moves); the receiver waits for that counter, copies the
+  message out of the sender's arena (host: chunk by chunk, each once it is counted in,
+  so one chunk goes out while the next comes in; GPU: a peer copy on the group's
+  stream, after the sender's inter-process event) and moves the pair's ``consumed`` counter on; the sender
   returns once its messages are consumed (its arena is then free again). Counters are
   the C futex primitive of the collectives; every wait is bounded by the group's timeout
   and watches the node's processes. A receive of another size than its send fails on
@@ -58,15 +60,26 @@ if TYPE_CHECKING:
     from .group import ProcessGroup
 
 # The node's mailboxes, in its control segment after the processes' slots (see Mailboxes)
-_ENTRY = 6  # int64 words per message: offset, bytes, status, receiver's bytes, tag, where
+_ENTRY = 7  # int64 words per message: offset, bytes, status, receiver's bytes, tag, where,
+#            ready (a counter: the message's chunks copied in)
 _PAIR = 8  # int64 words per ordered pair: posted, consumed (counters), first seq,
 #            first entry, the arena generation the receiver mapped, -
-_OFFSET, _NBYTES, _STATUS, _THEIRS, _TAG, _WHERE = range(6)  # where: 0 arena, h+1 heap h
+_OFFSET, _NBYTES, _STATUS, _THEIRS, _TAG, _WHERE, _READY = range(7)  # where: 0 arena, h+1 heap h
 _FIRST_SEQ, _FIRST_ENTRY, _MAPPED = 2, 3, 4
 _OK, _MISMATCH = 1, 2
 _ALIGN = 256
 #: ``all_to_all_v``'s messages carry this tag (``send``/``recv``: 0)
 TAG_ALL_TO_ALL = 1
+#: host messages above twice this travel in chunks of it: the receiver copies a chunk out
+#: while the sender copies the next one in (two copies overlapped, not one after the other)
+CHUNK_BYTES = 2 << 20
+
+
+def chunks(nbytes: int) -> int:
+    """How many chunks a message of ``nbytes`` travels in (0 for an empty one)."""
+    if nbytes <= 0:
+        return 0
+    return 1 if nbytes <= 2 * CHUNK_BYTES else -(-nbytes // CHUNK_BYTES)
 
 
 def table_entries(nprocs: int) -> int:
@@ -98,7 +111,9 @@ class Mailboxes:
         self.pairs = np.frombuffer(buf, np.int64, n * n * _PAIR, at).reshape(n, n, _PAIR)
         self._buf = buf
         self._at = at
+        self._tables_at = offset
         self._counters: dict[tuple[int, int, int], _native.Counter] = {}
+        self._ready: dict[tuple[int, int], _native.Counter] = {}
 
     def counter(self, sender: int, receiver: int, which: int) -> _native.Counter:
         """``which`` 0: posted, 1: consumed, of the pair (sender, receiver)."""
@@ -109,6 +124,14 @@ class Mailboxes:
             i = self.slot[sender] * n + self.slot[receiver]
             c = _native.Counter(self._buf, self._at + 8 * (i * _PAIR + which), shared=True)
             self._counters[key] = c
+        return c
+
+    def ready(self, sender: int, k: int) -> _native.Counter:
+        """The chunks of ``sender``'s message ``k`` (its table entry) copied in so far."""
+        c = self._ready.get((sender, k))
+        if c is None:
+            at = self._tables_at + 8 * ((self.slot[sender] * self.cap + k) * _ENTRY + _READY)
+            c = self._ready[sender, k] = _native.Counter(self._buf, at, shared=True)
         return c
 
     def pair(self, sender: int, receiver: int) -> np.ndarray:
@@ -336,28 +359,46 @@ class GroupP2p:
         k = 0
         off = 0
         firsts: list[tuple[int, int, int]] = []
+        copies: list[tuple[_Posted, int]] = []  # (send, its offset in the arena)
         for q, ops in by_proc.items():
             firsts.append((q, k, len(ops)))
             for op in ops:
                 h = heap.get(id(op))
-                if h is not None:
-                    table[k, :_ENTRY] = (h[1], op.buf.nbytes, 0, 0, op.tag, h[0] + 1)
+                if h is not None:  # in place: every chunk is there already
+                    table[k, :_ENTRY] = (h[1], op.buf.nbytes, 0, 0, op.tag, h[0] + 1,
+                                         chunks(op.buf.nbytes))  # fmt: skip
                 else:
-                    if op.buf.nbytes:
-                        assert arena is not None
-                        pg._copy(arena.view(op.buf.dtype, op.buf.size, off), op.buf)
-                    table[k, :_ENTRY] = (off, op.buf.nbytes, 0, 0, op.tag, 0)
+                    table[k, :_ENTRY] = (off, op.buf.nbytes, 0, 0, op.tag, 0, 0)
+                    copies.append((op, off))
                     off += -(-op.buf.nbytes // _ALIGN) * _ALIGN
                 op.slot = k
                 k += 1
-        if pg._gpu is not None:
-            pg._gpu.published()  # the copies, before a receiver reads them
+        gpu = pg._gpu is not None
+        if gpu:  # every copy first, ordered before any receiver's read
+            for op, at in copies:
+                if op.buf.nbytes:
+                    assert arena is not None
+                    pg._copy(arena.view(op.buf.dtype, op.buf.size, at), op.buf)
+                mail.ready(pg.proc, op.slot).add(chunks(op.buf.nbytes))
+            assert pg._gpu is not None
+            pg._gpu.published()
         for q, first, count in firsts:
             pair = mail.pair(pg.proc, q)
             pair[_FIRST_SEQ] = self._sent[q]
             pair[_FIRST_ENTRY] = first
             self._sent[q] += count
             mail.counter(pg.proc, q, 0).add(count)
+        if not gpu:
+            # on the host the receivers read each chunk as soon as it is in (copying never
+            # waits, so a batch still publishes everything before its first wait)
+            for op, at in copies:
+                ready = mail.ready(pg.proc, op.slot)
+                done = 0
+                for src, dst_at, upto in _pieces(op.buf, at):
+                    assert arena is not None
+                    pg._copy(arena.view(src.dtype, src.size, dst_at), src)
+                    ready.add(upto - done)
+                    done = upto
 
     def _to_self(self, local: list[_Posted], mismatched: list[str]) -> None:
         me = self.pg.rank
@@ -409,7 +450,14 @@ class GroupP2p:
                     mem = pg._heaps[where - 1][q] if where else pg._arenas[q]
                     if g is not None:
                         g.after([q])
-                    pg._copy(op.buf, mem.view(op.buf.dtype, op.buf.size, off))
+                        pg._copy(op.buf, mem.view(op.buf.dtype, op.buf.size, off))
+                    else:
+                        ready = mail.ready(q, k)
+                        for dst, src_at, upto in _pieces(op.buf, off):
+                            if not ready.wait(upto, 0.0):
+                                flush()
+                                pg._wait_counter(ready, upto, q, f"message #{n}'s chunk {upto}")
+                            pg._copy(dst, mem.view(dst.dtype, dst.size, src_at))
                 e[_STATUS] = _OK
             self._received[q] = n + 1
             unacked.append(q)
@@ -511,6 +559,22 @@ class GroupP2p:
             raise
         ops, self._batch.ops = self._batch.ops, None
         self._finish(ops, self._batch.stream)
+
+
+def _pieces(buf: Array, at: int) -> Iterator[tuple[Array, int, int]]:
+    """``buf`` in the chunks of :func:`chunks` (flat views of a contiguous host array),
+    each with its byte offset in the arena when the whole message starts at ``at`` and
+    the chunks copied in once it is (what the receiver waits for: both sides count by
+    the message's bytes alone; an array that cannot be cut is one piece, all its chunks)."""
+    n = chunks(buf.nbytes)
+    if n <= 1 or not buf.flags.c_contiguous:
+        if n:
+            yield buf, at, n
+        return
+    flat = buf.reshape(-1)
+    per = CHUNK_BYTES // buf.itemsize
+    for c, i in enumerate(range(0, flat.size, per), 1):
+        yield flat[i : i + per], at + i * buf.itemsize, c
 
 
 def _mismatch_text(me: int, op: _Posted, nbytes: int, tag_differs: bool) -> str:

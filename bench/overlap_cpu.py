@@ -18,24 +18,13 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overlap_table import BATCH, CLASSES, FEATURES, HIDDEN, SOLVER, Case, memory_data
+from overlap_table import BATCH, CLASSES, FEATURES, Case, config, memory_data
 
-from nccltree.cli._training import DriverConfig, bucket_bytes, build_training
+from nccltree.cli._training import build_training
 
 
 def run(case: Case, iters: int = 60, warmup: int = 5) -> dict[str, float]:
-    cfg = DriverConfig(
-        devices=f"cpu:{case.ranks}",
-        model="mlp",
-        batch_size=BATCH,
-        hidden=HIDDEN,
-        comm=case.comm,
-        blas_threads=1,
-        bucket_bytes=bucket_bytes(case.bucket_mb),
-        comm_hook=case.hook,
-        solver=SOLVER,
-    )
-    with build_training(cfg, (FEATURES,), CLASSES) as t:
+    with build_training(config(case), (FEATURES,), CLASSES) as t:
         data = memory_data(case.ranks, BATCH)
         t.driver.fit(data, warmup)
         r0 = resource.getrusage(resource.RUSAGE_SELF)

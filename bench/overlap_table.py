@@ -76,8 +76,9 @@ class Case:
         return f"cpu:{self.ranks}, buckets {self.bucket_mb:g} MiB{hook}"
 
 
-def measure(case: Case, iters: int, warmup: int) -> dict[str, float]:
-    cfg = DriverConfig(
+def config(case: Case) -> DriverConfig:
+    """The training a case measures: the MLP, one BLAS thread per rank, its buckets."""
+    return DriverConfig(
         devices=f"cpu:{case.ranks}",
         model="mlp",
         batch_size=BATCH,
@@ -88,7 +89,10 @@ def measure(case: Case, iters: int, warmup: int) -> dict[str, float]:
         comm_hook=case.hook,
         solver=SOLVER,
     )
-    with build_training(cfg, (FEATURES,), CLASSES) as t:
+
+
+def measure(case: Case, iters: int, warmup: int) -> dict[str, float]:
+    with build_training(config(case), (FEATURES,), CLASSES) as t:
         data = memory_data(case.ranks, BATCH)
         t.driver.fit(data, warmup)
         res = t.driver.fit(data, warmup + iters)

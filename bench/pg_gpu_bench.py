@@ -31,12 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 import nccltree as nt
-
-
-def parse_size(text: str) -> int:
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    t = text.strip().upper().rstrip("B")
-    return int(t[:-1]) * mult[t[-1]] if t[-1] in mult else int(t)
+from nccltree.comm.bench import parse_size
 
 
 def quiet_barrier(comm: Any) -> None:

@@ -30,7 +30,6 @@ from typing import Any
 
 from nccltree import sim
 from nccltree.comm.collectives import COLLECTIVES
-from nccltree.comm.world import gpu_chunk_bytes
 from nccltree.topology import Topology
 
 HERE = Path(__file__).resolve().parent
@@ -215,11 +214,9 @@ def compare(src: Source, max_bytes: float = math.inf) -> list[Row]:
         ring = ring_procs = None
         if size <= max_bytes:
             ring, ring_procs = (
-                size / sim.simulate_collective(
-                    mm, "ring", "all_reduce", count, itemsize=ITEMSIZE,
-                    chunk_bytes=gpu_chunk_bytes(size)).time_s / 1e9 * factor
+                size / sim.predict(mm, "ring", "all_reduce", size, ITEMSIZE)[0] / 1e9 * factor
                 for mm in (m, procs)
-            )  # fmt: skip
+            )
         t, alg = sim.nccl_model_time(m, "all_reduce", size)
         rows.append(Row(src, nbytes, measured, ring, ring_procs, size / t / 1e9 * factor, alg))
     return rows

@@ -62,14 +62,11 @@ def _machine(devices: str, gpu: str, issue_s: float, check: dict[str, Any]) -> A
 def compare(out_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(one row per measured point, a summary) for the check's results in ``out_dir``."""
     from nccltree import sim
-    from nccltree.comm.collectives import COLLECTIVES
-    from nccltree.comm.world import gpu_chunk_bytes
 
     check = json.loads((out_dir / "gpu_check.json").read_text())
     issue_us, issue_note = _issue_us(check)
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
-    coll = COLLECTIVES["all_reduce"]
     for run in check.get("stages", {}).get("sweep", {}).get("runs", []):
         if not run.get("json") or not (out_dir / run["json"]).exists():
             continue
@@ -87,15 +84,11 @@ def compare(out_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             if m is None:
                 skipped.append(f"{r['devices']}: topology unknown")
                 continue
-            n, size, item = m.topology.n, r["size"], 4
-            count = coll.count_for(size // item, n)
-            if r["algorithm"] == "nccl":
-                pred, _ = sim.nccl_model_time(m, "all_reduce", size)
-            elif r["algorithm"] in ("tree", "ring", "direct"):
-                pred = sim.simulate_collective(m, r["algorithm"], "all_reduce", count,
-                                               chunk_bytes=gpu_chunk_bytes(size)).time_s  # fmt: skip
-            else:
+            size = r["size"]
+            alg = "nccl-model" if r["algorithm"] == "nccl" else r["algorithm"]
+            if alg not in ("tree", "ring", "direct", "nccl-model"):
                 continue
+            pred, _, _ = sim.predict(m, alg, "all_reduce", size)
             rows.append({"devices": r["devices"], "gpu": gpu, "algorithm": r["algorithm"],
                          "size": size, "measured_us": r["time_us"],
                          "predicted_us": pred * 1e6,

@@ -562,6 +562,28 @@ def simulate_collective(
     return simulate(plan, machine, itemsize)
 
 
+def predict(
+    machine: Machine, algorithm: str, collective: str, size: int, itemsize: int = 4
+) -> tuple[float, int, int]:
+    """One point of the collectives table on ``machine``: ``(seconds, count, bytes)`` of
+    a call of ``size`` bytes as nccl-tests counts them, by ``algorithm`` (``tree``,
+    ``ring``, ``direct``: the plan a World builds, chunked as a GPU World chunks it;
+    ``nccl-model``: NCCL's cost model, not NCCL)."""
+    from .comm.collectives import COLLECTIVES
+    from .comm.world import gpu_chunk_bytes
+
+    coll = COLLECTIVES[collective]
+    n = machine.topology.n
+    count = coll.count_for(size // itemsize, n)
+    nbytes = coll.nbytes(count, n, itemsize)
+    if algorithm == "nccl-model":
+        return nccl_model_time(machine, collective, nbytes)[0], count, nbytes
+    biggest = max(coll.in_count(count, n), coll.out_count(count, n)) * itemsize
+    t = simulate_collective(machine, algorithm, collective, count, itemsize=itemsize,
+                            chunk_bytes=gpu_chunk_bytes(biggest)).time_s  # fmt: skip
+    return t, count, nbytes
+
+
 def cluster_topology(intra: Topology, nodes: int) -> Topology:
     """``nodes`` copies of ``intra`` linked by the network."""
     nodes = check_int(nodes, "nodes", min=1)
@@ -852,6 +874,7 @@ __all__: Sequence[str] = [
     "cluster_topology",
     "host_machine",
     "nccl_model_time",
+    "predict",
     "predict_host",
     "simulate",
     "simulate_collective",

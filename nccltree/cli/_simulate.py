@@ -164,7 +164,6 @@ def run_simulate(args: argparse.Namespace, out: TextIO) -> int:
     import numpy as np
 
     from .. import sim
-    from ..comm.world import gpu_chunk_bytes
     from ..topology import Topology
 
     if args.gpu not in sim.DEVICES:
@@ -254,19 +253,15 @@ def run_simulate(args: argparse.Namespace, out: TextIO) -> int:
         print(f"#{'size':>11} {'count':>12} {'algorithm':>10} {'time(us)':>10} "
               f"{'algbw':>8} {'busbw':>8}", file=out)  # fmt: skip
         for size in sizes:
-            count = coll.count_for(size // itemsize, n)
-            nbytes = coll.nbytes(count, n, itemsize)
-            biggest = max(coll.in_count(count, n), coll.out_count(count, n)) * itemsize
             for alg in algs:
-                if alg == "nccl-model":
-                    if name not in NCCL_MODELED:
-                        continue
-                    t, _ = sim.nccl_model_time(machine, name, nbytes)
-                elif cal is not None:
-                    t = sim.predict_host(cal, n, alg, name, count, itemsize)
+                if alg == "nccl-model" and name not in NCCL_MODELED:
+                    continue
+                if cal is None:
+                    t, count, nbytes = sim.predict(machine, alg, name, size, itemsize)
                 else:
-                    t = sim.simulate_collective(machine, alg, name, count, itemsize=itemsize,
-                                                chunk_bytes=gpu_chunk_bytes(biggest)).time_s  # fmt: skip
+                    count = coll.count_for(size // itemsize, n)
+                    nbytes = coll.nbytes(count, n, itemsize)
+                    t = sim.predict_host(cal, n, alg, name, count, itemsize)
                 algbw, busbw = drv.bandwidths(nbytes, t, coll.bus_factor(n))
                 print(f"{nbytes:>12} {count:>12} {alg:>10} {t * 1e6:>10.1f} {algbw:>8.2f} "
                       f"{busbw:>8.2f}", file=out)  # fmt: skip

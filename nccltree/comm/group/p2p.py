@@ -15,8 +15,9 @@ Two transports, chosen per peer:
   copied before ``posted`` moves); the receiver waits for that counter, copies the
   message out of the sender's arena (host: chunk by chunk, each once it is counted in,
   so one chunk goes out while the next comes in; GPU: a peer copy on the group's
-  stream, after the sender's inter-process event) and moves the pair's ``consumed`` counter on; the sender
-  returns once its messages are consumed (its arena is then free again). Counters are
+  stream, after the sender's inter-process event) and moves the pair's ``consumed``
+  counter on; the sender returns once its messages are consumed (its arena is then free
+  again). Counters are
   the C futex primitive of the collectives; every wait is bounded by the group's timeout
   and watches the node's processes. A receive of another size than its send fails on
   both sides with ``ValueError`` (the receiver marks the entry), once the rest of the
@@ -61,7 +62,7 @@ if TYPE_CHECKING:
 
 # The node's mailboxes, in its control segment after the processes' slots (see Mailboxes)
 _ENTRY = 7  # int64 words per message: offset, bytes, status, receiver's bytes, tag, where,
-#            ready (a counter: the message's chunks copied in)
+#            ready (a counter: the message's chunks copied in; read on the host only)
 _PAIR = 8  # int64 words per ordered pair: posted, consumed (counters), first seq,
 #            first entry, the arena generation the receiver mapped, -
 _OFFSET, _NBYTES, _STATUS, _THEIRS, _TAG, _WHERE, _READY = range(7)  # where: 0 arena, h+1 heap h
@@ -338,9 +339,10 @@ class GroupP2p:
         return sends, recvs
 
     def _publish(self, sends: list[_Posted]) -> None:
-        """Copy the sends into this process's arena (those in symmetric buffers, which the
-        node's processes have mapped, stay where they are: one copy instead of two),
-        describe them in its table, and tell each receiver how many there are."""
+        """Describe the sends in this process's table, tell each receiver how many there
+        are, and copy them into this process's arena (those in symmetric buffers, which
+        the node's processes have mapped, stay where they are: one copy instead of two):
+        on a GPU before telling, on the host after, counting each chunk in."""
         if not sends:
             return
         pg = self.pg
@@ -373,22 +375,20 @@ class GroupP2p:
                     off += -(-op.buf.nbytes // _ALIGN) * _ALIGN
                 op.slot = k
                 k += 1
-        gpu = pg._gpu is not None
-        if gpu:  # every copy first, ordered before any receiver's read
+        g = pg._gpu
+        if g is not None:  # every copy first, ordered before any receiver's read
             for op, at in copies:
                 if op.buf.nbytes:
                     assert arena is not None
                     pg._copy(arena.view(op.buf.dtype, op.buf.size, at), op.buf)
-                mail.ready(pg.proc, op.slot).add(chunks(op.buf.nbytes))
-            assert pg._gpu is not None
-            pg._gpu.published()
+            g.published()
         for q, first, count in firsts:
             pair = mail.pair(pg.proc, q)
             pair[_FIRST_SEQ] = self._sent[q]
             pair[_FIRST_ENTRY] = first
             self._sent[q] += count
             mail.counter(pg.proc, q, 0).add(count)
-        if not gpu:
+        if g is None:
             # on the host the receivers read each chunk as soon as it is in (copying never
             # waits, so a batch still publishes everything before its first wait)
             for op, at in copies:

@@ -256,6 +256,11 @@ class _Flow:
         return self.since + self.left / self.rate if self.rate > 0 else float("inf")
 
 
+#: where a buffer lives: ("dev", rank), its device's memory, or ("host", rank), the host
+#: memory of the rank's node, reached over that rank's PCIe link
+_Place = tuple[str, int]
+
+
 def _flow(m: Machine, step: Step, itemsize: int) -> tuple[dict[str, float], float, float]:
     """A data step as (demands, bytes, latency): its resources and bytes per flow byte.
     Ranks on one memory (``SAME_DEVICE``: logical ranks of a GPU, host devices) share
@@ -269,20 +274,17 @@ def _flow(m: Machine, step: Step, itemsize: int) -> tuple[dict[str, float], floa
     nbytes = float(step.dst.count * itemsize)
     demands: dict[str, float] = {}
     latency = 0.0
-    # a place is a rank (its device's memory) or ("host", rank): the host memory of the
-    # rank's node, reached over that rank's PCIe link
-    Place = tuple[str, int]
 
-    def where(role: str, rank: int) -> Place:
+    def where(role: str, rank: int) -> _Place:
         return ("host" if role == STAGE else "dev", rank)
 
     def add(res: str, amount: float = 1.0) -> None:
         demands[res] = demands.get(res, 0.0) + amount
 
-    def mem(x: Place) -> str:
+    def mem(x: _Place) -> str:
         return f"mem host {m.nodes[x[1]]}" if x[0] == "host" else f"mem {m.memory(x[1])}"
 
-    def move(src: Place, dst: Place) -> None:
+    def move(src: _Place, dst: _Place) -> None:
         """Bytes from ``src``'s memory to ``dst``'s."""
         nonlocal latency
         if mem(src) == mem(dst):
@@ -309,7 +311,7 @@ def _flow(m: Machine, step: Step, itemsize: int) -> tuple[dict[str, float], floa
         add(mem(dst))
 
     dst = where(step.dst.role, step.dst.rank)
-    here: Place = ("dev", e)
+    here: _Place = ("dev", e)
     if step.kind == "scale":
         add(mem(dst), 2.0)
     elif step.kind == "copy":

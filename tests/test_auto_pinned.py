@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 import nccltree as nt
+from nccltree.comm import auto
 from nccltree.comm._args import Prepared
 from nccltree.comm.collectives import COLLECTIVES
 
@@ -49,35 +50,24 @@ def world_choice(world: nt.World, collective: str, nbytes: int) -> str:
     return world._choose(prep)
 
 
-class _Gpu:
-    def __init__(self, nccl_ok: bool) -> None:
-        self.nccl_ok = nccl_ok
-
-
-class _GroupFacts:
-    """The attributes ``ProcessGroup._choose`` reads, for one case."""
-
-    def __init__(self, gpu: str, nodes: int, per_proc: int, mpi_order: bool) -> None:
-        self.algorithm = "auto"
-        self._gpu = None if gpu == "none" else _Gpu(gpu == "nccl")
-        self.nodes = nodes
-        self.ranks = list(range(per_proc))
-        self.nprocs = 4
-        self._mpi_rank_of_proc = [0, 1, 2, 3] if mpi_order else [1, 0, 2, 3]
-
-
 def group_choice(
     gpu: str, nodes: int, per_proc: int, mpi_order: bool, nbytes: int, collective: str,
     dtype: str,
 ) -> str:  # fmt: skip
     """What a process group runs: ``gpu`` is none, nccl (a GPU group NCCL can serve) or
     nonccl (a GPU group it cannot)."""
-    from nccltree.comm.group.group import ProcessGroup
+    from nccltree.comm.group.mpi_collectives import mpi_reduces
 
-    dt = np.dtype(dtype)
-    prep = Prepared(collective, [], [], [], dt, nbytes // dt.itemsize, False, "sum", 0)
-    facts: Any = _GroupFacts(gpu, nodes, per_proc, mpi_order)
-    return str(ProcessGroup._choose(facts, prep))
+    return auto.choose_group(
+        gpu=gpu != "none",
+        nccl_usable=gpu == "nccl",
+        nodes=nodes,
+        ranks_per_process=per_proc,
+        mpi_order=mpi_order,
+        nbytes=nbytes,
+        reduces=COLLECTIVES[collective].reduces,
+        mpi_reduces=mpi_reduces(np.dtype(dtype)),
+    )
 
 
 # -- the cases ----------------------------------------------------------------------------------

@@ -13,6 +13,10 @@ NCCL, where usable, takes large messages on GPUs. On one host a synchronous call
 whole plan in one native call, so dependent steps cost nothing and direct takes every
 size (measured: docs/performance.md#algorithm-choice-per-size-auto); the GPU thresholds
 are not measured yet.
+
+Process groups read the same table, on rows of their own: their placement is known by
+node (one node, or several), and their ``auto`` also has MPI's own collectives for small
+messages where MPI can run the call (see :func:`choose_group`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,12 @@ if TYPE_CHECKING:
 
 UNIFORM_PEER = "uniform-peer"  # every pair of devices has the same link, with peer access
 OTHER = "other"
+# process groups: every process on one node, or on several
+GROUP_ONE_NODE = "group-one-node"
+GROUP_NODES = "group-nodes"
+
+#: ``auto`` hands a process group's messages of at most this many bytes per rank to MPI
+AUTO_MPI_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -64,12 +74,28 @@ _CUDA_TREE = Rule(
 )
 _DIRECT = Rule("direct", "uniform links with peer access: direct moves the fewest bytes")
 _TREE = Rule("tree", "mixed links: the topology-aware tree keeps slow links for few transfers")
+# measured: see docs/performance.md#process-groups
+_GROUP_MPI = Rule(
+    "mpi",
+    "a call through the shared-memory engine pays a signature handshake and a few Python "
+    "steps, tens of microseconds, where MPICH's shared-memory collectives take a few "
+    "(docs/performance.md#process-groups)",
+    max_bytes=AUTO_MPI_BYTES,
+)
+_GROUP_NCCL = Rule("nccl", "a GPU group takes NCCL wherever NCCL can serve it")
+_GROUP_DIRECT = Rule("direct", "within one node: direct moves the fewest bytes")
+_GROUP_TREE = Rule("tree", "across nodes: the tree crosses each node boundary once")
 
 AUTO: dict[tuple[str, str], tuple[Rule, ...]] = {
     ("host", UNIFORM_PEER): (_HOST_DIRECT,),
     ("host", OTHER): (_TREE,),
     ("cuda", UNIFORM_PEER): (_NCCL, _CUDA_TREE, _DIRECT),
     ("cuda", OTHER): (_NCCL, _TREE),
+    # process groups (choose_group)
+    ("host", GROUP_ONE_NODE): (_GROUP_MPI, _GROUP_DIRECT),
+    ("host", GROUP_NODES): (_GROUP_MPI, _GROUP_TREE),
+    ("cuda", GROUP_ONE_NODE): (_GROUP_NCCL, _GROUP_DIRECT),
+    ("cuda", GROUP_NODES): (_GROUP_NCCL, _GROUP_TREE),
 }
 
 
@@ -103,6 +129,35 @@ def choose_rule(backend: str, topo_class: str, nbytes: int, usable: Callable[[st
         if rule.holds(nbytes) and usable(rule.algorithm):
             return rule
     raise AssertionError(f"no auto rule for {nbytes} B on {backend}/{topo_class}")
+
+
+def choose_group(
+    *,
+    gpu: bool,
+    nccl_usable: bool,
+    nodes: int,
+    ranks_per_process: int,
+    mpi_order: bool,
+    nbytes: int,
+    reduces: bool,
+    mpi_reduces: bool,
+) -> str:
+    """``auto`` for a process group, from its facts: whether it runs on GPUs and NCCL can
+    serve it, its number of nodes and of ranks per process, whether MPI's rank order is
+    the group's, the message's bytes per rank, whether the collective reduces and whether
+    MPI can reduce the dtype. MPI's own collectives run a call only with one rank per
+    process, in MPI's rank order, and no reduction of a dtype MPI has no type for
+    (float16, bfloat16)."""
+
+    def usable(algorithm: str) -> bool:
+        if algorithm == "nccl":
+            return nccl_usable
+        if algorithm == "mpi":
+            return ranks_per_process == 1 and mpi_order and (mpi_reduces or not reduces)
+        return True
+
+    row = GROUP_NODES if nodes > 1 else GROUP_ONE_NODE
+    return choose_rule("cuda" if gpu else "host", row, nbytes, usable).algorithm
 
 
 # -- consulting the simulator (NCCLTREE_AUTO=model) ------------------------------------------

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 from ._validate import check_int, check_real
-from .comm.plan import STAGE, Plan, Step
+from .comm.plan import CHUNK_BYTES, STAGE, Plan, Step, chunk_elements, gpu_chunk_bytes
 from .topology import Link, LinkKind, Topology
 
 if TYPE_CHECKING:
@@ -547,7 +547,7 @@ def simulate_collective(
     op: str = "sum",
     root: int = 0,
     itemsize: int = 4,
-    chunk_bytes: int = 16 << 20,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> SimResult:
     """The predicted time of one call of ``collective`` with ``algorithm`` (tree, ring,
     direct) on ``machine``: the plan a World builds for it, simulated."""
@@ -558,7 +558,7 @@ def simulate_collective(
     check_real(chunk_bytes, "chunk_bytes", min=1)
     plan = build_plan(
         algorithm, collective, size=topo.n, count=count, op=op, root=root,
-        chunk=max(1, int(chunk_bytes) // itemsize),
+        chunk=chunk_elements(int(chunk_bytes), itemsize),
         tree_for=lambda r: build_tree(topo, root=r), itemsize=itemsize,
     )  # fmt: skip
     return simulate(plan, machine, itemsize)
@@ -572,7 +572,6 @@ def predict(
     ``ring``, ``direct``: the plan a World builds, chunked as a GPU World chunks it;
     ``nccl-model``: NCCL's cost model, not NCCL)."""
     from .comm.collectives import COLLECTIVES
-    from .comm.world import gpu_chunk_bytes
 
     coll = COLLECTIVES[collective]
     n = machine.topology.n
@@ -777,14 +776,13 @@ def predict_host(
     calibrated machine: the call's fixed cost (measured for ``n`` ranks, else the nearest
     rank count's) plus its plan simulated on :func:`host_machine`."""
     from .comm.collectives import COLLECTIVES
-    from .comm.world import HOST_CHUNK_BYTES
 
     coll = COLLECTIVES[collective]
     cin, cout = coll.in_count(count, n), coll.out_count(count, n)
     machine = host_machine(n, cal, count * itemsize, n * (cin + cout) * itemsize)
     fixed = cal.call_s[min(cal.call_s, key=lambda k: abs(k - n))]
     return fixed + simulate_collective(machine, algorithm, collective, count,
-                                       itemsize=itemsize, chunk_bytes=HOST_CHUNK_BYTES).time_s  # fmt: skip
+                                       itemsize=itemsize, chunk_bytes=CHUNK_BYTES).time_s  # fmt: skip
 
 
 def calibrate_host(

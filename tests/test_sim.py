@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from nccltree import sim
-from nccltree.comm.plan import Buf, Plan, Step
-from nccltree.comm.world import gpu_chunk_bytes
+from nccltree.comm.plan import Buf, Plan, Step, gpu_chunk_bytes
 from nccltree.topology import Link, LinkKind, Topology
 
 H100 = sim.DEVICES["h100"]

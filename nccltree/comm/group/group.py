@@ -60,7 +60,7 @@ from ..algorithms import ALGORITHMS, build_plan
 from ..collectives import COLLECTIVES, collective_name
 from ..executor import Buffers, Program
 from ..flight import Entry, FlightRecorder
-from ..plan import IN, OUT, STAGE, TMP, Plan, Step
+from ..plan import CHUNK_BYTES, IN, OUT, STAGE, TMP, Plan, Step, chunk_elements
 from ..work import Work
 from .gpu import DeviceBlock, GpuSide, PeerBlock, message_order
 from .local import Collectives, GroupComm, LocalRendezvous, run_local
@@ -884,7 +884,7 @@ class ProcessGroup(Collectives):
         """The plan a call runs (every process builds the same)."""
         return build_plan(
             algorithm, collective_name(collective), size=self.size, count=count, op=op,
-            root=root, in_place=in_place, chunk=max(1, (16 << 20) // np.dtype(dtype).itemsize),
+            root=root, in_place=in_place, chunk=chunk_elements(CHUNK_BYTES, np.dtype(dtype).itemsize),
             tree_for=self.tree, itemsize=np.dtype(dtype).itemsize,
         )  # fmt: skip
 

@@ -163,7 +163,7 @@ def choose_group(
 # -- consulting the simulator (NCCLTREE_AUTO=model) ------------------------------------------
 #
 # The GPU rules above are guesses nobody measured. With NCCLTREE_AUTO=model a CUDA World
-# asks the simulator (nccltree.sim) instead wherever the table picks a hand-built
+# asks the simulator (nccltree.sim_model) instead wherever the table picks a hand-built
 # algorithm: it simulates the tree, ring and direct plans of the call on a Machine made of
 # the World's topology (with the link rates detection read) and the GPU's device model,
 # and takes the fastest. Where the table picks NCCL, NCCL stays. Off by default until a GPU
@@ -196,13 +196,13 @@ def auto_mode(value: str | None = None) -> str:
 
 
 def device_model_for(gpu_name: str) -> tuple[str, str]:
-    """(the key of ``nccltree.sim.DEVICES`` whose model the GPU's name names, a note):
+    """(the key of ``nccltree.sim_model.DEVICES`` whose model the GPU's name names, a note):
     ``"NVIDIA H100 80GB HBM3"`` is ``h100``, ``"Tesla V100-SXM2-16GB"`` ``v100``,
     ``"NVIDIA GeForce RTX 4090"`` ``rtx4090``, ``"NVIDIA H100 PCIe"`` ``h100pcie``; where none matches, ``h100`` and a note
     saying so (the note is empty otherwise)."""
     import re
 
-    from ..sim import DEVICES
+    from ..sim_model import DEVICES
 
     low = gpu_name.lower()
     # the most specific key first: "h100pcie" before "h100"
@@ -266,10 +266,10 @@ class ModelChooser:
     CANDIDATES = ("tree", "ring", "direct")
 
     def __init__(self, topology: Topology, gpu_name: str) -> None:
-        from .. import sim
+        from .. import sim_model
 
         self.device, self.note = device_model_for(gpu_name)
-        self.machine = sim.Machine(topology, sim.DEVICES[self.device])
+        self.machine = sim_model.Machine(topology, sim_model.DEVICES[self.device])
         self._cache: dict[tuple[str, int], ModelChoice | None] = {}
 
     def cached(self, collective: str, nbytes: int) -> bool:
@@ -281,7 +281,7 @@ class ModelChooser:
         """The model's choice for a call of ``collective`` with ``nbytes`` per rank;
         ``plan_for(algorithm)`` builds the call's plan. None where no candidate has a
         plan (the table decides then)."""
-        from ..sim import simulate
+        from .. import sim_model
 
         key = (collective, size_class(nbytes))
         if key not in self._cache:
@@ -291,7 +291,7 @@ class ModelChooser:
                     plan = plan_for(alg)
                 except ValueError:  # no plan of this algorithm for this collective
                     continue
-                times[alg] = simulate(plan, self.machine, itemsize).time_s
+                times[alg] = sim_model.simulate(plan, self.machine, itemsize).time_s
             best = min(times, key=lambda a: (times[a], self.CANDIDATES.index(a)), default=None)
             self._cache[key] = (
                 None if best is None else ModelChoice(best, times, self.device, nbytes)

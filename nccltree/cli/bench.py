@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TextIO
 
+from .._validate import check_call_timeout
 from ..comm import bench as drv
 from ..comm.collectives import COLLECTIVES, collective_name
 from ._common import (
@@ -372,8 +373,10 @@ def make_benchmark(
             )
     collectives = [collective_name(c) for c in _split(args.collective)]
     _refuse_inapplicable(args)
-    if not args.timeout > 0:
-        raise UsageError(f"-T/--timeout must be > 0 seconds, got {args.timeout:g}")
+    try:
+        check_call_timeout(args.timeout, "-T/--timeout")
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
     variants = _variants(args)
     _check_outputs(args, ("json", "csv", "plot"))
     if group is not None:

@@ -21,7 +21,7 @@ from numpy.typing import DTypeLike
 
 from .._errors import CommError, CommTimeout, NcclTreeError, PeerFailure
 from .._native import ranges_overlap
-from .._validate import check_index, check_int, check_real
+from .._validate import check_call_timeout, check_choice, check_index, check_int
 from ..backends.base import data_ptr
 from . import auto, debug
 from ._args import Array, Launched, Prepared, prepare
@@ -147,11 +147,8 @@ class World:
         check_ranks_fit(len(devices), f"a World of {len(devices)} ranks")
         if len({d.runtime if hasattr(d, "runtime") else d.backend for d in devices}) != 1:
             raise ValueError("all devices of a World must come from one devices() call")
-        if algorithm not in ALGORITHM_CHOICES:
-            raise ValueError(
-                f"unknown algorithm {algorithm!r}; accepted: {', '.join(ALGORITHM_CHOICES)}"
-            )
-        self.timeout = check_real(timeout, "timeout", min=0.0, min_open=True)
+        check_choice(algorithm, "algorithm", ALGORITHM_CHOICES)
+        self.timeout = check_call_timeout(timeout)
         #: the most bytes of scratch and staging memory the World keeps between calls (all
         #: ranks together; None: no cap). A call that needs more gets buffers of its own,
         #: released when it is done

@@ -131,3 +131,12 @@ def test_op_and_timeout_checks_go_through_the_validator():
         nt.World("cpu:2", algorithm="fast")
     with pytest.raises(ValueError, match="^timeout must be > 0, got 0"):
         nt.World("cpu:2", timeout=0)
+    from nccltree.comm.watchdog import Watchdog
+
+    wd = Watchdog(lambda exc: None, poll_interval=0.001)
+    try:
+        for bad in (-1, math.nan):
+            with pytest.raises(ValueError, match="^timeout must be"):
+                wd.watch("work", [], timeout=bad)
+    finally:
+        wd.close()

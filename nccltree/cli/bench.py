@@ -35,16 +35,19 @@ from ._common import (
     int_at_least,
     make_parser,
     open_devices,
-    output_path,
     run_main,
     write_output,
 )
 from ._output import (
+    bucket_table,
+    plot_buckets,
     plot_collectives,
+    plot_train,
     require_matplotlib,
     table_footer,
     table_header,
     table_row,
+    train_table,
     write_csv,
     write_json,
 )
@@ -59,9 +62,6 @@ from ._training import (
 )
 
 if TYPE_CHECKING:
-    from matplotlib.axes import Axes
-    from matplotlib.figure import Figure
-
     from ..backends.base import Device
     from ..comm.group import ProcessGroup
     from ..topology import Topology
@@ -678,136 +678,6 @@ def add_overlap(points: list[dict]) -> None:
         b = base.get((p["devices"], p["scaling"]))
         ok = b is not None and b["exposed_ms"] > 0
         p["overlap"] = 1.0 - p["exposed_ms"] / b["exposed_ms"] if ok and b else None
-
-
-def bucket_cells(p: dict) -> list[object]:
-    """A bucket sweep's row (the console table and the Markdown tables share it)."""
-    overlap = p.get("overlap")
-    return [
-        p["devices"],
-        p["ranks"],
-        f"{p['bucket_mb']:g}",
-        f"{p['examples_per_s']:,.0f}",
-        f"{p['step_ms']:.2f}",
-        f"{100 * p['comm_fraction']:.0f}%",
-        f"{p['exposed_ms']:.2f}",
-        "-" if overlap is None else f"{100 * overlap:.0f}%",
-    ]
-
-
-BUCKET_HEADER = (
-    "devices",
-    "ranks",
-    "bucket MiB",
-    "examples/s",
-    "step ms",
-    "comm",
-    "exposed ms",
-    "overlap",
-)
-
-
-def bucket_table(points: Sequence[dict]) -> list[str]:
-    fmt = "{:<16} {:>5} {:>10} {:>12} {:>8} {:>6} {:>10} {:>8}"
-    return [fmt.format(*BUCKET_HEADER)] + [fmt.format(*bucket_cells(p)) for p in points]
-
-
-def plot_buckets(path: str, points: Sequence[dict]) -> None:
-    """Step time and exposed communication against the bucket size, one line per device
-    set and scaling mode (0, no buckets, first)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    sizes = sorted({p["bucket_mb"] for p in points})
-    where = {mb: i for i, mb in enumerate(sizes)}
-    lines = dict.fromkeys((p["devices"], p["scaling"]) for p in points)
-    for i, (devices, scaling) in enumerate(lines):
-        pts = sorted(
-            (p for p in points if (p["devices"], p["scaling"]) == (devices, scaling)),
-            key=lambda p: p["bucket_mb"],
-        )
-        xs = [where[p["bucket_mb"]] for p in pts]
-        label = f"{devices} ({scaling})"
-        a1.plot(xs, [p["step_ms"] for p in pts], "-o", color=f"C{i}", label=label)
-        a2.plot(xs, [p["exposed_ms"] for p in pts], "-o", color=f"C{i}", label=label)
-    a1.set_ylabel("step time (ms)")
-    a2.set_ylabel("exposed communication per step (ms)")
-    for ax in (a1, a2):
-        ax.set_xticks(range(len(sizes)), [f"{mb:g}" for mb in sizes])
-        ax.set_ylim(bottom=0)
-    _finish_pair(
-        fig, (a1, a2), "gradient bucket size (MiB; 0: one all-reduce after backward)", path
-    )
-
-
-def train_cells(p: dict, times: str = "x") -> list[object]:
-    """A training point's row (the console table and the Markdown tables share it)."""
-    return [
-        p["devices"],
-        p["ranks"],
-        p["scaling"],
-        p["per_rank_batch"],
-        p["effective_batch"],
-        f"{p['examples_per_s']:,.0f}",
-        f"{p['speedup']:.2f}{times}",
-        f"{100 * p['efficiency']:.0f}%",
-        f"{100 * p['comm_fraction']:.0f}%",
-    ]
-
-
-def train_table(points: Sequence[dict]) -> list[str]:
-    fmt = "{:<16} {:>5} {:>7} {:>9} {:>9} {:>12} {:>8} {:>10} {:>6}"
-    lines = [
-        fmt.format(
-            "devices",
-            "ranks",
-            "scaling",
-            "per-rank",
-            "effective",
-            "examples/s",
-            "speedup",
-            "efficiency",
-            "comm",
-        ),
-        fmt.format("", "", "", "batch", "batch", "", "", "", ""),
-    ]
-    lines += [fmt.format(*train_cells(p)) for p in points]
-    return lines
-
-
-def plot_train(path: str, points: Sequence[dict]) -> None:
-    """Examples/s and efficiency against device count, one line per scaling mode."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    for i, mode in enumerate(dict.fromkeys(p["scaling"] for p in points)):
-        pts = [p for p in points if p["scaling"] == mode]
-        xs = [p["ranks"] for p in pts]
-        a1.plot(xs, [p["examples_per_s"] for p in pts], "-o", color=f"C{i}", label=mode)
-        a2.plot(xs, [100 * p["efficiency"] for p in pts], "-o", color=f"C{i}", label=mode)
-    a1.set_ylabel("examples/s")
-    a2.set_ylabel("scaling efficiency (%)")
-    _finish_pair(fig, (a1, a2), "devices", path)
-
-
-def _finish_pair(fig: Figure, axes: Sequence[Axes], xlabel: str, path: str) -> None:
-    """The training plots' common end: labels, grid and legend on both panels, saved."""
-    import matplotlib.pyplot as plt
-
-    for ax in axes:
-        ax.set_xlabel(xlabel)
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    with output_path(path) as tmp:
-        fig.savefig(tmp, dpi=110)
-    plt.close(fig)
 
 
 def check_train_args(args: argparse.Namespace, *, mpi: bool = False) -> None:

@@ -17,7 +17,7 @@ import sys
 
 from nccltree.cli._common import human_bytes
 from nccltree.cli._common import markdown_table as md_table
-from nccltree.cli.bench import train_cells
+from nccltree.cli._output import train_cells
 
 
 def fmt_us(us: float) -> str:

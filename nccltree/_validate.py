@@ -5,6 +5,11 @@
   integral ones. Wrong type: ``TypeError``; out of range: ``ValueError``.
 - Real numbers: ``int``, ``float`` and numpy reals are accepted, ``bool`` is refused; NaN
   is refused always, and infinities wherever a finite number is meant (the default).
+- Timeouts: a wait's (:func:`check_timeout`: None, or a finite number >= 0) and a
+  communicator's (:func:`check_call_timeout`: a finite number > 0, what every call may
+  take), the same for a World, a process group, a trainer and the command lines.
+- Names from a fixed set (a reduction op, an algorithm): :func:`check_choice`, one
+  message naming the accepted values.
 
 Every message names the argument and shows the value it got, so a caller can tell which
 of several arguments was wrong.
@@ -18,7 +23,16 @@ from collections.abc import Iterable
 
 import numpy as np
 
-__all__ = ["check_index", "check_int", "check_real", "check_shape", "check_timeout", "is_int"]
+__all__ = [
+    "check_call_timeout",
+    "check_choice",
+    "check_index",
+    "check_int",
+    "check_real",
+    "check_shape",
+    "check_timeout",
+    "is_int",
+]
 
 
 def is_int(value: object) -> bool:
@@ -88,6 +102,20 @@ def check_timeout(value: object, name: str = "timeout") -> float | None:
     if value is None:
         return None
     return check_real(value, name, min=0.0)
+
+
+def check_call_timeout(value: object, name: str = "timeout") -> float:
+    """The seconds a communicator gives each call before it fails: a finite number > 0."""
+    return check_real(value, name, min=0.0, min_open=True)
+
+
+def check_choice(value: object, what: str, accepted: Iterable[str]) -> str:
+    """``value`` if it is one of the names ``accepted``; else ``ValueError("unknown
+    {what} {value!r}; accepted: ...")``."""
+    names = tuple(accepted)
+    if not isinstance(value, str) or value not in names:
+        raise ValueError(f"unknown {what} {value!r}; accepted: {', '.join(names)}")
+    return value
 
 
 def _range(min: float | None, max: float | None, min_open: bool = False) -> str:

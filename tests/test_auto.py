@@ -117,12 +117,27 @@ def test_nodes_over_the_network_take_the_tree() -> None:
 
 def test_the_table_is_declarative() -> None:
     for (backend, topo_class), rules in auto.AUTO.items():
-        assert backend in ("host", "cuda") and topo_class in (auto.UNIFORM_PEER, auto.OTHER)
+        assert backend in ("host", "cuda")
+        assert topo_class in (auto.UNIFORM_PEER, auto.OTHER, auto.GROUP_ONE_NODE, auto.GROUP_NODES)
         assert all(r.why for r in rules)
         last = rules[-1]  # the last rule takes every size
         assert last.min_bytes == 0 and last.max_bytes is None
     with pytest.raises(AssertionError, match="no auto rule"):
         auto.choose("host", auto.UNIFORM_PEER, 1 << 30, lambda a: a != "direct")
+
+
+def test_process_groups_read_the_same_table() -> None:
+    """A group's MPI rule is a row of the table: its size range and its conditions."""
+    facts = dict(gpu=False, nccl_usable=False, nodes=1, ranks_per_process=1, mpi_order=True,
+                 reduces=True, mpi_reduces=True)  # fmt: skip
+    assert auto.choose_group(nbytes=auto.AUTO_MPI_BYTES, **facts) == "mpi"
+    assert auto.choose_group(nbytes=auto.AUTO_MPI_BYTES + 1, **facts) == "direct"
+    assert auto.choose_group(nbytes=8, **{**facts, "nodes": 2, "mpi_order": False}) == "tree"
+    assert auto.choose_group(nbytes=8, **{**facts, "mpi_reduces": False}) == "direct"
+    assert auto.choose_group(nbytes=8, **{**facts, "reduces": False, "mpi_reduces": False}) == "mpi"
+    assert auto.choose_group(nbytes=8, **{**facts, "gpu": True}) == "direct"
+    assert auto.choose_group(nbytes=8, **{**facts, "gpu": True, "nccl_usable": True}) == "nccl"
+    assert [r.algorithm for r in auto.AUTO["host", auto.GROUP_ONE_NODE]] == ["mpi", "direct"]
 
 
 def test_nccl_is_asked_only_when_its_size_range_matches() -> None:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import nccltree as nt
-from nccltree import sim
+from nccltree import sim, sim_model
 from nccltree.comm import auto, debug
 from nccltree.comm._args import Prepared
 
@@ -108,7 +108,7 @@ def test_choices_are_cached_per_collective_and_size_class(
             simulated.append(plan.size)
             return real(plan, machine, itemsize)
 
-        monkeypatch.setattr(sim, "simulate", counting)
+        monkeypatch.setattr(sim_model, "simulate", counting)
         w._choose(prep(12 * MB))
         assert len(simulated) == 3  # tree, ring and direct, once
         w._choose(prep(16 * MB))  # the same class (up to 16 MiB): no new simulation
@@ -153,7 +153,7 @@ def test_the_chooser_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
         return alg  # stands for the plan: the fake simulator below reads it
 
     monkeypatch.setattr(
-        sim, "simulate", lambda plan, machine, itemsize=4: sim.SimResult(times[plan])
+        sim_model, "simulate", lambda plan, machine, itemsize=4: sim.SimResult(times[plan])
     )
     choice = chooser.choose("gather", 1000, 4, plan_for)
     assert choice is not None

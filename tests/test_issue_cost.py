@@ -12,12 +12,15 @@ from conftest import bench_module
 
 import nccltree as nt
 from nccltree.comm.executor import Buffers, Program
-from nccltree.comm.plan import IN, OUT, STAGE, TMP
-from nccltree.comm.world import (
+from nccltree.comm.plan import CHUNK_BYTES as HOST_CHUNK_BYTES
+from nccltree.comm.plan import (
     GPU_CHUNK_MAX,
     GPU_CHUNK_MIN,
     GPU_CHUNKS,
-    HOST_CHUNK_BYTES,
+    IN,
+    OUT,
+    STAGE,
+    TMP,
     gpu_chunk_bytes,
 )
 

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from nccltree import sim
-from nccltree.comm.plan import Buf, Plan, Step
-from nccltree.comm.world import gpu_chunk_bytes
+from nccltree import sim, sim_model
+from nccltree.comm.plan import Buf, Plan, Step, gpu_chunk_bytes
 from nccltree.topology import Link, LinkKind, Topology
 
 H100 = sim.DEVICES["h100"]
@@ -128,7 +127,7 @@ def test_nccls_model_finds_the_nvlink_ring_and_its_latency() -> None:
     mesh has NVLink rings), its busbw at large sizes is a GPU's NVLink bandwidth, and a
     small message costs its latency, base + 2(n-1) steps."""
     m = sim.Machine(Topology.preset("dgx1"), sim.DEVICES["v100"])
-    busbw, hw = sim._node_busbw(m, list(range(8)))
+    busbw, hw = sim_model._node_busbw(m, list(range(8)))
     assert hw == "nvlink" and busbw == 6 * 25.0  # every DGX-1 V100 has 6 NVLinks
     t_small, alg = sim.nccl_model_time(m, "all_reduce", 8)
     lat = sim.NCCL_BASE_US["ring"] + 2 * 7 * sim.NCCL_HW_US[("nvlink", "ring")]
@@ -138,7 +137,7 @@ def test_nccls_model_finds_the_nvlink_ring_and_its_latency() -> None:
     assert size / t_big * 2 * 7 / 8 / 1e9 == pytest.approx(150.0, rel=0.01)
     # PCIe only: the best ring's slowest hop
     p = sim.Machine(Topology.preset("pcie2s8"), sim.DEVICES["a100"])
-    assert sim._node_busbw(p, list(range(8)))[1] == "pci"
+    assert sim_model._node_busbw(p, list(range(8)))[1] == "pci"
 
 
 def test_calibrate_host_measures_positive_costs_and_the_host_machine_uses_them() -> None:
@@ -179,8 +178,8 @@ def _critical_path(plan: Plan, m: sim.Machine, itemsize: int = 4) -> float:
         elif s.kind == "wait":
             free[s.rank] = max(free[s.rank], recorded[s.event], at)
         else:
-            demands, nbytes, latency = sim._flow(m, s, itemsize)
-            solo = min(sim._capacity(m, r) / d for r, d in demands.items())
+            demands, nbytes, latency = sim_model._flow(m, s, itemsize)
+            solo = min(sim_model._capacity(m, r) / d for r, d in demands.items())
             free[s.rank] = max(free[s.rank], at) + latency + nbytes / solo
     return max(free)
 

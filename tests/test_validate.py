@@ -7,7 +7,15 @@ import math
 import numpy as np
 import pytest
 
-from nccltree._validate import check_index, check_int, check_real, check_timeout, is_int
+from nccltree._validate import (
+    check_call_timeout,
+    check_choice,
+    check_index,
+    check_int,
+    check_real,
+    check_timeout,
+    is_int,
+)
 
 
 @pytest.mark.parametrize("v", [0, 3, np.int64(3), np.uint8(3), np.int32(-1)])
@@ -77,3 +85,58 @@ def test_timeouts():
                      (True, TypeError)):  # fmt: skip
         with pytest.raises(err, match="timeout"):
             check_timeout(bad)
+
+
+def test_call_timeouts():
+    """A communicator's timeout: every call gets a finite, positive one (None refused)."""
+    assert check_call_timeout(60) == 60.0 and check_call_timeout(np.float64(0.25)) == 0.25
+    for bad, err, what in (
+        (0, ValueError, "timeout must be > 0, got 0"),
+        (-1.0, ValueError, "must be > 0"),
+        (math.nan, ValueError, "must be a number, got NaN"),
+        (math.inf, ValueError, "must be finite"),
+        (None, TypeError, "must be a real number"),
+        (True, TypeError, "must be a real number"),
+    ):
+        with pytest.raises(err, match=what):
+            check_call_timeout(bad)
+    with pytest.raises(ValueError, match="^--timeout must be > 0"):
+        check_call_timeout(0, "--timeout")
+
+
+def test_choices():
+    assert check_choice("sum", "reduction op", ("sum", "max")) == "sum"
+    for bad in ("avg", None, 3, ["sum"]):
+        with pytest.raises(ValueError, match=r"^unknown reduction op .*; accepted: sum, max$"):
+            check_choice(bad, "reduction op", ("sum", "max"))
+    # any iterable of names, a dict's keys included
+    assert check_choice("b", "name", {"a": 1, "b": 2}) == "b"
+
+
+def test_op_and_timeout_checks_go_through_the_validator():
+    """The collective ops, the World's algorithm and timeout, and the command lines'
+    timeouts are checked by the one rule (same messages everywhere)."""
+    import nccltree as nt
+    from nccltree.comm import _ops
+    from nccltree.comm.algorithms import build_plan
+
+    msg = "unknown reduction op 'avg'; accepted: sum, mean, max, min, prod"
+    with pytest.raises(ValueError, match=msg):
+        _ops.check_op("avg", np.dtype(np.float32))
+    with pytest.raises(ValueError, match=msg):
+        _ops.reference("avg", [np.zeros(1)])
+    with pytest.raises(ValueError, match=msg):
+        build_plan("tree", "all_reduce", size=2, count=1, op="avg")
+    with pytest.raises(ValueError, match="^unknown algorithm 'fast'; accepted: tree, "):
+        nt.World("cpu:2", algorithm="fast")
+    with pytest.raises(ValueError, match="^timeout must be > 0, got 0"):
+        nt.World("cpu:2", timeout=0)
+    from nccltree.comm.watchdog import Watchdog
+
+    wd = Watchdog(lambda exc: None, poll_interval=0.001)
+    try:
+        for bad in (-1, math.nan):
+            with pytest.raises(ValueError, match="^timeout must be"):
+                wd.watch("work", [], timeout=bad)
+    finally:
+        wd.close()

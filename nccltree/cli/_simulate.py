@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, TextIO
 from ..comm import bench as drv
 from ..comm.collectives import COLLECTIVES, collective_name
 from ._common import ExitStatus, Parser, UsageError, check_output
+from ._output import plot_collectives, require_matplotlib, write_json
 
 if TYPE_CHECKING:
     from ..sim import HostCalibration
@@ -118,7 +119,6 @@ def run_calibrate(args: argparse.Namespace, out: TextIO) -> int:
     import os
 
     from .. import sim
-    from .bench import write_json
 
     ranks = _ranks(args.ranks)
     if args.repeats < 1:
@@ -183,9 +183,7 @@ def run_simulate(args: argparse.Namespace, out: TextIO) -> int:
         if getattr(args, flag):
             check_output(f"--{flag}", getattr(args, flag))
     if args.plot:
-        from .bench import _require_matplotlib
-
-        _require_matplotlib()
+        require_matplotlib()
     host = args.topo is not None and args.topo.startswith("cpu:")
     if host != (args.calibration is not None):
         raise UsageError("--topo cpu:N and --calibration FILE go together: the host backend "
@@ -270,14 +268,10 @@ def run_simulate(args: argparse.Namespace, out: TextIO) -> int:
                     "sum" if coll.reduces else "none", 0 if coll.rooted else -1, n, t * 1e6,
                     algbw, busbw, None, 0, 0, coll.bus_factor(n), label, desc))  # fmt: skip
     if args.json:
-        from .bench import write_json
-
         write_json(args.json, {"tool": "nccltree-bench simulate", "machine": desc,
                                "records": [dict(r.as_dict(), predicted=True)
                                            for r in records]})  # fmt: skip
     if args.plot:
-        from .bench import plot_collectives
-
         plot_collectives(args.plot, records)
     return ExitStatus.OK
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, TextIO
 
 import numpy as np
 
-from .._validate import check_int, check_real
+from .._validate import check_call_timeout, check_int, check_real
 from ..parallel import COMM_HOOKS
 from ..snapshot import (
     history,
@@ -190,7 +190,7 @@ class TrainConfig:
             raise ValueError(
                 f"--comm-hook must be one of {', '.join(COMM_HOOKS)}; got {comm_hook!r}"
             )
-        timeout = check_real(get("timeout"), "--timeout", min=0.0, min_open=True)
+        timeout = check_call_timeout(get("timeout"), "--timeout")
         lr, momentum, weight_decay = (
             check_real(get(k), _flag(k)) for k in ("lr", "momentum", "weight_decay")
         )

@@ -7,6 +7,7 @@ from typing import Literal
 
 import numpy as np
 
+from .._validate import check_choice
 from ..backends import base
 
 # name -> the elementwise op the kernels apply between contributions; "mean" is a sum
@@ -19,8 +20,7 @@ DTYPES = base.DTYPES
 
 def check_op(op: str, dtype: np.dtype) -> str:
     """The kernel op for ``op`` on ``dtype``; ValueError/TypeError for bad combinations."""
-    if not isinstance(op, str) or op not in OPS:
-        raise ValueError(f"unknown reduction op {op!r}; accepted: {', '.join(OPS)}")
+    check_choice(op, "reduction op", OPS)
     if op == "mean" and dtype not in base.FLOAT_DTYPES:
         raise TypeError(f"op 'mean' needs a floating-point dtype, got {dtype}")
     return OPS[op]
@@ -62,8 +62,7 @@ def reference(
     times ``1/len(arrays)``, ``alpha`` is rounded to that compute type and multiplies the
     finished sum; the result is rounded to the arrays' dtype once, at the end.
     """
-    if op not in _NP_OPS:
-        raise ValueError(f"unknown reduction op {op!r}; accepted: {', '.join(OPS)}")
+    check_choice(op, "reduction op", OPS)
     ufunc = _NP_OPS[op]
     dtype = arrays[0].dtype
     if rounding == "wide":

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .._validate import check_index, check_int
+from .._validate import check_choice, check_index, check_int
 from ._ops import OPS
 from .builders import BUILDERS, MAX_FAN_IN, PlanRequest
 from .plan import Plan, align_elements, aligned_chunk
@@ -68,8 +68,7 @@ def build_plan(
     build = BUILDERS.get((algorithm, collective))
     if build is None:
         raise ValueError(f"no plan for {algorithm!r} {collective!r}")
-    if op not in OPS:
-        raise ValueError(f"unknown reduction op {op!r}; accepted: {', '.join(OPS)}")
+    check_choice(op, "reduction op", OPS)
     size = check_int(size, "size", min=1)
     align = align_elements(itemsize)
     req = PlanRequest(

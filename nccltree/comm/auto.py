@@ -13,6 +13,10 @@ NCCL, where usable, takes large messages on GPUs. On one host a synchronous call
 whole plan in one native call, so dependent steps cost nothing and direct takes every
 size (measured: docs/performance.md#algorithm-choice-per-size-auto); the GPU thresholds
 are not measured yet.
+
+Process groups read the same table, on rows of their own: their placement is known by
+node (one node, or several), and their ``auto`` also has MPI's own collectives for small
+messages where MPI can run the call (see :func:`choose_group`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,12 @@ if TYPE_CHECKING:
 
 UNIFORM_PEER = "uniform-peer"  # every pair of devices has the same link, with peer access
 OTHER = "other"
+# process groups: every process on one node, or on several
+GROUP_ONE_NODE = "group-one-node"
+GROUP_NODES = "group-nodes"
+
+#: ``auto`` hands a process group's messages of at most this many bytes per rank to MPI
+AUTO_MPI_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -64,12 +74,28 @@ _CUDA_TREE = Rule(
 )
 _DIRECT = Rule("direct", "uniform links with peer access: direct moves the fewest bytes")
 _TREE = Rule("tree", "mixed links: the topology-aware tree keeps slow links for few transfers")
+# measured: see docs/performance.md#process-groups
+_GROUP_MPI = Rule(
+    "mpi",
+    "a call through the shared-memory engine pays a signature handshake and a few Python "
+    "steps, tens of microseconds, where MPICH's shared-memory collectives take a few "
+    "(docs/performance.md#process-groups)",
+    max_bytes=AUTO_MPI_BYTES,
+)
+_GROUP_NCCL = Rule("nccl", "a GPU group takes NCCL wherever NCCL can serve it")
+_GROUP_DIRECT = Rule("direct", "within one node: direct moves the fewest bytes")
+_GROUP_TREE = Rule("tree", "across nodes: the tree crosses each node boundary once")
 
 AUTO: dict[tuple[str, str], tuple[Rule, ...]] = {
     ("host", UNIFORM_PEER): (_HOST_DIRECT,),
     ("host", OTHER): (_TREE,),
     ("cuda", UNIFORM_PEER): (_NCCL, _CUDA_TREE, _DIRECT),
     ("cuda", OTHER): (_NCCL, _TREE),
+    # process groups (choose_group)
+    ("host", GROUP_ONE_NODE): (_GROUP_MPI, _GROUP_DIRECT),
+    ("host", GROUP_NODES): (_GROUP_MPI, _GROUP_TREE),
+    ("cuda", GROUP_ONE_NODE): (_GROUP_NCCL, _GROUP_DIRECT),
+    ("cuda", GROUP_NODES): (_GROUP_NCCL, _GROUP_TREE),
 }
 
 
@@ -105,10 +131,39 @@ def choose_rule(backend: str, topo_class: str, nbytes: int, usable: Callable[[st
     raise AssertionError(f"no auto rule for {nbytes} B on {backend}/{topo_class}")
 
 
+def choose_group(
+    *,
+    gpu: bool,
+    nccl_usable: bool,
+    nodes: int,
+    ranks_per_process: int,
+    mpi_order: bool,
+    nbytes: int,
+    reduces: bool,
+    mpi_reduces: bool,
+) -> str:
+    """``auto`` for a process group, from its facts: whether it runs on GPUs and NCCL can
+    serve it, its number of nodes and of ranks per process, whether MPI's rank order is
+    the group's, the message's bytes per rank, whether the collective reduces and whether
+    MPI can reduce the dtype. MPI's own collectives run a call only with one rank per
+    process, in MPI's rank order, and no reduction of a dtype MPI has no type for
+    (float16, bfloat16)."""
+
+    def usable(algorithm: str) -> bool:
+        if algorithm == "nccl":
+            return nccl_usable
+        if algorithm == "mpi":
+            return ranks_per_process == 1 and mpi_order and (mpi_reduces or not reduces)
+        return True
+
+    row = GROUP_NODES if nodes > 1 else GROUP_ONE_NODE
+    return choose_rule("cuda" if gpu else "host", row, nbytes, usable).algorithm
+
+
 # -- consulting the simulator (NCCLTREE_AUTO=model) ------------------------------------------
 #
 # The GPU rules above are guesses nobody measured. With NCCLTREE_AUTO=model a CUDA World
-# asks the simulator (nccltree.sim) instead wherever the table picks a hand-built
+# asks the simulator (nccltree.sim_model) instead wherever the table picks a hand-built
 # algorithm: it simulates the tree, ring and direct plans of the call on a Machine made of
 # the World's topology (with the link rates detection read) and the GPU's device model,
 # and takes the fastest. Where the table picks NCCL, NCCL stays. Off by default until a GPU
@@ -141,13 +196,13 @@ def auto_mode(value: str | None = None) -> str:
 
 
 def device_model_for(gpu_name: str) -> tuple[str, str]:
-    """(the key of ``nccltree.sim.DEVICES`` whose model the GPU's name names, a note):
+    """(the key of ``nccltree.sim_model.DEVICES`` whose model the GPU's name names, a note):
     ``"NVIDIA H100 80GB HBM3"`` is ``h100``, ``"Tesla V100-SXM2-16GB"`` ``v100``,
     ``"NVIDIA GeForce RTX 4090"`` ``rtx4090``, ``"NVIDIA H100 PCIe"`` ``h100pcie``; where none matches, ``h100`` and a note
     saying so (the note is empty otherwise)."""
     import re
 
-    from ..sim import DEVICES
+    from ..sim_model import DEVICES
 
     low = gpu_name.lower()
     # the most specific key first: "h100pcie" before "h100"
@@ -211,10 +266,10 @@ class ModelChooser:
     CANDIDATES = ("tree", "ring", "direct")
 
     def __init__(self, topology: Topology, gpu_name: str) -> None:
-        from .. import sim
+        from .. import sim_model
 
         self.device, self.note = device_model_for(gpu_name)
-        self.machine = sim.Machine(topology, sim.DEVICES[self.device])
+        self.machine = sim_model.Machine(topology, sim_model.DEVICES[self.device])
         self._cache: dict[tuple[str, int], ModelChoice | None] = {}
 
     def cached(self, collective: str, nbytes: int) -> bool:
@@ -226,7 +281,7 @@ class ModelChooser:
         """The model's choice for a call of ``collective`` with ``nbytes`` per rank;
         ``plan_for(algorithm)`` builds the call's plan. None where no candidate has a
         plan (the table decides then)."""
-        from ..sim import simulate
+        from .. import sim_model
 
         key = (collective, size_class(nbytes))
         if key not in self._cache:
@@ -236,7 +291,7 @@ class ModelChooser:
                     plan = plan_for(alg)
                 except ValueError:  # no plan of this algorithm for this collective
                     continue
-                times[alg] = simulate(plan, self.machine, itemsize).time_s
+                times[alg] = sim_model.simulate(plan, self.machine, itemsize).time_s
             best = min(times, key=lambda a: (times[a], self.CANDIDATES.index(a)), default=None)
             self._cache[key] = (
                 None if best is None else ModelChoice(best, times, self.device, nbytes)

@@ -49,6 +49,44 @@ def align_elements(itemsize: int | None) -> int:
     return lcm(ALIGN_BYTES, itemsize) // itemsize
 
 
+def align_bytes(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of :data:`ALIGN_BYTES`: where a region of
+    ``nbytes`` bytes laid out after another must end so the next one starts aligned."""
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+# -- the chunk policy ---------------------------------------------------------------------------
+#
+# Plans cut a message into chunks and pipeline them. One fixed chunk of CHUNK_BYTES serves
+# the host backend (docs/performance.md#chunk-size-on-the-host-backend), the process
+# groups' plans and the simulator's default; GPU Worlds cut each message into about
+# GPU_CHUNKS chunks of GPU_CHUNK_MIN to GPU_CHUNK_MAX bytes (gpu_chunk_bytes).
+
+#: the fixed chunk (bytes): host Worlds, process groups, the simulator's default
+CHUNK_BYTES = 16 << 20
+#: the GPU policy: about this many chunks a message ...
+GPU_CHUNKS = 16
+#: ... each of at least this many bytes ...
+GPU_CHUNK_MIN = 256 << 10
+#: ... and at most this many
+GPU_CHUNK_MAX = CHUNK_BYTES
+
+
+def gpu_chunk_bytes(nbytes: int) -> int:
+    """The chunk of a message of ``nbytes`` bytes per rank under the GPU policy:
+    ``nbytes / GPU_CHUNKS`` rounded up to :data:`ALIGN_BYTES`, within ``[GPU_CHUNK_MIN,
+    GPU_CHUNK_MAX]``. So a message of up to ``GPU_CHUNKS * GPU_CHUNK_MAX`` (256 MiB) bytes
+    has at most ``GPU_CHUNKS`` chunks, a larger one chunks of ``GPU_CHUNK_MAX``, and one of
+    at most ``GPU_CHUNK_MIN`` a single chunk."""
+    per = align_bytes(-(-nbytes // GPU_CHUNKS))
+    return min(GPU_CHUNK_MAX, max(GPU_CHUNK_MIN, per))
+
+
+def chunk_elements(chunk_bytes: int, itemsize: int) -> int:
+    """A chunk of ``chunk_bytes`` bytes in elements of ``itemsize`` bytes (at least one)."""
+    return max(1, chunk_bytes // itemsize)
+
+
 @dataclass(frozen=True)
 class Buf:
     """``count`` elements of rank ``rank``'s ``role`` buffer starting at ``offset``."""

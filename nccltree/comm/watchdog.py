@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._errors import CommTimeout
+from .._validate import check_real
 from ..backends.base import Event
 
 #: How often outstanding work is polled (seconds). Completion is seen this late at most;
@@ -73,8 +74,7 @@ class Watchdog:
         """Watch ``events`` (work described by ``what``) until they complete; fail the owner
         if they are not complete ``timeout`` seconds from now. ``keepalive`` (buffers the
         work uses) is held until then."""
-        if timeout < 0:
-            raise ValueError(f"timeout must be >= 0 seconds, got {timeout!r}")
+        timeout = check_real(timeout, "timeout", min=0.0)
         entry = _Entry(what, list(events), time.monotonic() + timeout, timeout, keepalive)
         with self._cond:
             if self._closed or self._failed is not None:

@@ -21,7 +21,7 @@ from numpy.typing import DTypeLike
 
 from .._errors import CommError, CommTimeout, NcclTreeError, PeerFailure
 from .._native import ranges_overlap
-from .._validate import check_index, check_int, check_real
+from .._validate import check_call_timeout, check_choice, check_index, check_int
 from ..backends.base import data_ptr
 from . import auto, debug
 from ._args import Array, Launched, Prepared, prepare
@@ -31,7 +31,17 @@ from .comm import Comm, MissingRanks, _Rendezvous
 from .executor import Buffers, Program
 from .flight import FlightRecorder
 from .p2p import Mailbox
-from .plan import IN, OUT, STAGE, TMP, Plan
+from .plan import (
+    CHUNK_BYTES,
+    GPU_CHUNK_MAX,
+    IN,
+    OUT,
+    STAGE,
+    TMP,
+    Plan,
+    chunk_elements,
+    gpu_chunk_bytes,
+)
 from .trace import Span
 from .work import Work
 
@@ -49,26 +59,6 @@ ALGORITHM_CHOICES = (*ALGORITHMS, "nccl", "auto")
 # The plan cache keeps at most this many plans, and at most this many steps in all.
 _PLAN_CACHE_PLANS = 256
 _PLAN_CACHE_STEPS = 1 << 20
-
-# The GPU chunk policy (see World and gpu_chunk_bytes): a message is cut into about
-# GPU_CHUNKS chunks, each between GPU_CHUNK_MIN and GPU_CHUNK_MAX bytes.
-GPU_CHUNKS = 16
-GPU_CHUNK_MIN = 256 << 10
-GPU_CHUNK_MAX = 16 << 20
-# The host backend's default: one fixed size (docs/performance.md#chunk-size-on-the-host-backend).
-HOST_CHUNK_BYTES = 16 << 20
-
-
-def gpu_chunk_bytes(nbytes: int) -> int:
-    """The chunk of a message of ``nbytes`` bytes per rank under the GPU policy:
-    ``nbytes / GPU_CHUNKS`` rounded up to 256 bytes, within ``[GPU_CHUNK_MIN,
-    GPU_CHUNK_MAX]``. So a message of up to ``GPU_CHUNKS * GPU_CHUNK_MAX`` (256 MiB) bytes
-    has at most ``GPU_CHUNKS`` chunks, a larger one chunks of ``GPU_CHUNK_MAX``, and one of
-    at most ``GPU_CHUNK_MIN`` a single chunk."""
-    per = -(-nbytes // GPU_CHUNKS)
-    per = -(-per // 256) * 256
-    return min(GPU_CHUNK_MAX, max(GPU_CHUNK_MIN, per))
-
 
 # How often World.run, while no rank has failed, looks for an abort or a timeout (seconds).
 _RUN_POLL_S = 0.1
@@ -157,11 +147,8 @@ class World:
         check_ranks_fit(len(devices), f"a World of {len(devices)} ranks")
         if len({d.runtime if hasattr(d, "runtime") else d.backend for d in devices}) != 1:
             raise ValueError("all devices of a World must come from one devices() call")
-        if algorithm not in ALGORITHM_CHOICES:
-            raise ValueError(
-                f"unknown algorithm {algorithm!r}; accepted: {', '.join(ALGORITHM_CHOICES)}"
-            )
-        self.timeout = check_real(timeout, "timeout", min=0.0, min_open=True)
+        check_choice(algorithm, "algorithm", ALGORITHM_CHOICES)
+        self.timeout = check_call_timeout(timeout)
         #: the most bytes of scratch and staging memory the World keeps between calls (all
         #: ranks together; None: no cap). A call that needs more gets buffers of its own,
         #: released when it is done
@@ -174,7 +161,7 @@ class World:
         #: default); else the GPU policy picks the chunk per message (``chunk_for``)
         self.fixed_chunk = chunk_bytes is not None or devices[0].backend == "host"
         if chunk_bytes is None:
-            chunk_bytes = HOST_CHUNK_BYTES if devices[0].backend == "host" else GPU_CHUNK_MAX
+            chunk_bytes = CHUNK_BYTES if devices[0].backend == "host" else GPU_CHUNK_MAX
         #: the chunk when fixed; under the GPU policy the largest chunk a plan uses
         self.chunk_bytes = check_int(chunk_bytes, "chunk_bytes", min=64)
         self.inline_bytes: int | None = (
@@ -1098,7 +1085,7 @@ class World:
         itemsize = prep.dtype.itemsize
         # the largest buffer a rank passes: the gathered output, the scattered input
         biggest = max(coll.in_count(prep.count, self.size), coll.out_count(prep.count, self.size))
-        return max(1, self.chunk_for(biggest * itemsize) // itemsize)
+        return chunk_elements(self.chunk_for(biggest * itemsize), itemsize)
 
     def _plan(self, algorithm: str, prep: Prepared) -> Plan:
         return self._program(algorithm, prep).plan

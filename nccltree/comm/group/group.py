@@ -54,13 +54,13 @@ from ..._validate import check_index, check_int, check_real
 from ...backends import devices as make_devices
 from ...backends.base import Array, Device, carried_dtype, carry, data_ptr
 from ...topology import Topology
-from .. import debug
+from .. import auto, debug
 from .._args import Prepared, _device_array, check_call_dtype, prepare
 from ..algorithms import ALGORITHMS, build_plan
 from ..collectives import COLLECTIVES, collective_name
 from ..executor import Buffers, Program
 from ..flight import Entry, FlightRecorder
-from ..plan import IN, OUT, STAGE, TMP, Plan, Step
+from ..plan import CHUNK_BYTES, IN, OUT, STAGE, TMP, Plan, Step, chunk_elements
 from ..work import Work
 from .gpu import DeviceBlock, GpuSide, PeerBlock, message_order
 from .local import Collectives, GroupComm, LocalRendezvous, run_local
@@ -854,27 +854,22 @@ class ProcessGroup(Collectives):
         return exc
 
     def _choose(self, prep: Prepared) -> str:
-        """``auto``: MPI's own collectives for small messages where MPI can run the call
-        (one rank per process, MPI's rank order the group's, no float16 reduction): a
-        call through the shared-memory engine pays a signature handshake and a few
-        Python steps, tens of microseconds, where MPICH's shared-memory collectives take
-        a few (measured: docs/performance.md#process-groups). Above that, the tree
-        across nodes (it crosses each node boundary once) and direct within one node
-        (the fewest bytes)."""
+        """``auto``: the process-group rows of the one rule table (``auto.AUTO``, read
+        through ``auto.choose_group`` with this group's facts): MPI's own collectives for
+        small messages where MPI can run the call, NCCL on GPUs where it can serve the
+        group, else the tree across nodes and direct within one node."""
         if self.algorithm != "auto":
             return self.algorithm
-        if self._gpu is not None:
-            if self._gpu.nccl_ok:
-                return "nccl"
-            return "tree" if self.nodes > 1 else "direct"
-        if (
-            prep.nbytes <= AUTO_MPI_BYTES
-            and len(self.ranks) == 1
-            and self._mpi_rank_of_proc == list(range(self.nprocs))
-            and not (COLLECTIVES[prep.collective].reduces and not mpi_reduces(prep.dtype))
-        ):
-            return "mpi"
-        return "tree" if self.nodes > 1 else "direct"
+        return auto.choose_group(
+            gpu=self._gpu is not None,
+            nccl_usable=self._gpu is not None and self._gpu.nccl_ok,
+            nodes=self.nodes,
+            ranks_per_process=len(self.ranks),
+            mpi_order=self._mpi_rank_of_proc == list(range(self.nprocs)),
+            nbytes=prep.nbytes,
+            reduces=COLLECTIVES[prep.collective].reduces,
+            mpi_reduces=mpi_reduces(prep.dtype),
+        )
 
     def tree(self, root: int = 0) -> Tree:
         root = check_index(root, "root", self.size)
@@ -889,7 +884,7 @@ class ProcessGroup(Collectives):
         """The plan a call runs (every process builds the same)."""
         return build_plan(
             algorithm, collective_name(collective), size=self.size, count=count, op=op,
-            root=root, in_place=in_place, chunk=max(1, (16 << 20) // np.dtype(dtype).itemsize),
+            root=root, in_place=in_place, chunk=chunk_elements(CHUNK_BYTES, np.dtype(dtype).itemsize),
             tree_for=self.tree, itemsize=np.dtype(dtype).itemsize,
         )  # fmt: skip
 

@@ -243,31 +243,26 @@ class ProcessGroup(Collectives):
         it first waits (at most the timeout) for the node's other processes to close too,
         so that none still needs a segment about to go. Idempotent; after it,
         :func:`init_process_group` may be called again."""
-        life = self._life
-        if life.closed:
+        if self._life.closed:
             return
-        if life.failure is None and len(self.placement.node_procs) > 1:
-            # closing is collective: wait (bounded) until every process of the node is
-            # here, so each has mapped the arenas a last call made before their creator
-            # unlinks them below
-            try:
-                self._node_sync()
-            except (PeerFailure, CommTimeout):
-                pass
-        life.closed = True
+        # closing is collective: wait (bounded) until every process of the node is here,
+        # so each has mapped the arenas a last call made before their creator unlinks them
+        sync = self._node_sync if len(self.placement.node_procs) > 1 else None
+        release = [self._p2p.close, self._mem.close, self._launcher.restore, self._free_comms]
         if self._gpu is not None:
-            self._gpu.close()  # its stream finished first: nothing uses the blocks below
-        self._p2p.close()
-        self._mem.close()
-        self._launcher.restore()
+            # its stream finished first: nothing uses the blocks the node's memory frees
+            release.insert(0, self._gpu.close)
+        self._life.close(sync, release)
+        global _current
+        if _current is self:
+            _current = None
+
+    def _free_comms(self) -> None:
         for c in (self._node_comm, self._ctl_comm, self._comm):
             try:
                 c.Free()
             except Exception:  # noqa: BLE001 - best effort at teardown
                 pass
-        global _current
-        if _current is self:
-            _current = None
 
     def __enter__(self) -> ProcessGroup:
         return self

@@ -6,9 +6,10 @@ recorder)."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from ..._errors import CommError, PeerFailure
+from ..._errors import CommError, CommTimeout, PeerFailure
 from .shm import exit_without_finalize, remove_stale
 
 if TYPE_CHECKING:
@@ -35,6 +36,22 @@ class Lifecycle:
             raise CommError("the process group is closed")
         if self.failure is not None:
             raise PeerFailure(f"the process group failed earlier: {self.failure}")
+
+    def close(self, sync: Callable[[], None] | None, release: Sequence[Callable[[], None]]) -> bool:
+        """Close once (False if closed already): unless the group failed, ``sync`` first
+        (every process of the node got here: bounded, and a failure there does not stop
+        the closing), then each of ``release`` in order."""
+        if self.closed:
+            return False
+        if self.failure is None and sync is not None:
+            try:
+                sync()
+            except (PeerFailure, CommTimeout):
+                pass
+        self.closed = True
+        for step in release:
+            step()
+        return True
 
     def fail(self, exc: BaseException) -> None:
         """Close the group for good; tell the node; print the flight recorder."""

@@ -68,7 +68,7 @@ from .lifecycle import Lifecycle
 from .local import Collectives, GroupComm, LocalRendezvous, run_local
 from .mpi_collectives import MpiContext, mpi_reduces, run_mpi
 from .node_memory import MAX_LOCAL_RANKS, LauncherWatch, NodeMemory
-from .p2p import TAG_ALL_TO_ALL, GroupP2p, P2pContext
+from .p2p import GroupP2p, P2pContext
 from .placement import Placement, place
 from .waits import Waits
 
@@ -463,25 +463,7 @@ class ProcessGroup(Collectives):
             raise TypeError(f"rank {self.rank}: output dtype {oa.dtype} differs from {xa.dtype}")
         xa = _p2p_buffer(self, xa, "input", dtype)
         oa = _p2p_buffer(self, oa, "output", dtype)
-        sd = np.cumsum([0, *sc[:-1]]).tolist()
-        rd = np.cumsum([0, *rc[:-1]]).tolist()
-        p2p = self._p2p
-        # empty blocks travel too (a size mismatch is then seen), except over NCCL, which
-        # orders nothing for them
-        nccl = self._gpu is not None
-        with p2p.batch(), self._lock:
-            self._check_usable()
-            self._life.seq += 1
-            where = "p2p" if all(p2p.local(q) for q in range(self.size)) else "p2p-net"
-            entry = self.flight.start(self._life.seq, "all_to_all_v", xa.size, xa.dtype, where)
-            for q in range(self.size):
-                if sc[q] or not (nccl and not p2p.local(q)):
-                    blk = xa[sd[q] : sd[q] + sc[q]]
-                    p2p.post("send", blk, q, stream, entry, TAG_ALL_TO_ALL)
-            for q in range(self.size):
-                if rc[q] or not (nccl and not p2p.local(q)):
-                    blk = oa[rd[q] : rd[q] + rc[q]]
-                    p2p.post("recv", blk, q, stream, entry, TAG_ALL_TO_ALL)
+        self._p2p.all_to_all_v(xa, oa, sc, rc, stream)
         return out
 
     def split(self, color: int | None, key: int = 0) -> ProcessGroup | None:

@@ -287,6 +287,32 @@ class GroupP2p:
         else:
             self._finish([op], stream)
 
+    def all_to_all_v(
+        self, x: Array, out: Array, sc: list[int], rc: list[int], stream: Stream | None
+    ) -> None:
+        """One batch: ``x``'s blocks (``sc[q]`` elements for rank q, in rank order) sent,
+        ``out``'s blocks (``rc[q]`` from rank q) received, as one flight-recorder entry
+        (the arguments checked by the caller)."""
+        pl = self.pl
+        sd = np.cumsum([0, *sc[:-1]]).tolist()
+        rd = np.cumsum([0, *rc[:-1]]).tolist()
+        # empty blocks travel too (a size mismatch is then seen), except over NCCL, which
+        # orders nothing for them
+        nccl = self.ctx.gpu is not None
+        with self.batch(), self.ctx.lock:
+            self.ctx.check_usable()
+            self.ctx.life.seq += 1
+            where = "p2p" if all(self.local(q) for q in range(pl.size)) else "p2p-net"
+            entry = self.ctx.flight.start(self.ctx.life.seq, "all_to_all_v", x.size, x.dtype, where)
+            for q in range(pl.size):
+                if sc[q] or not (nccl and not self.local(q)):
+                    blk = x[sd[q] : sd[q] + sc[q]]
+                    self.post("send", blk, q, stream, entry, TAG_ALL_TO_ALL)
+            for q in range(pl.size):
+                if rc[q] or not (nccl and not self.local(q)):
+                    blk = out[rd[q] : rd[q] + rc[q]]
+                    self.post("recv", blk, q, stream, entry, TAG_ALL_TO_ALL)
+
     def _finish(self, ops: list[_Posted], stream: Stream | None) -> None:
         """Move the batch's messages: within the node through the arenas, to other nodes
         as MPI messages (host) or one NCCL group (GPU). Size mismatches within the node

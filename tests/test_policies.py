@@ -35,13 +35,6 @@ ELSEWHERE: dict[tuple[str, str], str] = {
         "nccltree/comm/bench.py",
         "self.chunk_bytes = 16 << 20  # the group's plans' chunk (see ProcessGroup.plan)",
     ): "GroupWorld, being removed",
-    ("nccltree/comm/group/p2p.py", "_ALIGN = 256"): "comm/group/ is being split",
-    ("nccltree/comm/group/group.py", "off += -(-cnt * item // 256) * 256"): (
-        "comm/group/ is being split"
-    ),
-    ("nccltree/comm/group/group.py", "off += -(-base * item // 256) * 256"): (
-        "comm/group/ is being split"
-    ),
     (
         "nccltree/parallel.py",
         "stride = -(-first.size * first.dtype.itemsize // 256) * 256 // first.dtype.itemsize",

@@ -28,7 +28,7 @@ out["sum_ok"] = bool(np.all(x == sum(range(1, pg.size + 1))))
 out["remote_bytes"] = counting.remote_bytes
 out["local_bytes"] = counting.local_bytes
 out["collectives"] = counting.collectives
-node_of = [pg._node_of_proc[pg._proc_of_rank[r]] for r in range(pg.size)]
+node_of = [pg.placement.node_of_proc[pg.placement.proc_of_rank[r]] for r in range(pg.size)]
 plan = pg.plan("all_reduce", count, algorithm="tree", in_place=True)
 out["plan_cross_bytes"] = 4 * sum(c for a, b, c in plan.transfers() if node_of[a] != node_of[b])
 # symmetric buffers: used in place, no mirror

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -49,7 +50,8 @@ if TYPE_CHECKING:
     from .._args import Prepared
     from ..nccl import NcclEngine
     from ..watchdog import Watchdog
-    from .group import ProcessGroup
+    from .lifecycle import Lifecycle
+    from .placement import Placement
     from .schedule import Schedule
 
 _EVENT_FLAGS = 2 | 4  # cudaEventDisableTiming | cudaEventInterprocess
@@ -319,21 +321,39 @@ def env_gpu_note() -> str:
 # -- the GPU half of a ProcessGroup -----------------------------------------------------------
 
 
+@dataclass
+class GpuContext:
+    """What the GPU side needs of its group: who is where, the group's communicator (for
+    bootstrap and NCCL's unique id), its algorithm and timeout, its life cycle (whether it
+    failed; the call number, for messages), and two hooks: the node's liveness check and
+    the group's failure."""
+
+    placement: Placement
+    comm: _MPI.Intracomm
+    algorithm: str
+    timeout: float
+    life: Lifecycle
+    check_peers: Callable[[], None]
+    fail: Callable[[BaseException], None]
+
+
 class GpuSide:
     """What a :class:`~nccltree.comm.group.group.ProcessGroup` with ``devices="gpu"``
     adds: its GPU and stream, the node's GPUs and links, the inter-process events, the
     NCCL communicator, and the operations the engine performs on the GPU (see the module
     docstring for the two ordering modes)."""
 
-    def __init__(self, pg: ProcessGroup, spec: str, phys: Sequence[int]) -> None:
+    def __init__(self, ctx: GpuContext, spec: str) -> None:
         from ...backends.cuda import CudaRuntime
         from ...topology import Topology, _bus_key
 
-        self.pg = pg
-        comm = pg._comm
-        by_proc = pg._mpi_rank_of_proc
-        nprocs = pg.nprocs
-        ordinal = pick_gpu(spec, list(phys).index(pg.proc))
+        self.ctx = ctx
+        pl = ctx.placement
+        phys = pl.phys
+        comm = ctx.comm
+        by_proc = pl.mpi_rank_of_proc
+        nprocs = pl.nprocs
+        ordinal = pick_gpu(spec, list(phys).index(pl.proc))
         # the group's GPU becomes the calling thread's current one, where the user's
         # arrays are then made (as torch.cuda.set_device(local_rank) does)
         _cupy().cuda.Device(ordinal).use()
@@ -351,8 +371,8 @@ class GpuSide:
         # process. Both judged from every process's answers, so all judge alike.
         self.ipc_problem: str | None = None
         self.nccl_ok = True
-        for node in range(pg.nodes):
-            procs = [p for p in range(nprocs) if pg._node_of_proc[p] == node]
+        for node in range(pl.nodes):
+            procs = [p for p in range(nprocs) if pl.node_of_proc[p] == node]
             gpus = {_bus_key(buses[p]) for p in procs}
             if len(gpus) != len(procs):
                 self.nccl_ok = False
@@ -371,11 +391,11 @@ class GpuSide:
         by_ordinal = {d.physical_id: d for d in runtime.devices}
         self.device: CudaDevice = runtime.devices[0]
         self.runtime = runtime
-        node_of = pg._node_of_proc
+        node_of = pl.node_of_proc
         self._ordinal = {p: ords[i] for i, p in enumerate(phys)}
         self.rank_devices: list[Device] = [
-            by_ordinal.get(self._ordinal.get(pg._proc_of_rank[r], -1), self.device)
-            for r in range(pg.size)
+            by_ordinal.get(self._ordinal.get(pl.proc_of_rank[r], -1), self.device)
+            for r in range(pl.size)
         ]
         # the topology: each node's matrix from its processes' rows, NET between nodes
         rows = [info[p][1] for p in range(nprocs)]
@@ -397,7 +417,7 @@ class GpuSide:
         self.topology = Topology(links)
         # several transport nodes: NCCL messages between them, so counters must mean
         # "done" (sync mode); one: inter-process events (events mode)
-        self.sync_mode = len(set(pg._tnode_of_proc)) > 1
+        self.sync_mode = len(set(pl.tnode_of_proc)) > 1
         self.stream: CudaStream = cast("CudaStream", self.device.new_stream())
         self.event: IpcEvent | None = None
         self.peer_events: dict[int, IpcEvent] = {}
@@ -424,27 +444,29 @@ class GpuSide:
     def wait_end(self) -> None:
         """The last call's work finished (bounded by the group's timeout)."""
         if self.last_end is not None:
-            self.last_end.synchronize(self.pg.timeout)
+            self.last_end.synchronize(self.ctx.timeout)
 
-    def connect(self) -> None:
-        """After the control segment exists: the node's events exchanged and opened; the
-        NCCL communicator made where the group needs one (collective: every process)."""
-        pg = self.pg
-        if not self.nccl_ok and (pg.algorithm == "nccl" or self.sync_mode):
-            why = "algorithm='nccl'" if pg.algorithm == "nccl" else "a GPU group across nodes"
+    def connect(self, node_comm: _MPI.Comm) -> None:
+        """After the control segment exists: the node's events exchanged and opened (over
+        ``node_comm``, the node's processes); the NCCL communicator made where the group
+        needs one (collective: every process)."""
+        pl = self.ctx.placement
+        algorithm = self.ctx.algorithm
+        if not self.nccl_ok and (algorithm == "nccl" or self.sync_mode):
+            why = "algorithm='nccl'" if algorithm == "nccl" else "a GPU group across nodes"
             raise ValueError(
                 f"{why} needs NCCL, and NCCL needs one GPU per process, but processes of "
                 f"one node share a GPU (GPUs by process: {self.buses}); give each process "
                 "its own GPU, or keep to one node with the tree, ring or direct algorithm "
                 "(CUDA IPC works between processes sharing a GPU)"
             )
-        if not self.sync_mode and len(pg._node_procs) > 1:
+        if not self.sync_mode and len(pl.node_procs) > 1:
             self.event = IpcEvent(self.device)
-            handles = pg._node_comm.allgather((pg.proc, self.event.handle))
+            handles = node_comm.allgather((pl.proc, self.event.handle))
             for p, h in handles:
-                if p != pg.proc:
+                if p != pl.proc:
                     self.peer_events[p] = IpcEvent(self.device, h)
-        if self.sync_mode or pg.algorithm == "nccl":
+        if self.sync_mode or algorithm == "nccl":
             self.ensure_nccl()  # needed from the first call on
         elif self.nccl_ok:
             # made now, while every process is here: send/recv need it between two
@@ -470,20 +492,20 @@ class GpuSide:
                 )
             from ..nccl import NcclEngine
 
-            pg = self.pg
-            self.comm = nccl_comm(pg._comm, pg.proc, pg.nprocs, self.device)
-            self.engine = NcclEngine([self.device], comms=[self.comm], size=pg.nprocs)
-            self.engine.rank0 = pg.proc  # one rank per process: NCCL rank = group rank
+            pl = self.ctx.placement
+            self.comm = nccl_comm(self.ctx.comm, pl.proc, pl.nprocs, self.device)
+            self.engine = NcclEngine([self.device], comms=[self.comm], size=pl.nprocs)
+            self.engine.rank0 = pl.proc  # one rank per process: NCCL rank = group rank
         return self.engine
 
     def close(self) -> None:
         if self._watchdog is not None:
             self._watchdog.close()
         if self.engine is not None:
-            self.engine.close(abort=self.pg._failure is not None)
+            self.engine.close(abort=self.ctx.life.failure is not None)
         try:
-            if self.pg._failure is None:
-                self.stream.synchronize(self.pg.timeout)
+            if self.ctx.life.failure is None:
+                self.stream.synchronize(self.ctx.timeout)
         except Exception:  # noqa: BLE001 - best effort at teardown
             pass
         for ev in self.peer_events.values():
@@ -519,12 +541,12 @@ class GpuSide:
             from ..watchdog import Watchdog
 
             self._watchdog = Watchdog(self._on_watchdog, name="nccltree-group-watchdog")
-        self._watchdog.watch(what, events, self.pg.timeout, keepalive)
+        self._watchdog.watch(what, events, self.ctx.timeout, keepalive)
 
     def _on_watchdog(self, exc: BaseException) -> None:
         if self.engine is not None:
             self.engine.close(abort=True)
-        self.pg._fail(exc)
+        self.ctx.fail(exc)
 
     def copy(self, dst: Array, src: Array) -> None:
         from ...backends.base import CopyArgs
@@ -554,11 +576,11 @@ class GpuSide:
     def wait_stream(self) -> None:
         """The group's stream finished, bounded by the timeout, checking the node's
         processes while it waits."""
-        pg = self.pg
+        ctx = self.ctx
         st = self.stream
         if st.query():
             return
-        deadline = time.monotonic() + pg.timeout
+        deadline = time.monotonic() + ctx.timeout
         pause = 2e-5
         last = time.monotonic()
         while not st.query():
@@ -567,11 +589,12 @@ class GpuSide:
             now = time.monotonic()
             if now - last >= 0.01:
                 last = now
-                pg._check_peers()
+                ctx.check_peers()
                 if now > deadline:
                     raise CommTimeout(
-                        f"rank {pg.rank}: the GPU work of collective #{pg._seq} did not "
-                        f"finish within {pg.timeout:g} s (a peer's message never came?)"
+                        f"rank {ctx.placement.rank}: the GPU work of collective "
+                        f"#{ctx.life.seq} did not finish within {ctx.timeout:g} s (a peer's "
+                        "message never came?)"
                     )
 
     # -- NCCL point-to-point (sync mode) ---------------------------------------------------------
@@ -594,7 +617,7 @@ class GpuSide:
             fn(data_ptr(arr), int(arr.size), nccl_dtype(arr.dtype), proc, self.stream_ptr)
         except Exception as exc:  # NcclError, CUDARuntimeError
             raise CommError(
-                f"rank {self.pg.rank}: NCCL {method} {'to' if method == 'send' else 'from'} "
+                f"rank {self.ctx.placement.rank}: NCCL {method} {'to' if method == 'send' else 'from'} "
                 f"process {proc} failed: {type(exc).__name__}: {exc}"
             ) from exc
 

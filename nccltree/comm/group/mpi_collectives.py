@@ -4,6 +4,8 @@ still ends in ``CommTimeout``; MPI errors become ``CommError``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -17,13 +19,27 @@ if TYPE_CHECKING:
     from mpi4py import MPI as _MPI
 
     from ..flight import Entry
-    from .group import ProcessGroup
+    from .placement import Placement
+    from .waits import Waits
 
 
-def run_mpi(pg: ProcessGroup, prep: Prepared, entry: Entry) -> None:
+@dataclass
+class MpiContext:
+    """What MPI's collectives need of their group: who is where, its communicator, the
+    MPI module, its bounded waits, and its one-rank-per-process check (``one(what)``)."""
+
+    placement: Placement
+    comm: _MPI.Intracomm
+    mpi: ModuleType
+    waits: Waits
+    one: Callable[[str], None]
+
+
+def run_mpi(ctx: MpiContext, prep: Prepared, entry: Entry) -> None:
     """MPI's own collectives (one rank per process)."""
-    pg._one(f"algorithm 'mpi' ({prep.collective})")
-    MPI = pg._MPI
+    ctx.one(f"algorithm 'mpi' ({prep.collective})")
+    pl = ctx.placement
+    MPI = ctx.mpi
     if COLLECTIVES[prep.collective].reduces and not mpi_reduces(prep.dtype):
         raise TypeError(
             f"algorithm 'mpi' cannot reduce {prep.dtype} (MPI has no such type); "
@@ -33,10 +49,10 @@ def run_mpi(pg: ProcessGroup, prep: Prepared, entry: Entry) -> None:
     t = mpi_type(MPI, prep.dtype)
     mop = {"sum": MPI.SUM, "mean": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX,
            "min": MPI.MIN}[prep.op]  # fmt: skip
-    comm = pg._comm
+    comm = ctx.comm
     # MPI's ranks in this group's numbering: the communicator is the group's own dup, so
     # map roots through it
-    root = pg._mpi_rank_of_proc[pg._proc_of_rank[prep.root]]
+    root = pl.mpi_rank_of_proc[pl.proc_of_rank[prep.root]]
     coll = prep.collective
     entry.state = "running"
     me_root = comm.Get_rank() == root
@@ -56,41 +72,41 @@ def run_mpi(pg: ProcessGroup, prep: Prepared, entry: Entry) -> None:
                 np.copyto(o, x)
             req = comm.Ibcast([o, t], root=root)
         elif coll == "all_gather":
-            _mpi_order(pg, coll)
+            _mpi_order(pl, coll)
             req = comm.Iallgather(MPI.IN_PLACE if prep.in_place else [x, t], [o, t])
         elif coll == "gather":
-            _mpi_order(pg, coll)
+            _mpi_order(pl, coll)
             if me_root:
                 req = comm.Igather(MPI.IN_PLACE if prep.in_place else [x, t], [o, t], root=root)
             else:
                 req = comm.Igather([x, t], None, root=root)
         elif coll == "scatter":
-            _mpi_order(pg, coll)
+            _mpi_order(pl, coll)
             if me_root:
                 req = comm.Iscatter([x, t], MPI.IN_PLACE if prep.in_place else [o, t], root=root)
             else:
                 req = comm.Iscatter(None, [o, t], root=root)
         elif coll == "all_to_all":
-            _mpi_order(pg, coll)
+            _mpi_order(pl, coll)
             req = comm.Ialltoall([x, t], [o, t])
         elif coll == "sendrecv":
-            _mpi_order(pg, coll)
+            _mpi_order(pl, coll)
             me, n = comm.Get_rank(), comm.Get_size()
             req = comm.Isendrecv([x, t], (me + 1) % n, 0, [o, t], (me - 1) % n, 0)
         else:
-            _mpi_order(pg, coll)
+            _mpi_order(pl, coll)
             # in place the output lies inside the input: reduce from a copy
             send = x.copy() if prep.in_place else x
             req = comm.Ireduce_scatter_block([send, t], [o, t], op=mop)
-        pg._wait_request(req, -1, f"MPI's {coll}")
+        ctx.waits.request(req, -1, f"MPI's {coll}")
     except MPI.Exception as exc:
-        raise CommError(f"rank {pg.rank}: MPI {coll} failed: {exc}") from exc
+        raise CommError(f"rank {pl.rank}: MPI {coll} failed: {exc}") from exc
     if prep.op == "mean" and (coll != "reduce" or me_root):
-        o /= pg.size
+        o /= pl.size
 
 
-def _mpi_order(pg: ProcessGroup, coll: str) -> None:
-    if pg._mpi_rank_of_proc != list(range(pg.nprocs)):
+def _mpi_order(pl: Placement, coll: str) -> None:
+    if pl.mpi_rank_of_proc != list(range(pl.nprocs)):
         raise ValueError(
             f"algorithm 'mpi' ({coll}) needs MPI's rank order to be the group's "
             "(node-major); launch the processes of each node contiguously"

@@ -40,9 +40,10 @@ from __future__ import annotations
 import mmap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -52,13 +53,19 @@ from ..._errors import CommError
 from ...backends.base import data_ptr
 from .._args import Array, _device_array
 from ..flight import Entry
+from ..plan import align_bytes
 from .mpi_collectives import mpi_type
 
 if TYPE_CHECKING:
     from mpi4py import MPI as _MPI
 
-    from ...backends.base import Stream
-    from .group import ProcessGroup
+    from ...backends.base import Device, Stream
+    from ..flight import FlightRecorder
+    from .gpu import GpuSide
+    from .lifecycle import Lifecycle
+    from .node_memory import NodeMemory
+    from .placement import Placement
+    from .waits import Waits
 
 # The node's mailboxes, in its control segment after the processes' slots (see Mailboxes)
 _ENTRY = 7  # int64 words per message: offset, bytes, status, receiver's bytes, tag, where,
@@ -68,7 +75,6 @@ _PAIR = 8  # int64 words per ordered pair: posted, consumed (counters), first se
 _OFFSET, _NBYTES, _STATUS, _THEIRS, _TAG, _WHERE, _READY = range(7)  # where: 0 arena, h+1 heap h
 _FIRST_SEQ, _FIRST_ENTRY, _MAPPED = 2, 3, 4
 _OK, _MISMATCH = 1, 2
-_ALIGN = 256
 #: ``all_to_all_v``'s messages carry this tag (``send``/``recv``: 0)
 TAG_ALL_TO_ALL = 1
 #: host messages above twice this travel in chunks of it: the receiver copies a chunk out
@@ -99,7 +105,7 @@ class Mailboxes:
     the sender, ``consumed`` by the receiver), where the sender's current batch to the
     receiver starts (its sequence number and table entry), and the generation of the
     sender's arena the receiver has mapped (which tells the sender when an arena's name
-    may go, see ``ProcessGroup._settle_arenas``)."""
+    may go, see ``NodeMemory.settle_arenas``)."""
 
     def __init__(self, buf: mmap.mmap, offset: int, procs: list[int]) -> None:
         n = len(procs)
@@ -162,15 +168,44 @@ class _Posted:
     call: tuple[str, tuple[object, ...]] | None = None  # GPU, NCCL: the method, arguments
 
 
+@dataclass
+class P2pContext:
+    """What send/recv need of their group: who is where, the node's memory, the waits,
+    the life cycle (the call numbering), the flight recorder, the GPU side (None on the
+    host), this process's device, the group's communicator (duplicated for messages),
+    the MPI module, the group's lock, and hooks: a staging copy, the group's usability
+    and one-rank-per-process checks, its failure, and ``drain`` (the calls in flight on
+    the group's own stream finished)."""
+
+    placement: Placement
+    mem: NodeMemory
+    waits: Waits
+    life: Lifecycle
+    flight: FlightRecorder
+    gpu: GpuSide | None
+    device: Device
+    comm: _MPI.Intracomm
+    mpi: ModuleType
+    lock: threading.RLock
+    copy: Callable[[Array, Array], None]
+    check_usable: Callable[[], None]
+    one: Callable[[str], None]
+    fail: Callable[[BaseException], None]
+    drain: Callable[[], None]
+
+
 class GroupP2p:
     """The send/recv state of one process group."""
 
-    def __init__(self, pg: ProcessGroup) -> None:
-        self.pg = pg
-        self.comm = pg._comm.Dup()  # a message space of its own: matched per pair, in order
+    def __init__(self, ctx: P2pContext) -> None:
+        self.ctx = ctx
+        self.pl = ctx.placement
+        self.mem = ctx.mem
+        self.comm = ctx.comm.Dup()  # a message space of its own: matched per pair, in order
         self._batch = threading.local()
-        self._sent = dict.fromkeys(pg._node_procs, 0)  # messages published to each process
-        self._received = dict.fromkeys(pg._node_procs, 0)  # messages consumed from each
+        procs = self.pl.node_procs
+        self._sent = dict.fromkeys(procs, 0)  # messages published to each process
+        self._received = dict.fromkeys(procs, 0)  # messages consumed from each
 
     def close(self) -> None:
         try:
@@ -182,16 +217,14 @@ class GroupP2p:
     def local(self, peer: int) -> bool:
         """Whether messages with rank ``peer`` go through the node's arenas (shared
         memory, or CUDA IPC for a GPU group whose processes reach each other's GPUs)."""
-        pg = self.pg
-        if pg._proc_of_rank[peer] not in self._sent:
+        pl = self.pl
+        if pl.proc_of_rank[peer] not in self._sent:
             return False
-        return pg._gpu is None or not pg._gpu.ipc_problem
+        return self.ctx.gpu is None or not self.ctx.gpu.ipc_problem
 
     def drain(self) -> None:
         """The host group's calls in flight on its stream finished (they use the arena)."""
-        pg = self.pg
-        if pg._gpu is None and pg._stream is not None:
-            pg._stream.synchronize(pg.timeout)
+        self.ctx.drain()
 
     def post(
         self,
@@ -203,49 +236,49 @@ class GroupP2p:
         tag: int = 0,
     ) -> None:
         """Check and issue one send or receive; outside a batch, finish it too."""
-        pg = self.pg
-        pg._check_usable()
-        pg._one(kind)
-        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < pg.size:
-            raise ValueError(f"rank {pg.rank}: peer {peer!r} is not a rank of {pg.size}")
-        arr = _device_array(pg.devices[0], buf, f"rank {pg.rank}: {kind} buffer").reshape(-1)
+        pl = self.pl
+        self.ctx.check_usable()
+        self.ctx.one(kind)
+        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < pl.size:
+            raise ValueError(f"rank {pl.rank}: peer {peer!r} is not a rank of {pl.size}")
+        arr = _device_array(self.ctx.device, buf, f"rank {pl.rank}: {kind} buffer").reshape(-1)
         pending: list[_Posted] | None = getattr(self._batch, "ops", None)
-        if pending is None and peer == pg.rank:
+        if pending is None and peer == pl.rank:
             raise ValueError(
-                f"rank {pg.rank}: a {kind} with itself needs both halves in one batch "
+                f"rank {pl.rank}: a {kind} with itself needs both halves in one batch "
                 "(with pg.batch(): ...)"
             )
         local = self.local(peer)
-        if local and kind == "send" and peer != pg.rank and pending is not None:
-            cap = pg._mail.cap
+        if local and kind == "send" and peer != pl.rank and pending is not None:
+            cap = self.mem.mail.cap
             if self._batch.sends >= cap:
                 raise ValueError(
-                    f"rank {pg.rank}: a batch holds at most {cap} sends to the processes of "
+                    f"rank {pl.rank}: a batch holds at most {cap} sends to the processes of "
                     "its node"
                 )
             self._batch.sends += 1
         if entry is None:
-            pg._seq += 1
+            self.ctx.life.seq += 1
             what = f"{kind} {'to' if kind == 'send' else 'from'} {peer}"
             alg = "p2p" if local else "p2p-net"
-            entry = pg.flight.start(pg._seq, what, arr.size, arr.dtype, alg)
+            entry = self.ctx.flight.start(self.ctx.life.seq, what, arr.size, arr.dtype, alg)
         op = _Posted(kind, peer, arr, entry, tag, local)
         if local:
             pass  # moved at the end of the batch
-        elif pg._gpu is not None:
+        elif self.ctx.gpu is not None:
             from ..nccl import stream_handle
             from .gpu import nccl_dtype
 
-            if pg._gpu.engine is None:
-                pg._gpu.ensure_nccl()  # raises why there is none (made at bootstrap)
+            if self.ctx.gpu.engine is None:
+                self.ctx.gpu.ensure_nccl()  # raises why there is none (made at bootstrap)
 
-            caller = stream if stream is not None else pg.devices[0].current_stream()
+            caller = stream if stream is not None else self.ctx.device.current_stream()
             args = (data_ptr(arr), int(arr.size), nccl_dtype(arr.dtype), peer,
                     stream_handle(caller))  # fmt: skip
             op.call = (kind, args)
         else:
-            dest = pg._mpi_rank_of_proc[pg._proc_of_rank[peer]]
-            t = mpi_type(pg._MPI, arr.dtype)
+            dest = pl.mpi_rank_of_proc[pl.proc_of_rank[peer]]
+            t = mpi_type(self.ctx.mpi, arr.dtype)
             send = kind == "send"
             op.request = (self.comm.Isend if send else self.comm.Irecv)([arr, t], dest, tag)
         if pending is not None:
@@ -254,18 +287,43 @@ class GroupP2p:
         else:
             self._finish([op], stream)
 
+    def all_to_all_v(
+        self, x: Array, out: Array, sc: list[int], rc: list[int], stream: Stream | None
+    ) -> None:
+        """One batch: ``x``'s blocks (``sc[q]`` elements for rank q, in rank order) sent,
+        ``out``'s blocks (``rc[q]`` from rank q) received, as one flight-recorder entry
+        (the arguments checked by the caller)."""
+        pl = self.pl
+        sd = np.cumsum([0, *sc[:-1]]).tolist()
+        rd = np.cumsum([0, *rc[:-1]]).tolist()
+        # empty blocks travel too (a size mismatch is then seen), except over NCCL, which
+        # orders nothing for them
+        nccl = self.ctx.gpu is not None
+        with self.batch(), self.ctx.lock:
+            self.ctx.check_usable()
+            self.ctx.life.seq += 1
+            where = "p2p" if all(self.local(q) for q in range(pl.size)) else "p2p-net"
+            entry = self.ctx.flight.start(self.ctx.life.seq, "all_to_all_v", x.size, x.dtype, where)
+            for q in range(pl.size):
+                if sc[q] or not (nccl and not self.local(q)):
+                    blk = x[sd[q] : sd[q] + sc[q]]
+                    self.post("send", blk, q, stream, entry, TAG_ALL_TO_ALL)
+            for q in range(pl.size):
+                if rc[q] or not (nccl and not self.local(q)):
+                    blk = out[rd[q] : rd[q] + rc[q]]
+                    self.post("recv", blk, q, stream, entry, TAG_ALL_TO_ALL)
+
     def _finish(self, ops: list[_Posted], stream: Stream | None) -> None:
         """Move the batch's messages: within the node through the arenas, to other nodes
         as MPI messages (host) or one NCCL group (GPU). Size mismatches within the node
         raise ``ValueError`` once everything else completed."""
-        pg = self.pg
         mismatched: list[str] = []
-        with pg._lock:
+        with self.ctx.lock:
             try:
-                pg._check_usable()
+                self.ctx.check_usable()
                 local = [op for op in ops if op.local]
                 remote = [op for op in ops if not op.local]
-                if pg._gpu is not None:
+                if self.ctx.gpu is not None:
                     self._gpu_finish(local, remote, stream, mismatched)
                 else:
                     self._host_finish(local, remote, mismatched)
@@ -274,7 +332,7 @@ class GroupP2p:
             except BaseException as exc:
                 for op in ops:
                     op.entry.state = f"failed: {type(exc).__name__}"
-                pg._fail(exc)
+                self.ctx.fail(exc)
                 raise
         now = time.monotonic()
         for op in ops:
@@ -288,28 +346,27 @@ class GroupP2p:
     def _host_finish(
         self, local: list[_Posted], remote: list[_Posted], mismatched: list[str]
     ) -> None:
-        pg = self.pg
         sends, recvs = self._split_local(local)
         self._publish(sends)
         self._to_self(local, mismatched)
-        pg._inflight = [op.request for op in remote if op.kind == "send" and op.request]
+        self.ctx.waits.inflight = [op.request for op in remote if op.kind == "send" and op.request]
         try:
             self._wait(remote, mismatched)
             self._consume(recvs, mismatched)
             self._await_consumed(sends, mismatched)
         finally:
-            pg._inflight = []
-        pg._settle_arenas()
+            self.ctx.waits.inflight = []
+        self.mem.settle_arenas()
 
     def _wait(self, ops: list[_Posted], mismatched: list[str]) -> None:
-        pg = self.pg
-        MPI = pg._MPI
+        pl = self.pl
+        MPI = self.ctx.mpi
         statuses = []
         for op in ops:
             assert op.request is not None
             what = "a message it sends" if op.kind == "recv" else "its receive"
             status = MPI.Status()
-            pg._wait_request(op.request, pg._proc_of_rank[op.peer], what, status)
+            self.ctx.waits.request(op.request, pl.proc_of_rank[op.peer], what, status)
             statuses.append(status)
         for op, status in zip(ops, statuses, strict=True):
             if op.kind == "recv":
@@ -318,7 +375,7 @@ class GroupP2p:
                     # raised once the batch's messages within the node moved too
                     op.entry.state = "size mismatch"
                     mismatched.append(
-                        f"rank {pg.rank}: received {got} {op.buf.dtype} from rank "
+                        f"rank {pl.rank}: received {got} {op.buf.dtype} from rank "
                         f"{op.peer}, expected {op.buf.size}"
                     )
 
@@ -326,7 +383,7 @@ class GroupP2p:
     def _split_local(self, local: list[_Posted]) -> tuple[list[_Posted], list[_Posted]]:
         """The sends to and receives from the node's other processes; the batch's
         messages to itself checked to pair up (before anything moves)."""
-        me = self.pg.rank
+        me = self.pl.rank
         to_self = sum(op.kind == "send" and op.peer == me for op in local)
         from_self = sum(op.kind == "recv" and op.peer == me for op in local)
         if to_self != from_self:
@@ -345,19 +402,17 @@ class GroupP2p:
         on a GPU before telling, on the host after, counting each chunk in."""
         if not sends:
             return
-        pg = self.pg
-        mail = pg._mail
+        pl = self.pl
+        mail = self.mem.mail
         by_proc: dict[int, list[_Posted]] = {}
         for op in sends:
-            by_proc.setdefault(pg._proc_of_rank[op.peer], []).append(op)
-        heap = {id(op): pg._heap_of(op.buf) for op in sends} if pg._heaps else {}
-        total = sum(
-            -(-op.buf.nbytes // _ALIGN) * _ALIGN for op in sends if heap.get(id(op)) is None
-        )
-        pg._ensure_arena(total)
-        pg._own_gen[0] = pg._arena_gen[pg.proc]
-        arena = pg._arenas.get(pg.proc)
-        table = mail.table(pg.proc)
+            by_proc.setdefault(pl.proc_of_rank[op.peer], []).append(op)
+        heap = {id(op): self.mem.heap_of(op.buf) for op in sends} if self.mem.heaps else {}
+        total = sum(align_bytes(op.buf.nbytes) for op in sends if heap.get(id(op)) is None)
+        self.mem.ensure_arena(total)
+        self.mem.publish_gen()
+        arena = self.mem.arenas.get(pl.proc)
+        table = mail.table(pl.proc)
         k = 0
         off = 0
         firsts: list[tuple[int, int, int]] = []
@@ -372,36 +427,36 @@ class GroupP2p:
                 else:
                     table[k, :_ENTRY] = (off, op.buf.nbytes, 0, 0, op.tag, 0, 0)
                     copies.append((op, off))
-                    off += -(-op.buf.nbytes // _ALIGN) * _ALIGN
+                    off += align_bytes(op.buf.nbytes)
                 op.slot = k
                 k += 1
-        g = pg._gpu
+        g = self.ctx.gpu
         if g is not None:  # every copy first, ordered before any receiver's read
             for op, at in copies:
                 if op.buf.nbytes:
                     assert arena is not None
-                    pg._copy(arena.view(op.buf.dtype, op.buf.size, at), op.buf)
+                    self.ctx.copy(arena.view(op.buf.dtype, op.buf.size, at), op.buf)
             g.published()
         for q, first, count in firsts:
-            pair = mail.pair(pg.proc, q)
+            pair = mail.pair(pl.proc, q)
             pair[_FIRST_SEQ] = self._sent[q]
             pair[_FIRST_ENTRY] = first
             self._sent[q] += count
-            mail.counter(pg.proc, q, 0).add(count)
+            mail.counter(pl.proc, q, 0).add(count)
         if g is None:
             # on the host the receivers read each chunk as soon as it is in (copying never
             # waits, so a batch still publishes everything before its first wait)
             for op, at in copies:
-                ready = mail.ready(pg.proc, op.slot)
+                ready = mail.ready(pl.proc, op.slot)
                 done = 0
                 for src, dst_at, upto in _pieces(op.buf, at):
                     assert arena is not None
-                    pg._copy(arena.view(src.dtype, src.size, dst_at), src)
+                    self.ctx.copy(arena.view(src.dtype, src.size, dst_at), src)
                     ready.add(upto - done)
                     done = upto
 
     def _to_self(self, local: list[_Posted], mismatched: list[str]) -> None:
-        me = self.pg.rank
+        me = self.pl.rank
         sends = [op for op in local if op.kind == "send" and op.peer == me]
         recvs = [op for op in local if op.kind == "recv" and op.peer == me]
         for s, r in zip(sends, recvs, strict=True):
@@ -409,15 +464,15 @@ class GroupP2p:
                 r.entry.state = s.entry.state = "size mismatch"
                 mismatched.append(_mismatch_text(me, r, s.buf.nbytes, s.tag != r.tag))
             else:
-                self.pg._copy(r.buf, s.buf)
+                self.ctx.copy(r.buf, s.buf)
 
     def _consume(self, recvs: list[_Posted], mismatched: list[str]) -> None:
         """Each receive, in order: wait for its message, copy it out of the sender's
         arena, acknowledge it (acknowledgements are flushed before any wait that blocks:
         the sender's next message may wait for them)."""
-        pg = self.pg
-        mail = pg._mail
-        g = pg._gpu
+        pl = self.pl
+        mail = self.mem.mail
+        g = self.ctx.gpu
         unacked: list[int] = []
 
         def flush() -> None:
@@ -425,18 +480,18 @@ class GroupP2p:
                 if g is not None:
                     g.published()  # the copies out, before the sender reuses its arena
                 for q in unacked:
-                    mail.counter(q, pg.proc, 1).add(1)
+                    mail.counter(q, pl.proc, 1).add(1)
                 unacked.clear()
 
         for op in recvs:
-            q = pg._proc_of_rank[op.peer]
+            q = pl.proc_of_rank[op.peer]
             n = self._received[q]
-            posted = mail.counter(q, pg.proc, 0)
+            posted = mail.counter(q, pl.proc, 0)
             if not posted.wait(n + 1, 0.0):
                 flush()
-                pg._wait_counter(posted, n + 1, q, f"message #{n} of its sends to this rank")
-            pg._refresh_arena(q)
-            pair = mail.pair(q, pg.proc)
+                self.ctx.waits.counter(posted, n + 1, q, f"message #{n} of its sends to this rank")
+            self.mem.refresh_arena(q)
+            pair = mail.pair(q, pl.proc)
             k = int(pair[_FIRST_ENTRY]) + n - int(pair[_FIRST_SEQ])
             e = mail.table(q)[k]
             off, nbytes, tag, where = int(e[_OFFSET]), int(e[_NBYTES]), int(e[_TAG]), int(e[_WHERE])
@@ -444,20 +499,22 @@ class GroupP2p:
                 e[_THEIRS] = op.buf.nbytes
                 e[_STATUS] = _MISMATCH
                 op.entry.state = "size mismatch"
-                mismatched.append(_mismatch_text(pg.rank, op, nbytes, tag != op.tag))
+                mismatched.append(_mismatch_text(pl.rank, op, nbytes, tag != op.tag))
             else:
                 if nbytes:
-                    mem = pg._heaps[where - 1][q] if where else pg._arenas[q]
+                    mem = self.mem.heaps[where - 1][q] if where else self.mem.arenas[q]
                     if g is not None:
                         g.after([q])
-                        pg._copy(op.buf, mem.view(op.buf.dtype, op.buf.size, off))
+                        self.ctx.copy(op.buf, mem.view(op.buf.dtype, op.buf.size, off))
                     else:
                         ready = mail.ready(q, k)
                         for dst, src_at, upto in _pieces(op.buf, off):
                             if not ready.wait(upto, 0.0):
                                 flush()
-                                pg._wait_counter(ready, upto, q, f"message #{n}'s chunk {upto}")
-                            pg._copy(dst, mem.view(dst.dtype, dst.size, src_at))
+                                self.ctx.waits.counter(
+                                    ready, upto, q, f"message #{n}'s chunk {upto}"
+                                )
+                            self.ctx.copy(dst, mem.view(dst.dtype, dst.size, src_at))
                 e[_STATUS] = _OK
             self._received[q] = n + 1
             unacked.append(q)
@@ -468,14 +525,14 @@ class GroupP2p:
         its receivers found."""
         if not sends:
             return
-        pg = self.pg
-        mail = pg._mail
-        procs = list(dict.fromkeys(pg._proc_of_rank[op.peer] for op in sends))
+        pl = self.pl
+        mail = self.mem.mail
+        procs = list(dict.fromkeys(pl.proc_of_rank[op.peer] for op in sends))
         for q in procs:
-            pg._wait_counter(mail.counter(pg.proc, q, 1), self._sent[q], q, "its receive")
-        if pg._gpu is not None:
-            pg._gpu.after(procs)  # later writes to the arena after their copies out
-        table = mail.table(pg.proc)
+            self.ctx.waits.counter(mail.counter(pl.proc, q, 1), self._sent[q], q, "its receive")
+        if self.ctx.gpu is not None:
+            self.ctx.gpu.after(procs)  # later writes to the arena after their copies out
+        table = mail.table(pl.proc)
         for op in sends:
             if int(table[op.slot, _STATUS]) == _MISMATCH:
                 theirs = int(table[op.slot, _THEIRS])
@@ -486,7 +543,7 @@ class GroupP2p:
                     else "which received it as another kind of operation"
                 )
                 mismatched.append(
-                    f"rank {pg.rank}: sent {op.buf.size} {op.buf.dtype} ({op.buf.nbytes} "
+                    f"rank {pl.rank}: sent {op.buf.size} {op.buf.dtype} ({op.buf.nbytes} "
                     f"bytes) to rank {op.peer}, {why}"
                 )
 
@@ -498,10 +555,9 @@ class GroupP2p:
         stream: Stream | None,
         mismatched: list[str],
     ) -> None:
-        pg = self.pg
-        g = pg._gpu
+        g = self.ctx.gpu
         assert g is not None
-        caller = stream if stream is not None else pg.devices[0].current_stream()
+        caller = stream if stream is not None else self.ctx.device.current_stream()
         if not local:
             self._launch(remote, caller)
             return
@@ -522,7 +578,7 @@ class GroupP2p:
             g.caller, g.caller_waits = None, True
 
     def _launch(self, ops: list[_Posted], caller: Stream) -> None:
-        g = self.pg._gpu
+        g = self.ctx.gpu
         assert g is not None
         engine = g.ensure_nccl()
         nccl, comm = engine.nccl, engine.comms[0]
@@ -540,14 +596,14 @@ class GroupP2p:
         except Exception as exc:  # noqa: BLE001
             error = error or exc
         if error is not None:
-            raise CommError(f"rank {self.pg.rank}: NCCL send/recv failed: {error!r}") from error
+            raise CommError(f"rank {self.pl.rank}: NCCL send/recv failed: {error!r}") from error
         g.watch("NCCL send/recv", [caller.record()], [op.buf for op in ops])
 
     @contextmanager
     def batch(self) -> Iterator[None]:
         """Post every send and receive of the block; finish them all at its end."""
         if getattr(self._batch, "ops", None) is not None:
-            raise ValueError(f"rank {self.pg.rank}: batches do not nest")
+            raise ValueError(f"rank {self.pl.rank}: batches do not nest")
         self.drain()
         self._batch.ops = []
         self._batch.stream = None

@@ -1,0 +1,98 @@
+"""Who is where in a process group (nccltree/comm/group/placement.py), worked out from the
+bootstrap's allgather without starting processes: a stand-in communicator answers for
+the other processes."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, cast
+
+import pytest
+
+pytest.importorskip("mpi4py")
+
+from nccltree.comm.group.placement import Placement, place
+
+
+class FakeComm:
+    """MPI rank ``me`` of a job whose other processes said ``others`` (by MPI rank:
+    node name, ranks, pid, shared memory usable)."""
+
+    def __init__(self, me: int, others: list[tuple[str, int, int, bool]]) -> None:
+        self.me = me
+        self.others = others
+        self.calls: list[str] = []
+
+    def Get_size(self) -> int:
+        return len(self.others)
+
+    def Get_rank(self) -> int:
+        return self.me
+
+    def allgather(self, mine: tuple[str, int, int, bool]) -> list[tuple[str, int, int, bool]]:
+        self.calls.append("allgather")
+        assert mine[0] == self.others[self.me][0] and mine[1] == self.others[self.me][1]
+        return [mine if i == self.me else o for i, o in enumerate(self.others)]
+
+    def bcast(self, obj: object, root: int) -> object:
+        self.calls.append("bcast")
+        assert root == 0
+        return obj if self.me == 0 else "cafe0123"
+
+
+# MPI ranks 0..4: node b first (so b is node 0), then a; MPI rank 1 holds two ranks
+JOB = [("b", 1, 10, True), ("a", 2, 11, True), ("b", 1, 12, True), ("a", 1, 13, True),
+       ("b", 1, 14, True)]  # fmt: skip
+
+
+def _place(me: int, others: list[tuple[str, int, int, bool]], monkeypatch: pytest.MonkeyPatch,
+           shm: bool | None = None) -> tuple[Placement, FakeComm]:  # fmt: skip
+    monkeypatch.setenv("NCCLTREE_NODE", others[me][0])
+    comm = FakeComm(me, others)
+    want = others[me][3] if shm is None else shm
+    return place(cast("Any", comm), others[me][1], want), comm
+
+
+def test_processes_are_numbered_node_major_and_ranks_by_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pl, comm = _place(1, JOB, monkeypatch)
+    assert comm.calls == ["allgather", "bcast"]  # one of each, in this order
+    # nodes in order of their first MPI rank: b (MPI 0, 2, 4), then a (MPI 1, 3)
+    assert pl.mpi_rank_of_proc == [0, 2, 4, 1, 3]
+    assert pl.node_of_proc == [0, 0, 0, 1, 1]
+    assert pl.nlocal_of_proc == [1, 1, 1, 2, 1]
+    assert pl.first_rank_of_proc == [0, 1, 2, 3, 5]
+    assert pl.proc_of_rank == [0, 1, 2, 3, 3, 4]
+    assert (pl.nprocs, pl.size, pl.nodes) == (5, 6, 2)
+    # MPI rank 1 is process 3: ranks 3 and 4, on node a (index 1), the first of its node
+    assert (pl.proc, pl.ranks, pl.rank, pl.node, pl.node_index) == (3, (3, 4), 3, "a", 1)
+    assert (pl.local_rank, pl.local_size) == (0, 3)
+    assert pl.phys == pl.node_procs == [3, 4] and pl.remote_procs == [0, 1, 2]
+    assert pl.shm and pl.job == "cafe0123"
+    assert pl.ranks_of(3) == [3, 4] and pl.ranks_of(0) == [0]
+
+
+def test_a_node_that_cannot_share_memory_is_a_node_per_process_for_the_transports(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    job = [(n, k, pid, ok and n != "b") for n, k, pid, ok in JOB]
+    pl, _ = _place(0, job, monkeypatch, shm=False)  # process 0: the first of node b
+    assert not pl.shm
+    # b's processes are transport nodes of their own (numbered after the real nodes);
+    # a keeps its node; the topology's nodes stay the real ones
+    assert pl.tnode_of_proc == [2, 3, 4, 1, 1]
+    assert pl.node_of_proc == [0, 0, 0, 1, 1]
+    assert pl.node_procs == [0] and pl.remote_procs == [1, 2, 3, 4]
+    assert pl.phys == [0, 1, 2]
+    err = capsys.readouterr().err
+    assert "the processes of node b exchange data over MPI instead of shared memory" in err
+    # only the node's first process says so
+    _place(2, job, monkeypatch, shm=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_the_job_name_comes_from_mpi_rank_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    pl, _ = _place(0, JOB, monkeypatch)
+    assert len(pl.job) == 8 and pl.job != "cafe0123"
+    assert os.environ["NCCLTREE_NODE"] == "b"

@@ -416,7 +416,7 @@ class _Board:
             self.abort(exc)
             raise
         with self.cv:
-            self.works[k] = None if last else work
+            self.works[k] = None if last else cast("Work", work)
             self.done[k] = generation
             self.cv.notify_all()
         return generation

@@ -15,6 +15,7 @@ from .. import _native
 from .._errors import CommError, CommTimeout, MissingRanks, NcclTreeError, PeerFailure
 from ._args import Array, Launched
 from .collectives import COLLECTIVES
+from .faces import PointToPoint, RankCollectives
 from .work import Work
 
 if TYPE_CHECKING:
@@ -34,8 +35,9 @@ class _Call:
     dtype: object = None
 
 
-class Comm:
-    """Rank ``rank``'s face of a World, for a thread per rank (NCCL/MPI style).
+class Comm(RankCollectives, PointToPoint):
+    """Rank ``rank``'s face of a World, for a thread per rank (NCCL/MPI style); its
+    collectives, sends and receives are declared in :mod:`nccltree.comm.faces`.
 
     Every rank calls the same collectives in the same order; the last to arrive runs the
     collective for all. Arguments are checked for all ranks together, so a bad argument
@@ -62,183 +64,22 @@ class Comm:
         self,
         collective: str,
         x: Array,
-        out: Array,
+        out: Array | None,
         op: str,
         root: int,
-        stream: Stream | None,
-        async_op: bool,
+        stream: Stream | None = None,
+        async_op: bool = False,
         dtype: DTypeLike | None = None,
-    ) -> Any:
+    ) -> Array | Work:
         stream = self.world._caller_stream(self.rank, stream)
         call = _Call(collective, x, out, op, root, stream, async_op, _dtype_key(dtype))
         return self.world._rendezvous.arrive(self.rank, call)
 
-    def all_reduce(
-        self,
-        x: Array,
-        *,
-        out: Array = None,
-        op: str = "sum",
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Any:
-        """``op`` over every rank's ``x``; returns ``out`` (or ``x`` in place), or a Work."""
-        return self._call("all_reduce", x, out, op, 0, stream, async_op, dtype)
-
-    def reduce(
-        self,
-        x: Array,
-        root: int = 0,
-        *,
-        out: Array = None,
-        op: str = "sum",
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Any:
-        """``op`` over every rank's ``x`` at ``root``; other ranks' ``x`` stay unchanged."""
-        return self._call("reduce", x, out, op, root, stream, async_op, dtype)
-
-    def broadcast(
-        self,
-        x: Array,
-        root: int = 0,
-        *,
-        out: Array = None,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Any:
-        """Every rank gets the root's ``x``."""
-        return self._call("broadcast", x, out, "sum", root, stream, async_op, dtype)
-
-    def all_gather(
-        self,
-        x: Array,
-        out: Array,
-        *,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Any:
-        """``out`` gets every rank's ``x``, rank i's at ``[i*x.size, (i+1)*x.size)``."""
-        return self._call("all_gather", x, out, "sum", 0, stream, async_op, dtype)
-
-    def reduce_scatter(
-        self,
-        x: Array,
-        out: Array,
-        *,
-        op: str = "sum",
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Any:
-        """``out`` gets block ``rank`` of ``op`` over every rank's ``x``."""
-        return self._call("reduce_scatter", x, out, op, 0, stream, async_op, dtype)
-
-    def gather(
-        self,
-        x: Array,
-        out: Array,
-        root: int = 0,
-        *,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Array | Work:
-        """The root's ``out`` gets every rank's ``x``, rank i's at ``[i*x.size,
-        (i+1)*x.size)``; every rank passes an ``out`` of that size, only the root's is
-        written."""
-        return cast(
-            "Array | Work", self._call("gather", x, out, "sum", root, stream, async_op, dtype)
-        )
-
-    def scatter(
-        self,
-        x: Array,
-        out: Array,
-        root: int = 0,
-        *,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Array | Work:
-        """``out`` gets block ``rank`` of the root's ``x`` (every rank passes an ``x`` of
-        that size; only the root's is read)."""
-        return cast(
-            "Array | Work", self._call("scatter", x, out, "sum", root, stream, async_op, dtype)
-        )
-
-    def all_to_all(
-        self,
-        x: Array,
-        out: Array,
-        *,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Array | Work:
-        """Block q of ``x`` goes to rank q, whose block ``rank`` of ``out`` it becomes
-        (equal blocks; not in place)."""
-        return cast(
-            "Array | Work", self._call("all_to_all", x, out, "sum", 0, stream, async_op, dtype)
-        )
-
-    def send(
-        self,
-        x: Array,
-        peer: int,
-        *,
-        stream: Stream | None = None,
-        dtype: DTypeLike | None = None,
-    ) -> None:
-        """Send ``x`` to rank ``peer``, matched with its n-th ``recv`` from this rank
-        (:mod:`nccltree.comm.p2p`). Returns once matched and issued; inside
-        ``with comm.batch():`` at the end of the block. ``dtype``: what ``x`` holds, as
-        for the collectives (``"bfloat16"`` for a ``uint16`` buffer of its bits); the
-        receive must name the same (the bytes move as they are)."""
-        self._p2p("send", x, peer, stream, dtype)
-
-    def recv(
-        self,
-        out: Array,
-        peer: int,
-        *,
-        stream: Stream | None = None,
-        dtype: DTypeLike | None = None,
-    ) -> Array:
-        """Receive into ``out`` what rank ``peer`` sends (its n-th send to this rank);
-        returns ``out`` (filled once the call returns, or at the end of a batch; on GPUs
-        ordered on the caller's stream). ``dtype`` as for :meth:`send`."""
-        self._p2p("recv", out, peer, stream, dtype)
-        return out
-
-    def sendrecv(
-        self,
-        x: Array,
-        dest: int,
-        out: Array,
-        source: int,
-        *,
-        stream: Stream | None = None,
-        dtype: DTypeLike | None = None,
-    ) -> Array:
-        """Send ``x`` to ``dest`` and receive ``out`` from ``source`` together (one batch:
-        no deadlock when ranks exchange in a ring); returns ``out``."""
-        with self.batch():
-            self.send(x, dest, stream=stream, dtype=dtype)
-            self.recv(out, source, stream=stream, dtype=dtype)
-        return out
-
     def batch(self) -> AbstractContextManager[None]:
-        """``with comm.batch():`` posts this rank's sends and receives at once and waits
-        for all of them when the block ends (NCCL's ``groupStart``/``groupEnd``)."""
         return self.world._mailbox.batch(self.rank)
 
-    def _p2p(
-        self, kind: str, buf: Array, peer: int, stream: Stream | None, dtype: object = None
+    def _post_p2p(
+        self, kind: str, buf: Array, peer: int, stream: Stream | None, dtype: DTypeLike | None
     ) -> None:
         box = self.world._mailbox
         pending = box.in_batch(self.rank)
@@ -262,7 +103,6 @@ class Comm:
         return self.world._split_by_ranks(self.rank, color, key)
 
     def barrier(self) -> None:
-        """Return once every rank has called ``barrier`` and its queued work has run."""
         stream = self.world._caller_stream(self.rank, None)
         if stream is not None:
             stream.synchronize(self.world.timeout)

@@ -29,6 +29,7 @@ from .algorithms import ALGORITHMS, build_plan
 from .collectives import COLLECTIVES, collective_name
 from .comm import Comm, MissingRanks, _Rendezvous
 from .executor import Buffers, Program
+from .faces import DriverCollectives
 from .flight import FlightRecorder
 from .p2p import Mailbox
 from .plan import IN, OUT, STAGE, TMP, Plan
@@ -88,7 +89,7 @@ def _add_note(exc: BaseException, note: str) -> None:
 _INLINE_EVERY_CORE_FROM = {False: 512 << 10, True: 8 << 20}
 
 
-class World:
+class World(DriverCollectives):
     """All ranks of one process: ``World(devices, algorithm="tree", topology=None,
     timeout=60.0)``.
 
@@ -130,6 +131,11 @@ class World:
     kernels and NCCL gets ``ncclBfloat16``. On host devices a ``uint16`` numpy buffer
     named so reduces bitwise as the same bits in ``ml_dtypes.bfloat16`` arrays do. Every
     other ``dtype=`` must be the arrays' own (``TypeError`` otherwise).
+
+    The collectives (one array per rank, declared in :mod:`nccltree.comm.faces`):
+    ``all_reduce``, ``reduce``, ``broadcast``, ``all_gather``, ``reduce_scatter``,
+    ``gather``, ``scatter``, ``all_to_all`` and ``shift`` (nccl-tests' ``sendrecv``, a ring
+    shift), plus ``all_to_all_v`` and ``barrier``.
     """
 
     def __init__(
@@ -520,138 +526,7 @@ class World:
     def _is_argument_error(self, exc: BaseException) -> bool:
         return exc is getattr(self._local, "argument_error", None)
 
-    # -- driver side ----------------------------------------------------------------------
-    def all_reduce(
-        self,
-        xs: Sequence[Array],
-        op: str = "sum",
-        outs: Sequence[Array] | None = None,
-        *,
-        streams: Sequence[Stream | None] | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Any:
-        """Every rank gets ``op`` over all ranks' arrays; in place unless ``outs``."""
-        return self._driver("all_reduce", xs, outs, op, 0, streams, async_op, dtype)
-
-    def reduce(
-        self,
-        xs: Sequence[Array],
-        root: int = 0,
-        op: str = "sum",
-        outs: Sequence[Array] | None = None,
-        *,
-        streams: Sequence[Stream | None] | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Any:
-        """The root gets ``op`` over all ranks' arrays; other inputs stay unchanged."""
-        return self._driver("reduce", xs, outs, op, root, streams, async_op, dtype)
-
-    def broadcast(
-        self,
-        xs: Sequence[Array],
-        root: int = 0,
-        outs: Sequence[Array] | None = None,
-        *,
-        streams: Sequence[Stream | None] | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Any:
-        """Every rank gets the root's array."""
-        return self._driver("broadcast", xs, outs, "sum", root, streams, async_op, dtype)
-
-    def all_gather(
-        self,
-        xs: Sequence[Array],
-        outs: Sequence[Array],
-        *,
-        streams: Sequence[Stream | None] | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Any:
-        """``outs[r]`` holds every rank's array, rank i's at ``[i*x.size, (i+1)*x.size)``."""
-        return self._driver("all_gather", xs, outs, "sum", 0, streams, async_op, dtype)
-
-    def reduce_scatter(
-        self,
-        xs: Sequence[Array],
-        outs: Sequence[Array],
-        op: str = "sum",
-        *,
-        streams: Sequence[Stream | None] | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Any:
-        """``outs[r]`` gets block r of ``op`` over all ranks' arrays."""
-        return self._driver("reduce_scatter", xs, outs, op, 0, streams, async_op, dtype)
-
-    def gather(
-        self,
-        xs: Sequence[Array],
-        outs: Sequence[Array],
-        root: int = 0,
-        *,
-        streams: Sequence[Stream | None] | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> list[Array] | Work:
-        """``outs[root]`` gets every rank's array, rank i's at ``[i*x.size, (i+1)*x.size)``;
-        every rank passes an output of that size, only the root's is written."""
-        return cast(
-            "list[Array] | Work",
-            self._driver("gather", xs, outs, "sum", root, streams, async_op, dtype),
-        )
-
-    def scatter(
-        self,
-        xs: Sequence[Array],
-        outs: Sequence[Array],
-        root: int = 0,
-        *,
-        streams: Sequence[Stream | None] | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> list[Array] | Work:
-        """``outs[r]`` gets block r of the root's array (every rank passes an input of
-        that size; only the root's is read)."""
-        return cast(
-            "list[Array] | Work",
-            self._driver("scatter", xs, outs, "sum", root, streams, async_op, dtype),
-        )
-
-    def all_to_all(
-        self,
-        xs: Sequence[Array],
-        outs: Sequence[Array],
-        *,
-        streams: Sequence[Stream | None] | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> list[Array] | Work:
-        """Block q of rank r's array goes to block r of rank q's output (equal blocks; not
-        in place)."""
-        return cast(
-            "list[Array] | Work",
-            self._driver("all_to_all", xs, outs, "sum", 0, streams, async_op, dtype),
-        )
-
-    def sendrecv(
-        self,
-        xs: Sequence[Array],
-        outs: Sequence[Array],
-        *,
-        streams: Sequence[Stream | None] | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> list[Array] | Work:
-        """A ring shift, nccl-tests' sendrecv: rank r's array goes to rank r+1's output,
-        so ``outs[r]`` gets rank r-1's (per rank, ``comm.sendrecv`` names the peers)."""
-        return cast(
-            "list[Array] | Work",
-            self._driver("sendrecv", xs, outs, "sum", 0, streams, async_op, dtype),
-        )
-
+    # -- driver side (the collectives: faces.DriverCollectives over _driver) -------------
     def all_to_all_v(
         self,
         xs: Sequence[Array],
@@ -722,9 +597,9 @@ class World:
         streams: Sequence[Stream | None] | None,
         async_op: bool,
         dtype: DTypeLike | None = None,
-    ) -> Any:
-        """Every driver-side collective: the caller streams, the launch, a Work or the
-        results."""
+    ) -> list[Array] | Work:
+        """Every driver-side collective (:mod:`nccltree.comm.faces`): the caller streams,
+        the launch, a Work or the results."""
         self._check_usable()
         n = self.size
         if streams is None:

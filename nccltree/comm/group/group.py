@@ -59,11 +59,12 @@ from .._args import Prepared, _device_array, check_call_dtype, prepare
 from ..algorithms import ALGORITHMS, build_plan
 from ..collectives import COLLECTIVES, collective_name
 from ..executor import Buffers, Program
+from ..faces import PointToPoint, RankCollectives
 from ..flight import Entry, FlightRecorder
 from ..plan import IN, OUT, STAGE, TMP, Plan, Step
 from ..work import Work
 from .gpu import DeviceBlock, GpuSide, PeerBlock, message_order
-from .local import Collectives, GroupComm, LocalRendezvous, run_local
+from .local import GroupComm, LocalRendezvous, run_local
 from .mpi_collectives import mpi_reduces, mpi_type, run_mpi
 from .p2p import TAG_ALL_TO_ALL, GroupP2p, Mailboxes, mailbox_bytes
 from .schedule import RECV, Item, Schedule, split
@@ -173,7 +174,7 @@ class _Compiled:
     recv_arena: Array | None = None
 
 
-class ProcessGroup(Collectives):
+class ProcessGroup(RankCollectives, PointToPoint):
     """Ranks across processes and nodes (see the module docstring). Made by
     :func:`init_process_group`."""
 
@@ -551,50 +552,15 @@ class ProcessGroup(Collectives):
             return result
 
     # -- point-to-point (p2p.py) ---------------------------------------------------------
-    def send(
-        self, x: Array, peer: int, *, stream: Stream | None = None, dtype: DTypeLike | None = None
+    def _post_p2p(
+        self, kind: str, buf: Array, peer: int, stream: Stream | None, dtype: DTypeLike | None
     ) -> None:
-        """Send ``x`` to rank ``peer`` (matched with its n-th receive from this rank);
-        ``dtype`` as for the collectives (the bytes move as they are)."""
-        x = _p2p_buffer(self, x, "send", dtype)
+        buf = _p2p_buffer(self, buf, kind, dtype)
         self._p2p.drain()
         with self._lock:
-            self._p2p.post("send", x, peer, stream)
-
-    def recv(
-        self,
-        out: Array,
-        peer: int,
-        *,
-        stream: Stream | None = None,
-        dtype: DTypeLike | None = None,
-    ) -> Array:
-        """Receive into ``out`` rank ``peer``'s n-th send to this rank; returns ``out``."""
-        buf = _p2p_buffer(self, out, "recv", dtype)
-        self._p2p.drain()
-        with self._lock:
-            self._p2p.post("recv", buf, peer, stream)
-        return out
-
-    def sendrecv(
-        self,
-        x: Array,
-        dest: int,
-        out: Array,
-        source: int,
-        *,
-        stream: Stream | None = None,
-        dtype: DTypeLike | None = None,
-    ) -> Array:
-        """Send ``x`` to ``dest`` and receive ``out`` from ``source`` in one batch."""
-        with self.batch():
-            self.send(x, dest, stream=stream, dtype=dtype)
-            self.recv(out, source, stream=stream, dtype=dtype)
-        return out
+            self._p2p.post(kind, buf, peer, stream)
 
     def batch(self) -> AbstractContextManager[None]:
-        """``with pg.batch():`` posts this rank's sends and receives and finishes them all
-        at the end of the block (no deadlock when ranks exchange)."""
         return self._p2p.batch()
 
     def all_to_all_v(

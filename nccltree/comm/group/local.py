@@ -13,6 +13,7 @@ import numpy as np
 
 from ..._errors import CommError, CommTimeout, PeerFailure
 from ..comm import _dtype_key
+from ..faces import RankCollectives
 from ..work import Work
 
 if TYPE_CHECKING:
@@ -123,125 +124,10 @@ class LocalRendezvous:
         return m.results[i]
 
 
-class Collectives:
-    """The collectives of ``Comm`` (host arrays) on top of one method, ``_call``: shared
-    by :class:`GroupComm` and :class:`~nccltree.comm.group.ProcessGroup`. ``dtype``: as
-    for a World's collectives (None: the arrays' own; ``"bfloat16"`` for ``uint16``
-    arrays of its bits, the CuPy arrays of a GPU group among them)."""
-
-    def _call(
-        self,
-        collective: str,
-        x: np.ndarray,
-        out: np.ndarray | None,
-        op: str,
-        root: int,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> np.ndarray | Work:
-        raise NotImplementedError
-
-    def all_reduce(
-        self,
-        x: np.ndarray,
-        *,
-        out: np.ndarray | None = None,
-        op: str = "sum",
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> np.ndarray | Work:
-        return self._call("all_reduce", x, out, op, 0, stream, async_op, dtype)
-
-    def reduce(
-        self,
-        x: np.ndarray,
-        *,
-        root: int = 0,
-        out: np.ndarray | None = None,
-        op: str = "sum",
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> np.ndarray | Work:
-        return self._call("reduce", x, out, op, root, stream, async_op, dtype)
-
-    def broadcast(
-        self,
-        x: np.ndarray,
-        *,
-        root: int = 0,
-        out: np.ndarray | None = None,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> np.ndarray | Work:
-        return self._call("broadcast", x, out, "sum", root, stream, async_op, dtype)
-
-    def all_gather(
-        self,
-        x: np.ndarray,
-        out: np.ndarray,
-        *,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> np.ndarray | Work:
-        return self._call("all_gather", x, out, "sum", 0, stream, async_op, dtype)
-
-    def reduce_scatter(
-        self,
-        x: np.ndarray,
-        out: np.ndarray,
-        *,
-        op: str = "sum",
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> np.ndarray | Work:
-        return self._call("reduce_scatter", x, out, op, 0, stream, async_op, dtype)
-
-    def gather(
-        self,
-        x: np.ndarray,
-        out: np.ndarray,
-        *,
-        root: int = 0,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> np.ndarray | Work:
-        return self._call("gather", x, out, "sum", root, stream, async_op, dtype)
-
-    def scatter(
-        self,
-        x: np.ndarray,
-        out: np.ndarray,
-        *,
-        root: int = 0,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> np.ndarray | Work:
-        return self._call("scatter", x, out, "sum", root, stream, async_op, dtype)
-
-    def all_to_all(
-        self,
-        x: np.ndarray,
-        out: np.ndarray,
-        *,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> np.ndarray | Work:
-        return self._call("all_to_all", x, out, "sum", 0, stream, async_op, dtype)
-
-
-class GroupComm(Collectives):
+class GroupComm(RankCollectives):
     """The per-rank face of a process group's rank (``pg.comm(i)``), used from that
-    rank's own thread; the same collectives as :class:`~nccltree.comm.Comm`, host arrays,
-    synchronous."""
+    rank's own thread; the same collectives as :class:`~nccltree.comm.Comm`
+    (:mod:`nccltree.comm.faces`), host arrays, synchronous."""
 
     def __init__(self, pg: ProcessGroup, index: int) -> None:
         self.pg = pg

@@ -27,12 +27,13 @@ from . import auto, debug
 from ._args import Array, Launched, Prepared, prepare
 from .algorithms import ALGORITHMS, build_plan
 from .collectives import COLLECTIVES, collective_name
-from .comm import Comm, MissingRanks, _Rendezvous
+from .comm import Comm, _Rendezvous
 from .executor import Buffers, Program
 from .faces import DriverCollectives
 from .flight import FlightRecorder
 from .p2p import Mailbox
 from .plan import IN, OUT, STAGE, TMP, Plan
+from .rendezvous import run_ranks
 from .trace import Span
 from .work import Work
 
@@ -69,15 +70,6 @@ def gpu_chunk_bytes(nbytes: int) -> int:
     per = -(-nbytes // GPU_CHUNKS)
     per = -(-per // 256) * 256
     return min(GPU_CHUNK_MAX, max(GPU_CHUNK_MIN, per))
-
-
-# How often World.run, while no rank has failed, looks for an abort or a timeout (seconds).
-_RUN_POLL_S = 0.1
-
-
-def _add_note(exc: BaseException, note: str) -> None:
-    if hasattr(exc, "add_note"):  # Python 3.11+
-        exc.add_note(note)
 
 
 # Inline kernels run on ``inline_threads`` threads from these message sizes per rank, on
@@ -449,74 +441,24 @@ class World(DriverCollectives):
         work: a rank's function may legitimately run for hours.
         """
         self._check_usable()
-        n = self.size
-        results: list[Any] = [None] * n
-        errors: list[tuple[int, int, BaseException]] = []
-        finished = [False] * n
-        first_error_at: list[float] = []
-        cv = threading.Condition()
 
-        def target(r: int) -> None:
-            try:
-                results[r] = fn(self._comms[r], *args)
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-                with cv:
-                    errors.append((len(errors), r, exc))
-                    first_error_at.append(time.monotonic())
-                if not isinstance(exc, PeerFailure) and not self._is_argument_error(exc):
-                    self._abort(PeerFailure(f"rank {r} failed: {exc!r}"))
-            finally:
-                self._local.argument_error = None
-                with cv:
-                    finished[r] = True
-                    cv.notify_all()
+        def on_error(r: int, exc: BaseException) -> None:
+            if not isinstance(exc, PeerFailure) and not self._is_argument_error(exc):
+                self._abort(PeerFailure(f"rank {r} failed: {exc!r}"))
 
-        for r in range(n):
-            t = threading.Thread(target=target, args=(r,), name=f"nccltree-rank{r}", daemon=True)
-            try:
-                t.start()
-            except RuntimeError as exc:  # "can't start new thread": the started ranks
-                # would wait for this one in their first collective
-                err = CommError(f"could not start the thread of rank {r} of {n}: {exc}")
-                self._abort(err)
-                raise err from exc
-        with cv:
-            while not all(finished):
-                starts = [t for t in (self._failed_at, *first_error_at[:1]) if t is not None]
-                if not starts:
-                    # nothing failed yet: wake now and then to see an abort or a timeout
-                    cv.wait(_RUN_POLL_S)
-                    continue
-                remaining = min(starts) + self.timeout - time.monotonic()
-                if remaining <= 0:
-                    break
-                cv.wait(min(remaining, _RUN_POLL_S))
-            stuck = [r for r in range(n) if not finished[r]]
-            errors = sorted(errors, key=lambda e: (isinstance(e[2], PeerFailure), e[0]))
-        if stuck:
-            cause = errors[0][2] if errors else self._failure
-            text = (
-                f"rank(s) {stuck} of {n} did not return within {self.timeout:g} s of the first "
-                "failure"
-                + ("" if cause is None else f" ({type(cause).__name__}: {cause})")
-                + ": stuck outside the collectives, in the function's own code; a thread "
-                "cannot be stopped from outside, so it is left running as a daemon thread"
-            )
-            stuck_exc = MissingRanks(text, stuck)
-            self._abort(stuck_exc)
-            if not errors or isinstance(errors[0][2], PeerFailure):
-                raise stuck_exc from cause
-            _add_note(errors[0][2], f"({text})")
-        if errors:
-            _, rank, first = errors[0]
-            if isinstance(first, MissingRanks):
-                _add_note(
-                    first, f"(rank(s) {list(first.ranks)} of {n} at fault; seen on rank {rank})"
-                )
-            else:
-                _add_note(first, f"(raised on rank {rank} of {n})")
-            raise first
-        return results
+        def cleanup(r: int) -> None:
+            self._local.argument_error = None
+
+        return run_ranks(
+            self.size,
+            lambda r: fn(self._comms[r], *args),
+            on_error=on_error,
+            abort=self._abort,
+            cleanup=cleanup,
+            stuck_after=self.timeout,
+            failed_at=lambda: self._failed_at,
+            failure=lambda: self._failure,
+        )
 
     def _argument_error_raised(self, exc: BaseException) -> None:
         """The rendezvous raises ``exc``, an argument error of a collective, in this

@@ -14,6 +14,7 @@ import numpy as np
 from ..._errors import CommError, CommTimeout, PeerFailure
 from ..comm import _dtype_key
 from ..faces import RankCollectives
+from ..rendezvous import run_ranks
 from ..work import Work
 
 if TYPE_CHECKING:
@@ -166,35 +167,17 @@ def run_local(pg: ProcessGroup, fn: Callable[..., object], *args: object) -> lis
     """``fn(pg.comm(i), *args)`` in a thread per rank of this process; each result. An
     exception in one rank's thread releases the others (``PeerFailure``) and is re-raised
     here, naming the rank."""
-    n = len(pg.ranks)
-    results: list[object] = [None] * n
-    errors: list[tuple[int, BaseException]] = []
 
-    def target(i: int) -> None:
-        try:
-            results[i] = fn(pg.comm(i), *args)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-            errors.append((i, exc))
-            if not isinstance(exc, (ValueError, TypeError, PeerFailure)):
-                pg._local.abort(CommError(f"rank {pg.ranks[i]} failed: {exc!r}"))
+    def on_error(i: int, exc: BaseException) -> None:
+        if not isinstance(exc, (ValueError, TypeError, PeerFailure)):
+            pg._local.abort(CommError(f"rank {pg.ranks[i]} failed: {exc!r}"))
 
-    if n == 1:
-        target(0)
-    else:
-        threads = [
-            threading.Thread(
-                target=target, args=(i,), name=f"nccltree-rank{pg.ranks[i]}", daemon=True
-            )
-            for i in range(n)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    if errors:
-        errors.sort(key=lambda e: isinstance(e[1], PeerFailure))
-        i, exc = errors[0]
-        if hasattr(exc, "add_note"):
-            exc.add_note(f"(raised on rank {pg.ranks[i]} of {pg.size})")
-        raise exc
-    return results
+    return run_ranks(
+        len(pg.ranks),
+        lambda i: fn(pg.comm(i), *args),
+        on_error=on_error,
+        abort=pg._local.abort,
+        label=lambda i: pg.ranks[i],
+        size=pg.size,
+        inline_one=True,
+    )

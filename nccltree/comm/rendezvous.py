@@ -36,7 +36,8 @@ class Meeting(Generic[C]):
     """One meeting: every rank's call (None until it arrives); the runner's outcome."""
 
     calls: list[C | None]
-    index: int = 0
+    index: int = 0  # call k of every rank on its channel
+    channel: int = 0
     arrived: int = 0
     all_arrived_at: float | None = None
     runner: int = -1  # the rank that arrived last and runs it
@@ -81,7 +82,7 @@ class Rendezvous(Generic[C]):
             nxt[rank] += 1
             m = self._open.get((channel, idx))
             if m is None:
-                m = self._open[(channel, idx)] = Meeting([None] * self.n, idx)
+                m = self._open[(channel, idx)] = Meeting([None] * self.n, idx, channel)
             m.calls[rank] = call
             m.arrived += 1
             last = m.arrived == self.n

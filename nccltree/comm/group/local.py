@@ -4,9 +4,9 @@ runs the group collective for all of them (as per-rank calls meet in a World).""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -14,7 +14,7 @@ import numpy as np
 from ..._errors import CommError, CommTimeout, PeerFailure
 from ..comm import _dtype_key
 from ..faces import RankCollectives
-from ..rendezvous import run_ranks
+from ..rendezvous import Meeting, Rendezvous, run_ranks
 from ..work import Work
 
 if TYPE_CHECKING:
@@ -24,36 +24,35 @@ if TYPE_CHECKING:
     from .group import ProcessGroup
 
 
-class _Meeting:
-    __slots__ = ("collective", "args", "root", "op", "dtype", "results", "error", "done")
-
-    def __init__(self, n: int) -> None:
-        self.collective: list[str | None] = [None] * n
-        self.args: list[tuple[np.ndarray, np.ndarray | None] | None] = [None] * n
-        self.root: list[int] = [0] * n
-        self.op: list[str] = ["sum"] * n
-        self.dtype: list[object] = [None] * n
-        self.results: list[np.ndarray] | None = None
-        self.error: BaseException | None = None
-        self.done = False
+@dataclass
+class _LocalCall:
+    collective: str
+    x: np.ndarray
+    out: np.ndarray | None
+    op: str
+    root: int
+    dtype: object
 
 
 class LocalRendezvous:
-    """Call k of every local rank forms one group collective."""
+    """Call k of every local rank forms one group collective
+    (:class:`~nccltree.comm.rendezvous.Rendezvous`), run by the last to arrive."""
 
     def __init__(self, pg: ProcessGroup) -> None:
         self.pg = pg
         self.n = len(pg.ranks)
-        self.cv = threading.Condition()
-        self.next = [0] * self.n
-        self.meetings: dict[int, _Meeting] = {}
+        self.meet: Rendezvous[_LocalCall] = Rendezvous(self.n)
         self.aborted: BaseException | None = None
 
     def abort(self, exc: BaseException) -> None:
-        with self.cv:
+        with self.meet.lock:
             if self.aborted is None:
                 self.aborted = exc
-            self.cv.notify_all()
+        self.meet.wake_all()
+
+    def _check(self, i: int) -> None:
+        if self.aborted is not None:
+            raise PeerFailure(f"rank {self.pg.ranks[i]}: {self.aborted}")
 
     def arrive(
         self,
@@ -66,63 +65,56 @@ class LocalRendezvous:
         dtype: object = None,
     ) -> np.ndarray:
         pg = self.pg
-        with self.cv:
-            if self.aborted is not None:
-                raise PeerFailure(f"rank {pg.ranks[i]}: {self.aborted}")
-            k = self.next[i]
-            self.next[i] += 1
-            m = self.meetings.setdefault(k, _Meeting(self.n))
-            m.collective[i], m.args[i], m.op[i], m.root[i] = collective, (x, out), op, root
-            m.dtype[i] = _dtype_key(dtype)
-            last = all(c is not None for c in m.collective)
+        call = _LocalCall(collective, x, out, op, root, _dtype_key(dtype))
+        m, last = self.meet.arrive(i, call, check=lambda: self._check(i))
         if last:
             try:
-                if (
-                    len(set(m.collective)) != 1
-                    or len(set(m.op)) != 1
-                    or len(set(m.root)) != 1
-                    or any(d != m.dtype[0] for d in m.dtype)
-                ):
-                    raise ValueError(
-                        f"the ranks of this process call different collectives: "
-                        f"{list(zip(m.collective, m.op, m.root, m.dtype, strict=True))}"
-                    )
-                args = [a for a in m.args if a is not None]
-                given = [o for _, o in args if o is not None]
-                if given and len(given) != len(args):
-                    raise ValueError("either every rank of this process passes out= or none")
-                m.results = pg.call(
-                    str(m.collective[0]),
-                    [x for x, _ in args],
-                    given or None,
-                    op=m.op[0],
-                    root=m.root[0],
-                    dtype=cast("DTypeLike | None", m.dtype[0]),
-                )
+                results, error = self._run(m), None
             except BaseException as exc:  # noqa: BLE001 - handed to every local rank
-                m.error = exc
-            with self.cv:
-                m.done = True
-                del self.meetings[k]
-                self.cv.notify_all()
+                results, error = None, exc
+            self.meet.finish(m, results, error)
         else:
             deadline = time.monotonic() + pg.timeout
-            with self.cv:
-                while not m.done:
-                    if self.aborted is not None:
-                        raise PeerFailure(f"rank {pg.ranks[i]}: {self.aborted}")
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        missing = [pg.ranks[j] for j, c in enumerate(m.collective) if c is None]
-                        raise CommTimeout(
-                            f"rank {pg.ranks[i]}: waited {pg.timeout:g} s for ranks {missing} "
-                            f"of this process to call {collective}"
-                        )
-                    self.cv.wait(min(left, 0.1))
+
+            def waiting() -> float:
+                self._check(i)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [pg.ranks[j] for j in self.meet.missing(m)]
+                    raise CommTimeout(
+                        f"rank {pg.ranks[i]}: waited {pg.timeout:g} s for ranks {missing} "
+                        f"of this process to call {collective}"
+                    )
+                return left
+
+            self.meet.wait(m, waiting)
         if m.error is not None:
             raise m.error
-        assert m.results is not None
-        return m.results[i]
+        return cast("list[np.ndarray]", m.result)[i]
+
+    def _run(self, m: Meeting[_LocalCall]) -> list[np.ndarray]:
+        calls = [c for c in m.calls if c is not None]
+        first = calls[0]
+        if any(
+            (c.collective, c.op, c.root) != (first.collective, first.op, first.root)
+            or c.dtype != first.dtype
+            for c in calls
+        ):
+            raise ValueError(
+                f"the ranks of this process call different collectives: "
+                f"{[(c.collective, c.op, c.root, c.dtype) for c in calls]}"
+            )
+        given = [c.out for c in calls if c.out is not None]
+        if given and len(given) != len(calls):
+            raise ValueError("either every rank of this process passes out= or none")
+        return self.pg.call(
+            first.collective,
+            [c.x for c in calls],
+            given or None,
+            op=first.op,
+            root=first.root,
+            dtype=cast("DTypeLike | None", first.dtype),
+        )
 
 
 class GroupComm(RankCollectives):

@@ -31,6 +31,7 @@ from .comm import Comm, _Rendezvous
 from .executor import Buffers, Program
 from .faces import DriverCollectives
 from .flight import FlightRecorder
+from .lifecycle import LifeCycle
 from .p2p import Mailbox
 from .plan import IN, OUT, STAGE, TMP, Plan
 from .rendezvous import run_ranks
@@ -217,11 +218,16 @@ class World(DriverCollectives):
         # them take their state when they are enqueued (see executor)
         self._caller_events = [d.new_event() for d in devices]
         self._lock = threading.RLock()  # one collective is launched at a time
-        self._failure: BaseException | None = None
-        self._failed_at: float | None = None  # when _failure was set (run's deadline)
+        #: the last collectives, printed when the World fails (not when ``abort`` is called)
+        self.flight = FlightRecorder()
+        # closed, or failed for good (the first failure and when: run's deadline)
+        self._life = LifeCycle(
+            self.flight,
+            self._describe,
+            "the World is closed",
+            "the World was aborted and is closed for good",
+        )
         self._local = threading.local()  # the argument error raised in this thread
-        self._fail_lock = threading.Lock()
-        self._closed = False
         self._nccl: NcclEngine | None = None
         self._nccl_unusable: str | None = None
         self._watchdog: Watchdog | None = None  # started by the first watched launch
@@ -229,8 +235,6 @@ class World(DriverCollectives):
             self._nccl_engine()  # fail now, with the reason, rather than at the first call
         self._rendezvous = _Rendezvous(self)
         self._comms = [Comm(self, r) for r in range(self.size)]
-        #: the last collectives, printed when the World fails (not when ``abort`` is called)
-        self.flight = FlightRecorder()
         self._seq = 0
         # comm.split: the ranks meet, the last one makes the groups (see _split_by_ranks)
         self._mailbox = Mailbox(self)  # send/recv (p2p.py)
@@ -252,9 +256,8 @@ class World(DriverCollectives):
     def close(self) -> None:
         """Finish queued work (within the timeout), stop the streams, destroy NCCL
         communicators. Later calls raise ``CommError``."""
-        if self._closed:
+        if not self._life.close():
             return
-        self._closed = True
         if self._failure is None:
             for st in self._streams:
                 try:
@@ -287,17 +290,7 @@ class World(DriverCollectives):
     def _abort(self, exc: BaseException, report: bool = True) -> None:
         """Fail for good; ``report``: print the failure and the flight recorder (a
         failure found inside, not an abort the caller asked for)."""
-        with self._fail_lock:
-            first = self._failure is None
-            if first:
-                self._failure = exc
-                self._failed_at = time.monotonic()
-        if first and report:
-            import sys
-
-            names = ",".join(str(getattr(d, "name", "?")) for d in self.devices)
-            text = self.flight.dump(f"the World of {self.size} ranks ({names})")
-            print(f"nccltree: {type(exc).__name__}: {exc}\n{text}", file=sys.stderr, flush=True)
+        self._life.fail(exc, report)
         if self._nccl is not None:
             self._nccl.close(abort=True)
         self._rendezvous.wake_all()
@@ -305,16 +298,27 @@ class World(DriverCollectives):
         self._mailbox.wake()
 
     def _check_usable(self) -> None:
-        if self._failure is not None:
-            raise PeerFailure(
-                f"the World was aborted and is closed for good: {self._failure}"
-            ) from self._failure
-        if self._closed:
-            raise CommError("the World is closed")
+        self._life.check_usable()
 
     @property
     def aborted(self) -> bool:
-        return self._failure is not None
+        return self._life.failed
+
+    @property
+    def _failure(self) -> BaseException | None:
+        return self._life.failure
+
+    @property
+    def _failed_at(self) -> float | None:
+        return self._life.failed_at
+
+    @property
+    def _closed(self) -> bool:
+        return self._life.closed
+
+    def _describe(self) -> str:
+        names = ",".join(str(getattr(d, "name", "?")) for d in self.devices)
+        return f"the World of {self.size} ranks ({names})"
 
     def _note_p2p(self, op: _Op) -> None:
         """A send or receive in the flight recorder (and the trace log)."""

@@ -390,14 +390,16 @@ class _Board:
         self.nbuckets = nbuckets
         from .comm.rendezvous import Rendezvous
 
-        self.meet: Rendezvous[_BucketCall] = Rendezvous(world.size, nbuckets)
+        self.meet: Rendezvous[_BucketCall, Work] = Rendezvous(world.size, nbuckets)
         self.error: BaseException | None = None
 
     def _check(self, rank: int) -> None:
         if self.error is not None:
             raise PeerFailure(f"rank {rank}: a bucket's collective failed: {self.error}")
 
-    def arrive(self, k: int, rank: int, buf: Array, stream: Stream | None) -> Meeting[_BucketCall]:
+    def arrive(
+        self, k: int, rank: int, buf: Array, stream: Stream | None
+    ) -> Meeting[_BucketCall, Work]:
         """Rank ``rank`` completed bucket ``k`` (``buf``, ordered after ``stream``); the
         last to arrive runs its collective. Returns the meeting :meth:`wait` waits for."""
         call = _BucketCall(buf, stream)
@@ -420,10 +422,10 @@ class _Board:
         except BaseException as exc:
             self.abort(exc)
             raise
-        self.meet.finish(m, None if last_bucket else work)
+        self.meet.finish(m, None if last_bucket else cast("Work", work))
         return m
 
-    def wait(self, m: Meeting[_BucketCall], rank: int) -> None:
+    def wait(self, m: Meeting[_BucketCall, Work], rank: int) -> None:
         """Until the bucket collective ``m`` ran; PeerFailure when the World failed
         meanwhile, MissingRanks naming the ranks that never completed the bucket after
         the timeout."""
@@ -446,7 +448,7 @@ class _Board:
         # woken at once when the collective ran; the short slice only notices a failure
         # elsewhere (an aborted World)
         self.meet.wait(m, waiting, _BOARD_POLL_S)
-        work = cast("Work | None", m.result)
+        work = m.result
         if work is not None:
             work.wait()  # the host waits for it (on a GPU: the rank's stream does)
 
@@ -460,7 +462,7 @@ class _Board:
 class _BoardWait:
     """``synchronize`` waits for one bucket's collective run through a :class:`_Board`."""
 
-    def __init__(self, board: _Board, m: Meeting[_BucketCall], rank: int) -> None:
+    def __init__(self, board: _Board, m: Meeting[_BucketCall, Work], rank: int) -> None:
         self.board, self.m, self.rank = board, m, rank
 
     def synchronize(self) -> None:

@@ -116,7 +116,7 @@ class _Rendezvous:
 
     def __init__(self, world: World) -> None:
         self.world = world
-        self.meet: Rendezvous[_Call] = Rendezvous(world.size)
+        self.meet: Rendezvous[_Call, Launched] = Rendezvous(world.size)
         self.changed = self.meet.changed
 
     def wake_all(self) -> None:
@@ -126,7 +126,7 @@ class _Rendezvous:
     def arrive(self, rank: int, call: _Call) -> Any:
         w = self.world
         arrived_at = time.monotonic()
-        p, last = self.meet.arrive(rank, call, check=w._check_usable)
+        p, last = self.meet.arrive(rank, call, check=w._life.check_usable)
         if not last:
             self.meet.wait(p, lambda: self._check(p, rank, call, arrived_at))
             return self._result(p, rank)
@@ -139,12 +139,14 @@ class _Rendezvous:
         self.meet.finish(p, launched, error)
         return self._result(p, rank)
 
-    def _check(self, p: Meeting[_Call], rank: int, call: _Call, arrived_at: float) -> float:
+    def _check(
+        self, p: Meeting[_Call, Launched], rank: int, call: _Call, arrived_at: float
+    ) -> float:
         """While ``rank`` waits: raise when the World failed or closed or the wait timed
         out; else the seconds left."""
         w = self.world
         idx = p.index
-        failure = w._failure
+        failure = w._life.failure
         if failure is not None:
             # a timeout seen by another rank of this collective is this rank's timeout
             # too, and ranks that did not arrive are at fault here as well
@@ -153,7 +155,7 @@ class _Rendezvous:
                 raise MissingRanks(text, failure.ranks) from failure
             kind = CommTimeout if isinstance(failure, CommTimeout) else PeerFailure
             raise kind(text) from failure
-        if w._closed:
+        if w._life.closed:
             raise CommError(f"rank {rank}: the World was closed during {call.collective}")
         start = p.all_arrived_at if p.all_arrived_at is not None else arrived_at
         # waiting for late ranks is bounded by the timeout; once all arrived, the runner
@@ -174,7 +176,7 @@ class _Rendezvous:
             raise exc
         return remaining
 
-    def _result(self, p: Meeting[_Call], rank: int) -> Any:
+    def _result(self, p: Meeting[_Call, Launched], rank: int) -> Any:
         if p.error is not None:
             err = p.error
             if isinstance(err, (ValueError, TypeError)):
@@ -186,7 +188,7 @@ class _Rendezvous:
             if rank == p.runner:
                 raise err
             raise PeerFailure(f"rank {rank}: the collective failed: {err}") from err
-        launched = cast("Launched | None", p.result)
+        launched = p.result
         if launched is None:  # barrier
             return None
         call = p.calls[rank]
@@ -202,7 +204,7 @@ class _Rendezvous:
             )
         return launched.results[rank]
 
-    def _run(self, p: Meeting[_Call]) -> Launched | None:
+    def _run(self, p: Meeting[_Call, Launched]) -> Launched | None:
         calls = [c for c in p.calls if c is not None]
         assert len(calls) == len(p.calls)  # the last rank to arrive runs it
         first = calls[0]

@@ -24,7 +24,8 @@ from typing import Generic, TypeVar
 from .. import _native
 from .._errors import CommError, MissingRanks, PeerFailure
 
-C = TypeVar("C")
+C = TypeVar("C")  # what a rank deposits
+R = TypeVar("R")  # what the runner hands to every rank
 
 # Longest single sleep of a waiter: it looks at its meeting (and its owner) at least
 # this often even when nothing wakes it.
@@ -32,7 +33,7 @@ WAIT_SLICE_S = 0.5
 
 
 @dataclass
-class Meeting(Generic[C]):
+class Meeting(Generic[C, R]):
     """One meeting: every rank's call (None until it arrives); the runner's outcome."""
 
     calls: list[C | None]
@@ -42,7 +43,7 @@ class Meeting(Generic[C]):
     all_arrived_at: float | None = None
     runner: int = -1  # the rank that arrived last and runs it
     done: bool = False
-    result: object = None
+    result: R | None = None
     error: BaseException | None = None
 
     def missing(self) -> list[int]:
@@ -51,7 +52,7 @@ class Meeting(Generic[C]):
 
 
 @dataclass
-class Rendezvous(Generic[C]):
+class Rendezvous(Generic[C, R]):
     """Call k of every one of ``n`` ranks on a channel forms meeting k of that channel."""
 
     n: int
@@ -61,7 +62,7 @@ class Rendezvous(Generic[C]):
 
     def __post_init__(self) -> None:
         self._next = [[0] * self.n for _ in range(self.channels)]
-        self._open: dict[tuple[int, int], Meeting[C]] = {}
+        self._open: dict[tuple[int, int], Meeting[C, R]] = {}
 
     def wake_all(self) -> None:
         """Wake every waiting rank to look again (an abort, a close)."""
@@ -69,7 +70,7 @@ class Rendezvous(Generic[C]):
 
     def arrive(
         self, rank: int, call: C, channel: int = 0, check: Callable[[], None] | None = None
-    ) -> tuple[Meeting[C], bool]:
+    ) -> tuple[Meeting[C, R], bool]:
         """Deposit ``rank``'s next call on ``channel``; ``check`` (under the lock, before
         anything is deposited) may refuse it by raising. Returns the meeting and whether
         this rank arrived last: then it runs the meeting and calls :meth:`finish`; the
@@ -93,20 +94,20 @@ class Rendezvous(Generic[C]):
         return m, last
 
     def finish(
-        self, m: Meeting[C], result: object = None, error: BaseException | None = None
+        self, m: Meeting[C, R], result: R | None = None, error: BaseException | None = None
     ) -> None:
         """The runner's outcome; wakes the meeting's waiters."""
         m.result, m.error = result, error
         m.done = True  # before the counter moves: a waiter checks it after reading it
         self.changed.add(1)
 
-    def missing(self, m: Meeting[C]) -> list[int]:
+    def missing(self, m: Meeting[C, R]) -> list[int]:
         """The ranks that have not arrived at ``m`` (read under the lock)."""
         with self.lock:
             return m.missing()
 
     def wait(
-        self, m: Meeting[C], check: Callable[[], float], slice_s: float = WAIT_SLICE_S
+        self, m: Meeting[C, R], check: Callable[[], float], slice_s: float = WAIT_SLICE_S
     ) -> None:
         """Sleep until ``m`` is done. ``check()`` runs whenever the counter moved (or
         ``slice_s`` passed) while ``m`` is not done: it raises to end the wait (a failure,

@@ -41,7 +41,7 @@ class LocalRendezvous:
     def __init__(self, pg: ProcessGroup) -> None:
         self.pg = pg
         self.n = len(pg.ranks)
-        self.meet: Rendezvous[_LocalCall] = Rendezvous(self.n)
+        self.meet: Rendezvous[_LocalCall, list[np.ndarray]] = Rendezvous(self.n)
         self.aborted: BaseException | None = None
 
     def abort(self, exc: BaseException) -> None:
@@ -90,9 +90,10 @@ class LocalRendezvous:
             self.meet.wait(m, waiting)
         if m.error is not None:
             raise m.error
-        return cast("list[np.ndarray]", m.result)[i]
+        assert m.result is not None
+        return m.result[i]
 
-    def _run(self, m: Meeting[_LocalCall]) -> list[np.ndarray]:
+    def _run(self, m: Meeting[_LocalCall, list[np.ndarray]]) -> list[np.ndarray]:
         calls = [c for c in m.calls if c is not None]
         first = calls[0]
         if any(

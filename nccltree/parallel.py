@@ -56,6 +56,8 @@ from numpy.typing import DTypeLike
 
 from ._errors import CommTimeout, MissingRanks, NcclTreeError, PeerFailure
 from ._validate import check_int, check_real
+from .comm.plan import align_bytes
+from .comm.rendezvous import Meeting, Rendezvous
 from .data.source import BatchSource, RankBatch
 from .models import Model
 from .params import FlatParams
@@ -368,101 +370,103 @@ class _CommThread:
             del job
 
 
+@dataclass
+class _BucketCall:
+    buf: Array
+    stream: Stream | None
+
+
 class _Board:
     """The bucket collectives of the ranks of one process's World, each run by the last
     rank to complete the bucket, for every rank at once (a driver-side call, in that
     rank's own thread): a rank that completes a bucket early never blocks, it keeps
     computing its backward pass, and no other thread has to be woken (on a machine
     whose cores all run backward, a woken thread waits milliseconds for a core).
-    ``root`` None: ``all_reduce(op="mean")``; else a ``reduce`` to ``root``."""
+    ``root`` None: ``all_reduce(op="mean")``; else a ``reduce`` to ``root``. The ranks
+    meet at a :class:`~nccltree.comm.rendezvous.Rendezvous`, a channel per bucket."""
 
     def __init__(self, world: World, nbuckets: int, root: int | None, timeout: float) -> None:
         self.world, self.root, self.timeout = world, root, timeout
-        n = world.size
-        self.cv = threading.Condition()
-        self.bufs: list[list[Array]] = [[None] * n for _ in range(nbuckets)]
-        self.streams: list[list[Stream | None]] = [[None] * n for _ in range(nbuckets)]
-        self.arrived: list[set[int]] = [set() for _ in range(nbuckets)]
-        self.done = [0] * nbuckets  # collectives completed, per bucket
-        self.error: BaseException | None = None
-        self.works: list[Work | None] = [None] * nbuckets  # the latest, while in flight
+        self.nbuckets = nbuckets
+        from .comm.rendezvous import Rendezvous
 
-    def arrive(self, k: int, rank: int, buf: Array, stream: Stream | None) -> int:
+        self.meet: Rendezvous[_BucketCall, Work] = Rendezvous(world.size, nbuckets)
+        self.error: BaseException | None = None
+
+    def _check(self, rank: int) -> None:
+        if self.error is not None:
+            raise PeerFailure(f"rank {rank}: a bucket's collective failed: {self.error}")
+
+    def arrive(
+        self, k: int, rank: int, buf: Array, stream: Stream | None
+    ) -> Meeting[_BucketCall, Work]:
         """Rank ``rank`` completed bucket ``k`` (``buf``, ordered after ``stream``); the
-        last to arrive runs its collective. Returns the number :meth:`wait` waits for."""
-        with self.cv:
-            if self.error is not None:
-                raise PeerFailure(f"rank {rank}: a bucket's collective failed: {self.error}")
-            self.bufs[k][rank], self.streams[k][rank] = buf, stream
-            arrived = self.arrived[k]
-            arrived.add(rank)
-            generation = self.done[k] + 1
-            if len(arrived) < self.world.size:
-                return generation
-            arrived.clear()
-            bufs, streams = list(self.bufs[k]), list(self.streams[k])
+        last to arrive runs its collective. Returns the meeting :meth:`wait` waits for."""
+        call = _BucketCall(buf, stream)
+        m, last = self.meet.arrive(rank, call, channel=k, check=lambda: self._check(rank))
+        if not last:
+            return m
+        calls = [c for c in m.calls if c is not None]
+        bufs, streams = [c.buf for c in calls], [c.stream for c in calls]
         # Every bucket but the last goes to the ranks' communication streams, which share
         # the work out over the ranks' workers while backward goes on (run here, it would
         # all fall on this rank, which the others then wait for); the last finds the others
         # waiting for it, and runs in this thread on every core when the streams are idle.
-        last = k == len(self.done) - 1
+        last_bucket = k == self.nbuckets - 1
         world = self.world
         try:
             if self.root is None:
-                work = world.all_reduce(bufs, op="mean", streams=streams, async_op=not last)
+                work = world.all_reduce(bufs, op="mean", streams=streams, async_op=not last_bucket)
             else:
-                work = world.reduce(bufs, root=self.root, streams=streams, async_op=not last)
+                work = world.reduce(bufs, root=self.root, streams=streams, async_op=not last_bucket)
         except BaseException as exc:
             self.abort(exc)
             raise
-        with self.cv:
-            self.works[k] = None if last else work
-            self.done[k] = generation
-            self.cv.notify_all()
-        return generation
+        self.meet.finish(m, None if last_bucket else cast("Work", work))
+        return m
 
-    def wait(self, k: int, generation: int, rank: int) -> None:
-        """Until bucket ``k``'s collective number ``generation`` ran; PeerFailure when the
-        World failed meanwhile, MissingRanks naming the ranks that never completed the
-        bucket after the timeout."""
+    def wait(self, m: Meeting[_BucketCall, Work], rank: int) -> None:
+        """Until the bucket collective ``m`` ran; PeerFailure when the World failed
+        meanwhile, MissingRanks naming the ranks that never completed the bucket after
+        the timeout."""
         deadline = time.monotonic() + self.timeout
-        with self.cv:
-            while self.done[k] < generation:
-                if self.error is not None:
-                    raise PeerFailure(f"rank {rank}: a bucket's collective failed: {self.error}")
-                if self.world.aborted:
-                    self.world._check_usable()  # raises PeerFailure naming the reason
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = sorted(set(range(self.world.size)) - self.arrived[k])
-                    raise MissingRanks(
-                        f"rank {rank}: gradient bucket {k} timed out after {self.timeout:g} "
-                        f"s waiting for rank(s) {missing}",
-                        missing,
-                    )
-                # woken at once when the collective ran; the short slice only notices a
-                # failure elsewhere (an aborted World)
-                self.cv.wait(min(left, _BOARD_POLL_S))
-            # this rank has not arrived at bucket k again: the Work is this generation's
-            work = self.works[k]
+
+        def waiting() -> float:
+            self._check(rank)
+            if self.world.aborted:
+                self.world._check_usable()  # raises PeerFailure naming the reason
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = self.meet.missing(m)
+                raise MissingRanks(
+                    f"rank {rank}: gradient bucket {m.channel} timed out after "
+                    f"{self.timeout:g} s waiting for rank(s) {missing}",
+                    missing,
+                )
+            return left
+
+        # woken at once when the collective ran; the short slice only notices a failure
+        # elsewhere (an aborted World)
+        self.meet.wait(m, waiting, _BOARD_POLL_S)
+        work = m.result
         if work is not None:
             work.wait()  # the host waits for it (on a GPU: the rank's stream does)
 
     def abort(self, exc: BaseException) -> None:
-        with self.cv:
+        with self.meet.lock:
             if self.error is None:
                 self.error = exc
-            self.cv.notify_all()
+        self.meet.wake_all()
 
 
 class _BoardWait:
     """``synchronize`` waits for one bucket's collective run through a :class:`_Board`."""
 
-    def __init__(self, board: _Board, k: int, generation: int, rank: int) -> None:
-        self.board, self.k, self.generation, self.rank = board, k, generation, rank
+    def __init__(self, board: _Board, m: Meeting[_BucketCall, Work], rank: int) -> None:
+        self.board, self.m, self.rank = board, m, rank
 
     def synchronize(self) -> None:
-        self.board.wait(self.k, self.generation, self.rank)
+        self.board.wait(self.m, self.rank)
 
 
 class BucketSync(Sync, GradientCallback):
@@ -538,8 +542,8 @@ class BucketSync(Sync, GradientCallback):
             host = device.backend == "host"
             stream = device.explicit_current_stream() if host else device.current_stream()
         if self._board is not None:
-            generation = self._board.arrive(i, comm.rank, buf, stream)
-            self._works.append(_BoardWait(self._board, i, generation, comm.rank))
+            meeting = self._board.arrive(i, comm.rank, buf, stream)
+            self._works.append(_BoardWait(self._board, meeting, comm.rank))
             return
         if self.root is None:
 
@@ -736,7 +740,7 @@ class DataParallel:
             # one allocation per process (so processes holding different numbers of ranks
             # still make the same calls), a 256-byte-aligned slice per rank
             first = self.params[0]
-            stride = -(-first.size * first.dtype.itemsize // 256) * 256 // first.dtype.itemsize
+            stride = align_bytes(first.size * first.dtype.itemsize) // first.dtype.itemsize
             sym = group.empty(stride * len(self.params), first.dtype)
             for i, p in enumerate(self.params):
                 p.place_grad(sym[i * stride : i * stride + p.size])
@@ -745,7 +749,7 @@ class DataParallel:
         if comm_hook == "float16":
             size = self.params[0].size
             if group is not None:
-                stride = -(-size // 128) * 128  # 256-byte aligned slices
+                stride = align_bytes(size * 2) // 2  # aligned slices of float16
                 wires = group.empty(stride * len(devices), np.float16)
                 self._wires = [wires[i * stride : i * stride + size] for i in range(len(devices))]
             else:

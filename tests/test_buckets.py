@@ -226,7 +226,7 @@ def test_negative_control_a_missing_wait_is_caught(host_devs, db, monkeypatch):
     catches (so the check above can fail)."""
     ref, _ = train(host_devs, db, 3)
     monkeypatch.setenv(host.JITTER_ENV, "7:300")
-    monkeypatch.setattr(parallel._Board, "wait", lambda self, k, generation, rank: None)
+    monkeypatch.setattr(parallel._Board, "wait", lambda self, m, rank: None)
     dp = DataParallel(model(), host_devs(3), **SOLVER, timeout=20, bucket_bytes=256)
     dp.world().inline_bytes = 0
     with dp, nt.DataReader(db, 8, 3) as reader:

@@ -17,6 +17,7 @@ import nccltree as nt
 from nccltree.backends.base import BFLOAT16
 from nccltree.comm._args import check_call_dtype
 from nccltree.comm.collectives import COLLECTIVES
+from nccltree.comm.faces import driver_method
 
 ALGS = ("tree", "ring", "direct")
 REDUCING = ("all_reduce", "reduce", "reduce_scatter")
@@ -44,7 +45,7 @@ def call(world: nt.World, coll: str, xs, outs, op: str, **kw):
         args["root"] = world.size - 1
     if outs is not None:
         args["outs"] = outs
-    return getattr(world, coll)(xs, **args)
+    return getattr(world, driver_method(coll))(xs, **args)
 
 
 def out_arrays(coll: str, n: int, count: int, dtype) -> list[np.ndarray] | None:

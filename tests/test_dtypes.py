@@ -19,6 +19,7 @@ from nccltree.backends.base import BFLOAT16, DTYPES, FLOAT_DTYPES
 from nccltree.comm import bench as drv
 from nccltree.comm._ops import check_dtype, check_op, reference
 from nccltree.comm.collectives import COLLECTIVES
+from nccltree.comm.faces import driver_method
 from nccltree.comm.plan import IN, OUT, STAGE, TMP, Plan
 
 NEW = ("bfloat16", "int8", "uint8")
@@ -127,7 +128,7 @@ def test_every_collective_bitwise_against_its_plan_in_numpy(worlds, alg, n, inli
             kw["op"] = op
         if outs is not None:
             kw["outs"] = outs
-        res = getattr(world, coll)(xs, **kw)
+        res = getattr(world, driver_method(coll))(xs, **kw)
         # the same call's plan, performed by numpy on copies laid out the same way
         _, _, nins, nouts = buffers(coll, full, count, in_place)
         plan = world.plan(coll, count, op=op, root=root, in_place=in_place, dtype=dtype)

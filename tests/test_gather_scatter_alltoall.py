@@ -16,6 +16,7 @@ import pytest
 import nccltree as nt
 from nccltree.comm.algorithms import build_plan
 from nccltree.comm.collectives import COLLECTIVES, collective
+from nccltree.comm.faces import driver_method
 from nccltree.comm.plan import check_races
 
 NEW = ("gather", "scatter", "all_to_all", "sendrecv")
@@ -33,9 +34,9 @@ def _inputs(coll: str, n: int, count: int, dtype: str) -> list[np.ndarray]:
 
 
 def _call(world: nt.World, coll: str, xs: list[Any], outs: list[Any], root: int) -> None:
-    # every new operation is a World method of its name (sendrecv: the ring shift)
+    # every new operation is a World method of its name (sendrecv: the ring shift, shift)
     kw = {"root": root} if COLLECTIVES[coll].rooted else {}
-    getattr(world, coll)(xs, outs, **kw)
+    getattr(world, driver_method(coll))(xs, outs, **kw)
 
 
 def _check(coll: str, full: list[np.ndarray], xs: list[Any], outs: list[Any], root: int,

@@ -31,14 +31,6 @@ ELSEWHERE: dict[tuple[str, str], str] = {
         "nccltree/sim_calibration.py",
         "for size in (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20):",
     ): "the sizes the copy rate is measured at, no chunk",
-    (
-        "nccltree/comm/bench.py",
-        "self.chunk_bytes = 16 << 20  # the group's plans' chunk (see ProcessGroup.plan)",
-    ): "GroupWorld, being removed",
-    (
-        "nccltree/parallel.py",
-        "stride = -(-first.size * first.dtype.itemsize // 256) * 256 // first.dtype.itemsize",
-    ): "the bucket layout, outside comm/",
 }
 
 

@@ -75,9 +75,9 @@ recv = arrays(lambda q: np.zeros(sum(row[q] for row in counts), np.float32))
 world.all_to_all_v(send, recv, counts)
 assert list(host(recv[0])) == [float(r) for r in range(n) for _ in range(counts[r][0])]
 
-# sendrecv driver side: the ring shift of nccl-tests (rank r's array to rank r+1)
+# shift, driver side: the ring shift, nccl-tests' sendrecv (rank r's array to rank r+1)
 outs = arrays(lambda r: np.zeros(2, np.float32))
-world.sendrecv(arrays(lambda r: np.full(2, r, np.float32)), outs)
+world.shift(arrays(lambda r: np.full(2, r, np.float32)), outs)
 assert host(outs[0])[0] == n - 1
 
 

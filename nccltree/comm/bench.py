@@ -16,7 +16,7 @@ for broadcast and reduce. GB = 1e9 bytes.
 
 Over a process group (``Benchmark(..., group=pg)``, the command line under MPI), each
 process makes and checks only its own ranks' buffers and calls the group's collectives
-(:class:`GroupWorld`); as in nccl-tests' MPI mode every rank times its calls and the
+(``pg.call``, under each algorithm in turn); as in nccl-tests' MPI mode every rank times its calls and the
 reported time aggregates every rank's (the slowest by default), and ``#wrong`` sums every
 rank's count, both gathered through the group.
 """
@@ -42,7 +42,7 @@ from . import _ops
 from ._args import Array
 from ._ops import reference, widen
 from .collectives import COLLECTIVES, Collective, collective_name
-from .plan import ALIGN_BYTES
+from .plan import ALIGN_BYTES, CHUNK_BYTES
 from .trace import Span
 
 if TYPE_CHECKING:
@@ -54,7 +54,6 @@ if TYPE_CHECKING:
 __all__ = [
     "Benchmark",
     "BenchRecord",
-    "GroupWorld",
     "MemoryNeed",
     "available_memory",
     "reference",
@@ -324,147 +323,31 @@ class MemoryNeed:
     device_bytes: dict[int, int]
 
 
-class GroupWorld:
-    """The face of a process group the benchmark calls as it calls a World: one call per
-    collective with this process's ranks' buffers (``pg.call``), under ``algorithm``
-    (set on the group for each call: every process makes the same calls in the same
-    order, so they agree)."""
-
-    def __init__(self, pg: ProcessGroup, algorithm: str) -> None:
-        from .group import GROUP_ALGORITHMS
-
-        if algorithm not in GROUP_ALGORITHMS:
-            raise ValueError(
-                f"unknown algorithm {algorithm!r} for a process group; accepted: "
-                f"{', '.join(GROUP_ALGORITHMS)}"
-            )
-        self.pg, self.algorithm = pg, algorithm
-        self.topology: Topology = pg.topology
-        self.chunk_bytes = 16 << 20  # the group's plans' chunk (see ProcessGroup.plan)
-
-    def _call(
-        self,
-        collective: str,
-        xs: Sequence[np.ndarray],
-        outs: Sequence[np.ndarray] | None,
-        op: str = "sum",
-        root: int = 0,
-        dtype: DTypeLike | None = None,
-    ) -> list[np.ndarray]:
-        self.pg.algorithm = self.algorithm
-        return self.pg.call(collective, xs, outs, op=op, root=root, dtype=dtype)
-
-    def all_reduce(
-        self,
-        xs: Sequence[np.ndarray],
-        *,
-        outs: Sequence[np.ndarray] | None = None,
-        op: str = "sum",
-        dtype: DTypeLike | None = None,
-    ) -> list[np.ndarray]:
-        return self._call("all_reduce", xs, outs, op, dtype=dtype)
-
-    def reduce(
-        self,
-        xs: Sequence[np.ndarray],
-        *,
-        outs: Sequence[np.ndarray] | None = None,
-        root: int = 0,
-        op: str = "sum",
-        dtype: DTypeLike | None = None,
-    ) -> list[np.ndarray]:
-        return self._call("reduce", xs, outs, op, root, dtype=dtype)
-
-    def broadcast(
-        self,
-        xs: Sequence[np.ndarray],
-        *,
-        outs: Sequence[np.ndarray] | None = None,
-        root: int = 0,
-        dtype: DTypeLike | None = None,
-    ) -> list[np.ndarray]:
-        return self._call("broadcast", xs, outs, root=root, dtype=dtype)
-
-    def all_gather(
-        self,
-        xs: Sequence[np.ndarray],
-        *,
-        outs: Sequence[np.ndarray] | None = None,
-        dtype: DTypeLike | None = None,
-    ) -> list[np.ndarray]:
-        return self._call("all_gather", xs, outs, dtype=dtype)
-
-    def reduce_scatter(
-        self,
-        xs: Sequence[np.ndarray],
-        *,
-        outs: Sequence[np.ndarray] | None = None,
-        op: str = "sum",
-        dtype: DTypeLike | None = None,
-    ) -> list[np.ndarray]:
-        return self._call("reduce_scatter", xs, outs, op, dtype=dtype)
-
-    def gather(
-        self,
-        xs: Sequence[np.ndarray],
-        *,
-        outs: Sequence[np.ndarray] | None = None,
-        root: int = 0,
-        dtype: DTypeLike | None = None,
-    ) -> list[np.ndarray]:
-        return self._call("gather", xs, outs, root=root, dtype=dtype)
-
-    def scatter(
-        self,
-        xs: Sequence[np.ndarray],
-        *,
-        outs: Sequence[np.ndarray] | None = None,
-        root: int = 0,
-        dtype: DTypeLike | None = None,
-    ) -> list[np.ndarray]:
-        return self._call("scatter", xs, outs, root=root, dtype=dtype)
-
-    def all_to_all(
-        self,
-        xs: Sequence[np.ndarray],
-        *,
-        outs: Sequence[np.ndarray] | None = None,
-        dtype: DTypeLike | None = None,
-    ) -> list[np.ndarray]:
-        return self._call("all_to_all", xs, outs, dtype=dtype)
-
-    def sendrecv(
-        self,
-        xs: Sequence[np.ndarray],
-        *,
-        outs: Sequence[np.ndarray] | None = None,
-        dtype: DTypeLike | None = None,
-    ) -> list[np.ndarray]:
-        return self._call("sendrecv", xs, outs, dtype=dtype)
-
-    def _on_devices(self, host: Sequence[np.ndarray]) -> list[Array]:
-        """Host arrays copied to this process's ranks' devices (GPU groups take device
-        arrays; on the host backend this is a copy)."""
-        return [d.from_host(h) for d, h in zip(self.pg.devices, host, strict=True)]
-
-    def barrier(self) -> None:
-        self.all_reduce(self._on_devices([np.zeros(1, np.float32) for _ in self.pg.ranks]))
-        for d in self.pg.devices:
-            d.synchronize()
-
-    def gather_values(self, values: Sequence[float]) -> list[float]:
-        """Every rank's value (``values``: this process's ranks'), in global rank order."""
-        xs = self._on_devices([np.array([v], dtype=np.float64) for v in values])
-        outs = self._on_devices([np.empty(self.pg.size, dtype=np.float64) for _ in values])
-        got = self.pg.devices[0].to_host(self._call("all_gather", xs, outs)[0])
-        return [float(v) for v in got]
-
-    def close(self) -> None:
-        """Nothing to release: the group is its owner's."""
+# The chunk of a process group's plans (see ProcessGroup.plan).
 
 
-def _no_peer_access(world: World | GroupWorld) -> bool:
-    topo = world.topology
+def _on_devices(pg: ProcessGroup, host: Sequence[np.ndarray]) -> list[Array]:
+    """Host arrays copied to this process's ranks' devices (GPU groups take device
+    arrays; on the host backend this is a copy)."""
+    return [d.from_host(h) for d, h in zip(pg.devices, host, strict=True)]
+
+
+def group_barrier(pg: ProcessGroup) -> None:
+    """Every rank of the group got here, and this process's devices are idle."""
+    pg.call("all_reduce", _on_devices(pg, [np.zeros(1, np.float32) for _ in pg.ranks]))
+    for d in pg.devices:
+        d.synchronize()
+
+
+def gather_values(pg: ProcessGroup, values: Sequence[float]) -> list[float]:
+    """Every rank's value (``values``: this process's ranks'), in global rank order."""
+    xs = _on_devices(pg, [np.array([v], dtype=np.float64) for v in values])
+    outs = _on_devices(pg, [np.empty(pg.size, dtype=np.float64) for _ in values])
+    got = pg.devices[0].to_host(pg.call("all_gather", xs, outs)[0])
+    return [float(v) for v in got]
+
+
+def _no_peer_access(topo: Topology) -> bool:
     return any(not topo.link(i, j).p2p for i in range(topo.n) for j in range(topo.n) if i != j)
 
 
@@ -593,7 +476,7 @@ class Benchmark:
             devices = make_devices(devices)
             if devices[0].backend == "host":
                 self._own_runtime = devices[0].runtime
-        self.worlds: dict[str, World | GroupWorld] = {}
+        self.worlds: dict[str, World] = {}  # in one process; over a group, none
         self.group = group
         try:
             # check every argument, then create the Worlds
@@ -640,11 +523,18 @@ class Benchmark:
             self.algorithms = list(algorithms)
             if not self.algorithms:
                 raise ValueError("no algorithm given")
-            for a in self.algorithms:
+            if group is not None:
+                from .group import GROUP_ALGORITHMS
+
+                for a in self.algorithms:
+                    if a not in GROUP_ALGORITHMS:
+                        raise ValueError(
+                            f"unknown algorithm {a!r} for a process group; accepted: "
+                            f"{', '.join(GROUP_ALGORITHMS)}"
+                        )
+            for a in self.algorithms if group is None else ():
                 if a not in self.worlds:
-                    if group is not None:
-                        self.worlds[a] = GroupWorld(group, a)
-                    elif world_factory is None:
+                    if world_factory is None:
                         self.worlds[a] = default_world(self.devices, a, self.timeout)
                     else:
                         self.worlds[a] = world_factory(self.devices, a)
@@ -678,11 +568,16 @@ class Benchmark:
             expected = len(arrays) * big * _WIDE if self.check else 0
             temporaries = big * (2 * item + (4 * _WIDE if self.check else 0))
             reference = max(reference, n * cin * item + expected + temporaries)
-            for alg, world in self.worlds.items():
+            for alg in self.algorithms:
                 if alg == "nccl":
                     continue  # NCCL's own buffers, outside this process's arrays
-                chunk = world.chunk_bytes
-                no_peer = _no_peer_access(world)
+                world = self.worlds.get(alg)
+                if world is not None:
+                    chunk, no_peer = world.chunk_bytes, _no_peer_access(world.topology)
+                else:
+                    assert self.group is not None
+                    chunk = CHUNK_BYTES
+                    no_peer = _no_peer_access(self.group.topology)
                 # each region rounded up to the plans' alignment
                 need = (big * item + (chunk if no_peer else 0)) if coll.reduces else 0
                 need += 2 * chunk if no_peer else 0
@@ -791,9 +686,9 @@ class Benchmark:
         data = self._size_data(coll, self.sizes[-1])
         runs = []
         for alg in self.algorithms:
-            world = self.worlds[alg]
-            if isinstance(world, GroupWorld):
+            if self.group is not None:
                 raise ValueError("a trace runs in one process (not over a process group)")
+            world = self.worlds[alg]
             ins, outs, _ = self._buffers(coll, data, False)
             dtype = self._keywords(coll).get("dtype")
             prep_alg = world._choose_for(coll.name, ins, outs, self.op, self.root,
@@ -869,21 +764,28 @@ class Benchmark:
         self, coll: Collective, algorithm: str, data: _SizeData, in_place: bool
     ) -> BenchRecord:
         """Warm up, time, check one size x algorithm x placement."""
-        method = getattr(self.worlds[algorithm], coll.name)  # World.all_reduce, ...
         keywords = self._keywords(coll)
+        op, root = str(keywords.get("op", "sum")), int(cast("int", keywords.get("root", 0)))
+        dtype = cast("DTypeLike | None", keywords.get("dtype"))
         ins, call_outs, outs = self._buffers(coll, data, in_place)
+        group, world = self.group, self.worlds.get(algorithm)
 
         def run() -> None:
-            method(ins, outs=call_outs, **keywords)
+            # the collective by its name in the table, as every face calls it
+            if group is not None:
+                group.algorithm = algorithm  # every process makes the same calls in order
+                group.call(coll.name, ins, call_outs, op=op, root=root, dtype=dtype)
+            else:
+                assert world is not None
+                world._driver(coll.name, ins, call_outs, op, root, None, False, dtype)
 
         for _ in range(self.warmup):
             run()
-        world = self.worlds[algorithm]
-        if isinstance(world, GroupWorld):
+        if group is not None:
             # each rank's median, then one time over every rank of every process
             per_call = [self._timer.rank_times(run) for _ in range(self.iters)]
             mine = [statistics.median(col) for col in zip(*per_call, strict=True)]
-            t = aggregate_times(world.gather_values(mine), self.aggregate)
+            t = aggregate_times(gather_values(group, mine), self.aggregate)
         else:
             times = [self._timer(run, self.timeout) for _ in range(self.iters)]
             t = statistics.median(times)
@@ -894,11 +796,15 @@ class Benchmark:
                 del ins, call_outs, outs  # one call's buffers at a time
                 ins, call_outs, outs = self._buffers(coll, data, in_place)
                 run()
-                self.worlds[algorithm].barrier()
+                if group is not None:
+                    group_barrier(group)
+                else:
+                    assert world is not None
+                    world.barrier()
                 wrong += self._count_wrong(data, ins, outs)
-            if isinstance(world, GroupWorld):  # every rank's count, summed
+            if group is not None:  # every rank's count, summed
                 counts = [float(wrong)] + [0.0] * (len(self.devices) - 1)
-                wrong = int(sum(world.gather_values(counts)))
+                wrong = int(sum(gather_values(group, counts)))
         size = coll.nbytes(data.count, self.n, self.dtype.itemsize)
         factor = coll.bus_factor(self.n)
         algbw, busbw = bandwidths(size, t, factor)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -11,10 +10,11 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 from numpy.typing import DTypeLike
 
-from .. import _native
 from .._errors import CommError, CommTimeout, MissingRanks, NcclTreeError, PeerFailure
 from ._args import Array, Launched
 from .collectives import COLLECTIVES
+from .faces import PointToPoint, RankCollectives
+from .rendezvous import Meeting, Rendezvous
 from .work import Work
 
 if TYPE_CHECKING:
@@ -34,8 +34,9 @@ class _Call:
     dtype: object = None
 
 
-class Comm:
-    """Rank ``rank``'s face of a World, for a thread per rank (NCCL/MPI style).
+class Comm(RankCollectives, PointToPoint):
+    """Rank ``rank``'s face of a World, for a thread per rank (NCCL/MPI style); its
+    collectives, sends and receives are declared in :mod:`nccltree.comm.faces`.
 
     Every rank calls the same collectives in the same order; the last to arrive runs the
     collective for all. Arguments are checked for all ranks together, so a bad argument
@@ -62,183 +63,22 @@ class Comm:
         self,
         collective: str,
         x: Array,
-        out: Array,
+        out: Array | None,
         op: str,
         root: int,
-        stream: Stream | None,
-        async_op: bool,
+        stream: Stream | None = None,
+        async_op: bool = False,
         dtype: DTypeLike | None = None,
-    ) -> Any:
+    ) -> Array | Work:
         stream = self.world._caller_stream(self.rank, stream)
         call = _Call(collective, x, out, op, root, stream, async_op, _dtype_key(dtype))
         return self.world._rendezvous.arrive(self.rank, call)
 
-    def all_reduce(
-        self,
-        x: Array,
-        *,
-        out: Array = None,
-        op: str = "sum",
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Any:
-        """``op`` over every rank's ``x``; returns ``out`` (or ``x`` in place), or a Work."""
-        return self._call("all_reduce", x, out, op, 0, stream, async_op, dtype)
-
-    def reduce(
-        self,
-        x: Array,
-        root: int = 0,
-        *,
-        out: Array = None,
-        op: str = "sum",
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Any:
-        """``op`` over every rank's ``x`` at ``root``; other ranks' ``x`` stay unchanged."""
-        return self._call("reduce", x, out, op, root, stream, async_op, dtype)
-
-    def broadcast(
-        self,
-        x: Array,
-        root: int = 0,
-        *,
-        out: Array = None,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Any:
-        """Every rank gets the root's ``x``."""
-        return self._call("broadcast", x, out, "sum", root, stream, async_op, dtype)
-
-    def all_gather(
-        self,
-        x: Array,
-        out: Array,
-        *,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Any:
-        """``out`` gets every rank's ``x``, rank i's at ``[i*x.size, (i+1)*x.size)``."""
-        return self._call("all_gather", x, out, "sum", 0, stream, async_op, dtype)
-
-    def reduce_scatter(
-        self,
-        x: Array,
-        out: Array,
-        *,
-        op: str = "sum",
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Any:
-        """``out`` gets block ``rank`` of ``op`` over every rank's ``x``."""
-        return self._call("reduce_scatter", x, out, op, 0, stream, async_op, dtype)
-
-    def gather(
-        self,
-        x: Array,
-        out: Array,
-        root: int = 0,
-        *,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Array | Work:
-        """The root's ``out`` gets every rank's ``x``, rank i's at ``[i*x.size,
-        (i+1)*x.size)``; every rank passes an ``out`` of that size, only the root's is
-        written."""
-        return cast(
-            "Array | Work", self._call("gather", x, out, "sum", root, stream, async_op, dtype)
-        )
-
-    def scatter(
-        self,
-        x: Array,
-        out: Array,
-        root: int = 0,
-        *,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Array | Work:
-        """``out`` gets block ``rank`` of the root's ``x`` (every rank passes an ``x`` of
-        that size; only the root's is read)."""
-        return cast(
-            "Array | Work", self._call("scatter", x, out, "sum", root, stream, async_op, dtype)
-        )
-
-    def all_to_all(
-        self,
-        x: Array,
-        out: Array,
-        *,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Array | Work:
-        """Block q of ``x`` goes to rank q, whose block ``rank`` of ``out`` it becomes
-        (equal blocks; not in place)."""
-        return cast(
-            "Array | Work", self._call("all_to_all", x, out, "sum", 0, stream, async_op, dtype)
-        )
-
-    def send(
-        self,
-        x: Array,
-        peer: int,
-        *,
-        stream: Stream | None = None,
-        dtype: DTypeLike | None = None,
-    ) -> None:
-        """Send ``x`` to rank ``peer``, matched with its n-th ``recv`` from this rank
-        (:mod:`nccltree.comm.p2p`). Returns once matched and issued; inside
-        ``with comm.batch():`` at the end of the block. ``dtype``: what ``x`` holds, as
-        for the collectives (``"bfloat16"`` for a ``uint16`` buffer of its bits); the
-        receive must name the same (the bytes move as they are)."""
-        self._p2p("send", x, peer, stream, dtype)
-
-    def recv(
-        self,
-        out: Array,
-        peer: int,
-        *,
-        stream: Stream | None = None,
-        dtype: DTypeLike | None = None,
-    ) -> Array:
-        """Receive into ``out`` what rank ``peer`` sends (its n-th send to this rank);
-        returns ``out`` (filled once the call returns, or at the end of a batch; on GPUs
-        ordered on the caller's stream). ``dtype`` as for :meth:`send`."""
-        self._p2p("recv", out, peer, stream, dtype)
-        return out
-
-    def sendrecv(
-        self,
-        x: Array,
-        dest: int,
-        out: Array,
-        source: int,
-        *,
-        stream: Stream | None = None,
-        dtype: DTypeLike | None = None,
-    ) -> Array:
-        """Send ``x`` to ``dest`` and receive ``out`` from ``source`` together (one batch:
-        no deadlock when ranks exchange in a ring); returns ``out``."""
-        with self.batch():
-            self.send(x, dest, stream=stream, dtype=dtype)
-            self.recv(out, source, stream=stream, dtype=dtype)
-        return out
-
     def batch(self) -> AbstractContextManager[None]:
-        """``with comm.batch():`` posts this rank's sends and receives at once and waits
-        for all of them when the block ends (NCCL's ``groupStart``/``groupEnd``)."""
         return self.world._mailbox.batch(self.rank)
 
-    def _p2p(
-        self, kind: str, buf: Array, peer: int, stream: Stream | None, dtype: object = None
+    def _post_p2p(
+        self, kind: str, buf: Array, peer: int, stream: Stream | None, dtype: DTypeLike | None
     ) -> None:
         box = self.world._mailbox
         pending = box.in_batch(self.rank)
@@ -262,7 +102,6 @@ class Comm:
         return self.world._split_by_ranks(self.rank, color, key)
 
     def barrier(self) -> None:
-        """Return once every rank has called ``barrier`` and its queued work has run."""
         stream = self.world._caller_stream(self.rank, None)
         if stream is not None:
             stream.synchronize(self.world.timeout)
@@ -271,109 +110,73 @@ class Comm:
         )
 
 
-@dataclass
-class _Pending:
-    calls: list[_Call | None]
-    arrived: int = 0
-    all_arrived_at: float | None = None
-    done: bool = False
-    launched: Launched | None = None
-    error: BaseException | None = None
-    runner: int = -1
-
-
 class _Rendezvous:
-    """Where per-rank calls meet. Call k of every rank forms one collective.
-
-    Waiting ranks sleep on ``changed``, a native wait counter (futex, GIL released) that
-    moves at every completed collective, abort and close: a waiter reads it, checks its
-    collective, and sleeps until it moves.
-    """
+    """Where a World's per-rank calls meet (:class:`~nccltree.comm.rendezvous.Rendezvous`):
+    call k of every rank forms one collective, run by the last to arrive."""
 
     def __init__(self, world: World) -> None:
         self.world = world
-        self.lock = threading.Lock()
-        self.changed = _native.new_counter()
-        self.next_index = [0] * world.size
-        self.pending: dict[int, _Pending] = {}
+        self.meet: Rendezvous[_Call, Launched] = Rendezvous(world.size)
+        self.changed = self.meet.changed
 
     def wake_all(self) -> None:
         """Wake every waiting rank to look at the World again (abort, close)."""
-        self.changed.add(1)
+        self.meet.wake_all()
 
     def arrive(self, rank: int, call: _Call) -> Any:
         w = self.world
-        n = w.size
         arrived_at = time.monotonic()
-        with self.lock:
-            w._check_usable()
-            idx = self.next_index[rank]
-            self.next_index[rank] += 1
-            p = self.pending.get(idx)
-            if p is None:
-                p = self.pending[idx] = _Pending([None] * n)
-            p.calls[rank] = call
-            p.arrived += 1
-            last = p.arrived == n
-            if last:
-                p.all_arrived_at = time.monotonic()
-                p.runner = rank
-                del self.pending[idx]  # complete: later arrivals make a new one
+        p, last = self.meet.arrive(rank, call, check=w._life.check_usable)
         if not last:
-            self._wait(p, rank, idx, call, arrived_at)
+            self.meet.wait(p, lambda: self._check(p, rank, call, arrived_at))
             return self._result(p, rank)
         try:
-            p.launched = self._run(p)
+            launched, error = self._run(p), None
         except BaseException as exc:  # noqa: BLE001 - handed to every rank
-            p.error = exc
+            launched, error = None, exc
             if not isinstance(exc, (ValueError, TypeError)):
                 w._abort(exc if isinstance(exc, NcclTreeError) else CommError(repr(exc)))
-        p.done = True  # before the counter moves: a waiter checks it after reading it
-        self.changed.add(1)
+        self.meet.finish(p, launched, error)
         return self._result(p, rank)
 
-    def _wait(self, p: _Pending, rank: int, idx: int, call: _Call, arrived_at: float) -> None:
+    def _check(
+        self, p: Meeting[_Call, Launched], rank: int, call: _Call, arrived_at: float
+    ) -> float:
+        """While ``rank`` waits: raise when the World failed or closed or the wait timed
+        out; else the seconds left."""
         w = self.world
-        changed = self.changed
-        while True:
-            seen = changed.value
-            if p.done:
-                return
-            failure = w._failure
-            if failure is not None:
-                # a timeout seen by another rank of this collective is this rank's timeout
-                # too, and ranks that did not arrive are at fault here as well
-                text = f"rank {rank}: {call.collective} #{idx} cannot complete: {failure}"
-                if isinstance(failure, MissingRanks):
-                    raise MissingRanks(text, failure.ranks) from failure
-                kind = CommTimeout if isinstance(failure, CommTimeout) else PeerFailure
-                raise kind(text) from failure
-            if w._closed:
-                raise CommError(f"rank {rank}: the World was closed during {call.collective}")
-            start = p.all_arrived_at if p.all_arrived_at is not None else arrived_at
-            # waiting for late ranks is bounded by the timeout; once all arrived, the runner
-            # has its own timeout on the devices' work, and we allow for it
-            limit = w.timeout if p.all_arrived_at is None else 2 * w.timeout
-            remaining = start + limit - time.monotonic()
-            if remaining <= 0:
-                with self.lock:
-                    missing = [r for r, c in enumerate(p.calls) if c is None]
-                what = f"rank {rank}: {call.collective} #{idx} timed out after {w.timeout:g} s"
-                if missing:
-                    # the blame goes to the ranks that did not arrive, not to this one
-                    exc: CommTimeout = MissingRanks(
-                        f"{what} waiting for rank(s) {missing}, which did not arrive", missing
-                    )
-                else:
-                    exc = CommTimeout(f"{what} waiting for it to run")
-                w._abort(exc)
-                raise exc
-            # no spin: the rank that wakes this one holds the GIL, which this rank needs
-            # next; a spinning rank only meets it on another CPU (see Waiting in
-            # docs/architecture.md)
-            changed.wait(seen + 1, min(remaining, 0.5), 0.0)
+        idx = p.index
+        failure = w._life.failure
+        if failure is not None:
+            # a timeout seen by another rank of this collective is this rank's timeout
+            # too, and ranks that did not arrive are at fault here as well
+            text = f"rank {rank}: {call.collective} #{idx} cannot complete: {failure}"
+            if isinstance(failure, MissingRanks):
+                raise MissingRanks(text, failure.ranks) from failure
+            kind = CommTimeout if isinstance(failure, CommTimeout) else PeerFailure
+            raise kind(text) from failure
+        if w._life.closed:
+            raise CommError(f"rank {rank}: the World was closed during {call.collective}")
+        start = p.all_arrived_at if p.all_arrived_at is not None else arrived_at
+        # waiting for late ranks is bounded by the timeout; once all arrived, the runner
+        # has its own timeout on the devices' work, and we allow for it
+        limit = w.timeout if p.all_arrived_at is None else 2 * w.timeout
+        remaining = start + limit - time.monotonic()
+        if remaining <= 0:
+            missing = self.meet.missing(p)
+            what = f"rank {rank}: {call.collective} #{idx} timed out after {w.timeout:g} s"
+            if missing:
+                # the blame goes to the ranks that did not arrive, not to this one
+                exc: CommTimeout = MissingRanks(
+                    f"{what} waiting for rank(s) {missing}, which did not arrive", missing
+                )
+            else:
+                exc = CommTimeout(f"{what} waiting for it to run")
+            w._abort(exc)
+            raise exc
+        return remaining
 
-    def _result(self, p: _Pending, rank: int) -> Any:
+    def _result(self, p: Meeting[_Call, Launched], rank: int) -> Any:
         if p.error is not None:
             err = p.error
             if isinstance(err, (ValueError, TypeError)):
@@ -385,7 +188,7 @@ class _Rendezvous:
             if rank == p.runner:
                 raise err
             raise PeerFailure(f"rank {rank}: the collective failed: {err}") from err
-        launched = p.launched
+        launched = p.result
         if launched is None:  # barrier
             return None
         call = p.calls[rank]
@@ -401,7 +204,7 @@ class _Rendezvous:
             )
         return launched.results[rank]
 
-    def _run(self, p: _Pending) -> Launched | None:
+    def _run(self, p: Meeting[_Call, Launched]) -> Launched | None:
         calls = [c for c in p.calls if c is not None]
         assert len(calls) == len(p.calls)  # the last rank to arrive runs it
         first = calls[0]

@@ -27,9 +27,11 @@ from . import auto, debug
 from ._args import Array, Launched, Prepared, prepare
 from .algorithms import ALGORITHMS, build_plan
 from .collectives import COLLECTIVES, collective_name
-from .comm import Comm, MissingRanks, _Rendezvous
+from .comm import Comm, _Rendezvous
 from .executor import Buffers, Program
+from .faces import DriverCollectives
 from .flight import FlightRecorder
+from .lifecycle import LifeCycle
 from .p2p import Mailbox
 from .plan import (
     CHUNK_BYTES,
@@ -42,6 +44,7 @@ from .plan import (
     chunk_elements,
     gpu_chunk_bytes,
 )
+from .rendezvous import run_ranks
 from .trace import Span
 from .work import Work
 
@@ -60,14 +63,6 @@ ALGORITHM_CHOICES = (*ALGORITHMS, "nccl", "auto")
 _PLAN_CACHE_PLANS = 256
 _PLAN_CACHE_STEPS = 1 << 20
 
-# How often World.run, while no rank has failed, looks for an abort or a timeout (seconds).
-_RUN_POLL_S = 0.1
-
-
-def _add_note(exc: BaseException, note: str) -> None:
-    if hasattr(exc, "add_note"):  # Python 3.11+
-        exc.add_note(note)
-
 
 # Inline kernels run on ``inline_threads`` threads from these message sizes per rank, on
 # their device's threads below (measured:
@@ -78,7 +73,7 @@ def _add_note(exc: BaseException, note: str) -> None:
 _INLINE_EVERY_CORE_FROM = {False: 512 << 10, True: 8 << 20}
 
 
-class World:
+class World(DriverCollectives):
     """All ranks of one process: ``World(devices, algorithm="tree", topology=None,
     timeout=60.0)``.
 
@@ -120,6 +115,11 @@ class World:
     kernels and NCCL gets ``ncclBfloat16``. On host devices a ``uint16`` numpy buffer
     named so reduces bitwise as the same bits in ``ml_dtypes.bfloat16`` arrays do. Every
     other ``dtype=`` must be the arrays' own (``TypeError`` otherwise).
+
+    The collectives (one array per rank, declared in :mod:`nccltree.comm.faces`):
+    ``all_reduce``, ``reduce``, ``broadcast``, ``all_gather``, ``reduce_scatter``,
+    ``gather``, ``scatter``, ``all_to_all`` and ``shift`` (nccl-tests' ``sendrecv``, a ring
+    shift), plus ``all_to_all_v`` and ``barrier``.
     """
 
     def __init__(
@@ -206,11 +206,16 @@ class World:
         # them take their state when they are enqueued (see executor)
         self._caller_events = [d.new_event() for d in devices]
         self._lock = threading.RLock()  # one collective is launched at a time
-        self._failure: BaseException | None = None
-        self._failed_at: float | None = None  # when _failure was set (run's deadline)
+        #: the last collectives, printed when the World fails (not when ``abort`` is called)
+        self.flight = FlightRecorder()
+        # closed, or failed for good (the first failure and when: run's deadline)
+        self._life = LifeCycle(
+            self.flight,
+            self._describe,
+            "the World is closed",
+            "the World was aborted and is closed for good",
+        )
         self._local = threading.local()  # the argument error raised in this thread
-        self._fail_lock = threading.Lock()
-        self._closed = False
         self._nccl: NcclEngine | None = None
         self._nccl_unusable: str | None = None
         self._watchdog: Watchdog | None = None  # started by the first watched launch
@@ -218,8 +223,6 @@ class World:
             self._nccl_engine()  # fail now, with the reason, rather than at the first call
         self._rendezvous = _Rendezvous(self)
         self._comms = [Comm(self, r) for r in range(self.size)]
-        #: the last collectives, printed when the World fails (not when ``abort`` is called)
-        self.flight = FlightRecorder()
         self._seq = 0
         # comm.split: the ranks meet, the last one makes the groups (see _split_by_ranks)
         self._mailbox = Mailbox(self)  # send/recv (p2p.py)
@@ -241,9 +244,8 @@ class World:
     def close(self) -> None:
         """Finish queued work (within the timeout), stop the streams, destroy NCCL
         communicators. Later calls raise ``CommError``."""
-        if self._closed:
+        if not self._life.close():
             return
-        self._closed = True
         if self._failure is None:
             for st in self._streams:
                 try:
@@ -276,17 +278,7 @@ class World:
     def _abort(self, exc: BaseException, report: bool = True) -> None:
         """Fail for good; ``report``: print the failure and the flight recorder (a
         failure found inside, not an abort the caller asked for)."""
-        with self._fail_lock:
-            first = self._failure is None
-            if first:
-                self._failure = exc
-                self._failed_at = time.monotonic()
-        if first and report:
-            import sys
-
-            names = ",".join(str(getattr(d, "name", "?")) for d in self.devices)
-            text = self.flight.dump(f"the World of {self.size} ranks ({names})")
-            print(f"nccltree: {type(exc).__name__}: {exc}\n{text}", file=sys.stderr, flush=True)
+        self._life.fail(exc, report)
         if self._nccl is not None:
             self._nccl.close(abort=True)
         self._rendezvous.wake_all()
@@ -294,16 +286,27 @@ class World:
         self._mailbox.wake()
 
     def _check_usable(self) -> None:
-        if self._failure is not None:
-            raise PeerFailure(
-                f"the World was aborted and is closed for good: {self._failure}"
-            ) from self._failure
-        if self._closed:
-            raise CommError("the World is closed")
+        self._life.check_usable()
 
     @property
     def aborted(self) -> bool:
-        return self._failure is not None
+        return self._life.failed
+
+    @property
+    def _failure(self) -> BaseException | None:
+        return self._life.failure
+
+    @property
+    def _failed_at(self) -> float | None:
+        return self._life.failed_at
+
+    @property
+    def _closed(self) -> bool:
+        return self._life.closed
+
+    def _describe(self) -> str:
+        names = ",".join(str(getattr(d, "name", "?")) for d in self.devices)
+        return f"the World of {self.size} ranks ({names})"
 
     def _note_p2p(self, op: _Op) -> None:
         """A send or receive in the flight recorder (and the trace log)."""
@@ -430,74 +433,24 @@ class World:
         work: a rank's function may legitimately run for hours.
         """
         self._check_usable()
-        n = self.size
-        results: list[Any] = [None] * n
-        errors: list[tuple[int, int, BaseException]] = []
-        finished = [False] * n
-        first_error_at: list[float] = []
-        cv = threading.Condition()
 
-        def target(r: int) -> None:
-            try:
-                results[r] = fn(self._comms[r], *args)
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-                with cv:
-                    errors.append((len(errors), r, exc))
-                    first_error_at.append(time.monotonic())
-                if not isinstance(exc, PeerFailure) and not self._is_argument_error(exc):
-                    self._abort(PeerFailure(f"rank {r} failed: {exc!r}"))
-            finally:
-                self._local.argument_error = None
-                with cv:
-                    finished[r] = True
-                    cv.notify_all()
+        def on_error(r: int, exc: BaseException) -> None:
+            if not isinstance(exc, PeerFailure) and not self._is_argument_error(exc):
+                self._abort(PeerFailure(f"rank {r} failed: {exc!r}"))
 
-        for r in range(n):
-            t = threading.Thread(target=target, args=(r,), name=f"nccltree-rank{r}", daemon=True)
-            try:
-                t.start()
-            except RuntimeError as exc:  # "can't start new thread": the started ranks
-                # would wait for this one in their first collective
-                err = CommError(f"could not start the thread of rank {r} of {n}: {exc}")
-                self._abort(err)
-                raise err from exc
-        with cv:
-            while not all(finished):
-                starts = [t for t in (self._failed_at, *first_error_at[:1]) if t is not None]
-                if not starts:
-                    # nothing failed yet: wake now and then to see an abort or a timeout
-                    cv.wait(_RUN_POLL_S)
-                    continue
-                remaining = min(starts) + self.timeout - time.monotonic()
-                if remaining <= 0:
-                    break
-                cv.wait(min(remaining, _RUN_POLL_S))
-            stuck = [r for r in range(n) if not finished[r]]
-            errors = sorted(errors, key=lambda e: (isinstance(e[2], PeerFailure), e[0]))
-        if stuck:
-            cause = errors[0][2] if errors else self._failure
-            text = (
-                f"rank(s) {stuck} of {n} did not return within {self.timeout:g} s of the first "
-                "failure"
-                + ("" if cause is None else f" ({type(cause).__name__}: {cause})")
-                + ": stuck outside the collectives, in the function's own code; a thread "
-                "cannot be stopped from outside, so it is left running as a daemon thread"
-            )
-            stuck_exc = MissingRanks(text, stuck)
-            self._abort(stuck_exc)
-            if not errors or isinstance(errors[0][2], PeerFailure):
-                raise stuck_exc from cause
-            _add_note(errors[0][2], f"({text})")
-        if errors:
-            _, rank, first = errors[0]
-            if isinstance(first, MissingRanks):
-                _add_note(
-                    first, f"(rank(s) {list(first.ranks)} of {n} at fault; seen on rank {rank})"
-                )
-            else:
-                _add_note(first, f"(raised on rank {rank} of {n})")
-            raise first
-        return results
+        def cleanup(r: int) -> None:
+            self._local.argument_error = None
+
+        return run_ranks(
+            self.size,
+            lambda r: fn(self._comms[r], *args),
+            on_error=on_error,
+            abort=self._abort,
+            cleanup=cleanup,
+            stuck_after=self.timeout,
+            failed_at=lambda: self._failed_at,
+            failure=lambda: self._failure,
+        )
 
     def _argument_error_raised(self, exc: BaseException) -> None:
         """The rendezvous raises ``exc``, an argument error of a collective, in this
@@ -507,138 +460,7 @@ class World:
     def _is_argument_error(self, exc: BaseException) -> bool:
         return exc is getattr(self._local, "argument_error", None)
 
-    # -- driver side ----------------------------------------------------------------------
-    def all_reduce(
-        self,
-        xs: Sequence[Array],
-        op: str = "sum",
-        outs: Sequence[Array] | None = None,
-        *,
-        streams: Sequence[Stream | None] | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Any:
-        """Every rank gets ``op`` over all ranks' arrays; in place unless ``outs``."""
-        return self._driver("all_reduce", xs, outs, op, 0, streams, async_op, dtype)
-
-    def reduce(
-        self,
-        xs: Sequence[Array],
-        root: int = 0,
-        op: str = "sum",
-        outs: Sequence[Array] | None = None,
-        *,
-        streams: Sequence[Stream | None] | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Any:
-        """The root gets ``op`` over all ranks' arrays; other inputs stay unchanged."""
-        return self._driver("reduce", xs, outs, op, root, streams, async_op, dtype)
-
-    def broadcast(
-        self,
-        xs: Sequence[Array],
-        root: int = 0,
-        outs: Sequence[Array] | None = None,
-        *,
-        streams: Sequence[Stream | None] | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Any:
-        """Every rank gets the root's array."""
-        return self._driver("broadcast", xs, outs, "sum", root, streams, async_op, dtype)
-
-    def all_gather(
-        self,
-        xs: Sequence[Array],
-        outs: Sequence[Array],
-        *,
-        streams: Sequence[Stream | None] | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Any:
-        """``outs[r]`` holds every rank's array, rank i's at ``[i*x.size, (i+1)*x.size)``."""
-        return self._driver("all_gather", xs, outs, "sum", 0, streams, async_op, dtype)
-
-    def reduce_scatter(
-        self,
-        xs: Sequence[Array],
-        outs: Sequence[Array],
-        op: str = "sum",
-        *,
-        streams: Sequence[Stream | None] | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Any:
-        """``outs[r]`` gets block r of ``op`` over all ranks' arrays."""
-        return self._driver("reduce_scatter", xs, outs, op, 0, streams, async_op, dtype)
-
-    def gather(
-        self,
-        xs: Sequence[Array],
-        outs: Sequence[Array],
-        root: int = 0,
-        *,
-        streams: Sequence[Stream | None] | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> list[Array] | Work:
-        """``outs[root]`` gets every rank's array, rank i's at ``[i*x.size, (i+1)*x.size)``;
-        every rank passes an output of that size, only the root's is written."""
-        return cast(
-            "list[Array] | Work",
-            self._driver("gather", xs, outs, "sum", root, streams, async_op, dtype),
-        )
-
-    def scatter(
-        self,
-        xs: Sequence[Array],
-        outs: Sequence[Array],
-        root: int = 0,
-        *,
-        streams: Sequence[Stream | None] | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> list[Array] | Work:
-        """``outs[r]`` gets block r of the root's array (every rank passes an input of
-        that size; only the root's is read)."""
-        return cast(
-            "list[Array] | Work",
-            self._driver("scatter", xs, outs, "sum", root, streams, async_op, dtype),
-        )
-
-    def all_to_all(
-        self,
-        xs: Sequence[Array],
-        outs: Sequence[Array],
-        *,
-        streams: Sequence[Stream | None] | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> list[Array] | Work:
-        """Block q of rank r's array goes to block r of rank q's output (equal blocks; not
-        in place)."""
-        return cast(
-            "list[Array] | Work",
-            self._driver("all_to_all", xs, outs, "sum", 0, streams, async_op, dtype),
-        )
-
-    def sendrecv(
-        self,
-        xs: Sequence[Array],
-        outs: Sequence[Array],
-        *,
-        streams: Sequence[Stream | None] | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> list[Array] | Work:
-        """A ring shift, nccl-tests' sendrecv: rank r's array goes to rank r+1's output,
-        so ``outs[r]`` gets rank r-1's (per rank, ``comm.sendrecv`` names the peers)."""
-        return cast(
-            "list[Array] | Work",
-            self._driver("sendrecv", xs, outs, "sum", 0, streams, async_op, dtype),
-        )
-
+    # -- driver side (the collectives: faces.DriverCollectives over _driver) -------------
     def all_to_all_v(
         self,
         xs: Sequence[Array],
@@ -709,9 +531,9 @@ class World:
         streams: Sequence[Stream | None] | None,
         async_op: bool,
         dtype: DTypeLike | None = None,
-    ) -> Any:
-        """Every driver-side collective: the caller streams, the launch, a Work or the
-        results."""
+    ) -> list[Array] | Work:
+        """Every driver-side collective (:mod:`nccltree.comm.faces`): the caller streams,
+        the launch, a Work or the results."""
         self._check_usable()
         n = self.size
         if streams is None:

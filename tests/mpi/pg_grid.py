@@ -18,6 +18,7 @@ from mpi4py import MPI
 import nccltree as nt
 from nccltree.backends.base import FLOAT_DTYPES
 from nccltree.comm.collectives import COLLECTIVES
+from nccltree.comm.faces import driver_method
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from counting import CountingComm, report
@@ -111,12 +112,13 @@ for alg in args.algorithms.split(","):
         kw = {"root": root} if c.rooted else {}
         if c.reduces:
             kw["op"] = op
+        method = getattr(ref, driver_method(coll))  # sendrecv: the ring shift, shift
         wres = (
-            getattr(ref, coll)(wxs, **kw)
+            method(wxs, **kw)
             if wouts is None
-            else getattr(ref, coll)(wxs, wouts, **kw)
+            else method(wxs, wouts, **kw)
             if not c.one_buffer
-            else getattr(ref, coll)(wxs, outs=wouts, **kw)
+            else method(wxs, outs=wouts, **kw)
         )
         expected = c.expected([f.copy() for f in full], op, root)
         for i, r in enumerate(pg.ranks):

@@ -59,13 +59,14 @@ from .. import auto, debug
 from .._args import Prepared, _device_array, check_call_dtype, prepare
 from ..algorithms import build_plan
 from ..collectives import COLLECTIVES, collective_name
+from ..faces import PointToPoint, RankCollectives
 from ..flight import FlightRecorder
 from ..plan import CHUNK_BYTES, Plan, chunk_elements
 from ..work import Work
 from .engine import Engine, EngineContext
 from .gpu import GpuContext, GpuSide
 from .lifecycle import Lifecycle
-from .local import Collectives, GroupComm, LocalRendezvous, run_local
+from .local import GroupComm, LocalRendezvous, run_local
 from .mpi_collectives import MpiContext, mpi_reduces, run_mpi
 from .node_memory import MAX_LOCAL_RANKS, LauncherWatch, NodeMemory
 from .p2p import GroupP2p, P2pContext
@@ -130,7 +131,7 @@ def _host_devices(pl: Placement, nlocal: int, threads: int) -> tuple[list[Device
     return list(local_devs), every
 
 
-class ProcessGroup(Collectives):
+class ProcessGroup(RankCollectives, PointToPoint):
     """Ranks across processes and nodes (see the module docstring). Made by
     :func:`init_process_group`."""
 
@@ -375,50 +376,15 @@ class ProcessGroup(Collectives):
             return result
 
     # -- point-to-point (p2p.py) ---------------------------------------------------------
-    def send(
-        self, x: Array, peer: int, *, stream: Stream | None = None, dtype: DTypeLike | None = None
+    def _post_p2p(
+        self, kind: str, buf: Array, peer: int, stream: Stream | None, dtype: DTypeLike | None
     ) -> None:
-        """Send ``x`` to rank ``peer`` (matched with its n-th receive from this rank);
-        ``dtype`` as for the collectives (the bytes move as they are)."""
-        x = _p2p_buffer(self, x, "send", dtype)
+        buf = _p2p_buffer(self, buf, kind, dtype)
         self._p2p.drain()
         with self._lock:
-            self._p2p.post("send", x, peer, stream)
-
-    def recv(
-        self,
-        out: Array,
-        peer: int,
-        *,
-        stream: Stream | None = None,
-        dtype: DTypeLike | None = None,
-    ) -> Array:
-        """Receive into ``out`` rank ``peer``'s n-th send to this rank; returns ``out``."""
-        buf = _p2p_buffer(self, out, "recv", dtype)
-        self._p2p.drain()
-        with self._lock:
-            self._p2p.post("recv", buf, peer, stream)
-        return out
-
-    def sendrecv(
-        self,
-        x: Array,
-        dest: int,
-        out: Array,
-        source: int,
-        *,
-        stream: Stream | None = None,
-        dtype: DTypeLike | None = None,
-    ) -> Array:
-        """Send ``x`` to ``dest`` and receive ``out`` from ``source`` in one batch."""
-        with self.batch():
-            self.send(x, dest, stream=stream, dtype=dtype)
-            self.recv(out, source, stream=stream, dtype=dtype)
-        return out
+            self._p2p.post(kind, buf, peer, stream)
 
     def batch(self) -> AbstractContextManager[None]:
-        """``with pg.batch():`` posts this rank's sends and receives and finishes them all
-        at the end of the block (no deadlock when ranks exchange)."""
         return self._p2p.batch()
 
     def all_to_all_v(

@@ -4,15 +4,17 @@ runs the group collective for all of them (as per-rank calls meet in a World).""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from ..._errors import CommError, CommTimeout, PeerFailure
 from ..comm import _dtype_key
+from ..faces import RankCollectives
+from ..rendezvous import Meeting, Rendezvous, run_ranks
 from ..work import Work
 
 if TYPE_CHECKING:
@@ -22,36 +24,35 @@ if TYPE_CHECKING:
     from .group import ProcessGroup
 
 
-class _Meeting:
-    __slots__ = ("collective", "args", "root", "op", "dtype", "results", "error", "done")
-
-    def __init__(self, n: int) -> None:
-        self.collective: list[str | None] = [None] * n
-        self.args: list[tuple[np.ndarray, np.ndarray | None] | None] = [None] * n
-        self.root: list[int] = [0] * n
-        self.op: list[str] = ["sum"] * n
-        self.dtype: list[object] = [None] * n
-        self.results: list[np.ndarray] | None = None
-        self.error: BaseException | None = None
-        self.done = False
+@dataclass
+class _LocalCall:
+    collective: str
+    x: np.ndarray
+    out: np.ndarray | None
+    op: str
+    root: int
+    dtype: object
 
 
 class LocalRendezvous:
-    """Call k of every local rank forms one group collective."""
+    """Call k of every local rank forms one group collective
+    (:class:`~nccltree.comm.rendezvous.Rendezvous`), run by the last to arrive."""
 
     def __init__(self, pg: ProcessGroup) -> None:
         self.pg = pg
         self.n = len(pg.ranks)
-        self.cv = threading.Condition()
-        self.next = [0] * self.n
-        self.meetings: dict[int, _Meeting] = {}
+        self.meet: Rendezvous[_LocalCall, list[np.ndarray]] = Rendezvous(self.n)
         self.aborted: BaseException | None = None
 
     def abort(self, exc: BaseException) -> None:
-        with self.cv:
+        with self.meet.lock:
             if self.aborted is None:
                 self.aborted = exc
-            self.cv.notify_all()
+        self.meet.wake_all()
+
+    def _check(self, i: int) -> None:
+        if self.aborted is not None:
+            raise PeerFailure(f"rank {self.pg.ranks[i]}: {self.aborted}")
 
     def arrive(
         self,
@@ -64,184 +65,63 @@ class LocalRendezvous:
         dtype: object = None,
     ) -> np.ndarray:
         pg = self.pg
-        with self.cv:
-            if self.aborted is not None:
-                raise PeerFailure(f"rank {pg.ranks[i]}: {self.aborted}")
-            k = self.next[i]
-            self.next[i] += 1
-            m = self.meetings.setdefault(k, _Meeting(self.n))
-            m.collective[i], m.args[i], m.op[i], m.root[i] = collective, (x, out), op, root
-            m.dtype[i] = _dtype_key(dtype)
-            last = all(c is not None for c in m.collective)
+        call = _LocalCall(collective, x, out, op, root, _dtype_key(dtype))
+        m, last = self.meet.arrive(i, call, check=lambda: self._check(i))
         if last:
             try:
-                if (
-                    len(set(m.collective)) != 1
-                    or len(set(m.op)) != 1
-                    or len(set(m.root)) != 1
-                    or any(d != m.dtype[0] for d in m.dtype)
-                ):
-                    raise ValueError(
-                        f"the ranks of this process call different collectives: "
-                        f"{list(zip(m.collective, m.op, m.root, m.dtype, strict=True))}"
-                    )
-                args = [a for a in m.args if a is not None]
-                given = [o for _, o in args if o is not None]
-                if given and len(given) != len(args):
-                    raise ValueError("either every rank of this process passes out= or none")
-                m.results = pg.call(
-                    str(m.collective[0]),
-                    [x for x, _ in args],
-                    given or None,
-                    op=m.op[0],
-                    root=m.root[0],
-                    dtype=cast("DTypeLike | None", m.dtype[0]),
-                )
+                results, error = self._run(m), None
             except BaseException as exc:  # noqa: BLE001 - handed to every local rank
-                m.error = exc
-            with self.cv:
-                m.done = True
-                del self.meetings[k]
-                self.cv.notify_all()
+                results, error = None, exc
+            self.meet.finish(m, results, error)
         else:
             deadline = time.monotonic() + pg.timeout
-            with self.cv:
-                while not m.done:
-                    if self.aborted is not None:
-                        raise PeerFailure(f"rank {pg.ranks[i]}: {self.aborted}")
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        missing = [pg.ranks[j] for j, c in enumerate(m.collective) if c is None]
-                        raise CommTimeout(
-                            f"rank {pg.ranks[i]}: waited {pg.timeout:g} s for ranks {missing} "
-                            f"of this process to call {collective}"
-                        )
-                    self.cv.wait(min(left, 0.1))
+
+            def waiting() -> float:
+                self._check(i)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [pg.ranks[j] for j in self.meet.missing(m)]
+                    raise CommTimeout(
+                        f"rank {pg.ranks[i]}: waited {pg.timeout:g} s for ranks {missing} "
+                        f"of this process to call {collective}"
+                    )
+                return left
+
+            self.meet.wait(m, waiting)
         if m.error is not None:
             raise m.error
-        assert m.results is not None
-        return m.results[i]
+        assert m.result is not None
+        return m.result[i]
+
+    def _run(self, m: Meeting[_LocalCall, list[np.ndarray]]) -> list[np.ndarray]:
+        calls = [c for c in m.calls if c is not None]
+        first = calls[0]
+        if any(
+            (c.collective, c.op, c.root) != (first.collective, first.op, first.root)
+            or c.dtype != first.dtype
+            for c in calls
+        ):
+            raise ValueError(
+                f"the ranks of this process call different collectives: "
+                f"{[(c.collective, c.op, c.root, c.dtype) for c in calls]}"
+            )
+        given = [c.out for c in calls if c.out is not None]
+        if given and len(given) != len(calls):
+            raise ValueError("either every rank of this process passes out= or none")
+        return self.pg.call(
+            first.collective,
+            [c.x for c in calls],
+            given or None,
+            op=first.op,
+            root=first.root,
+            dtype=cast("DTypeLike | None", first.dtype),
+        )
 
 
-class Collectives:
-    """The collectives of ``Comm`` (host arrays) on top of one method, ``_call``: shared
-    by :class:`GroupComm` and :class:`~nccltree.comm.group.ProcessGroup`. ``dtype``: as
-    for a World's collectives (None: the arrays' own; ``"bfloat16"`` for ``uint16``
-    arrays of its bits, the CuPy arrays of a GPU group among them)."""
-
-    def _call(
-        self,
-        collective: str,
-        x: np.ndarray,
-        out: np.ndarray | None,
-        op: str,
-        root: int,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> np.ndarray | Work:
-        raise NotImplementedError
-
-    def all_reduce(
-        self,
-        x: np.ndarray,
-        *,
-        out: np.ndarray | None = None,
-        op: str = "sum",
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> np.ndarray | Work:
-        return self._call("all_reduce", x, out, op, 0, stream, async_op, dtype)
-
-    def reduce(
-        self,
-        x: np.ndarray,
-        *,
-        root: int = 0,
-        out: np.ndarray | None = None,
-        op: str = "sum",
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> np.ndarray | Work:
-        return self._call("reduce", x, out, op, root, stream, async_op, dtype)
-
-    def broadcast(
-        self,
-        x: np.ndarray,
-        *,
-        root: int = 0,
-        out: np.ndarray | None = None,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> np.ndarray | Work:
-        return self._call("broadcast", x, out, "sum", root, stream, async_op, dtype)
-
-    def all_gather(
-        self,
-        x: np.ndarray,
-        out: np.ndarray,
-        *,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> np.ndarray | Work:
-        return self._call("all_gather", x, out, "sum", 0, stream, async_op, dtype)
-
-    def reduce_scatter(
-        self,
-        x: np.ndarray,
-        out: np.ndarray,
-        *,
-        op: str = "sum",
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> np.ndarray | Work:
-        return self._call("reduce_scatter", x, out, op, 0, stream, async_op, dtype)
-
-    def gather(
-        self,
-        x: np.ndarray,
-        out: np.ndarray,
-        *,
-        root: int = 0,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> np.ndarray | Work:
-        return self._call("gather", x, out, "sum", root, stream, async_op, dtype)
-
-    def scatter(
-        self,
-        x: np.ndarray,
-        out: np.ndarray,
-        *,
-        root: int = 0,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> np.ndarray | Work:
-        return self._call("scatter", x, out, "sum", root, stream, async_op, dtype)
-
-    def all_to_all(
-        self,
-        x: np.ndarray,
-        out: np.ndarray,
-        *,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> np.ndarray | Work:
-        return self._call("all_to_all", x, out, "sum", 0, stream, async_op, dtype)
-
-
-class GroupComm(Collectives):
+class GroupComm(RankCollectives):
     """The per-rank face of a process group's rank (``pg.comm(i)``), used from that
-    rank's own thread; the same collectives as :class:`~nccltree.comm.Comm`, host arrays,
-    synchronous."""
+    rank's own thread; the same collectives as :class:`~nccltree.comm.Comm`
+    (:mod:`nccltree.comm.faces`), host arrays, synchronous."""
 
     def __init__(self, pg: ProcessGroup, index: int) -> None:
         self.pg = pg
@@ -280,35 +160,17 @@ def run_local(pg: ProcessGroup, fn: Callable[..., object], *args: object) -> lis
     """``fn(pg.comm(i), *args)`` in a thread per rank of this process; each result. An
     exception in one rank's thread releases the others (``PeerFailure``) and is re-raised
     here, naming the rank."""
-    n = len(pg.ranks)
-    results: list[object] = [None] * n
-    errors: list[tuple[int, BaseException]] = []
 
-    def target(i: int) -> None:
-        try:
-            results[i] = fn(pg.comm(i), *args)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-            errors.append((i, exc))
-            if not isinstance(exc, (ValueError, TypeError, PeerFailure)):
-                pg._local.abort(CommError(f"rank {pg.ranks[i]} failed: {exc!r}"))
+    def on_error(i: int, exc: BaseException) -> None:
+        if not isinstance(exc, (ValueError, TypeError, PeerFailure)):
+            pg._local.abort(CommError(f"rank {pg.ranks[i]} failed: {exc!r}"))
 
-    if n == 1:
-        target(0)
-    else:
-        threads = [
-            threading.Thread(
-                target=target, args=(i,), name=f"nccltree-rank{pg.ranks[i]}", daemon=True
-            )
-            for i in range(n)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    if errors:
-        errors.sort(key=lambda e: isinstance(e[1], PeerFailure))
-        i, exc = errors[0]
-        if hasattr(exc, "add_note"):
-            exc.add_note(f"(raised on rank {pg.ranks[i]} of {pg.size})")
-        raise exc
-    return results
+    return run_ranks(
+        len(pg.ranks),
+        lambda i: fn(pg.comm(i), *args),
+        on_error=on_error,
+        abort=pg._local.abort,
+        label=lambda i: pg.ranks[i],
+        size=pg.size,
+        inline_one=True,
+    )

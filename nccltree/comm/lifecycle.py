@@ -1,0 +1,82 @@
+"""The life cycle of a communicator: open, then closed, or failed for good.
+
+A :class:`LifeCycle` holds what every communicator (a World; a process group can take
+the same) decides the same way: whether it is closed, its first failure and when that
+came (later ones never replace it), the check every call makes first, and the report of
+a failure found inside (an error of a collective, a timeout, a dead peer): the failure
+and the flight recorder, the communicator's last collectives, printed to stderr once. An
+``abort`` the caller asks for fails the communicator the same way, without the report.
+
+The owner keeps what only it has to release or wake (streams, NCCL communicators, the
+ranks asleep at its rendezvous): it calls :meth:`LifeCycle.fail` and then wakes them.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from .._errors import CommError, PeerFailure
+from .flight import FlightRecorder
+
+
+class LifeCycle:
+    """``LifeCycle(flight, where, closed_text, failed_text)``: ``where()`` names the
+    communicator in a report (``"the World of 4 ranks (cpu0,...)"``); ``closed_text`` is
+    the ``CommError`` a call to a closed communicator raises; ``failed_text`` starts the
+    ``PeerFailure`` of a call to a failed one (the failure follows it)."""
+
+    def __init__(
+        self,
+        flight: FlightRecorder,
+        where: Callable[[], str],
+        closed_text: str,
+        failed_text: str,
+    ) -> None:
+        self.flight = flight
+        self._where = where
+        self._closed_text = closed_text
+        self._failed_text = failed_text
+        self._lock = threading.Lock()
+        self.closed = False
+        self.failure: BaseException | None = None
+        self.failed_at: float | None = None  # when failure was set
+
+    @property
+    def failed(self) -> bool:
+        return self.failure is not None
+
+    def check_usable(self) -> None:
+        """Raise ``PeerFailure`` (failed, naming why) or ``CommError`` (closed)."""
+        if self.failure is not None:
+            raise PeerFailure(f"{self._failed_text}: {self.failure}") from self.failure
+        if self.closed:
+            raise CommError(self._closed_text)
+
+    def close(self) -> bool:
+        """Mark it closed; False when it was already (a second close does nothing)."""
+        with self._lock:
+            first = not self.closed
+            self.closed = True
+        return first
+
+    def fail(self, exc: BaseException, report: bool = True) -> bool:
+        """Fail for good with ``exc`` unless it failed already (the first failure stays);
+        ``report``: a failure found inside, printed with the flight recorder (not an
+        abort the caller asked for). Returns whether ``exc`` was the first."""
+        with self._lock:
+            first = self.failure is None
+            if first:
+                self.failure = exc
+                self.failed_at = time.monotonic()
+        if first and report:
+            self.report(exc)
+        return first
+
+    def report(self, exc: BaseException) -> str:
+        """Print ``exc`` and the flight recorder to stderr; returns the text."""
+        text = f"nccltree: {type(exc).__name__}: {exc}\n{self.flight.dump(self._where())}"
+        print(text, file=sys.stderr, flush=True)
+        return text

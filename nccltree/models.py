@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 
 # -- shared pieces ------------------------------------------------------------------------
 
+#: What a backward pass calls with each parameter's name once its gradient is final.
+Ready = Callable[[str], None]
+#: What a forward pass keeps for the backward pass of the same batch.
+Cache = dict[str, Any]
+
 
 def _he_normal(rng: np.random.Generator, shape: tuple[int, ...], fan_in: int) -> np.ndarray:
     # He et al. 2015: keeps the activation variance through ReLU layers.
@@ -63,6 +68,19 @@ def _softmax_xent(xp: Any, logits: Any, y: Any) -> tuple[float, Any]:
     logits[rows, y] -= 1.0
     logits *= 1.0 / n
     return loss, logits
+
+
+def _linear_grads(
+    xp: Any, params: FlatParams, layer: str, dout: Any, x_in: Any, ready: Ready
+) -> None:
+    """Write the gradients of the linear layer ``layer`` (``x_in @ weight.T + bias``) for
+    the output gradient ``dout`` into ``params.grad_views``, announcing each when written.
+    """
+    # Straight into the flat grad buffer: no temporaries per parameter.
+    xp.matmul(dout.T, x_in, out=params.grad_views[f"{layer}.weight"])
+    ready(f"{layer}.weight")
+    dout.sum(axis=0, out=params.grad_views[f"{layer}.bias"])
+    ready(f"{layer}.bias")
 
 
 def _ignore(name: str) -> None:
@@ -126,7 +144,7 @@ class Model:
         params: FlatParams,
         x: Any,
         y: Any,
-        ready: Callable[[str], None] | None = None,
+        ready: Ready | None = None,
     ) -> float:
         """Mean softmax cross-entropy of ``(x, y)``; writes the gradients of every
         parameter into ``params.grad_views`` (overwriting them).
@@ -136,23 +154,16 @@ class Model:
         kernels that write it are queued on the current stream)."""
         xp = params.xp
         x, y = _check_batch(xp, params, x, y)
-        cache: dict[str, Any] = {}
+        cache: Cache = {}
         logits = self._forward(xp, params, x, cache=cache)
         loss, dlogits = _softmax_xent(xp, logits, y)
         self._backward(xp, params, dlogits, cache, _ignore if ready is None else ready)
         return loss
 
-    def _forward(self, xp: Any, params: FlatParams, x: Any, cache: dict[str, Any] | None) -> Any:
+    def _forward(self, xp: Any, params: FlatParams, x: Any, cache: Cache | None) -> Any:
         raise NotImplementedError
 
-    def _backward(
-        self,
-        xp: Any,
-        params: FlatParams,
-        dout: Any,
-        cache: dict[str, Any],
-        ready: Callable[[str], None],
-    ) -> None:
+    def _backward(self, xp: Any, params: FlatParams, dout: Any, cache: Cache, ready: Ready) -> None:
         raise NotImplementedError
 
 
@@ -206,7 +217,7 @@ class MLP(Model):
             values[f"fc{i}.bias"] = np.zeros(fan_out)
         return values
 
-    def _forward(self, xp: Any, params: FlatParams, x: Any, cache: dict[str, Any] | None) -> Any:
+    def _forward(self, xp: Any, params: FlatParams, x: Any, cache: Cache | None) -> Any:
         h = x.reshape(x.shape[0], -1)
         if h.shape[1] != self.in_features:
             raise ValueError(
@@ -224,22 +235,11 @@ class MLP(Model):
             cache["acts"] = acts
         return h
 
-    def _backward(
-        self,
-        xp: Any,
-        params: FlatParams,
-        dout: Any,
-        cache: dict[str, Any],
-        ready: Callable[[str], None],
-    ) -> None:
+    def _backward(self, xp: Any, params: FlatParams, dout: Any, cache: Cache, ready: Ready) -> None:
         acts = cache["acts"]
         for i in range(len(self.sizes) - 2, -1, -1):
             x_in = acts[i]
-            # Gradients go straight into the flat grad buffer: no temporaries per parameter.
-            xp.matmul(dout.T, x_in, out=params.grad_views[f"fc{i}.weight"])
-            ready(f"fc{i}.weight")
-            dout.sum(axis=0, out=params.grad_views[f"fc{i}.bias"])
-            ready(f"fc{i}.bias")
+            _linear_grads(xp, params, f"fc{i}", dout, x_in, ready)
             if i > 0:
                 dout = dout @ params.views[f"fc{i}.weight"]
                 dout *= x_in > 0  # ReLU: the layer input is the previous ReLU's output
@@ -394,7 +394,7 @@ class ConvNet(Model):
         w = params.views[f"conv{i}.weight"]
         return w.transpose(2, 3, 1, 0).reshape(-1, w.shape[0])
 
-    def _forward(self, xp: Any, params: FlatParams, x: Any, cache: dict[str, Any] | None) -> Any:
+    def _forward(self, xp: Any, params: FlatParams, x: Any, cache: Cache | None) -> Any:
         n, k = x.shape[0], self.kernel
         if math.prod(x.shape[1:]) != math.prod(self.input_shape):
             raise ValueError(
@@ -426,18 +426,8 @@ class ConvNet(Model):
             cache.update(stages=stages, flat=flat, pooled_shape=h.shape)
         return logits
 
-    def _backward(
-        self,
-        xp: Any,
-        params: FlatParams,
-        dout: Any,
-        cache: dict[str, Any],
-        ready: Callable[[str], None],
-    ) -> None:
-        xp.matmul(dout.T, cache["flat"], out=params.grad_views["fc.weight"])
-        ready("fc.weight")
-        dout.sum(axis=0, out=params.grad_views["fc.bias"])
-        ready("fc.bias")
+    def _backward(self, xp: Any, params: FlatParams, dout: Any, cache: Cache, ready: Ready) -> None:
+        _linear_grads(xp, params, "fc", dout, cache["flat"], ready)
         n, h2, w2, c = cache["pooled_shape"]
         dh = (dout @ params.views["fc.weight"]).reshape(n, c, h2, w2).transpose(0, 2, 3, 1)
         for i in range(len(self.channels) - 1, -1, -1):

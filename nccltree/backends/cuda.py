@@ -412,15 +412,13 @@ class CudaDevice(Device):
         self, shape: ShapeLike, dtype: npt.DTypeLike = "float32", *, stream: Stream | None = None
     ) -> Array:
         with self._allocating(stream) as cp:
-            arr = cp.empty(shape, dtype)
-        return arr
+            return cp.empty(shape, dtype)
 
     def zeros(
         self, shape: ShapeLike, dtype: npt.DTypeLike = "float32", *, stream: Stream | None = None
     ) -> Array:
         with self._allocating(stream) as cp:
-            arr = cp.zeros(shape, dtype)
-        return arr
+            return cp.zeros(shape, dtype)
 
     def pinned_empty(self, shape: ShapeLike, dtype: npt.DTypeLike = "float32") -> np.ndarray:
         return pinned_empty(shape, dtype)

@@ -289,9 +289,9 @@ class RecordDecoder:
     def fill(
         self, values: Sequence[memoryview], x: np.ndarray, y: np.ndarray, transform: Transform
     ) -> None:
+        """Decode ``values`` (one or more records) into the first rows of ``x`` and
+        ``y``, through ``transform``; ``BadRecord`` names the first one that does not fit."""
         n = len(values)
-        if n == 0:
-            return
         if self._records is not None:  # checks the sizes and headers itself
             dst = x[:n] if transform.identity else self._staging(n)
             bad = self._records(values, self._header, LABEL_OFFSET, dst, y[:n])
@@ -384,9 +384,8 @@ class DatumDecoder:
     def fill(
         self, values: Sequence[memoryview], x: np.ndarray, y: np.ndarray, transform: Transform
     ) -> None:
+        """As :meth:`RecordDecoder.fill`."""
         n = len(values)
-        if n == 0:
-            return
         # The first n rows: a short batch (the end of an epoch) fills only part of x.
         dst = x[:n] if transform.identity else self._staging(n)
         prefix = self._prefix

@@ -193,11 +193,12 @@ class Pipeline:
         if slot.pushed is not None:
             slot.pushed.synchronize()  # the last copy out of this host buffer is done
         try:
-            transform = self.transform
-            if transform.spatial:  # random crops and flips are drawn per position
-                t = self.deal.total_ranks
-                transform = transform.at(np.arange(s + first, s + first + len(vals) * t, t))
-            self.decoder.fill(vals, slot.x, slot.y, transform)
+            if vals:  # a rank's share of the last round may be empty: nothing to decode
+                transform = self.transform
+                if transform.spatial:  # random crops and flips are drawn per position
+                    t = self.deal.total_ranks
+                    transform = transform.at(np.arange(s + first, s + first + len(vals) * t, t))
+                self.decoder.fill(vals, slot.x, slot.y, transform)
         except BadRecord as e:
             pos = s + first + e.index * self.deal.total_ranks
             key = self.source.key_of(pos)

@@ -190,6 +190,7 @@ def test_quiet_prints_nothing_but_writes_json(tmp_path, capsys):
     assert len(json.loads(js.read_text())["records"]) == 8
 
 
+@pytest.mark.slow
 def test_plot_is_drawn(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     png = tmp_path / "busbw.png"

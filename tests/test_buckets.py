@@ -159,6 +159,7 @@ def test_the_solver_passes_gradients_to_the_callbacks_that_take_them():
 
 @pytest.mark.parametrize("update_mode", ["allreduce", "root"])
 @pytest.mark.parametrize(("algorithm", "ranks"), [("tree", 3), ("tree", 4), ("direct", 3)])
+@pytest.mark.slow
 def test_bucketed_is_bitwise_the_unbucketed_run(host_devs, db, algorithm, ranks, update_mode):
     ref, _ = train(host_devs, db, ranks, algorithm=algorithm, update_mode=update_mode)
     for size in BUCKETS:
@@ -299,6 +300,7 @@ def test_a_failing_bucket_collective_is_named(host_devs, db, monkeypatch):
 
 @pytest.mark.parametrize("update_mode", ["allreduce", "root"])
 @pytest.mark.parametrize("size", [0, 256])
+@pytest.mark.slow
 def test_float16_hook_trains_and_stays_close(host_devs, db, size, update_mode):
     ref, _ = train(host_devs, db, 3, iters=30, update_mode=update_mode)
     got, dp = train(

@@ -103,6 +103,7 @@ def test_gathered_and_scattered_buffers_set_the_chunk(null):
 
 
 @pytest.mark.parametrize("alg", ["tree", "ring", "direct"])
+@pytest.mark.slow
 def test_results_are_bitwise_the_same_for_every_chunk(alg):
     n, count = 5, 50_003
     rng = np.random.default_rng(7)

@@ -85,6 +85,7 @@ def reference(db, tmp_path_factory):
 
 @pytest.mark.parametrize("update_mode", ["allreduce", "root"])
 @pytest.mark.parametrize("algorithm", ["tree", "ring", "direct"])
+@pytest.mark.slow
 def test_weak_scaling_equals_one_device(host_devs, db, reference, algorithm, update_mode):
     dp, result = train(host_devs, db, 4, 8, algorithm=algorithm, update_mode=update_mode)
     assert_falling(result.losses)

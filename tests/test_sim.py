@@ -194,6 +194,7 @@ PROPERTY_MACHINES = [
 
 
 @pytest.mark.parametrize(("preset", "gpu", "nodes", "issue"), PROPERTY_MACHINES)
+@pytest.mark.slow
 def test_a_plan_takes_at_least_its_critical_path(preset: str, gpu: str, nodes: int,
                                                  issue: float) -> None:  # fmt: skip
     from nccltree.comm.algorithms import build_plan
@@ -215,6 +216,7 @@ def test_a_plan_takes_at_least_its_critical_path(preset: str, gpu: str, nodes: i
 
 
 @pytest.mark.parametrize(("preset", "gpu", "nodes", "issue"), PROPERTY_MACHINES)
+@pytest.mark.slow
 def test_more_bandwidth_never_predicts_a_slower_plan(preset: str, gpu: str, nodes: int,
                                                      issue: float) -> None:  # fmt: skip
     """Doubling the memory, NVLink and network rates (each alone and all together) never
@@ -312,6 +314,7 @@ def test_the_calibrate_command_feeds_simulate(tmp_path: Path,
     assert bench.main(["calibrate", "--ranks", "0"]) == 2
 
 
+@pytest.mark.slow
 def test_simulate_plots(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from nccltree.cli import bench

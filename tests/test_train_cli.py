@@ -237,6 +237,7 @@ def test_a_failing_rank_exits_1_naming_it(capsys, monkeypatch):
     assert "reached" not in out
 
 
+@pytest.mark.subprocess
 def test_ctrl_c_stops_promptly_and_keeps_the_snapshot(tmp_path):
     out_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(REPO))

@@ -94,7 +94,11 @@ NCCL (``fake.nccl``, a ``cupy.cuda.nccl.NcclState``)
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -123,6 +127,8 @@ __all__ = [
     "Token",
     "active",
     "install",
+    "private_kernel_cache",
+    "release_process",
     "set_nccl_available",
     "write_fatbin",
 ]
@@ -186,6 +192,46 @@ def install(
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = mod
+
+
+_kernel_caches: list[str] = []
+
+
+def private_kernel_cache() -> str:
+    """A kernel cache directory of this process alone, made the one nccltree uses
+    (``NCCLTREE_CACHE_DIR``): for the fake GPUs of processes started by a test. In a test
+    run (``NCCLTREE_TEST_TMP``, the run's own temporary folder, which the run removes at
+    its end) it is ``kernel-cache-<pid>`` there, so a process that its test kills leaves
+    nothing behind; elsewhere a temporary directory removed when the process exits (or by
+    :func:`release_process`)."""
+    run_tmp = os.environ.get("NCCLTREE_TEST_TMP")
+    if run_tmp and os.path.isdir(run_tmp):
+        path = os.path.join(run_tmp, f"kernel-cache-{os.getpid()}")
+        os.makedirs(path, exist_ok=True)
+        os.environ["NCCLTREE_CACHE_DIR"] = path
+        return path
+    path = tempfile.mkdtemp(prefix="nccltree-fake-cache-")
+    if not _kernel_caches:
+        atexit.register(_remove_kernel_caches)
+    _kernel_caches.append(path)
+    os.environ["NCCLTREE_CACHE_DIR"] = path
+    return path
+
+
+def _remove_kernel_caches() -> None:
+    while _kernel_caches:
+        shutil.rmtree(_kernel_caches.pop(), ignore_errors=True)
+
+
+def release_process() -> None:
+    """What this process made outside itself, removed: its exported IPC blocks in /dev/shm
+    (which the CUDA driver frees when a process dies) and its private kernel caches. For
+    a test process about to die on purpose with ``os._exit``, which runs no exit
+    handlers; a normal exit does this by itself."""
+    from .cupy.cuda import runtime
+
+    runtime._remove_ipc_files()
+    _remove_kernel_caches()
 
 
 def set_nccl_available(flag: bool) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
-import math
 import os
 import re
 import shutil
@@ -70,6 +69,36 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="the fast inner loop: no tests that start processes (mpi, subprocess), one in "
         f"{QUICK_SAMPLE} of each slow grid, and at least one test of every module",
     )
+    parser.addoption(
+        "--part",
+        metavar="I/N",
+        help="run only part I of N of the selected tests (see split_parts), so that N "
+        "processes can run them side by side (./dev test --quick runs two)",
+    )
+
+
+def split_parts(tests: list[QuickRecord], n: int) -> list[list[QuickRecord]]:
+    """The selected tests in ``n`` parts of about the same cost: the tests that are
+    expensive one by one (marked ``mpi``, ``subprocess``, or ``slow`` and not a case of a
+    grid) all go to the last part, the others are dealt out in turn to the rest (to every
+    part when ``n`` is 1)."""
+    parts: list[list[QuickRecord]] = [[] for _ in range(n)]
+    light = 0
+    for t in tests:
+        heavy = bool(t.markers & HEAVY_MARKERS) or ("slow" in t.markers and t.grid == t.nodeid)
+        if heavy and n > 1:
+            parts[-1].append(t)
+        else:
+            parts[light % max(n - 1, 1)].append(t)
+            light += 1
+    return parts
+
+
+def _part_option(value: str) -> tuple[int, int]:
+    i, _, n = value.partition("/")
+    if not (i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n)):
+        raise pytest.UsageError(f"--part takes I/N with 1 <= I <= N, got {value!r}")
+    return int(i), int(n)
 
 
 @dataclass(frozen=True)
@@ -97,13 +126,15 @@ def quick_selection(tests: Iterable[QuickRecord]) -> list[QuickRecord]:
     """The tests ``--quick`` runs, in collection order. Deterministic, from the markers:
 
     - tests marked ``mpi`` or ``subprocess`` (they start processes) are left out;
-    - of each ``slow`` grid (one parametrised test function, all its cases) the first
-      ``ceil(n / QUICK_SAMPLE)`` by a stable hash of the node id are kept, so every slow
-      grid keeps at least one case and the same cases on every run; a ``slow`` test that
-      is not parametrised is left out;
+    - of each ``slow`` grid (one parametrised test function, all its cases) the cases at
+      positions 0, ``QUICK_SAMPLE``, 2 * ``QUICK_SAMPLE``, ... in collection order are kept:
+      every slow grid keeps at least one case, the same ones on every run and machine, and
+      the first (usually the smallest parameters) among them; a ``slow`` test that is not
+      parametrised is left out;
     - every other test is kept;
-    - a module left with nothing keeps one test: the first by the same hash among its tests
-      not marked ``slow`` (else among all), so each module still runs something.
+    - a module left with nothing keeps one test: the first by a stable hash of the node id
+      among its tests not marked ``slow`` (else among all), so each module still runs
+      something.
     """
     tests = list(tests)
     keep: set[str] = set()
@@ -117,8 +148,7 @@ def quick_selection(tests: Iterable[QuickRecord]) -> list[QuickRecord]:
         else:
             keep.add(t.nodeid)
     for grid in grids.values():
-        grid.sort(key=lambda t: _stable_key(t.nodeid))
-        keep.update(t.nodeid for t in grid[: math.ceil(len(grid) / QUICK_SAMPLE)])
+        keep.update(t.nodeid for t in grid[::QUICK_SAMPLE])
     modules: dict[str, list[QuickRecord]] = {}
     for t in tests:
         modules.setdefault(t.module, []).append(t)
@@ -130,8 +160,14 @@ def quick_selection(tests: Iterable[QuickRecord]) -> list[QuickRecord]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    records = [QuickRecord.of(i) for i in items]
     if config.getoption("quick"):
-        chosen = {t.nodeid for t in quick_selection(QuickRecord.of(i) for i in items)}
+        records = quick_selection(records)
+    if config.getoption("part"):
+        i, n = _part_option(config.getoption("part"))
+        records = split_parts(records, n)[i - 1]
+    if len(records) < len(items):
+        chosen = {t.nodeid for t in records}
         config.hook.pytest_deselected(items=[i for i in items if i.nodeid not in chosen])
         items[:] = [i for i in items if i.nodeid in chosen]
     for item in items:

@@ -170,6 +170,7 @@ def test_bucketed_is_bitwise_the_unbucketed_run(host_devs, db, algorithm, ranks,
         assert np.array_equal(got, ref), (size, float(np.abs(got - ref).max()))
 
 
+@pytest.mark.slow
 def test_ring_buckets_agree_within_rounding(host_devs, db):
     ref, _ = train(host_devs, db, 3, algorithm="ring")
     for size in BUCKETS:
@@ -212,6 +213,7 @@ def test_bad_bucket_arguments_are_rejected(host_devs):
 
 
 @pytest.mark.parametrize("update_mode", ["allreduce", "root"])
+@pytest.mark.slow
 def test_bitwise_under_jitter(host_devs, db, monkeypatch, update_mode):
     ref, _ = train(host_devs, db, 3, update_mode=update_mode)
     monkeypatch.setenv(host.JITTER_ENV, "7:300")

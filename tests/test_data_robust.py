@@ -78,6 +78,7 @@ def test_raw_datum_short_batches(tmp_path):
         assert [len(b) for b in r.batches(1)] == [100, 79]
 
 
+@pytest.mark.slow
 def test_digits_datum_test_split_reads(tmp_path, capsys):
     pytest.importorskip("sklearn")
     db = tmp_path / "B"

@@ -287,6 +287,7 @@ def test_gpu_bf16_all_reduce_nccl_matches_numpy():
 
 
 @pytest.mark.parametrize("fake_cupy", [{"n_gpus": 3}], indirect=True)
+@pytest.mark.slow
 def test_fake_benchmark_bfloat16_on_gpus(fake_cupy: Any, capsys: pytest.CaptureFixture[str]):
     """``nccltree-bench collectives -d bfloat16`` on GPUs: uint16 CuPy buffers, every call
     naming ``dtype="bfloat16"``: no wrong element, bf16 kernels and ncclBfloat16 (wiring

@@ -79,6 +79,7 @@ def _chunks_at_root(plan, root=0):
     )
 
 
+@pytest.mark.slow
 def test_a_256_mib_tree_all_reduce_on_8_gpus_is_16_chunks(null):
     count = 256 * MiB // 4
     with null.null_world(8, "nvswitch8", "tree") as w:

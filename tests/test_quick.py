@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import QUICK_SAMPLE, QuickRecord, collect_ignore, quick_selection
+from conftest import QUICK_SAMPLE, QuickRecord, collect_ignore, quick_selection, split_parts
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -49,11 +49,29 @@ def test_the_rule_samples_slow_grids_and_keeps_every_module() -> None:
     assert "tests/test_a.py::test_forks" not in ids
     assert "tests/test_a.py::test_one_slow" not in ids  # not a grid: left to the full run
     kept = [t for t in grid if t.nodeid in ids]
-    assert len(kept) == math.ceil(60 / QUICK_SAMPLE)
-    assert kept == [t for t in grid if t in quick_selection(reversed(tests))]  # stable
+    assert kept == grid[::QUICK_SAMPLE] and len(kept) == math.ceil(60 / QUICK_SAMPLE)
+    assert [t.nodeid for t in quick_selection(tests)] == ids  # the same on every run
     b = [i for i in ids if i.startswith("tests/test_b.py")]
     assert len(b) == 1 and b[0] in ("tests/test_b.py::test_mpi_1", "tests/test_b.py::test_mpi_2")
     assert [i for i in ids if i.startswith("tests/test_c.py")] == ["tests/test_c.py::test_heavy"]
+
+
+def test_parts_hold_every_test_once_with_the_expensive_ones_apart() -> None:
+    tests = [
+        _record("test_a.py", "test_unit_1"),
+        _record("test_a.py", "test_grid", "slow", case="0"),
+        _record("test_a.py", "test_unit_2"),
+        _record("test_a.py", "test_golden", "slow"),
+        _record("test_b.py", "test_mpi", "mpi"),
+        _record("test_b.py", "test_unit_3"),
+    ]
+    assert split_parts(tests, 1) == [tests]
+    first, second = split_parts(tests, 2)
+    assert [t.nodeid.rsplit("::", 1)[1] for t in second] == ["test_golden", "test_mpi"]
+    assert first == [t for t in tests if t not in second]  # the rest, in order
+    three = split_parts(tests, 3)
+    assert sorted(t.nodeid for part in three for t in part) == sorted(t.nodeid for t in tests)
+    assert [len(part) for part in three] == [2, 2, 2]
 
 
 DUMP = """

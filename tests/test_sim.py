@@ -105,6 +105,7 @@ def test_the_model_against_the_h200_run_on_record() -> None:
     assert sum(0.75 <= x <= 1.25 for x in ratios) >= len(ratios) // 2, ratios
 
 
+@pytest.mark.slow
 def test_the_simulate_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from nccltree.cli import bench
 
@@ -123,6 +124,7 @@ def test_the_simulate_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "16 ranks (nvswitch8 x 2 nodes)" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_nccls_model_finds_the_nvlink_ring_and_its_latency() -> None:
     """The model of NCCL (not NCCL): on a DGX-1 it rides NVLink alone (the hybrid cube
     mesh has NVLink rings), its busbw at large sizes is a GPU's NVLink bandwidth, and a
@@ -141,6 +143,7 @@ def test_nccls_model_finds_the_nvlink_ring_and_its_latency() -> None:
     assert sim._node_busbw(p, list(range(8)))[1] == "pci"
 
 
+@pytest.mark.slow
 def test_calibrate_host_measures_positive_costs_and_the_host_machine_uses_them() -> None:
     cal = sim.calibrate_host((3,), repeats=1, cores=2)
     assert set(cal.copy_gbps) == {1, 2} and len(cal.copy_gbps[2]) == 6
@@ -283,6 +286,7 @@ def test_each_process_issues_its_own_steps() -> None:
         sim.simulate_collective(sim.Machine(topo, H100, issuers=(0, 1)), "ring", "all_reduce", 8)
 
 
+@pytest.mark.slow
 def test_the_calibrate_command_feeds_simulate(tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     """`calibrate --json` writes what `simulate --topo cpu:N --calibration` reads (the

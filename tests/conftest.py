@@ -77,20 +77,31 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+#: with ``--part``, the last part also takes one in this many of the other tests
+LAST_PART_SHARE = 5
+
+
 def split_parts(tests: list[QuickRecord], n: int) -> list[list[QuickRecord]]:
     """The selected tests in ``n`` parts of about the same cost: the tests that are
     expensive one by one (marked ``mpi``, ``subprocess``, or ``slow`` and not a case of a
-    grid) all go to the last part, the others are dealt out in turn to the rest (to every
-    part when ``n`` is 1)."""
+    grid) all go to the last part, which also takes one in ``LAST_PART_SHARE`` of the
+    others; the rest are dealt out in turn to the other parts. (With ``--quick`` and two
+    parts, the two take about as long on an idle machine.)"""
+    if n == 1:
+        return [list(tests)]
     parts: list[list[QuickRecord]] = [[] for _ in range(n)]
-    light = 0
+    light = dealt = 0
     for t in tests:
         heavy = bool(t.markers & HEAVY_MARKERS) or ("slow" in t.markers and t.grid == t.nodeid)
-        if heavy and n > 1:
+        if heavy:
             parts[-1].append(t)
         else:
-            parts[light % max(n - 1, 1)].append(t)
             light += 1
+            if light % LAST_PART_SHARE == 0:
+                parts[-1].append(t)
+            else:
+                parts[dealt % (n - 1)].append(t)
+                dealt += 1
     return parts
 
 

@@ -229,6 +229,11 @@ class Leftovers:
       ``NCCLTREE_TEST_PIDS`` before it runs). Names that carry no creator (MPICH's own
       ``mpich_shm_*``) are not looked at: they cannot be told apart from another run's.
 
+    After each test, the fake CuPy's IPC files of this run whose exporting process is gone are
+    removed (``fakecupy.release_dead_exports``), as the CUDA driver frees the exported
+    memory of a process that dies: a rank that its test kills, or that its launcher ends,
+    runs no exit handlers; an exporter still alive at the end is a leftover.
+
     Each test's new entries are noted after it (a listing of two folders); an entry still
     there when the session ends fails the run, with the test that made it; it is then
     removed, so a failed run does not leave it to the next.
@@ -291,6 +296,9 @@ class Leftovers:
         return found
 
     def note(self, nodeid: str, before: set[str]) -> None:
+        import fakecupy
+
+        fakecupy.release_dead_exports()  # the fake's "driver" frees dead processes' exports
         for path in self.listing() - before:
             self.made_by.setdefault(path, nodeid)
 

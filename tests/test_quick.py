@@ -125,7 +125,7 @@ def test_quick_runs_every_test_module_and_a_sample_of_every_slow_grid(tmp_path: 
 
 
 LEAKY = """
-import os, tempfile
+import os, subprocess, tempfile
 
 def test_leaves_a_temporary_folder():
     tempfile.mkdtemp(prefix="nccltree-left-")
@@ -133,6 +133,12 @@ def test_leaves_a_temporary_folder():
 def test_leaves_a_fake_ipc_file():
     tag = f"{os.getuid()}-s{os.environ['NCCLTREE_TEST_SESSION']}"
     open(f"/dev/shm/fakecupy-ipc-{tag}-{os.getpid()}-10", "w").close()
+
+def test_a_dead_exporters_file_is_released_as_the_driver_would():
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    tag = f"{os.getuid()}-s{os.environ['NCCLTREE_TEST_SESSION']}"
+    open(f"/dev/shm/fakecupy-ipc-{tag}-{gone.pid}-20", "w").close()
 
 def test_leaves_a_segment():
     open(f"/dev/shm/nccltree-{os.getuid()}-t3st-p{os.getpid()}-arena0", "w").close()
@@ -153,7 +159,7 @@ def test_a_run_that_leaves_files_fails_and_names_each_test(tmp_path: Path) -> No
         env={**os.environ, "PYTHONPATH": str(TESTS)},
     )  # fmt: skip
     out = r.stdout
-    assert r.returncode == 1 and "4 passed" in out, out + r.stderr
+    assert r.returncode == 1 and "5 passed" in out, out + r.stderr
     lines = [line for line in out.splitlines() if "(left by " in line]
     assert len(lines) == 3, out
     for test, what in [

@@ -104,7 +104,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
-from . import _kernels
+from . import _core, _kernels
 from ._core import (
     Allocation,
     FakeCuda,
@@ -128,6 +128,7 @@ __all__ = [
     "active",
     "install",
     "private_kernel_cache",
+    "release_dead_exports",
     "release_process",
     "set_nccl_available",
     "write_fatbin",
@@ -232,6 +233,38 @@ def release_process() -> None:
 
     runtime._remove_ipc_files()
     _remove_kernel_caches()
+
+
+def release_dead_exports() -> list[str]:
+    """Remove the IPC files of this test run (``_core.session_tag``) whose exporting
+    process is gone, as the CUDA driver frees a dead process's exported memory: a process
+    that is killed (or ended by its launcher) runs no exit handlers. Returns their paths."""
+    prefix = f"fakecupy-ipc-{_core.session_tag()}-"
+    removed: list[str] = []
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len(prefix) :].split("-", 1)[0] if name.startswith(prefix) else ""
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+            removed.append(os.path.join("/dev/shm", name))
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def set_nccl_available(flag: bool) -> None:

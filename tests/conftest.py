@@ -4,14 +4,24 @@
 is usable; ``gpu`` and ``multi_gpu(n)`` tests are skipped cleanly without enough GPUs.
 ``fake_cupy`` runs nccltree's CUDA code on a fake of CuPy's layer (wiring only, never GPU
 verification; see ``tests/fakecupy``).
+
+``--quick`` (``./dev test --quick``) is the fast inner loop: see :func:`quick_selection`.
+A run fails if its tests leave files behind in ``/dev/shm`` or the temporary folder: see
+:class:`Leftovers`.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
+import os
+import re
+import shutil
 import sys
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +54,133 @@ for _lib, _modules in _NEEDS.items():
         collect_ignore.extend(_modules)
 
 
+# -- the fast inner loop: --quick ------------------------------------------------------------
+
+#: ``--quick`` keeps one in this many tests of each ``slow`` grid (at least one per grid)
+QUICK_SAMPLE = 25
+#: markers of tests that start processes: left out of ``--quick``
+HEAVY_MARKERS = frozenset({"mpi", "subprocess"})
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--quick",
+        action="store_true",
+        help="the fast inner loop: no tests that start processes (mpi, subprocess), one in "
+        f"{QUICK_SAMPLE} of each slow grid, and at least one test of every module",
+    )
+    parser.addoption(
+        "--part",
+        metavar="I/N",
+        help="run only part I of N of the selected tests (see split_parts), so that N "
+        "processes can run them side by side (./dev test --quick runs two)",
+    )
+
+
+#: with ``--part``, the last part also takes one in this many of the other tests
+LAST_PART_SHARE = 5
+
+
+def split_parts(tests: list[QuickRecord], n: int) -> list[list[QuickRecord]]:
+    """The selected tests in ``n`` parts of about the same cost: the tests that are
+    expensive one by one (marked ``mpi``, ``subprocess``, or ``slow`` and not a case of a
+    grid) all go to the last part, which also takes one in ``LAST_PART_SHARE`` of the
+    others; the rest are dealt out in turn to the other parts. (With ``--quick`` and two
+    parts, the two take about as long on an idle machine.)"""
+    if n == 1:
+        return [list(tests)]
+    parts: list[list[QuickRecord]] = [[] for _ in range(n)]
+    light = dealt = 0
+    for t in tests:
+        heavy = bool(t.markers & HEAVY_MARKERS) or ("slow" in t.markers and t.grid == t.nodeid)
+        if heavy:
+            parts[-1].append(t)
+        else:
+            light += 1
+            if light % LAST_PART_SHARE == 0:
+                parts[-1].append(t)
+            else:
+                parts[dealt % (n - 1)].append(t)
+                dealt += 1
+    return parts
+
+
+def _part_option(value: str) -> tuple[int, int]:
+    i, _, n = value.partition("/")
+    if not (i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n)):
+        raise pytest.UsageError(f"--part takes I/N with 1 <= I <= N, got {value!r}")
+    return int(i), int(n)
+
+
+@dataclass(frozen=True)
+class QuickRecord:
+    """What :func:`quick_selection` looks at in a collected test."""
+
+    nodeid: str
+    module: str  # the file, e.g. "tests/test_plans.py"
+    grid: str  # the test function without its parameters, e.g. "tests/test_plans.py::test_x"
+    markers: frozenset[str]
+
+    @classmethod
+    def of(cls, item: pytest.Item) -> QuickRecord:
+        module = item.nodeid.split("::", 1)[0]
+        base = item.nodeid.split("[", 1)[0]
+        return cls(item.nodeid, module, base, frozenset(m.name for m in item.iter_markers()))
+
+
+def _stable_key(nodeid: str) -> str:
+    """A key that orders tests the same way on every machine and run (unlike ``hash``)."""
+    return hashlib.sha1(nodeid.encode()).hexdigest()
+
+
+def quick_selection(tests: Iterable[QuickRecord]) -> list[QuickRecord]:
+    """The tests ``--quick`` runs, in collection order. Deterministic, from the markers:
+
+    - tests marked ``mpi`` or ``subprocess`` (they start processes) are left out;
+    - of each ``slow`` grid (one parametrised test function, all its cases) the cases at
+      positions 0, ``QUICK_SAMPLE``, 2 * ``QUICK_SAMPLE``, ... in collection order are kept:
+      every slow grid keeps at least one case, the same ones on every run and machine, and
+      the first (usually the smallest parameters) among them; a ``slow`` test that is not
+      parametrised is left out;
+    - every other test is kept;
+    - a module left with nothing keeps one test: the first by a stable hash of the node id
+      among its tests not marked ``slow`` (else among all), so each module still runs
+      something.
+    """
+    tests = list(tests)
+    keep: set[str] = set()
+    grids: dict[str, list[QuickRecord]] = {}
+    for t in tests:
+        if t.markers & HEAVY_MARKERS:
+            continue
+        if "slow" in t.markers:
+            if t.grid != t.nodeid:
+                grids.setdefault(t.grid, []).append(t)
+        else:
+            keep.add(t.nodeid)
+    for grid in grids.values():
+        keep.update(t.nodeid for t in grid[::QUICK_SAMPLE])
+    modules: dict[str, list[QuickRecord]] = {}
+    for t in tests:
+        modules.setdefault(t.module, []).append(t)
+    for members in modules.values():
+        if not any(t.nodeid in keep for t in members):
+            stand_in = min(members, key=lambda t: ("slow" in t.markers, _stable_key(t.nodeid)))
+            keep.add(stand_in.nodeid)
+    return [t for t in tests if t.nodeid in keep]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    records = [QuickRecord.of(i) for i in items]
+    if config.getoption("quick"):
+        records = quick_selection(records)
+    if config.getoption("part"):
+        i, n = _part_option(config.getoption("part"))
+        records = split_parts(records, n)[i - 1]
+    if len(records) < len(items):
+        chosen = {t.nodeid for t in records}
+        config.hook.pytest_deselected(items=[i for i in items if i.nodeid not in chosen])
+        items[:] = [i for i in items if i.nodeid in chosen]
     for item in items:
         need = 0
         if item.get_closest_marker("gpu") is not None:
@@ -56,6 +192,163 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(
                 pytest.mark.skip(reason=f"needs {need} CUDA GPU(s), {gpu_count()} usable")
             )
+
+
+# -- leftovers: what the tests leave in /dev/shm and the temporary folder ----------------------
+
+#: this session's process id, inherited by every process a test starts (fakecupy's files in
+#: /dev/shm carry it in their names)
+SESSION_ENV = "NCCLTREE_TEST_SESSION"
+#: a file to which ``tests/mpirun.py`` appends the process id of each rank it starts
+PIDS_ENV = "NCCLTREE_TEST_PIDS"
+SHM_DIR = "/dev/shm"
+#: nccltree's shared-memory segments: ``nccltree-<uid>-<job>-p<creator pid>-<what>``
+_SEGMENT = re.compile(r"^nccltree-(\d+|u)-[0-9a-zA-Z]+-p(\d+)-")
+
+
+@dataclass
+class Leftovers:
+    """Fails the run if its tests leave files behind, naming the test that made each.
+
+    Other test runs may share the machine and create and remove files in the same places
+    at the same time, so a file counts as this run's only by a rule that cannot match
+    another run's:
+
+    - The temporary folder is this run's own: ``TMPDIR`` (and ``tempfile.tempdir``) point
+      at a fresh ``nccltree-tests-<pid>-*`` folder in the system's, for this process and
+      every process a test starts (pytest's own ``tmp_path`` folders stay where they were,
+      ``PYTEST_DEBUG_TEMPROOT``; ``NCCLTREE_TEST_TMP`` names it for the tests' processes).
+      A ``nccltree-*`` entry left in it is a leftover; the folder and anything else in it
+      (an MPI launcher's files, the fake GPUs' per-process kernel caches) are removed at
+      the end.
+    - ``/dev/shm``: a ``fakecupy-*`` entry whose name carries this run's tag
+      (``fakecupy._core.session_tag``: the user and this process's id, which the tests'
+      processes inherit in ``NCCLTREE_TEST_SESSION``); and a nccltree segment
+      (``nccltree-<uid>-<job>-p<pid>-...``) created by this process or by an MPI rank that
+      ``tests/mpirun.py`` started (each rank appends its process id to the file named by
+      ``NCCLTREE_TEST_PIDS`` before it runs). Names that carry no creator (MPICH's own
+      ``mpich_shm_*``) are not looked at: they cannot be told apart from another run's.
+
+    After each test, the fake CuPy's IPC files of this run whose exporting process is gone are
+    removed (``fakecupy.release_dead_exports``), as the CUDA driver frees the exported
+    memory of a process that dies: a rank that its test kills, or that its launcher ends,
+    runs no exit handlers; an exporter still alive at the end is a leftover.
+
+    Each test's new entries are noted after it (a listing of two folders); an entry still
+    there when the session ends fails the run, with the test that made it; it is then
+    removed, so a failed run does not leave it to the next.
+    """
+
+    session: str
+    tmp: str
+    system_tmp: str
+    pids_file: str
+    uid: str = field(default_factory=lambda: str(os.getuid()) if hasattr(os, "getuid") else "u")
+    made_by: dict[str, str] = field(default_factory=dict)
+    at_start: set[str] = field(default_factory=set)
+
+    @classmethod
+    def start(cls) -> Leftovers:
+        system_tmp = tempfile.gettempdir()
+        session = str(os.getpid())
+        tmp = tempfile.mkdtemp(prefix=f"nccltree-tests-{session}-", dir=system_tmp)
+        self = cls(session, tmp, system_tmp, os.path.join(tmp, "rank-pids"))
+        os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", system_tmp)
+        os.environ["TMPDIR"] = tmp
+        tempfile.tempdir = tmp
+        os.environ[SESSION_ENV] = session
+        os.environ["NCCLTREE_TEST_TMP"] = tmp
+        os.environ[PIDS_ENV] = self.pids_file
+        self.at_start = self.listing()
+        return self
+
+    def _pids(self) -> set[str]:
+        pids = {self.session}
+        try:
+            with open(self.pids_file) as f:
+                pids.update(f.read().split())
+        except FileNotFoundError:
+            pass
+        return pids
+
+    def listing(self) -> set[str]:
+        """The paths that are this run's by the rules above."""
+        found: set[str] = set()
+        try:
+            shm = os.listdir(SHM_DIR)
+        except OSError:
+            shm = []
+        fake_tag = f"-{self.uid}-s{self.session}-"
+        pids: set[str] | None = None
+        for name in shm:
+            if name.startswith("fakecupy-") and fake_tag in name:
+                found.add(os.path.join(SHM_DIR, name))
+            elif (m := _SEGMENT.match(name)) and m.group(1) == self.uid:
+                pids = self._pids() if pids is None else pids
+                if m.group(2) in pids:
+                    found.add(os.path.join(SHM_DIR, name))
+        try:
+            found.update(
+                os.path.join(self.tmp, n) for n in os.listdir(self.tmp) if n.startswith("nccltree")
+            )
+        except OSError:
+            pass
+        return found
+
+    def note(self, nodeid: str, before: set[str]) -> None:
+        import fakecupy
+
+        fakecupy.release_dead_exports()  # the fake's "driver" frees dead processes' exports
+        for path in self.listing() - before:
+            self.made_by.setdefault(path, nodeid)
+
+    def finish(self) -> list[str]:
+        """Lines naming each leftover and its test (empty: none); removes them all."""
+        lines = []
+        for path in sorted(self.listing() - self.at_start):
+            who = self.made_by.get(path, "outside any test (collection or a fixture)")
+            lines.append(f"{path}  (left by {who})")
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        tempfile.tempdir = None
+        os.environ.pop("TMPDIR", None)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        return lines
+
+
+_LEFTOVERS = pytest.StashKey[Leftovers]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_LEFTOVERS] = Leftovers.start()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    leftovers = item.config.stash[_LEFTOVERS]
+    before = leftovers.listing()
+    yield
+    leftovers.note(item.nodeid, before)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    lines = session.config.stash[_LEFTOVERS].finish()
+    if lines:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        text = "\n".join(["tests left files behind (removed now):", *lines])
+        if reporter is not None:
+            reporter.write_sep("=", "leftovers", red=True)
+            reporter.write_line(text)
+        else:
+            print(text, file=sys.stderr)
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(params=["host", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -7,6 +7,11 @@ where ``mpiexec`` or ``mpi4py`` is missing. ``faults=True`` adds
 ``-disable-auto-cleanup``: MPICH's launcher otherwise kills the survivors about 0.1 s
 after one process dies, which would make fault tests pass without nccltree doing
 anything.
+
+Each rank first appends its process id to the file named by ``NCCLTREE_TEST_PIDS`` where
+that is set (``tests/conftest.py`` sets it), then becomes the program (``exec``, the same
+process id): the test run tells the shared-memory segments its ranks leave from those of
+other runs by that list.
 """
 
 from __future__ import annotations
@@ -47,6 +52,13 @@ needs_mpi = pytest.mark.skipif(
 Part = tuple[int, Mapping[str, str]] | tuple[int, Mapping[str, str], str]
 
 
+def _recorded() -> list[str]:
+    """A prefix that makes a rank write down its process id first (see the docstring)."""
+    if not os.environ.get("NCCLTREE_TEST_PIDS"):
+        return []
+    return ["sh", "-c", 'echo $$ >> "$NCCLTREE_TEST_PIDS" && exec "$@"', "rank"]
+
+
 def run_mpi(
     parts: int | Sequence[Part],
     script: str | os.PathLike[str],
@@ -74,7 +86,7 @@ def run_mpi(
         cmd += ["-n", str(n)]
         for k, v in penv.items():
             cmd += ["-env", k, v]
-        line = [sys.executable, str(script), *args]
+        line = [*_recorded(), sys.executable, str(script), *args]
         if len(part) == 3:
             # a shell line around the program: "{cmd}" stands for it
             line = ["sh", "-c", part[2].replace("{cmd}", shlex.join(line))]  # type: ignore[misc]

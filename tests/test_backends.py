@@ -231,6 +231,7 @@ def test_scaled_reduce_is_bitwise_reduce_then_scale(dev, dtype, k, n):
 @pytest.mark.parametrize(
     ("dtype", "n"), [(np.float32, 5000), (np.float32, 33), (np.float16, 300), (np.int32, 5000)]
 )
+@pytest.mark.slow
 def test_reduce_into_any_source_of_more_than_one_kernel_takes(dev, dtype, n):
     # dst = srcs[k] with k past the first pass must not be read after that pass wrote it
     rng = np.random.default_rng(n)

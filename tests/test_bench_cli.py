@@ -44,6 +44,7 @@ def table_rows(out: str) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.slow
 def test_collectives_table_json_and_csv(n, tmp_path, capsys):
     js, cs = tmp_path / "r.json", tmp_path / "r.csv"
     code, out, err = run(
@@ -191,6 +192,7 @@ def test_quiet_prints_nothing_but_writes_json(tmp_path, capsys):
     assert len(json.loads(js.read_text())["records"]) == 8
 
 
+@pytest.mark.slow
 def test_plot_is_drawn(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     png = tmp_path / "busbw.png"
@@ -337,6 +339,7 @@ def test_train_bad_flags_fail_before_training(capsys):
     assert code == 2 and "accepted forms" in err
 
 
+@pytest.mark.slow
 def test_train_bucket_sweep_table_json_and_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     js, png = tmp_path / "b.json", tmp_path / "b.png"

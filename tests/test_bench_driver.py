@@ -157,6 +157,7 @@ def test_count_wrong():
 
 
 @pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.slow
 def test_every_collective_is_right_and_figures_are_consistent(make_devices, n):
     devs = make_devices(n)
     with drv.Benchmark(

@@ -36,6 +36,7 @@ def no_gpus(monkeypatch):
     monkeypatch.setattr(backends, "gpu_count", lambda: 0)
 
 
+@pytest.mark.subprocess
 def test_pasted_nccl_tests_line_runs_as_a_subprocess():
     # all_reduce_perf -b 8 -e 1K -f 2 -g 2, with nccltree-bench collectives in front
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")

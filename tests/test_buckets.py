@@ -159,6 +159,7 @@ def test_the_solver_passes_gradients_to_the_callbacks_that_take_them():
 
 @pytest.mark.parametrize("update_mode", ["allreduce", "root"])
 @pytest.mark.parametrize(("algorithm", "ranks"), [("tree", 3), ("tree", 4), ("direct", 3)])
+@pytest.mark.slow
 def test_bucketed_is_bitwise_the_unbucketed_run(host_devs, db, algorithm, ranks, update_mode):
     ref, _ = train(host_devs, db, ranks, algorithm=algorithm, update_mode=update_mode)
     for size in BUCKETS:
@@ -169,6 +170,7 @@ def test_bucketed_is_bitwise_the_unbucketed_run(host_devs, db, algorithm, ranks,
         assert np.array_equal(got, ref), (size, float(np.abs(got - ref).max()))
 
 
+@pytest.mark.slow
 def test_ring_buckets_agree_within_rounding(host_devs, db):
     ref, _ = train(host_devs, db, 3, algorithm="ring")
     for size in BUCKETS:
@@ -211,6 +213,7 @@ def test_bad_bucket_arguments_are_rejected(host_devs):
 
 
 @pytest.mark.parametrize("update_mode", ["allreduce", "root"])
+@pytest.mark.slow
 def test_bitwise_under_jitter(host_devs, db, monkeypatch, update_mode):
     ref, _ = train(host_devs, db, 3, update_mode=update_mode)
     monkeypatch.setenv(host.JITTER_ENV, "7:300")
@@ -299,6 +302,7 @@ def test_a_failing_bucket_collective_is_named(host_devs, db, monkeypatch):
 
 @pytest.mark.parametrize("update_mode", ["allreduce", "root"])
 @pytest.mark.parametrize("size", [0, 256])
+@pytest.mark.slow
 def test_float16_hook_trains_and_stays_close(host_devs, db, size, update_mode):
     ref, _ = train(host_devs, db, 3, iters=30, update_mode=update_mode)
     got, dp = train(

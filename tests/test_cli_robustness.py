@@ -208,6 +208,7 @@ def test_run_main_exits_quietly_on_a_closed_pipe(capsys):
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.subprocess
 def test_a_closed_stdout_ends_the_command_like_a_unix_tool():
     argv = [sys.executable, "-m", "nccltree.cli.bench", "topo", "--preset", "dgx1"]
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
@@ -221,6 +222,7 @@ def test_a_closed_stdout_ends_the_command_like_a_unix_tool():
 # -- ./dev --------------------------------------------------------------------------------
 
 
+@pytest.mark.subprocess
 def test_dev_help_prints_the_usage_only():
     res = subprocess.run(
         [str(ROOT / "dev"), "--help"], capture_output=True, text=True, timeout=30, check=True
@@ -246,6 +248,7 @@ def _plans_bound(bench: drv.Benchmark, coll: str, size: int) -> None:
 
 @pytest.mark.parametrize("preset", [None, "k80x4", "dgx1"])
 @pytest.mark.parametrize("coll", list(COLLECTIVES))
+@pytest.mark.slow
 def test_the_estimate_covers_every_plans_scratch_and_staging(preset, coll):
     topo = nt.Topology.preset(preset) if preset else None
     devs = nt.devices(f"cpu:{topo.n if topo else 3}")
@@ -264,6 +267,7 @@ def test_the_estimate_covers_every_plans_scratch_and_staging(preset, coll):
 
 
 @pytest.mark.parametrize("coll", list(COLLECTIVES))
+@pytest.mark.slow
 def test_the_estimate_covers_what_a_sweep_allocates(coll):
     size = 4 << 20
     with drv.Benchmark(

@@ -137,6 +137,7 @@ def worlds():
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("alg", ALGS)
+@pytest.mark.slow
 def test_tiny_sizes_every_combination(worlds, n, alg):
     # streams executor (inline off): sizes 0, 1 and odd, with 16-element chunks
     check_grid(worlds(n, alg, False), sizes=(0, 1, 37))
@@ -144,12 +145,14 @@ def test_tiny_sizes_every_combination(worlds, n, alg):
 
 @pytest.mark.parametrize("n", [2, 3, 5])
 @pytest.mark.parametrize("alg", ALGS)
+@pytest.mark.slow
 def test_inline_executor_matches(worlds, n, alg):
     check_grid(worlds(n, alg, True), sizes=(1, 37), dtypes=("float32", "int32"))
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("alg", ALGS)
+@pytest.mark.slow
 def test_mib_sizes(n, alg):
     with nt.World(nt.devices(f"cpu:{n}"), algorithm=alg, chunk_bytes=256 << 10) as w:
         check_grid(
@@ -163,6 +166,7 @@ def test_mib_sizes(n, alg):
 
 @pytest.mark.parametrize("n", [2, 3, 5])
 @pytest.mark.parametrize("alg", ALGS)
+@pytest.mark.slow
 def test_mean_is_bitwise_the_sum_times_the_reciprocal(n, alg):
     # the 1/n is folded into the sum that finishes each piece: the same operations as a
     # sum followed by a scale, on the numpy path (small pieces) and in the kernels
@@ -197,6 +201,7 @@ def test_repeated_runs_are_bitwise_equal(alg):
 
 
 @pytest.mark.parametrize("preset", ["dgx1", "pcie2s8", "k80x4"])
+@pytest.mark.slow
 def test_presets_tree(preset):
     topo = nt.Topology.preset(preset)
     with nt.World(
@@ -290,6 +295,7 @@ def test_auto_choice_and_plan_inspection():
 
 @pytest.mark.parametrize("n", [3, 4])
 @pytest.mark.parametrize("alg", ALGS)
+@pytest.mark.slow
 def test_under_jitter(monkeypatch, n, alg):
     # Seeded random delays before every stream op: a missing wait anywhere in a plan
     # turns into a wrong answer here.
@@ -302,6 +308,7 @@ def test_under_jitter(monkeypatch, n, alg):
 
 
 @pytest.mark.parametrize("alg", ALGS)
+@pytest.mark.slow
 def test_staged_topology_under_jitter(monkeypatch, alg):
     monkeypatch.setenv("NCCLTREE_HOST_JITTER", "11:200")
     topo = nt.Topology.preset("pcie2s8")
@@ -318,6 +325,7 @@ def test_staged_topology_under_jitter(monkeypatch, alg):
 
 @pytest.mark.parametrize("n", [3, 5])
 @pytest.mark.parametrize("alg", ALGS)
+@pytest.mark.slow
 def test_awkward_sizes_every_dtype(n, alg):
     # counts whose per-rank slices and blocks fall off 16-byte boundaries, chunks of a size
     # that is no multiple of 256 bytes: however the plan rounds its slices and chunks to

@@ -190,6 +190,7 @@ def logical_world(backend: str, request: pytest.FixtureRequest) -> Iterator[nt.W
 
 
 @pytest.mark.parametrize("logical_world", ["tree", "ring", "direct"], indirect=True)
+@pytest.mark.slow
 def test_logical_ranks_every_collective(logical_world: nt.World) -> None:
     checked = check_grid(logical_world, SMALL_COUNTS)
     assert checked > 200  # the grid really ran (every collective x op x dtype x placement)

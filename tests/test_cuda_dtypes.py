@@ -57,6 +57,8 @@ def int_sources(dtype: type, k: int, n: int, seed: int) -> list[np.ndarray]:
 # ---- anywhere (with nvcc): the wrappers' arguments are the kernels' parameters ----
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_bfloat16_wrapper_arguments_match_the_kernel_signatures(
     launch_recorder,  # noqa: F811
     ptx_params,  # noqa: F811
@@ -84,6 +86,7 @@ def test_bfloat16_wrapper_arguments_match_the_kernel_signatures(
 
 
 @pytest.mark.parametrize("dtype", [np.int8, np.uint8])
+@pytest.mark.subprocess
 def test_8bit_wrapper_arguments_match_the_kernel_signatures(
     launch_recorder,  # noqa: F811
     ptx_params,  # noqa: F811

@@ -39,6 +39,7 @@ def kernel_names() -> list[str]:
 # ---- anywhere ----
 
 
+@pytest.mark.subprocess
 def test_import_needs_no_cupy() -> None:
     code = "import sys, nccltree._cuda_kernels; assert 'cupy' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -91,6 +92,8 @@ def ptx_params(tmp_path_factory) -> dict[str, list[int]]:
     return out
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_source_defines_every_kernel_the_wrappers_use(ptx_params) -> None:
     assert set(kernel_names()) <= set(ptx_params)
 
@@ -149,6 +152,7 @@ def _arg_size(arg) -> int:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.subprocess
 def test_wrapper_arguments_match_the_kernel_signatures(launch_recorder, ptx_params, dtype) -> None:
     n = 1000
     arrays = [FakeArray(np.zeros(n, dtype)) for _ in range(4)]
@@ -283,6 +287,7 @@ int main() {
 """
 
 
+@pytest.mark.subprocess
 def test_kernel_index_arithmetic_on_the_host(tmp_path) -> None:
     cxx = shutil.which("g++") or shutil.which("clang++")
     if cxx is None:

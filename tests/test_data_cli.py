@@ -78,6 +78,7 @@ def _train(X, y, Xt, yt, hidden: int | None, steps: int = 300, bs: int = 32) -> 
     return float((forward(Xt)[-1].argmax(1) == yt).mean())
 
 
+@pytest.mark.slow
 def test_synthetic_is_learnable_but_not_linear():
     X, y = synthetic()
     Xt, yt = synthetic(2000, split="test")
@@ -95,6 +96,7 @@ def test_digits_without_scikit_learn(monkeypatch):
         digits()
 
 
+@pytest.mark.slow
 def test_digits_with_scikit_learn():
     pytest.importorskip("sklearn")
     X, y = digits()

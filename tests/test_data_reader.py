@@ -80,6 +80,7 @@ def small_path(request, monkeypatch):
 @pytest.mark.usefixtures("small_path")
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("batch_size", [1, 3, 4])
+@pytest.mark.slow
 def test_round_robin_rule(db10, ranks, batch_size):
     n, rounds = 10, 7  # 7 rounds wrap around the 10 records several times
     with DataReader(db10, batch_size, ranks) as r:
@@ -508,6 +509,7 @@ def test_garbage_record_in_shuffled_datum_db(tmp_path):
             r.next_batch()
 
 
+@pytest.mark.subprocess
 def test_process_exits_with_an_open_reader_and_a_waiting_thread(db10):
     code = f"""
 import threading

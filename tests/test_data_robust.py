@@ -78,6 +78,7 @@ def test_raw_datum_short_batches(tmp_path):
         assert [len(b) for b in r.batches(1)] == [100, 79]
 
 
+@pytest.mark.slow
 def test_digits_datum_test_split_reads(tmp_path, capsys):
     pytest.importorskip("sklearn")
     db = tmp_path / "B"
@@ -344,6 +345,8 @@ def _check_complete_or_absent(db: Path, n: int) -> bool:
     return True
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_write_killed_at_random_leaves_nothing_partial(tmp_path):
     n = 24_000  # ~25 MB in 1 MiB transactions: a kill lands mid-write most times
     rng = random.Random(13)
@@ -373,6 +376,8 @@ def test_write_killed_at_random_leaves_nothing_partial(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["db"]
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_make_killed_then_rerun(tmp_path):
     db = tmp_path / "syn"
     exe = [sys.executable, "-m", "nccltree.cli.data", "make", "synthetic", str(db)]

@@ -68,6 +68,7 @@ w.close()
 """
 
 
+@pytest.mark.subprocess
 def test_debug_info_says_what_auto_chose_and_why_and_each_plan_once() -> None:
     r = _run(CODE, "INFO")
     assert r.returncode == 0, r.stderr
@@ -83,6 +84,8 @@ def test_debug_info_says_what_auto_chose_and_why_and_each_plan_once() -> None:
     assert not any("TRACE" in line for line in lines)
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_debug_trace_adds_every_call_and_unset_says_nothing() -> None:
     r = _run(CODE, "trace")
     calls = [line for line in r.stderr.splitlines() if line.startswith("nccltree TRACE")]

@@ -76,6 +76,7 @@ def worlds():
 @pytest.mark.parametrize("alg", ALGS)
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("coll", REDUCING)
+@pytest.mark.slow
 def test_uint16_named_bfloat16_reduces_bitwise_as_bfloat16(worlds, coll, n, alg, inline):
     world = worlds(n, alg, inline)
     c = COLLECTIVES[coll]

@@ -75,6 +75,7 @@ def bits(a: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("spec", ["gpu:0,1,2", "gpu:0,0,0"], ids=["3gpus", "shared"])
 @pytest.mark.parametrize("alg", ALGS)
+@pytest.mark.slow
 def test_fake_world_reductions_launch_the_bf16_kernels(fake_cupy: Any, alg: str, spec: str):
     """Every reducing collective on uint16 CuPy arrays named bfloat16: only ``_bf16``
     reduce kernels are launched, and the values are the host World's bitwise (the fake
@@ -286,6 +287,7 @@ def test_gpu_bf16_all_reduce_nccl_matches_numpy():
 
 
 @pytest.mark.parametrize("fake_cupy", [{"n_gpus": 3}], indirect=True)
+@pytest.mark.slow
 def test_fake_benchmark_bfloat16_on_gpus(fake_cupy: Any, capsys: pytest.CaptureFixture[str]):
     """``nccltree-bench collectives -d bfloat16`` on GPUs: uint16 CuPy buffers, every call
     naming ``dtype="bfloat16"``: no wrong element, bf16 kernels and ncclBfloat16 (wiring

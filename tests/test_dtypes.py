@@ -109,6 +109,7 @@ def bits(a: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("inline", [False, True], ids=["streams", "inline"])
 @pytest.mark.parametrize("n", [3, 4, 5])
 @pytest.mark.parametrize("alg", ALGS)
+@pytest.mark.slow
 def test_every_collective_bitwise_against_its_plan_in_numpy(worlds, alg, n, inline):  # noqa: F811
     world = worlds(n, alg, inline)
     checked = 0

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
@@ -21,6 +23,8 @@ def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_bounds_and_regret_on_a_tiny_sweep(tmp_path):
     out = tmp_path / "es.json"
     p = run(
@@ -39,6 +43,7 @@ def test_bounds_and_regret_on_a_tiny_sweep(tmp_path):
     assert "| ranks | size | auto ran |" in p.stdout
 
 
+@pytest.mark.subprocess
 def test_fewer_than_five_repetitions_are_refused(tmp_path):
     p = run("--reps", "4", "--out", str(tmp_path / "x.json"), cwd=BENCH)
     assert p.returncode == 2

@@ -45,6 +45,7 @@ def test_torch_dlpack_example() -> None:
 
 
 @pytest.mark.parametrize("spec", ["cpu:4", "cpu:3"])
+@pytest.mark.subprocess
 def test_the_vocabulary_example_checks_every_operation(spec: str) -> None:
     import subprocess
     import sys

@@ -81,6 +81,7 @@ def _expected(collective: str, op: str, host: list[np.ndarray], root: int, rank:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("collective", COLLECTIVES)
+@pytest.mark.slow
 def test_every_collective_dtype_and_op_calls_nccl_right(
     world: Any, fake_cupy: Any, collective: str, dtype: Any
 ) -> None:
@@ -256,6 +257,7 @@ def _wait_until(predicate: Any, limit: float = 10.0) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_watchdog_aborts_work_that_never_completes(world: Any, fake_cupy: Any) -> None:
     """NCCL work that never completes: the call returns at once (stream-ordered), and the
     watchdog aborts the communicators and fails the World once the timeout passes; every

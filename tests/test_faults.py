@@ -114,6 +114,7 @@ def _call(comm, collective: str) -> None:
     "collective", ["all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"]
 )
 @pytest.mark.parametrize("stage", ["before", "between", "after"])
+@pytest.mark.slow
 def test_rank_that_raises_makes_others_fail_quickly(stage, collective):
     with world(n=4, timeout=30) as w:
         outcome = {}

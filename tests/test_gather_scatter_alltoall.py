@@ -48,6 +48,7 @@ def _check(coll: str, full: list[np.ndarray], xs: list[Any], outs: list[Any], ro
 
 @pytest.mark.parametrize("alg", ["tree", "ring", "direct", "auto"])
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+@pytest.mark.slow
 def test_every_new_collective_matches_numpy(alg: str, n: int) -> None:
     world = nt.World(nt.devices(f"cpu:{n}"), algorithm=alg)
     try:

@@ -51,10 +51,13 @@ def run_check(out: Path, *args: str, timeout: float = 300) -> tuple[int, str, di
     return proc.returncode, proc.stdout + proc.stderr, results
 
 
+@pytest.mark.subprocess
 def test_shell_entry_point_parses() -> None:
     subprocess.run(["bash", "-n", str(ROOT / "bench" / "gpu_check.sh")], check=True)
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_dry_run_passes_and_reports_from_the_json(tmp_path: Path) -> None:
     rc, output, res = run_check(tmp_path, "--dry-run")
     assert rc == 0, output
@@ -160,6 +163,8 @@ def test_hangs_where_no_timer_fires():
 """
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_gpu_mode_counts_failures_skips_crashes_and_hangs(tmp_path: Path) -> None:
     tests = tmp_path / "fake" / "test_fake.py"
     tests.parent.mkdir()
@@ -268,6 +273,7 @@ def test_summary_takes_the_sizes_it_names_from_the_records(
     assert "11.00" in tree_line and "not run" in tree_line and "55.00" not in tree_line
 
 
+@pytest.mark.subprocess
 def test_a_check_stopped_by_sigterm_still_reports(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path)],
@@ -296,6 +302,7 @@ def test_a_check_stopped_by_sigterm_still_reports(tmp_path: Path) -> None:
     assert output.rstrip().splitlines()[-1].startswith("results: ")
 
 
+@pytest.mark.subprocess
 def test_modules_left_out_without_hypothesis_hold_no_gpu_tests():
     """The conftest leaves modules that need hypothesis out of collection where it is
     missing (a GPU machine); none of them may hold a gpu or multi_gpu test (the backend

@@ -57,6 +57,7 @@ def _spy_step_kernels(monkeypatch, seen: list[int]) -> list[int]:
 
 @pytest.mark.parametrize("alg", ["tree", "ring", "direct"])
 @pytest.mark.parametrize("inline_threads", [None, 1, 3])
+@pytest.mark.slow
 def test_inline_kernels_use_the_inline_threads(kernel_threads, alg, inline_threads):
     n, count = 3, 160 << 10  # 640 KiB per rank: every core from 512 KiB (driver side)
     with nt.World(

@@ -82,6 +82,7 @@ def _chunks_at_root(plan, root=0):
     )
 
 
+@pytest.mark.slow
 def test_a_256_mib_tree_all_reduce_on_8_gpus_is_16_chunks(null):
     count = 256 * MiB // 4
     with null.null_world(8, "nvswitch8", "tree") as w:
@@ -106,6 +107,7 @@ def test_gathered_and_scattered_buffers_set_the_chunk(null):
 
 
 @pytest.mark.parametrize("alg", ["tree", "ring", "direct"])
+@pytest.mark.slow
 def test_results_are_bitwise_the_same_for_every_chunk(alg):
     n, count = 5, 50_003
     rng = np.random.default_rng(7)

@@ -153,6 +153,7 @@ def test_he_and_xavier_scales():
 
 
 @pytest.mark.parametrize("name", ["softmax", "mlp", "cnn"])
+@pytest.mark.slow
 def test_predict_and_training_reduces_loss(name):
     # A learnable task: the class is which quadrant of the image is brightest.
     rng = np.random.default_rng(0)

@@ -68,6 +68,7 @@ def assert_bitwise(got: np.ndarray, want: np.ndarray) -> None:
 @pytest.mark.parametrize("k", range(1, nat.MAX_SOURCES + 1))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("op", list(KERNEL_OPS))
+@pytest.mark.slow
 def test_reduce_n_matches_numpy(op: str, dtype: type, k: int) -> None:
     src = pool(dtype, op)
     for n in SIZES:
@@ -92,6 +93,7 @@ def test_sum_n_and_sum_into(dtype: type) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("op", list(KERNEL_OPS))
+@pytest.mark.slow
 def test_dst_may_be_a_source(op: str, dtype: type) -> None:
     src = pool(dtype, op)
     for n in (1, 1023, 4099, BIG):
@@ -127,6 +129,7 @@ def test_misaligned_views(dtype: type) -> None:
 
 @pytest.mark.parametrize("nthreads", [1, 2, 3])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.slow
 def test_thread_counts(dtype: type, nthreads: int) -> None:
     src = pool(dtype)
     for n in (4099, 3 * 16384 + 1, BIG):
@@ -307,6 +310,7 @@ def assert_guards_intact(buf: np.ndarray, dst: np.ndarray) -> None:
 @pytest.mark.parametrize("k", range(1, nat.MAX_SOURCES + 1))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("op", list(KERNEL_OPS))
+@pytest.mark.slow
 def test_large_reduce_matches_numpy(op: str, dtype: type, k: int) -> None:
     src = big_pool(dtype)
     base = stream_n(dtype)
@@ -323,6 +327,7 @@ def test_large_reduce_matches_numpy(op: str, dtype: type, k: int) -> None:
 
 @pytest.mark.parametrize("nthreads", [2, 3])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.slow
 def test_large_reduce_threads(dtype: type, nthreads: int) -> None:
     # an unaligned dst gives every parallel block its own head and tail, written by
     # whichever thread takes the neighbouring block
@@ -338,6 +343,7 @@ def test_large_reduce_threads(dtype: type, nthreads: int) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("op", list(KERNEL_OPS))
+@pytest.mark.slow
 def test_large_reduce_in_place(op: str, dtype: type) -> None:
     # dst among the sources (first, middle, last) takes the plain path; same results
     src = big_pool(dtype)
@@ -473,6 +479,7 @@ def test_scaled_sum_is_bitwise_sum_then_scale(dtype: type, k: int) -> None:
 
 @pytest.mark.parametrize("nthreads", [1, 2])
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+@pytest.mark.slow
 def test_large_scaled_sum_streams_with_the_same_result(dtype: type, nthreads: int) -> None:
     # out of place from 1 MiB: the streaming-store path; an element offset puts the line
     # boundary inside the range, and guards catch stores outside dst
@@ -709,6 +716,7 @@ def test_check_and_strerror() -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+@pytest.mark.subprocess
 def test_forked_child_can_run_kernels() -> None:
     # the OpenMP pool does not survive fork(); without the library's guard the child hangs
     code = """if True:

@@ -19,6 +19,7 @@ def test_fast_addr_is_the_array_address():
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int32, np.int64])
 @pytest.mark.parametrize("k", [1, 2, 5, 8])
+@pytest.mark.slow
 def test_checked_reduce_and_copy_match_the_checked_wrappers(dtype, k):
     rng = np.random.default_rng(k)
     srcs = [(rng.standard_normal(40_001) * 50).astype(dtype) for _ in range(k)]

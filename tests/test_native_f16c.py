@@ -71,6 +71,7 @@ def test_switch() -> None:
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("op", ["sum", "prod", "max", "min"])
 @pytest.mark.parametrize("k", [1, 2, 3, 8])
+@pytest.mark.slow
 def test_reduce(both, op: str, k: int, n: int) -> None:
     srcs = [halves(n, j, every_pattern=op != "prod")[:n] for j in range(k)]
 

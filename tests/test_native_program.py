@@ -55,6 +55,7 @@ def _call(w: nt.World, coll: str, xs: list[np.ndarray], op: str, in_place: bool)
 
 @pytest.mark.parametrize("n", [2, 3, 5])
 @pytest.mark.parametrize("alg", ALGS)
+@pytest.mark.slow
 def test_one_native_call_is_bitwise_the_steps_one_by_one(monkeypatch, n, alg):
     lower = Program._lower
     calls = []

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "overlap_table.py"
 
 
@@ -17,6 +19,8 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_speed_table_smoke(tmp_path):
     out = tmp_path / "o.json"
     p = run("--ranks", "2", "--bucket-mb", "0", "1", "--iters", "1", "--warmup", "1",
@@ -35,6 +39,8 @@ def test_speed_table_smoke(tmp_path):
     assert table["rows"][1]["vs_unbucketed"] == 1.0
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_loss_curve_smoke(tmp_path):
     out = tmp_path / "l.json"
     p = run("--loss-curve", "--iters", "20", "--hook-mb", "0.02", "--json", str(out))
@@ -45,6 +51,7 @@ def test_loss_curve_smoke(tmp_path):
     assert rows[1]["rel_diff"] > 0.0  # the hook did round the gradients
 
 
+@pytest.mark.subprocess
 def test_sizes_must_start_with_the_unbucketed_run():
     p = run("--bucket-mb", "1", "4")
     assert p.returncode == 2 and "--bucket-mb must start with 0" in p.stderr

@@ -85,6 +85,7 @@ def reference(db, tmp_path_factory):
 
 @pytest.mark.parametrize("update_mode", ["allreduce", "root"])
 @pytest.mark.parametrize("algorithm", ["tree", "ring", "direct"])
+@pytest.mark.slow
 def test_weak_scaling_equals_one_device(host_devs, db, reference, algorithm, update_mode):
     dp, result = train(host_devs, db, 4, 8, algorithm=algorithm, update_mode=update_mode)
     assert_falling(result.losses)
@@ -290,6 +291,7 @@ def test_driver_takes_numpy_numbers(host_devs, db):
 
 
 @pytest.mark.parametrize("update_mode", ["allreduce", "root"])
+@pytest.mark.slow
 def test_equivalence_with_gradients_on_the_streams(host_devs, db, update_mode):
     # 75k parameters (300 KB), with the World's inline limit at 0, so the collectives run
     # on the devices' communication streams rather than in the calling thread

@@ -57,6 +57,7 @@ def _trees(topo):
     ],
 )
 @pytest.mark.parametrize("alg", ["tree", "ring", "direct"])
+@pytest.mark.slow
 def test_every_plan_is_race_free(topo, alg):
     topology = nt.Topology.preset(topo)
     n = topology.n
@@ -243,6 +244,7 @@ def test_direct_copy_pattern():
 @pytest.mark.parametrize("alg", ["tree", "ring", "direct"])
 @pytest.mark.parametrize("coll", ["all_reduce", "reduce", "reduce_scatter"])
 @pytest.mark.parametrize("n", [2, 3, 8])
+@pytest.mark.slow
 def test_mean_is_folded_into_the_final_sums(alg, coll, n):
     tree_for = _trees(nt.Topology.preset(f"flat:{n}"))
     kw = dict(size=n, count=100 * n, chunk=16, tree_for=tree_for)
@@ -371,6 +373,7 @@ def _check_alignment(plan: Plan, coll: str, count: int, align: int, n: int) -> N
 
 @pytest.mark.parametrize("topo", ["flat:3", "flat:5", "pcie2s8"])
 @pytest.mark.parametrize("alg", ["tree", "ring", "direct"])
+@pytest.mark.slow
 def test_plan_chosen_offsets_are_256_byte_aligned(topo, alg):
     topology = nt.Topology.preset(topo)
     n = topology.n
@@ -425,6 +428,7 @@ def _run_plan(plan: Plan, xs: list[np.ndarray], outs: list[np.ndarray]) -> None:
 
 @pytest.mark.parametrize("alg", ["tree", "ring", "direct"])
 @pytest.mark.parametrize("topo", ["flat:3", "pcie2s8"])
+@pytest.mark.slow
 def test_aligned_plans_cover_every_element_exactly_once(alg, topo):
     # integer sums: an element reduced twice, or never, or left at its sentinel is wrong
     topology = nt.Topology.preset(topo)

@@ -76,6 +76,7 @@ def compute() -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow
 def test_plans_match_the_golden_file() -> None:
     got = compute()
     if os.environ.get("NCCLTREE_REGEN_GOLDEN"):

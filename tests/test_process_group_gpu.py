@@ -232,6 +232,7 @@ def _simulate(scheds: list[Any], orders: list[list[tuple[str, int]]]) -> None:
 @pytest.mark.parametrize("nodes", [(1, 1), (2, 2), (2, 1, 2), (1, 1, 1, 1), (3, 2)])
 @pytest.mark.parametrize("coll", ["all_reduce", "broadcast", "reduce", "all_gather",
                                   "reduce_scatter"])  # fmt: skip
+@pytest.mark.slow
 def test_message_order_never_deadlocks_under_nccls_rules(
     alg: str, nodes: tuple[int, ...], coll: str
 ) -> None:

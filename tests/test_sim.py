@@ -104,6 +104,7 @@ def test_the_model_against_the_h200_run_on_record() -> None:
     assert sum(0.75 <= x <= 1.25 for x in ratios) >= len(ratios) // 2, ratios
 
 
+@pytest.mark.slow
 def test_the_simulate_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from nccltree.cli import bench
 
@@ -122,6 +123,7 @@ def test_the_simulate_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "16 ranks (nvswitch8 x 2 nodes)" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_nccls_model_finds_the_nvlink_ring_and_its_latency() -> None:
     """The model of NCCL (not NCCL): on a DGX-1 it rides NVLink alone (the hybrid cube
     mesh has NVLink rings), its busbw at large sizes is a GPU's NVLink bandwidth, and a
@@ -140,6 +142,7 @@ def test_nccls_model_finds_the_nvlink_ring_and_its_latency() -> None:
     assert sim_model._node_busbw(p, list(range(8)))[1] == "pci"
 
 
+@pytest.mark.slow
 def test_calibrate_host_measures_positive_costs_and_the_host_machine_uses_them() -> None:
     cal = sim.calibrate_host((3,), repeats=1, cores=2)
     assert set(cal.copy_gbps) == {1, 2} and len(cal.copy_gbps[2]) == 6
@@ -193,6 +196,7 @@ PROPERTY_MACHINES = [
 
 
 @pytest.mark.parametrize(("preset", "gpu", "nodes", "issue"), PROPERTY_MACHINES)
+@pytest.mark.slow
 def test_a_plan_takes_at_least_its_critical_path(preset: str, gpu: str, nodes: int,
                                                  issue: float) -> None:  # fmt: skip
     from nccltree.comm.algorithms import build_plan
@@ -214,6 +218,7 @@ def test_a_plan_takes_at_least_its_critical_path(preset: str, gpu: str, nodes: i
 
 
 @pytest.mark.parametrize(("preset", "gpu", "nodes", "issue"), PROPERTY_MACHINES)
+@pytest.mark.slow
 def test_more_bandwidth_never_predicts_a_slower_plan(preset: str, gpu: str, nodes: int,
                                                      issue: float) -> None:  # fmt: skip
     """Doubling the memory, NVLink and network rates (each alone and all together) never
@@ -280,6 +285,7 @@ def test_each_process_issues_its_own_steps() -> None:
         sim.simulate_collective(sim.Machine(topo, H100, issuers=(0, 1)), "ring", "all_reduce", 8)
 
 
+@pytest.mark.slow
 def test_the_calibrate_command_feeds_simulate(tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     """`calibrate --json` writes what `simulate --topo cpu:N --calibration` reads (the
@@ -311,6 +317,7 @@ def test_the_calibrate_command_feeds_simulate(tmp_path: Path,
     assert bench.main(["calibrate", "--ranks", "0"]) == 2
 
 
+@pytest.mark.slow
 def test_simulate_plots(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from nccltree.cli import bench

@@ -93,6 +93,7 @@ def test_the_data_sheet_numbers_written_out_predict_the_same() -> None:
     gbps=st.floats(0.5, 500.0),
     factor=st.floats(1.0, 8.0),
 )
+@pytest.mark.slow
 def test_a_faster_link_never_predicts_a_slower_plan(
     kind: LinkKind, gbps: float, factor: float
 ) -> None:

@@ -13,6 +13,7 @@ from nccltree.backends.host import _UFUNCS, _small_reduce
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64"])
 @pytest.mark.parametrize("op", ["sum", "prod", "max", "min"])
 @pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+@pytest.mark.slow
 def test_small_path_is_bitwise_native(dtype, op, k):
     rng = np.random.default_rng(k)
     n = 1001

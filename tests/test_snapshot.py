@@ -116,6 +116,7 @@ while True:
 """
 
 
+@pytest.mark.subprocess
 def test_a_snapshot_survives_kill_9_of_its_writer(tmp_path):
     path = tmp_path / "s.npz"
     env = dict(os.environ, PYTHONPATH=str(REPO))

@@ -523,6 +523,7 @@ def numbered(draw, link_strategy=_LINKS) -> Link:
 
 @settings(max_examples=40, deadline=None)
 @given(st.data())
+@pytest.mark.slow
 def test_json_round_trip_with_numbers(data):
     n = data.draw(st.integers(1, 8))
     links = [[Link(K.SELF)] * n for _ in range(n)]
@@ -955,6 +956,7 @@ _DEFAULT_P2P_LINKS = st.one_of(
 
 @settings(max_examples=40, deadline=None)
 @given(st.data())
+@pytest.mark.slow
 def test_from_smi_any_layout(data):
     """Whatever the whitespace, NIC columns and trailing columns, cells map by order."""
     n = data.draw(st.integers(1, 10))

@@ -28,6 +28,7 @@ def run_main(capsys, argv):
     return rc, out, err
 
 
+@pytest.mark.slow
 def test_no_arguments_trains_to_the_stated_accuracy(capsys):
     rc, out, err = run_main(capsys, [])
     assert rc == 0, err
@@ -134,6 +135,7 @@ def test_help_explains_every_flag(capsys):
 
 
 @pytest.mark.parametrize("update_mode", ["allreduce", "root"])
+@pytest.mark.slow
 def test_gradient_buckets_train_bitwise_as_one_collective(capsys, tmp_path, update_mode):
     """--bucket-mb: the same parameters as without buckets (the tree, 3 ranks), the flag
     in the header and the exposed communication in the metrics."""
@@ -155,6 +157,7 @@ def test_gradient_buckets_train_bitwise_as_one_collective(capsys, tmp_path, upda
         assert np.array_equal(runs["0"][k], runs["0.002"][k]), k
 
 
+@pytest.mark.slow
 def test_float16_comm_hook(capsys, tmp_path):
     finals = []
     for hook in ([], ["--comm-hook", "float16"]):
@@ -171,6 +174,7 @@ def test_float16_comm_hook(capsys, tmp_path):
     assert np.linalg.norm(a - b) / np.linalg.norm(a) < 1e-2
 
 
+@pytest.mark.slow
 def test_train_from_lmdb_with_cnn_and_target(capsys, tmp_path):
     x, y = nt.data.synthetic(512, shape=(1, 8, 8), classes=3, seed=4)
     xv, yv = nt.data.synthetic(128, shape=(1, 8, 8), classes=3, seed=4, split="test")
@@ -199,6 +203,7 @@ def test_train_from_lmdb_with_cnn_and_target(capsys, tmp_path):
     assert "below the target 101%" in out
 
 
+@pytest.mark.slow
 def test_resume_continues_bitwise(capsys, tmp_path):
     common = [*SMALL, "--lr", "0.1", "--snapshot-every", "20", "--update-mode", "root"]
     rc, _, err = run_main(capsys, [*common, "--iters", "40", "--out", str(tmp_path / "a")])
@@ -237,6 +242,7 @@ def test_a_failing_rank_exits_1_naming_it(capsys, monkeypatch):
     assert "reached" not in out
 
 
+@pytest.mark.subprocess
 def test_ctrl_c_stops_promptly_and_keeps_the_snapshot(tmp_path):
     out_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(REPO))

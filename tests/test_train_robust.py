@@ -133,6 +133,8 @@ def test_leftovers_of_killed_runs_are_removed_at_the_next_start(capsys, tmp_path
     assert all(p.exists() for p in alive)  # a writer still running keeps its temporary
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_kill_9_at_random_moments_loses_nothing(tmp_path):
     # Many kills at random moments of runs into one directory: whatever is there afterwards
     # is whole (snapshot, final.npz, every metrics line), the next run cleans up after the
@@ -279,6 +281,8 @@ def test_divergence_stops_the_run_and_keeps_the_last_good_snapshot(capsys, tmp_p
 
 
 @pytest.mark.parametrize("sig, status", [(signal.SIGTERM, TERMINATED), (signal.SIGINT, 130)])
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_a_signal_snapshots_the_iteration_reached(tmp_path, sig, status):
     run = tmp_path / "run"
     proc = spawn([*SMALL, "--iters", "100000000", "--out", str(run), "--snapshot-every", "1000"])

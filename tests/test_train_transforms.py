@@ -36,6 +36,7 @@ def run(capsys, args):
     return rc, out, err
 
 
+@pytest.mark.slow
 def test_crop_mirror_mean_end_to_end_resume_and_evaluate(capsys, images):
     flags = ["--crop", "8", "--mirror", "--mean", "100,110,120", "--snapshot-every", "10"]
     rc, out, err = run(capsys, argv(images, *flags, "--iters", "20", "--out", str(images / "a")))

@@ -37,6 +37,7 @@ def trained(tmp_path_factory):
     return root / "run"
 
 
+@pytest.mark.slow
 def test_weights_start_a_new_run_from_saved_parameters(capsys, tmp_path, trained):
     # no iteration: the final parameters are the weights, bitwise
     for source in ("final.npz", "snapshot_iter_30.npz"):
@@ -204,6 +205,7 @@ def test_resume_from_a_history_file_continues_bitwise(capsys, tmp_path, trained)
     assert same_params(run / "final.npz", trained / "final.npz")
 
 
+@pytest.mark.slow
 def test_train_snapshot_resume_fine_tune_evaluate(capsys, tmp_path):
     """Train with a snapshot history, stop, resume from the latest, fine-tune the result
     with --weights into a new directory, and evaluate that on one device."""

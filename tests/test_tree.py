@@ -91,6 +91,7 @@ def check_structure(tree: Tree, root: int | None = None) -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(topologies(), st.data())
+@pytest.mark.slow
 def test_tree_structure(topo, data):
     tree = build_tree(topo)
     check_structure(tree)
@@ -103,6 +104,7 @@ def test_tree_structure(topo, data):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 7, 9, 16, 17, 31, 33, 63, 64])
+@pytest.mark.slow
 def test_every_size(n):
     topo = random_topology(n, seed=n, clustered=True)
     check_structure(build_tree(topo))
@@ -145,6 +147,7 @@ def brute_force_cost(topo: Topology, root: int | None) -> int:
 
 @settings(max_examples=60, deadline=None)
 @given(topologies(max_n=8), st.data())
+@pytest.mark.slow
 def test_optimal_for_small_n(topo, data):
     root = data.draw(st.none() | st.integers(0, topo.n - 1))
     assert build_tree(topo, root=root).cost == brute_force_cost(topo, root)
@@ -162,6 +165,7 @@ EIGHT = [
 
 
 @pytest.mark.parametrize("topo", EIGHT, ids=lambda t: t if isinstance(t, str) else "random")
+@pytest.mark.slow
 def test_optimal_for_eight(topo):
     topo = Topology.preset(topo) if isinstance(topo, str) else topo
     assert build_tree(topo).cost == brute_force_cost(topo, None)
@@ -193,6 +197,7 @@ def hierarchy(n: int, seed: int) -> tuple[Topology, int]:
 
 
 @pytest.mark.parametrize("n, seed", [(16, 0), (16, 1), (32, 2), (64, 3)])
+@pytest.mark.slow
 def test_large_hierarchies_pair_inside_groups_first(n, seed):
     topo, optimum = hierarchy(n, seed)
     assert build_tree(topo).cost == optimum
@@ -253,6 +258,7 @@ def test_cluster_tree_crosses_nodes_once_per_node_at_the_top(sizes):
 
 
 @pytest.mark.parametrize("intra", ["dgx1", "pcie2s8", "k80x4", "nvswitch8"])
+@pytest.mark.slow
 def test_cluster_of_preset_nodes(intra):
     # 16 ranks: the heuristic search (more than EXACT_LEADERS), with slow links inside
     # the nodes too (pcie2s8: SYS without peer access, 600, the worst intra-node cost)

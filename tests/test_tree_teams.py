@@ -89,6 +89,7 @@ def test_pieces_are_aligned_and_cover_the_chunk(align):
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
 @pytest.mark.parametrize("coll", ["all_reduce", "reduce", "reduce_scatter"])
 @pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.slow
 def test_shared_sums_are_race_free(small_pieces, n, coll, in_place):
     topo = _host_topology(n)
     tree_for = _trees(topo)
@@ -114,6 +115,7 @@ def test_shared_sums_are_race_free(small_pieces, n, coll, in_place):
 @pytest.mark.parametrize("n", [3, 4, 5])
 @pytest.mark.parametrize("coll", ["all_reduce", "reduce", "reduce_scatter"])
 @pytest.mark.parametrize("op", ["sum", "mean"])
+@pytest.mark.slow
 def test_shared_sums_are_bitwise_those_of_the_parent_alone(monkeypatch, n, coll, op):
     rng = np.random.default_rng(n)
     count = 12_000 if coll != "reduce_scatter" else 4_000

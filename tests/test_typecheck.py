@@ -42,11 +42,15 @@ def mypy_available() -> None:
     import mypy  # noqa: F401
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_configured_files_type_check(mypy_available):
     res = _mypy()
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_stream_attributes_are_checked(mypy_available):
     # negative control: the annotations must be strong enough to reject the NCCL engine's
     # old `streams[r].ptr`

@@ -164,6 +164,7 @@ def _child_waits_then_answers(fd: int) -> None:  # runs in a forked child
 
 
 @linux_only
+@pytest.mark.subprocess
 def test_two_processes_share_a_counter() -> None:
     """A counter in a shared mapping: the parent wakes a forked child and the child
     wakes the parent back, each sleeping on the futex of the other."""

@@ -235,6 +235,7 @@ def test_available_memory_reads_this_machine():
         assert avail is not None and avail > 0
 
 
+@pytest.mark.subprocess
 def test_a_huge_device_set_is_refused_at_once_in_a_fresh_process():
     """The real estimate against the real memory: cpu:100000 is refused in well under a
     second instead of growing until the kernel kills it (the address space is capped at
@@ -270,6 +271,8 @@ def _cap_address_space() -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS bounds the run")
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_train_cli_refuses_a_huge_device_set_as_usage(tmp_path):
     # the address space is capped: a regression fails here instead of taking the machine
     proc = subprocess.run(

@@ -94,13 +94,17 @@ NCCL (``fake.nccl``, a ``cupy.cuda.nccl.NcclState``)
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
-from . import _kernels
+from . import _core, _kernels
 from ._core import (
     Allocation,
     FakeCuda,
@@ -123,6 +127,9 @@ __all__ = [
     "Token",
     "active",
     "install",
+    "private_kernel_cache",
+    "release_dead_exports",
+    "release_process",
     "set_nccl_available",
     "write_fatbin",
 ]
@@ -186,6 +193,78 @@ def install(
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = mod
+
+
+_kernel_caches: list[str] = []
+
+
+def private_kernel_cache() -> str:
+    """A kernel cache directory of this process alone, made the one nccltree uses
+    (``NCCLTREE_CACHE_DIR``): for the fake GPUs of processes started by a test. In a test
+    run (``NCCLTREE_TEST_TMP``, the run's own temporary folder, which the run removes at
+    its end) it is ``kernel-cache-<pid>`` there, so a process that its test kills leaves
+    nothing behind; elsewhere a temporary directory removed when the process exits (or by
+    :func:`release_process`)."""
+    run_tmp = os.environ.get("NCCLTREE_TEST_TMP")
+    if run_tmp and os.path.isdir(run_tmp):
+        path = os.path.join(run_tmp, f"kernel-cache-{os.getpid()}")
+        os.makedirs(path, exist_ok=True)
+        os.environ["NCCLTREE_CACHE_DIR"] = path
+        return path
+    path = tempfile.mkdtemp(prefix="nccltree-fake-cache-")
+    if not _kernel_caches:
+        atexit.register(_remove_kernel_caches)
+    _kernel_caches.append(path)
+    os.environ["NCCLTREE_CACHE_DIR"] = path
+    return path
+
+
+def _remove_kernel_caches() -> None:
+    while _kernel_caches:
+        shutil.rmtree(_kernel_caches.pop(), ignore_errors=True)
+
+
+def release_process() -> None:
+    """What this process made outside itself, removed: its exported IPC blocks in /dev/shm
+    (which the CUDA driver frees when a process dies) and its private kernel caches. For
+    a test process about to die on purpose with ``os._exit``, which runs no exit
+    handlers; a normal exit does this by itself."""
+    from .cupy.cuda import runtime
+
+    runtime._remove_ipc_files()
+    _remove_kernel_caches()
+
+
+def release_dead_exports() -> list[str]:
+    """Remove the IPC files of this test run (``_core.session_tag``) whose exporting
+    process is gone, as the CUDA driver frees a dead process's exported memory: a process
+    that is killed (or ended by its launcher) runs no exit handlers. Returns their paths."""
+    prefix = f"fakecupy-ipc-{_core.session_tag()}-"
+    removed: list[str] = []
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len(prefix) :].split("-", 1)[0] if name.startswith(prefix) else ""
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+            removed.append(os.path.join("/dev/shm", name))
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def set_nccl_available(flag: bool) -> None:

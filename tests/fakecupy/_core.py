@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import itertools
+import os
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -84,6 +85,17 @@ class FakeMisuse(AssertionError):
     (a call that would block forever, mismatched collectives, a kernel argument CUDA would
     misread). Also recorded in :attr:`FakeCuda.misuse`, which the fixture checks after the
     test, so swallowing it in a broad ``except`` does not hide it."""
+
+
+#: set by the tests' conftest to its process id, inherited by every process a test starts
+SESSION_ENV = "NCCLTREE_TEST_SESSION"
+
+
+def session_tag() -> str:
+    """``<uid>-s<session>``: what the names of the fake's files in /dev/shm start with, so
+    that a test run can tell its own leftovers from those of other runs on the machine."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return f"{uid}-s{os.environ.get(SESSION_ENV, '0')}"
 
 
 def error_text(status: int) -> str:

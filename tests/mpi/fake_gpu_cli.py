@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fakecupy
 
-os.environ["NCCLTREE_CACHE_DIR"] = tempfile.mkdtemp(prefix="nccltree-fake-cache-")
+fakecupy.private_kernel_cache()
 installed = fakecupy.install(n_gpus=int(os.environ.get("FAKE_GPUS", "4")))
 fake = installed.__enter__()
 fake.mpi_comm = MPI.COMM_WORLD

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 import numpy as np
 from mpi4py import MPI
@@ -49,7 +48,7 @@ if args.fake:
     sys.path.insert(0, os.path.dirname(HERE))
     import fakecupy
 
-    os.environ["NCCLTREE_CACHE_DIR"] = tempfile.mkdtemp(prefix="nccltree-fake-cache-")
+    fakecupy.private_kernel_cache()
     installed = fakecupy.install(n_gpus=args.fake)  # kept: closing it uninstalls the fake
     fake = installed.__enter__()
     fake.mpi_comm = MPI.COMM_WORLD
@@ -99,6 +98,8 @@ for alg in args.algorithms.split(","):
                     for mode in ("call", "async", "symmetric", "inplace"):
                         calls += 1
                         if calls == 3 and args.kill == me:
+                            if fake is not None:
+                                fakecupy.release_process()  # os._exit runs no exit handlers
                             os._exit(9)
                         if calls == 3 and args.hang_nccl and fake is not None:
                             fake.nccl.hang_next_call(pg.rank)

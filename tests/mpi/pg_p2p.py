@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -42,7 +41,7 @@ if args.fake:
     sys.path.insert(0, os.path.dirname(HERE))
     import fakecupy
 
-    os.environ["NCCLTREE_CACHE_DIR"] = tempfile.mkdtemp(prefix="nccltree-fake-cache-")
+    fakecupy.private_kernel_cache()
     installed = fakecupy.install(n_gpus=args.fake)
     fake = installed.__enter__()
     fake.mpi_comm = MPI.COMM_WORLD
@@ -123,6 +122,8 @@ def block(round_: int, src: int, dst: int) -> np.ndarray:
 
 
 if me == args.kill:
+    if fake is not None:
+        fakecupy.release_process()  # os._exit runs no exit handlers
     os._exit(9)
 if args.kill >= 0:
     # a survivor that raised stays a while, so the others find the dead process first

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
 import numpy as np
 from mpi4py import MPI
@@ -21,7 +20,7 @@ if "--fake" in sys.argv:  # GPU groups on the fake of CuPy's layer (wiring only)
     sys.path.insert(0, os.path.dirname(HERE))
     import fakecupy
 
-    os.environ["NCCLTREE_CACHE_DIR"] = tempfile.mkdtemp(prefix="nccltree-fake-cache-")
+    fakecupy.private_kernel_cache()
     installed = fakecupy.install(n_gpus=4)
     fake = installed.__enter__()
     fake.mpi_comm = MPI.COMM_WORLD

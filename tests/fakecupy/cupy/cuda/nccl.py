@@ -649,7 +649,7 @@ def _execute(fake: _core.FakeCuda, ops: list[_Posted]) -> None:
 
 def _members_comm(world: Any, n: int, uid: bytes, r: int) -> Any:
     """An MPI communicator of the ``n`` processes joining ``uid``, ordered by NCCL rank."""
-    where = f"/dev/shm/fakecupy-nccl-{os.getuid()}-{uid.hex()[:24]}"
+    where = f"/dev/shm/fakecupy-nccl-{_core.session_tag()}-{uid.hex()[:24]}"
     os.makedirs(where, exist_ok=True)
     mine = os.path.join(where, str(r))
     with open(mine + ".tmp", "w") as f:

@@ -571,10 +571,12 @@ _ipc_files: set[str] = set()
 
 
 def _ipc_path(pid: int, base: int) -> str:
-    return f"/dev/shm/fakecupy-ipc-{os.getuid()}-{pid}-{base:x}"
+    # the test session in the name: a test run blames leftovers of its own processes only
+    return f"/dev/shm/fakecupy-ipc-{_core.session_tag()}-{pid}-{base:x}"
 
 
 def _remove_ipc_files() -> None:
+    """Remove this process's exported blocks (at exit; :func:`fakecupy.release_process`)."""
     for path in list(_ipc_files):
         try:
             os.unlink(path)

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from ..._errors import CommError, CommTimeout, PeerFailure
-from ..._validate import check_index, check_int, check_real
+from ..._validate import check_call_timeout, check_choice, check_index, check_int
 from ...backends import devices as make_devices
 from ...backends.base import Array, Device, carried_dtype, carry
 from ...topology import Topology
@@ -88,12 +88,8 @@ _GPU_SPEC = re.compile(r"gpu(:\d+)?")
 def _check_args(devices: str, algorithm: str, timeout: float) -> tuple[float, bool, int]:
     """The group's arguments checked: (the timeout, whether it is a GPU group, the ranks
     of this process)."""
-    if algorithm not in GROUP_ALGORITHMS:
-        raise ValueError(
-            f"unknown algorithm {algorithm!r} for a process group; accepted: "
-            f"{', '.join(GROUP_ALGORITHMS)}"
-        )
-    timeout = check_real(timeout, "timeout", min=0.0, min_open=True)
+    check_choice(algorithm, "algorithm", GROUP_ALGORITHMS)
+    timeout = check_call_timeout(timeout)
     gpu = isinstance(devices, str) and _GPU_SPEC.fullmatch(devices) is not None
     if not isinstance(devices, str) or not (devices == "cpu" or devices.startswith("cpu:") or gpu):
         raise ValueError(
@@ -289,12 +285,14 @@ class ProcessGroup(RankCollectives, PointToPoint):
 
     def abort(self, reason: str = "aborted by the caller") -> None:
         """Fail the group now: this process's ranks waiting in a collective, and the
-        node's other processes, raise ``PeerFailure``."""
-        self._fail(CommError(reason))
+        node's other processes, raise ``PeerFailure``. Nothing is printed here (the
+        caller knows why); the other processes report the failure they learn of."""
+        self._life.fail(CommError(reason), report=False)
         self._local.abort(CommError(reason))
 
     def _fail(self, exc: BaseException) -> None:
-        """Close the group for good; tell the node; print the flight recorder."""
+        """A failure found inside: close the group for good; tell the node; print the
+        failure and the flight recorder."""
         self._life.fail(exc)
 
     def comm(self, index: int) -> GroupComm:

@@ -194,6 +194,32 @@ def test_a_process_that_never_calls_times_out_by_name(tmp_path: Path) -> None:
     assert _shm_names() <= before
 
 
+def test_an_abort_is_reported_by_the_processes_that_learn_of_it_not_by_its_caller(
+    tmp_path: Path,
+) -> None:
+    # as a World's: the caller of abort() knows why and prints nothing; the processes
+    # whose collectives it stops print the failure and their flight recorders
+    before = _shm_names()
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_mpi(3, HERE / "pg_faults.py", "abort", "20", faults=True, timeout=60,
+                   env={"NCCLTREE_TEST_OUT": str(out)})  # fmt: skip
+    failed = _failure_lines(proc.stderr)
+    assert set(failed) == {0, 2}, proc.stderr[-3000:]
+    for line in failed.values():
+        assert line.startswith("nccltree: PeerFailure: "), line
+        assert "ranks [1] failed: CommError: stopped on purpose" in line, line
+    assert "flight recorder of rank 0 " in proc.stderr
+    assert "flight recorder of rank 1 " not in proc.stderr, proc.stderr[-3000:]
+    reports = {r["rank"]: r for r in map(json.loads, map(Path.read_text, out.glob("*.json")))}
+    victim = reports[1]
+    assert victim["after_abort"] == "the process group failed earlier: stopped on purpose"
+    assert victim["cause"] == "CommError('stopped on purpose')"
+    assert {reports[r]["raised"] for r in (0, 2)} == {"PeerFailure"}
+    assert proc.returncode != 0
+    assert _shm_names() <= before
+
+
 def test_argument_mismatch_raises_on_every_process_and_the_group_goes_on(tmp_path: Path) -> None:
     reports = _reports(tmp_path, 3, "pg_faults.py", "mismatch")
     assert len(reports) == 3

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import pytest
@@ -13,8 +14,14 @@ import pytest
 import nccltree as nt
 from nccltree._errors import CommError, CommTimeout, MissingRanks, PeerFailure
 from nccltree.comm.flight import FlightRecorder
+from nccltree.comm.group.lifecycle import Lifecycle as GroupLifecycle
+from nccltree.comm.group.placement import Placement
+from nccltree.comm.group.shm import exit_without_finalize
 from nccltree.comm.lifecycle import LifeCycle
 from nccltree.comm.rendezvous import Rendezvous, run_ranks
+
+if TYPE_CHECKING:
+    from nccltree.comm.group.node_memory import NodeMemory
 
 # -- the rendezvous ------------------------------------------------------------------------
 
@@ -223,3 +230,80 @@ def test_a_world_reports_a_failure_found_inside_but_not_its_callers_abort(capsys
     with nt.World("cpu:2") as w:
         w.abort("the caller's reason")
         assert w.aborted and capsys.readouterr().err == ""
+
+
+class _NodeMemory:
+    """What a process group's life cycle asks of the node's memory, recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def unlink_pending(self) -> None:
+        self.calls.append("unlink")
+
+    def set_abort(self, reason: str) -> None:
+        self.calls.append(f"abort word: {reason}")
+
+
+def _group_life(monkeypatch: pytest.MonkeyPatch) -> tuple[GroupLifecycle, _NodeMemory, list]:
+    import atexit
+
+    at_exit: list[object] = []
+    monkeypatch.setattr(atexit, "register", at_exit.append)  # never leave pytest that way
+    pl = Placement(
+        nprocs=1, proc=0, size=1, ranks=(0,), node="a", node_index=0, nodes=1, local_rank=0,
+        local_size=1, shm=False, job="j", mpi_rank_of_proc=[0], node_of_proc=[0],
+        nlocal_of_proc=[1], first_rank_of_proc=[0], proc_of_rank=[0], tnode_of_proc=[0],
+        phys=[0], node_procs=[0], remote_procs=[],
+    )  # fmt: skip
+    flight = FlightRecorder()
+    flight.start(1, "broadcast", 4, np.dtype(np.float32), "tree")
+    life = GroupLifecycle(pl, flight)
+    mem = _NodeMemory()
+    life.mem = cast("NodeMemory", mem)
+    return life, mem, at_exit
+
+
+def test_a_process_group_fails_as_a_world_does_and_tells_its_node(monkeypatch, capsys):
+    life, mem, at_exit = _group_life(monkeypatch)
+    exc = CommTimeout("rank 0: waited")
+    assert life.fail(exc) and not life.fail(PeerFailure("later"))
+    assert mem.calls == ["unlink", "abort word: ranks [0] failed: CommTimeout: rank 0: waited"]
+    assert at_exit == [exit_without_finalize]
+    err = capsys.readouterr().err
+    assert err.startswith("nccltree: CommTimeout: rank 0: waited\nflight recorder of rank 0 ")
+    assert "broadcast" in err
+    if sys.version_info >= (3, 11):
+        assert exc.__notes__ == [err.rstrip("\n")]
+    # closing a failed group skips the node's sync but releases; the failure stays named
+    released: list[str] = []
+    assert life.close(lambda: released.append("sync"), [lambda: released.append("free")])
+    assert released == ["free"] and not life.close()
+    with pytest.raises(PeerFailure, match="the process group failed earlier: rank 0") as ei:
+        life.check_usable()
+    assert ei.value.__cause__ is exc
+
+
+def test_a_process_groups_abort_tells_its_node_but_prints_nothing(monkeypatch, capsys):
+    life, mem, at_exit = _group_life(monkeypatch)
+    assert life.fail(CommError("stop"), report=False)
+    assert mem.calls == ["unlink", "abort word: ranks [0] failed: CommError: stop"]
+    assert at_exit == [exit_without_finalize] and capsys.readouterr().err == ""
+    # a peer's failure, learnt from the node, is not told back to it
+    life, mem, _ = _group_life(monkeypatch)
+    life.fail(PeerFailure("rank 0: ranks [1] failed"))
+    assert mem.calls == ["unlink"]
+
+
+def test_a_process_group_closes_after_its_node_syncs_even_when_the_sync_fails(monkeypatch):
+    life, _, _ = _group_life(monkeypatch)
+    steps: list[str] = []
+
+    def sync() -> None:
+        steps.append("sync")
+        raise CommTimeout("a peer never came")
+
+    assert life.close(sync, [lambda: steps.append("a"), lambda: steps.append("b")])
+    assert steps == ["sync", "a", "b"] and life.closed and not life.failed
+    with pytest.raises(CommError, match="the process group is closed"):
+        life.check_usable()

@@ -140,3 +140,16 @@ def test_op_and_timeout_checks_go_through_the_validator():
                 wd.watch("work", [], timeout=bad)
     finally:
         wd.close()
+
+
+def test_a_process_groups_algorithm_and_timeout_go_through_the_validator():
+    """Checked before MPI is touched: the same messages as a World's."""
+    from nccltree.comm.group.group import GROUP_ALGORITHMS, ProcessGroup
+
+    accepted = ", ".join(GROUP_ALGORITHMS)
+    with pytest.raises(ValueError, match=f"^unknown algorithm 'fast'; accepted: {accepted}$"):
+        ProcessGroup(algorithm="fast")
+    with pytest.raises(ValueError, match="^timeout must be > 0, got 0"):
+        ProcessGroup(timeout=0)
+    with pytest.raises(TypeError, match="^timeout must be a real number"):
+        ProcessGroup(timeout="1")  # type: ignore[arg-type]

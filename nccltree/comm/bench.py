@@ -36,7 +36,7 @@ import ml_dtypes
 import numpy as np
 from numpy.typing import DTypeLike
 
-from .._validate import check_index, check_int, check_real, is_int
+from .._validate import check_call_timeout, check_choice, check_index, check_int, check_real, is_int
 from ..backends.base import CARRIERS, FLOAT_DTYPES
 from . import _ops
 from ._args import Array
@@ -519,7 +519,7 @@ class Benchmark:
             self.placements = list(placements)
             self.sizes = [parse_size(s) for s in sizes]
             self.seed = check_int(seed, "seed", min=0)
-            self.timeout = check_real(timeout, "timeout", min=0.0, min_open=True)
+            self.timeout = check_call_timeout(timeout)
             self.algorithms = list(algorithms)
             if not self.algorithms:
                 raise ValueError("no algorithm given")
@@ -527,11 +527,7 @@ class Benchmark:
                 from .group import GROUP_ALGORITHMS
 
                 for a in self.algorithms:
-                    if a not in GROUP_ALGORITHMS:
-                        raise ValueError(
-                            f"unknown algorithm {a!r} for a process group; accepted: "
-                            f"{', '.join(GROUP_ALGORITHMS)}"
-                        )
+                    check_choice(a, "algorithm", GROUP_ALGORITHMS)
             for a in self.algorithms if group is None else ():
                 if a not in self.worlds:
                     if world_factory is None:

@@ -13,7 +13,7 @@ from numpy.typing import DTypeLike
 from .._errors import CommError, CommTimeout, MissingRanks, NcclTreeError, PeerFailure
 from ._args import Array, Launched
 from .collectives import COLLECTIVES
-from .faces import PointToPoint, RankCollectives
+from .faces import PointToPoint, RankCall, RankCollectives
 from .rendezvous import Meeting, Rendezvous
 from .work import Work
 
@@ -59,20 +59,11 @@ class Comm(RankCollectives, PointToPoint):
     def device(self) -> Device:
         return self.world.devices[self.rank]
 
-    def _call(
-        self,
-        collective: str,
-        x: Array,
-        out: Array | None,
-        op: str,
-        root: int,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Array | Work:
-        stream = self.world._caller_stream(self.rank, stream)
-        call = _Call(collective, x, out, op, root, stream, async_op, _dtype_key(dtype))
-        return self.world._rendezvous.arrive(self.rank, call)
+    def _call(self, call: RankCall) -> Array | Work:
+        c = call
+        stream = self.world._caller_stream(self.rank, c.stream)
+        met = _Call(c.collective, c.x, c.out, c.op, c.root, stream, c.async_op, _dtype_key(c.dtype))
+        return self.world._rendezvous.arrive(self.rank, met)
 
     def batch(self) -> AbstractContextManager[None]:
         return self.world._mailbox.batch(self.rank)

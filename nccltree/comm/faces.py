@@ -5,8 +5,8 @@ thread (or process) with that rank's array: :class:`~nccltree.comm.Comm` (a Worl
 rank), ``GroupComm`` (a process group's rank, ``pg.comm(i)``) and
 :class:`~nccltree.comm.group.ProcessGroup` itself (one rank per process). They share
 :class:`RankCollectives` (and :class:`PointToPoint`), written over one method,
-``_call(collective, x, out, op, root, stream, async_op, dtype)``. The **driver-side**
-face, :class:`~nccltree.comm.World`, is called once for all ranks with one array per
+``_call(call)``, of one :class:`RankCall` (collective, x, out, op, root, stream,
+async_op, dtype). The **driver-side** face, :class:`~nccltree.comm.World`, is called once for all ranks with one array per
 rank: :class:`DriverCollectives`, over ``_driver(collective, xs, outs, op, root, streams,
 async_op, dtype)``. The two declare the same parameters in the same places (``xs`` for
 ``x``, ``outs`` for ``out``, ``streams`` for ``stream``): ``root`` positional after the
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ._args import Array
@@ -59,6 +60,23 @@ def driver_method(collective: str) -> str:
     return _DRIVER_NAMES.get(collective, collective)
 
 
+@dataclass(slots=True)
+class RankCall:
+    """One rank's call of a collective of the table, as every per-rank face's ``_call``
+    takes it: the arguments of the methods below, in their order (``root`` 0 and ``op``
+    "sum" where the collective has none). Made on every call: slots, not frozen (a frozen
+    dataclass costs microseconds to build)."""
+
+    collective: str
+    x: Array
+    out: Array | None = None
+    op: str = "sum"
+    root: int = 0
+    stream: Stream | None = None
+    async_op: bool = False
+    dtype: DTypeLike | None = None
+
+
 #: the point-to-point calls of the faces that have them (``Comm``, ``ProcessGroup``)
 POINT_TO_POINT = ("send", "recv", "sendrecv", "batch")
 
@@ -68,17 +86,7 @@ class RankCollectives:
     the same order, each with its own ``x`` (and ``out``). Returns the result (``out``,
     or ``x`` for a collective computed in place), or a ``Work`` when ``async_op``."""
 
-    def _call(
-        self,
-        collective: str,
-        x: Array,
-        out: Array | None,
-        op: str,
-        root: int,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Array | Work:
+    def _call(self, call: RankCall) -> Array | Work:
         """One collective of the table, by name, for this rank: what every method below
         calls (and what a caller with the name in hand, as the benchmark, calls)."""
         raise NotImplementedError
@@ -98,7 +106,7 @@ class RankCollectives:
         dtype: DTypeLike | None = None,
     ) -> Array | Work:
         """``op`` over every rank's ``x``; returns ``out`` (or ``x`` in place), or a Work."""
-        return self._call("all_reduce", x, out, op, 0, stream, async_op, dtype)
+        return self._call(RankCall("all_reduce", x, out, op, 0, stream, async_op, dtype))
 
     def reduce(
         self,
@@ -112,7 +120,7 @@ class RankCollectives:
         dtype: DTypeLike | None = None,
     ) -> Array | Work:
         """``op`` over every rank's ``x`` at ``root``; other ranks' ``x`` stay unchanged."""
-        return self._call("reduce", x, out, op, root, stream, async_op, dtype)
+        return self._call(RankCall("reduce", x, out, op, root, stream, async_op, dtype))
 
     def broadcast(
         self,
@@ -125,7 +133,7 @@ class RankCollectives:
         dtype: DTypeLike | None = None,
     ) -> Array | Work:
         """Every rank gets the root's ``x``."""
-        return self._call("broadcast", x, out, "sum", root, stream, async_op, dtype)
+        return self._call(RankCall("broadcast", x, out, "sum", root, stream, async_op, dtype))
 
     def all_gather(
         self,
@@ -137,7 +145,7 @@ class RankCollectives:
         dtype: DTypeLike | None = None,
     ) -> Array | Work:
         """``out`` gets every rank's ``x``, rank i's at ``[i*x.size, (i+1)*x.size)``."""
-        return self._call("all_gather", x, out, "sum", 0, stream, async_op, dtype)
+        return self._call(RankCall("all_gather", x, out, "sum", 0, stream, async_op, dtype))
 
     def reduce_scatter(
         self,
@@ -150,7 +158,7 @@ class RankCollectives:
         dtype: DTypeLike | None = None,
     ) -> Array | Work:
         """``out`` gets block ``rank`` of ``op`` over every rank's ``x``."""
-        return self._call("reduce_scatter", x, out, op, 0, stream, async_op, dtype)
+        return self._call(RankCall("reduce_scatter", x, out, op, 0, stream, async_op, dtype))
 
     def gather(
         self,
@@ -165,7 +173,7 @@ class RankCollectives:
         """The root's ``out`` gets every rank's ``x``, rank i's at ``[i*x.size,
         (i+1)*x.size)``; every rank passes an ``out`` of that size, only the root's is
         written."""
-        return self._call("gather", x, out, "sum", root, stream, async_op, dtype)
+        return self._call(RankCall("gather", x, out, "sum", root, stream, async_op, dtype))
 
     def scatter(
         self,
@@ -179,7 +187,7 @@ class RankCollectives:
     ) -> Array | Work:
         """``out`` gets block ``rank`` of the root's ``x`` (every rank passes an ``x`` of
         that size; only the root's is read)."""
-        return self._call("scatter", x, out, "sum", root, stream, async_op, dtype)
+        return self._call(RankCall("scatter", x, out, "sum", root, stream, async_op, dtype))
 
     def all_to_all(
         self,
@@ -192,7 +200,7 @@ class RankCollectives:
     ) -> Array | Work:
         """Block q of ``x`` goes to rank q, whose block ``rank`` of ``out`` it becomes
         (equal blocks; not in place)."""
-        return self._call("all_to_all", x, out, "sum", 0, stream, async_op, dtype)
+        return self._call(RankCall("all_to_all", x, out, "sum", 0, stream, async_op, dtype))
 
 
 class PointToPoint:

@@ -87,34 +87,6 @@ class Mailbox:
         except (ValueError, TypeError) as exc:
             w._argument_error_raised(exc)
             raise
-        op = self._post(kind, rank, peer, buf, stream, held)
-        return op
-
-    def _check(
-        self, kind: str, rank: int, peer: int, buf: Array, dtype: object = None
-    ) -> tuple[Array, object]:
-        w = self.world
-        what = f"rank {rank}: {kind} buffer"
-        buf = _device_array(w.devices[rank], buf, what)
-        logical = check_call_dtype(dtype)
-        carried = None if logical is None else carried_dtype(buf, logical, what)
-        buf, _ = carry(buf, carried)  # a numpy buffer viewed as the dtype it holds
-        if kind == "recv" and not getattr(buf.flags, "writeable", True):
-            raise ValueError(f"rank {rank}: the receive buffer is read-only")
-        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < w.size:
-            raise ValueError(f"rank {rank}: peer {peer!r} is not a rank of {w.size}")
-        return buf, buf.dtype if carried is None else carried
-
-    def _post(
-        self,
-        kind: str,
-        rank: int,
-        peer: int,
-        buf: Array,
-        stream: Stream | None,
-        held: object = None,
-    ) -> _Op:
-        w = self.world
         caller = w._caller_stream(rank, stream)
         op = _Op(kind, rank, peer, buf.reshape(-1), caller)
         op.dtype = buf.dtype if held is None else held
@@ -133,6 +105,21 @@ class Mailbox:
                 mine.setdefault(key, collections.deque()).append(op)
         w._note_p2p(op)
         return op
+
+    def _check(
+        self, kind: str, rank: int, peer: int, buf: Array, dtype: object = None
+    ) -> tuple[Array, object]:
+        w = self.world
+        what = f"rank {rank}: {kind} buffer"
+        buf = _device_array(w.devices[rank], buf, what)
+        logical = check_call_dtype(dtype)
+        carried = None if logical is None else carried_dtype(buf, logical, what)
+        buf, _ = carry(buf, carried)  # a numpy buffer viewed as the dtype it holds
+        if kind == "recv" and not getattr(buf.flags, "writeable", True):
+            raise ValueError(f"rank {rank}: the receive buffer is read-only")
+        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < w.size:
+            raise ValueError(f"rank {rank}: peer {peer!r} is not a rank of {w.size}")
+        return buf, buf.dtype if carried is None else carried
 
     def _match(self, a: _Op, b: _Op) -> None:
         """Move the data of a matched pair (under the lock)."""

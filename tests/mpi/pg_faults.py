@@ -6,7 +6,8 @@ MODE: ``kill`` (process 1 is SIGKILLed by a timer while the group runs collectiv
 ``absent`` (process 1 never calls the collective), ``mismatch`` (process 1 passes
 another count; then every process calls correctly), ``p2p-kill`` (as ``kill``, while
 the ranks exchange in a ring with ``sendrecv``), ``p2p-absent`` (rank 0 waits for a
-message rank 1 never sends). Survivors exit with status 3 after a fault, 0 otherwise.
+message rank 1 never sends), ``abort`` (process 1 calls ``pg.abort`` between two
+collectives, then tries a third). Survivors exit with status 3 after a fault, 0 otherwise.
 """
 
 from __future__ import annotations
@@ -59,6 +60,20 @@ try:
         if pg.rank == 0:
             pg.recv(np.ones(8, np.float32), victim)
         else:
+            pg.all_reduce(np.ones(8, np.float32))
+    elif mode == "abort":
+        pg.all_reduce(np.ones(8, np.float32))
+        if pg.rank == victim:
+            pg.abort("stopped on purpose")
+            try:
+                pg.all_reduce(np.ones(8, np.float32))
+            except PeerFailure as exc:  # the abort, refused by this process itself
+                out["after_abort"] = str(exc)
+                out["cause"] = repr(exc.__cause__)
+            report(out)
+            time.sleep(2)  # as a survivor's below: the others report first
+            sys.exit(3)
+        for _ in range(100000):
             pg.all_reduce(np.ones(8, np.float32))
     elif mode == "absent":
         if pg.rank == victim:

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from ..._errors import CommError, CommTimeout, PeerFailure
-from ..._validate import check_index, check_int, check_real
+from ..._validate import check_call_timeout, check_choice, check_index, check_int
 from ...backends import devices as make_devices
 from ...backends.base import Array, Device, carried_dtype, carry
 from ...topology import Topology
@@ -59,7 +59,7 @@ from .. import auto, debug
 from .._args import Prepared, _device_array, check_call_dtype, prepare
 from ..algorithms import build_plan
 from ..collectives import COLLECTIVES, collective_name
-from ..faces import PointToPoint, RankCollectives
+from ..faces import PointToPoint, RankCall, RankCollectives
 from ..flight import FlightRecorder
 from ..plan import CHUNK_BYTES, Plan, chunk_elements
 from ..work import Work
@@ -88,12 +88,8 @@ _GPU_SPEC = re.compile(r"gpu(:\d+)?")
 def _check_args(devices: str, algorithm: str, timeout: float) -> tuple[float, bool, int]:
     """The group's arguments checked: (the timeout, whether it is a GPU group, the ranks
     of this process)."""
-    if algorithm not in GROUP_ALGORITHMS:
-        raise ValueError(
-            f"unknown algorithm {algorithm!r} for a process group; accepted: "
-            f"{', '.join(GROUP_ALGORITHMS)}"
-        )
-    timeout = check_real(timeout, "timeout", min=0.0, min_open=True)
+    check_choice(algorithm, "algorithm", GROUP_ALGORITHMS)
+    timeout = check_call_timeout(timeout)
     gpu = isinstance(devices, str) and _GPU_SPEC.fullmatch(devices) is not None
     if not isinstance(devices, str) or not (devices == "cpu" or devices.startswith("cpu:") or gpu):
         raise ValueError(
@@ -289,12 +285,14 @@ class ProcessGroup(RankCollectives, PointToPoint):
 
     def abort(self, reason: str = "aborted by the caller") -> None:
         """Fail the group now: this process's ranks waiting in a collective, and the
-        node's other processes, raise ``PeerFailure``."""
-        self._fail(CommError(reason))
+        node's other processes, raise ``PeerFailure``. Nothing is printed here (the
+        caller knows why); the other processes report the failure they learn of."""
+        self._life.fail(CommError(reason), report=False)
         self._local.abort(CommError(reason))
 
     def _fail(self, exc: BaseException) -> None:
-        """Close the group for good; tell the node; print the flight recorder."""
+        """A failure found inside: close the group for good; tell the node; print the
+        failure and the flight recorder."""
         self._life.fail(exc)
 
     def comm(self, index: int) -> GroupComm:
@@ -316,17 +314,7 @@ class ProcessGroup(RankCollectives, PointToPoint):
                 f"to pg.call"
             )
 
-    def _call(
-        self,
-        collective: str,
-        x: np.ndarray,
-        out: np.ndarray | None,
-        op: str,
-        root: int,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> np.ndarray | Work:
+    def _call(self, call: RankCall) -> np.ndarray | Work:
         """One rank per process: a synchronous call, or (``stream``/``async_op``, as for
         ``Comm``) one run on the group's own stream, a worker thread, ordered after the
         work ``stream`` holds (else after what this thread did, as host calls are), with
@@ -334,36 +322,30 @@ class ProcessGroup(RankCollectives, PointToPoint):
         a synchronous one first waits for those in flight. Arguments are checked before
         the call returns; a fault surfaces from ``Work.synchronize``/``result``, and the
         group's later calls fail. ``dtype``: as for a World's collectives."""
-        self._one(collective)
+        self._one(call.collective)
         if self._gpu is not None:
-            return self._gpu_call(collective, x, out, op, root, stream, async_op, dtype)
-        if not async_op and stream is None:
-            outs = None if out is None else [out]
-            return self.call(collective, [x], outs, op=op, root=root, dtype=dtype)[0]
+            return self._gpu_call(call)
+        outs = None if call.out is None else [call.out]
+        if not call.async_op and call.stream is None:
+            return self.call(
+                call.collective, [call.x], outs, op=call.op, root=call.root, dtype=call.dtype
+            )[0]
         with self._lock:
-            prep = self._prepare(collective, [x], None if out is None else [out], op, root, dtype)
-            return self._enqueue(prep, stream, async_op)
+            prep = self._prepare(call.collective, [call.x], outs, call.op, call.root, call.dtype)
+            return self._enqueue(prep, call.stream, call.async_op)
 
-    def _gpu_call(
-        self,
-        collective: str,
-        x: Array,
-        out: Array | None,
-        op: str,
-        root: int,
-        stream: Stream | None,
-        async_op: bool,
-        dtype: DTypeLike | None = None,
-    ) -> Array | Work:
+    def _gpu_call(self, call: RankCall) -> Array | Work:
         """A GPU group's call: issued on the group's stream after the work of ``stream``
         (default: the caller's current stream); ``stream`` is ordered after it unless
         ``async_op``, which returns a ``Work`` instead. The host returns once the work is
         issued. ``dtype="bfloat16"``: the ``uint16`` CuPy arrays hold bfloat16."""
         g = self._gpu
         assert g is not None
+        outs = None if call.out is None else [call.out]
+        async_op = call.async_op
         with self._lock:
-            prep = self._prepare(collective, [x], None if out is None else [out], op, root, dtype)
-            caller = stream if stream is not None else self.devices[0].current_stream()
+            prep = self._prepare(call.collective, [call.x], outs, call.op, call.root, call.dtype)
+            caller = call.stream if call.stream is not None else self.devices[0].current_stream()
             g.caller, g.caller_waits = caller, not async_op
             try:
                 self._perform(prep)

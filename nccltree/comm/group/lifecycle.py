@@ -1,15 +1,16 @@
-"""A process group's life cycle: open, closed, or failed for good; the numbering of its
-calls (the flight recorder's); what a failure does (free the names of this process's
-segments, tell the node, leave at exit without ``MPI_Finalize``, print the flight
-recorder)."""
+"""A process group's life cycle: the communicator's (:class:`..lifecycle.LifeCycle`: open,
+closed, or failed for good; the check every call makes; the report of a failure found
+inside) plus what only a group has: the numbering of its calls (the flight recorder's),
+a closing that waits for the node, and what any failure does first (free the names of
+this process's segments, tell the node, leave at exit without ``MPI_Finalize``)."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from ..._errors import CommError, CommTimeout, PeerFailure
+from ..._errors import CommTimeout, PeerFailure
+from ..lifecycle import LifeCycle
 from .shm import exit_without_finalize, remove_stale
 
 if TYPE_CHECKING:
@@ -18,26 +19,25 @@ if TYPE_CHECKING:
     from .placement import Placement
 
 
-class Lifecycle:
-    """``seq``: collectives (and point-to-point operations) called so far; ``closed``;
-    ``failure``: what failed the group (None while it did not). ``mem`` is set once the
-    node's memory exists (bootstrap)."""
+class Lifecycle(LifeCycle):
+    """``seq``: collectives (and point-to-point operations) called so far. ``mem`` is set
+    once the node's memory exists (bootstrap)."""
 
     def __init__(self, placement: Placement, flight: FlightRecorder) -> None:
+        pl = placement
+        super().__init__(
+            flight,
+            lambda: f"rank {pl.rank} (process {pl.proc}, node {pl.node})",
+            "the process group is closed",
+            "the process group failed earlier",
+        )
         self.placement = placement
-        self.flight = flight
         self.mem: NodeMemory | None = None
         self.seq = 0
-        self.closed = False
-        self.failure: BaseException | None = None
 
-    def check_usable(self) -> None:
-        if self.closed:
-            raise CommError("the process group is closed")
-        if self.failure is not None:
-            raise PeerFailure(f"the process group failed earlier: {self.failure}")
-
-    def close(self, sync: Callable[[], None] | None, release: Sequence[Callable[[], None]]) -> bool:
+    def close(
+        self, sync: Callable[[], None] | None = None, release: Sequence[Callable[[], None]] = ()
+    ) -> bool:
         """Close once (False if closed already): unless the group failed, ``sync`` first
         (every process of the node got here: bounded, and a failure there does not stop
         the closing), then each of ``release`` in order."""
@@ -48,16 +48,15 @@ class Lifecycle:
                 sync()
             except (PeerFailure, CommTimeout):
                 pass
-        self.closed = True
+        if not super().close():
+            return False
         for step in release:
             step()
         return True
 
-    def fail(self, exc: BaseException) -> None:
-        """Close the group for good; tell the node; print the flight recorder."""
-        if self.failure is not None:
-            return
-        self.failure = exc
+    def on_failure(self, exc: BaseException) -> None:
+        """Free this process's segment names, tell the node (unless a peer's failure is
+        what it learnt, or the group was closed), and leave at exit without finalizing."""
         pl = self.placement
         mem = self.mem
         assert mem is not None
@@ -74,8 +73,3 @@ class Lifecycle:
         import atexit
 
         atexit.register(exit_without_finalize)
-        text = self.flight.dump(f"rank {pl.rank} (process {pl.proc}, node {pl.node})")
-        text = f"nccltree: {type(exc).__name__}: {exc}\n{text}"
-        if isinstance(exc, CommError) and hasattr(exc, "add_note"):
-            exc.add_note(text)  # Python >= 3.11
-        print(text, file=sys.stderr, flush=True)

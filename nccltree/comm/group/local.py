@@ -13,14 +13,13 @@ import numpy as np
 
 from ..._errors import CommError, CommTimeout, PeerFailure
 from ..comm import _dtype_key
-from ..faces import RankCollectives
+from ..faces import RankCall, RankCollectives
 from ..rendezvous import Meeting, Rendezvous, run_ranks
 from ..work import Work
 
 if TYPE_CHECKING:
     from numpy.typing import DTypeLike
 
-    from ...backends.base import Stream
     from .group import ProcessGroup
 
 
@@ -54,18 +53,11 @@ class LocalRendezvous:
         if self.aborted is not None:
             raise PeerFailure(f"rank {self.pg.ranks[i]}: {self.aborted}")
 
-    def arrive(
-        self,
-        i: int,
-        collective: str,
-        x: np.ndarray,
-        out: np.ndarray | None,
-        op: str,
-        root: int,
-        dtype: object = None,
-    ) -> np.ndarray:
+    def arrive(self, i: int, rank_call: RankCall) -> np.ndarray:
         pg = self.pg
-        call = _LocalCall(collective, x, out, op, root, _dtype_key(dtype))
+        c = rank_call
+        collective = c.collective
+        call = _LocalCall(collective, c.x, c.out, c.op, c.root, _dtype_key(c.dtype))
         m, last = self.meet.arrive(i, call, check=lambda: self._check(i))
         if last:
             try:
@@ -129,31 +121,21 @@ class GroupComm(RankCollectives):
         self.rank = pg.ranks[index]
         self.size = pg.size
 
-    def _call(
-        self,
-        collective: str,
-        x: np.ndarray,
-        out: np.ndarray | None,
-        op: str,
-        root: int,
-        stream: Stream | None = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> np.ndarray | Work:
+    def _call(self, call: RankCall) -> np.ndarray | Work:
         if len(self.pg.ranks) == 1:
-            return self.pg._call(collective, x, out, op, root, stream, async_op, dtype)
-        if stream is not None or async_op:
+            return self.pg._call(call)
+        if call.stream is not None or call.async_op:
             raise ValueError(
                 "stream= and async_op= take one rank per process (this process holds "
                 f"{len(self.pg.ranks)}): call synchronously from each rank's thread"
             )
-        return self.pg._local.arrive(self.index, collective, x, out, op, root, dtype)
+        return self.pg._local.arrive(self.index, call)
 
     def barrier(self) -> None:
         if self.pg.gpu:
             self.pg.barrier()  # one rank per process, on its GPU
             return
-        self._call("all_reduce", np.zeros(1, np.float32), None, "sum", 0)
+        self._call(RankCall("all_reduce", np.zeros(1, np.float32)))
 
 
 def run_local(pg: ProcessGroup, fn: Callable[..., object], *args: object) -> list[object]:

@@ -7,6 +7,7 @@ ranks, a process that never comes ``CommTimeout`` naming them."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ... import _native
@@ -26,27 +27,19 @@ _POLL = 0.01  # seconds between liveness checks while waiting
 _MPI_SLICE = 0.0002  # seconds between MPI progress calls while sends are in flight
 
 
+@dataclass(eq=False)
 class Waits:
     """The bounded waits of one group. ``inflight``: the sends of the current call not
     known finished (MPI moves their data only inside MPI calls, so the waits let it
     progress between slices)."""
 
-    def __init__(
-        self,
-        placement: Placement,
-        mem: NodeMemory,
-        life: Lifecycle,
-        launcher: LauncherWatch,
-        mpi: ModuleType,
-        timeout: float,
-    ) -> None:
-        self.placement = placement
-        self.mem = mem
-        self.life = life
-        self.launcher = launcher
-        self.mpi = mpi
-        self.timeout = timeout
-        self.inflight: list[_MPI.Request] = []
+    placement: Placement
+    mem: NodeMemory
+    life: Lifecycle
+    launcher: LauncherWatch
+    mpi: ModuleType
+    timeout: float
+    inflight: list[_MPI.Request] = field(default_factory=list)
 
     def counter(self, counter: _native.Counter, target: int, proc: int, what: str) -> None:
         """Until ``counter`` reaches ``target`` (process ``proc`` moves it: named if it

@@ -141,7 +141,7 @@ def quick_selection(tests: Iterable[QuickRecord]) -> list[QuickRecord]:
       positions 0, ``QUICK_SAMPLE``, 2 * ``QUICK_SAMPLE``, ... in collection order are kept:
       every slow grid keeps at least one case, the same ones on every run and machine, and
       the first (usually the smallest parameters) among them; a ``slow`` test that is not
-      parametrised is left out;
+      parametrised, or whose parametrisation makes only one case, is left out;
     - every other test is kept;
     - a module left with nothing keeps one test: the first by a stable hash of the node id
       among its tests not marked ``slow`` (else among all), so each module still runs
@@ -159,7 +159,8 @@ def quick_selection(tests: Iterable[QuickRecord]) -> list[QuickRecord]:
         else:
             keep.add(t.nodeid)
     for grid in grids.values():
-        keep.update(t.nodeid for t in grid[::QUICK_SAMPLE])
+        if len(grid) > 1:  # one case is a single slow test, not a grid to sample
+            keep.update(t.nodeid for t in grid[::QUICK_SAMPLE])
     modules: dict[str, list[QuickRecord]] = {}
     for t in tests:
         modules.setdefault(t.module, []).append(t)

@@ -41,6 +41,7 @@ def test_the_rule_samples_slow_grids_and_keeps_every_module() -> None:
         _record("test_a.py", "test_unit"),
         _record("test_a.py", "test_forks", "subprocess"),
         _record("test_a.py", "test_one_slow", "slow"),
+        _record("test_a.py", "test_one_case", "slow", case="fixture0"),
         *grid,
         # a module of process tests only keeps one of them, not a slow one
         _record("test_b.py", "test_mpi_slow", "mpi", "slow"),
@@ -55,6 +56,7 @@ def test_the_rule_samples_slow_grids_and_keeps_every_module() -> None:
     assert "tests/test_a.py::test_unit" in ids
     assert "tests/test_a.py::test_forks" not in ids
     assert "tests/test_a.py::test_one_slow" not in ids  # not a grid: left to the full run
+    assert "tests/test_a.py::test_one_case[fixture0]" not in ids  # nor is a grid of one
     kept = [t for t in grid if t.nodeid in ids]
     assert kept == grid[::QUICK_SAMPLE] and len(kept) == math.ceil(60 / QUICK_SAMPLE)
     assert [t.nodeid for t in quick_selection(tests)] == ids  # the same on every run
@@ -109,11 +111,12 @@ def test_quick_runs_every_test_module_and_a_sample_of_every_slow_grid(tmp_path: 
     }
     assert {nodeid.split("::", 1)[0] for nodeid in quick} == modules
     # every slow grid of tests that start no process keeps a sample
-    grids = {
-        nodeid.split("[", 1)[0]
-        for nodeid, markers in every
-        if "[" in nodeid and "slow" in markers and not {"mpi", "subprocess"} & set(markers)
-    }
+    cases: dict[str, int] = {}
+    for nodeid, markers in every:
+        if "[" in nodeid and "slow" in markers and not {"mpi", "subprocess"} & set(markers):
+            grid = nodeid.split("[", 1)[0]
+            cases[grid] = cases.get(grid, 0) + 1
+    grids = {grid for grid, n in cases.items() if n > 1}  # one case is a single slow test
     assert grids and grids <= {nodeid.split("[", 1)[0] for nodeid in quick}
     # nothing that starts a process, except one test of a module that has nothing else
     marked = dict(every)

@@ -78,7 +78,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 #: with ``--part``, the last part also takes one in this many of the other tests
-LAST_PART_SHARE = 5
+LAST_PART_SHARE = 3
 
 
 def split_parts(tests: list[QuickRecord], n: int) -> list[list[QuickRecord]]:

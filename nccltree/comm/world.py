@@ -209,8 +209,13 @@ class World(DriverCollectives):
         self._subgroups = Subgroups(
             devices, self.timeout, self._make_group, self._check_usable, self._abort
         )
-        self._chunk_arg = chunk_bytes
-        self._inline_args = (inline_bytes, inline_threads, max_scratch_bytes)
+        # the settings a group made of these ranks inherits
+        self._group_settings: dict[str, int | None] = {
+            "chunk_bytes": chunk_bytes,
+            "inline_bytes": inline_bytes,
+            "inline_threads": inline_threads,
+            "max_scratch_bytes": max_scratch_bytes,
+        }
 
     # -- life cycle -----------------------------------------------------------------------
     def __enter__(self) -> World:
@@ -305,17 +310,9 @@ class World(DriverCollectives):
             [[self.topology.link(i, j) for j in picked] for i in picked],
             [self.topology.names[i] for i in picked],
         )
-        inline_bytes, inline_threads, max_scratch = self._inline_args
-        return World(
-            [self.devices[r] for r in picked],
-            algorithm=self.algorithm if algorithm is None else algorithm,
-            topology=topo,
-            timeout=self.timeout,
-            chunk_bytes=self._chunk_arg,
-            inline_bytes=inline_bytes,
-            inline_threads=inline_threads,
-            max_scratch_bytes=max_scratch,
-        )
+        algorithm = self.algorithm if algorithm is None else algorithm
+        devices = [self.devices[r] for r in picked]
+        return World(devices, algorithm, topo, self.timeout, **self._group_settings)
 
     def split(
         self, colors: Sequence[int | None], keys: Sequence[int] | None = None

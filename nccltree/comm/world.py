@@ -120,19 +120,7 @@ class World(DriverCollectives):
         inline_threads: int | None = None,
         max_scratch_bytes: int | None = None,
     ) -> None:
-        if isinstance(devices, str):
-            from ..backends import devices as make_devices
-
-            devices = make_devices(devices)
-        devices = list(devices)
-        if not devices:
-            raise ValueError("a World needs at least one device")
-        from ..backends import check_ranks_fit
-
-        # before the N x N link matrix and the per-rank streams are made
-        check_ranks_fit(len(devices), f"a World of {len(devices)} ranks")
-        if len({d.runtime if hasattr(d, "runtime") else d.backend for d in devices}) != 1:
-            raise ValueError("all devices of a World must come from one devices() call")
+        devices = _world_devices(devices)
         check_choice(algorithm, "algorithm", ALGORITHM_CHOICES)
         self.timeout = check_call_timeout(timeout)
         if max_scratch_bytes is not None:
@@ -634,8 +622,13 @@ class World(DriverCollectives):
 
     @property
     def inline_threads(self) -> int:
-        """The threads each inline kernel uses from 512 KiB per rank (8 MiB per-rank)."""
+        """The threads of each inline kernel from 512 KiB per rank (8 MiB when the ranks'
+        threads make the call together); below that, each device's own."""
         return self._issuer.inline_threads
+
+    @inline_threads.setter
+    def inline_threads(self, value: int) -> None:
+        self._issuer.inline_threads = check_int(value, "inline_threads", min=1)
 
     @property
     def max_scratch_bytes(self) -> int | None:
@@ -643,3 +636,28 @@ class World(DriverCollectives):
         ranks together; None: no cap). A call that needs more gets buffers of its own,
         released when it is done."""
         return self._programs.max_scratch_bytes
+
+    @max_scratch_bytes.setter
+    def max_scratch_bytes(self, value: int | None) -> None:
+        self._programs.max_scratch_bytes = (
+            None if value is None else check_int(value, "max_scratch_bytes", min=0)
+        )
+
+
+def _world_devices(devices: Sequence[Device] | str) -> list[Device]:
+    """A World's devices (a spec string made into them), checked: at least one, few
+    enough to fit in memory, all from one ``devices()`` call."""
+    if isinstance(devices, str):
+        from ..backends import devices as make_devices
+
+        devices = make_devices(devices)
+    devices = list(devices)
+    if not devices:
+        raise ValueError("a World needs at least one device")
+    from ..backends import check_ranks_fit
+
+    # before the N x N link matrix and the per-rank streams are made
+    check_ranks_fit(len(devices), f"a World of {len(devices)} ranks")
+    if len({d.runtime if hasattr(d, "runtime") else d.backend for d in devices}) != 1:
+        raise ValueError("all devices of a World must come from one devices() call")
+    return devices

@@ -142,15 +142,16 @@ def test_in_place_layouts_come_from_the_table(world):
 
 
 def test_settings_written_after_construction_take_effect_and_are_checked():
-    """``algorithm``, ``inline_bytes``, ``inline_threads`` and ``max_scratch_bytes`` are
-    read by the World's chooser, issuer and program cache on every call: a write reaches
-    them, and a bad value is refused as the constructor refuses it."""
+    """``algorithm``, ``timeout``, ``inline_bytes``, ``inline_threads`` and
+    ``max_scratch_bytes`` are read by the World's chooser, issuer and program cache on
+    every call: a write reaches them, and a bad value is refused as the constructor
+    refuses it."""
     with nt.World("cpu:4", algorithm="tree") as w:
         w.algorithm = "ring"
         assert w.algorithm == "ring"
         assert w.plan("all_reduce", 4096) is w.plan("all_reduce", 4096, algorithm="ring")
-        w.inline_bytes, w.inline_threads = 0, 2
-        assert (w.inline_bytes, w.inline_threads) == (0, 2)
+        w.inline_bytes, w.inline_threads, w.timeout = 0, 2, 30
+        assert (w.inline_bytes, w.inline_threads, w.timeout) == (0, 2, 30)
         w.max_scratch_bytes = 0
         xs = [np.full(1000, r + 1, np.float32) for r in range(4)]
         outs = [np.zeros(1000, np.float32) for _ in range(4)]
@@ -161,7 +162,7 @@ def test_settings_written_after_construction_take_effect_and_are_checked():
         w.max_scratch_bytes = None
         w.reduce(xs, root=0, outs=outs)
         assert w.scratch_bytes == 4000  # kept again
-        for name, value in [("algorithm", "fastest"), ("inline_bytes", -1),
+        for name, value in [("algorithm", "fastest"), ("timeout", -1), ("inline_bytes", -1),
                             ("inline_threads", 0), ("max_scratch_bytes", -1)]:  # fmt: skip
             with pytest.raises(ValueError, match=name):
                 setattr(w, name, value)

@@ -122,7 +122,7 @@ class World(DriverCollectives):
     ) -> None:
         devices = _world_devices(devices)
         check_choice(algorithm, "algorithm", ALGORITHM_CHOICES)
-        self.timeout = check_call_timeout(timeout)
+        timeout = check_call_timeout(timeout)
         if max_scratch_bytes is not None:
             max_scratch_bytes = check_int(max_scratch_bytes, "max_scratch_bytes", min=0)
         #: whether every message is cut into chunks of ``chunk_bytes`` (given, or the host
@@ -171,7 +171,7 @@ class World(DriverCollectives):
             devices,
             self._streams,
             self._programs,
-            self.timeout,
+            timeout,
             inline_bytes,
             inline_threads,
             self._on_stream_error,
@@ -195,7 +195,7 @@ class World(DriverCollectives):
         self._mailbox = Mailbox(self)  # send/recv (p2p.py)
         # new_group, split and comm.split (the ranks meet, the last one makes the groups)
         self._subgroups = Subgroups(
-            devices, self.timeout, self._make_group, self._check_usable, self._abort
+            devices, timeout, self._make_group, self._check_usable, self._abort
         )
         # the settings a group made of these ranks inherits
         self._group_settings: dict[str, int | None] = {
@@ -599,6 +599,15 @@ class World(DriverCollectives):
             return self._programs.release()
 
     # -- settings the chooser, the issuer and the cache read on every call ----------------
+    @property
+    def timeout(self) -> float:
+        """The bound of every wait (seconds)."""
+        return self._issuer.timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        self._issuer.timeout = self._subgroups.timeout = check_call_timeout(value)
+
     @property
     def algorithm(self) -> str:
         """``tree``, ``ring``, ``direct``, ``nccl`` or ``auto``: what the calls run."""

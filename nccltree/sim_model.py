@@ -394,18 +394,15 @@ def _share(flows: Sequence[_Flow], caps: dict[str, float], tight: set[str]) -> N
         active = still
 
 
-def simulate(plan: Plan, machine: Machine, itemsize: int = 4) -> SimResult:
-    """The predicted time of ``plan`` on ``machine`` (elements of ``itemsize`` bytes)."""
-    itemsize = check_int(itemsize, "itemsize", min=1)
+def _issue_times(plan: Plan, machine: Machine) -> tuple[list[list[int]], list[float]]:
+    """Each stream's steps (indices into the plan), and when each step is issued: each
+    host thread issues its ranks' steps (records and waits too, each a CUDA call, where
+    they cost) in the plan's order."""
     n = plan.size
-    if machine.topology.n != n:
-        raise ValueError(f"the plan has {n} ranks, the machine's topology {machine.topology.n}")
     issuers = machine.issuers or (0,) * n
     if len(issuers) != n:
         raise ValueError(f"the machine names {len(issuers)} issuers for {n} ranks")
     per_stream: list[list[int]] = [[] for _ in range(n)]
-    # each host thread issues its ranks' steps (records and waits too, each a CUDA call,
-    # where they cost) in the plan's order
     issued_at: list[float] = []
     issued: dict[int, int] = {}
     for i, s in enumerate(plan.steps):
@@ -414,6 +411,72 @@ def simulate(plan: Plan, machine: Machine, itemsize: int = 4) -> SimResult:
         if machine.sync_steps_cost or s.kind not in ("record", "wait"):
             issued[h] = issued.get(h, 0) + 1
         issued_at.append(issued.get(h, 0) * machine.issue_s)
+    return per_stream, issued_at
+
+
+@dataclass
+class _Resources:
+    """The resources during a simulation: each one's capacity, the streams whose flows
+    use it, their load (the sum of demand x solo rate), which are saturated (tight), when
+    each busy spell began; the bytes and busy time go to ``result``."""
+
+    result: SimResult
+    caps: dict[str, float] = field(default_factory=dict)
+    users: dict[str, set[int]] = field(default_factory=dict)
+    load: dict[str, float] = field(default_factory=dict)
+    tight: set[str] = field(default_factory=set)
+    first_use: dict[str, float] = field(default_factory=dict)
+
+    def occupy(self, r: int, demands: dict[str, float], nbytes: float, solo: float,
+               now: float) -> None:  # fmt: skip
+        """Stream ``r``'s flow starts at ``now``."""
+        for res, d in demands.items():
+            self.result.bytes[res] = self.result.bytes.get(res, 0.0) + nbytes * d
+            u = self.users.setdefault(res, set())
+            if not u:
+                self.first_use[res] = now
+            u.add(r)
+            self.load[res] = self.load.get(res, 0.0) + d * solo
+            if self.load[res] > self.caps[res] * (1 + 1e-9):
+                self.tight.add(res)
+
+    def vacate(self, r: int, f: _Flow, now: float, seeds: set[int]) -> None:
+        """Stream ``r``'s flow ``f`` ended at ``now``; the streams sharing a resource it
+        saturated join ``seeds`` (their rates change)."""
+        for res, d in f.demands.items():
+            if res in self.tight:
+                seeds.update(self.users[res])
+            self.users[res].discard(r)
+            self.load[res] -= d * f.solo
+            if not self.users[res]:
+                self.result.busy_s[res] = (
+                    self.result.busy_s.get(res, 0.0) + now - self.first_use[res]
+                )
+            if self.load[res] <= self.caps[res] * (1 + 1e-9):
+                self.tight.discard(res)
+
+    def joined(self, seeds: set[int], running: dict[int, _Flow]) -> set[int]:
+        """The running streams joined to ``seeds`` through tight resources."""
+        group: set[int] = set()
+        todo = [r for r in seeds if r in running]
+        while todo:
+            r = todo.pop()
+            if r in group:
+                continue
+            group.add(r)
+            for res in running[r].demands:
+                if res in self.tight:
+                    todo.extend(q for q in self.users[res] if q not in group)
+        return group
+
+
+def simulate(plan: Plan, machine: Machine, itemsize: int = 4) -> SimResult:
+    """The predicted time of ``plan`` on ``machine`` (elements of ``itemsize`` bytes)."""
+    itemsize = check_int(itemsize, "itemsize", min=1)
+    n = plan.size
+    if machine.topology.n != n:
+        raise ValueError(f"the plan has {n} ranks, the machine's topology {machine.topology.n}")
+    per_stream, issued_at = _issue_times(plan, machine)
     steps = plan.steps
     pos = [0] * n
     free_at = [0.0] * n  # when each stream is free (no flow running or pending on it)
@@ -423,11 +486,8 @@ def simulate(plan: Plan, machine: Machine, itemsize: int = 4) -> SimResult:
     recorded: dict[int, float] = {}
     waiting: dict[int, list[int]] = {}  # event -> streams blocked on it
     result = SimResult(0.0)
-    caps: dict[str, float] = {}
-    users: dict[str, set[int]] = {}  # resource -> streams whose flows use it
-    load: dict[str, float] = {}  # resource -> sum of its flows' demand x solo rate
-    tight: set[str] = set()
-    first_use: dict[str, float] = {}  # resource -> when its current busy spell began
+    use = _Resources(result)
+    caps, tight = use.caps, use.tight
     flows: dict[int, tuple[dict[str, float], float, float]] = {}
     now = 0.0
 
@@ -468,16 +528,7 @@ def simulate(plan: Plan, machine: Machine, itemsize: int = 4) -> SimResult:
 
     def settle(seeds: set[int]) -> None:
         """Recompute the rates of the flows joined to ``seeds`` through tight resources."""
-        group: set[int] = set()
-        todo = [r for r in seeds if r in running]
-        while todo:
-            r = todo.pop()
-            if r in group:
-                continue
-            group.add(r)
-            for res in running[r].demands:
-                if res in tight:
-                    todo.extend(q for q in users[res] if q not in group)
+        group = use.joined(seeds, running)
         for r in group:  # bring each flow's remaining bytes up to now
             f = running[r]
             f.left -= f.rate * (now - f.since)
@@ -503,15 +554,7 @@ def simulate(plan: Plan, machine: Machine, itemsize: int = 4) -> SimResult:
             free_at[r] = now
             busy[r] = False
             work.append(r)
-            for res, d in f.demands.items():
-                if res in tight:
-                    seeds.update(users[res])
-                users[res].discard(r)
-                load[res] -= d * f.solo
-                if not users[res]:
-                    result.busy_s[res] = result.busy_s.get(res, 0.0) + now - first_use[res]
-                if load[res] <= caps[res] * (1 + 1e-9):
-                    tight.discard(res)
+            use.vacate(r, f, now, seeds)
         while pending and pending[0][0] <= now:
             _, r, i = heapq.heappop(pending)
             demands, nbytes, _ = flow_of(i)
@@ -523,15 +566,7 @@ def simulate(plan: Plan, machine: Machine, itemsize: int = 4) -> SimResult:
             solo = min(caps[res] / d for res, d in demands.items())
             running[r] = _Flow(demands, nbytes, solo, now)
             seeds.add(r)
-            for res, d in demands.items():
-                result.bytes[res] = result.bytes.get(res, 0.0) + nbytes * d
-                u = users.setdefault(res, set())
-                if not u:
-                    first_use[res] = now
-                u.add(r)
-                load[res] = load.get(res, 0.0) + d * solo
-                if load[res] > caps[res] * (1 + 1e-9):
-                    tight.add(res)
+            use.occupy(r, demands, nbytes, solo, now)
         while work:
             advance(work.pop())
         seeds -= {r for r in seeds if r not in running}

@@ -23,7 +23,7 @@ SIZES = sorted(
 def old_choose(world: nt.World, nbytes: int) -> str:
     """World._choose written as an if-chain (the oracle of this test): as before the table,
     except that uniform host links take direct at every size."""
-    if world.backend == "cuda" and nbytes >= 256 << 10 and world._nccl_usable():
+    if world.backend == "cuda" and nbytes >= 256 << 10 and world._issuer.nccl_usable():
         return "nccl"
     topo, n = world.topology, world.size
     links = {

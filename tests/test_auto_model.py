@@ -91,7 +91,7 @@ def test_the_switch_is_off_by_default(fake_cupy: Any, monkeypatch: pytest.Monkey
     topo = nt.Topology.preset("pcie2s8")
     with nt.World(nt.devices(SHARED8), algorithm="auto", topology=topo) as w:
         assert w._choose(prep(16 * MB)) == "tree"  # the table's
-        assert w._auto_model is None
+        assert w._chooser.model is None
 
 
 @pytest.mark.parametrize("fake_cupy", [{"n_gpus": 4}], indirect=True)
@@ -137,7 +137,7 @@ def test_host_worlds_keep_their_measured_rule(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("NCCLTREE_AUTO", "model")
     with nt.World(nt.devices("cpu:4"), algorithm="auto") as w:
         assert {w._choose(prep(n)) for n in (4, 1 * MB, 16 * MB)} == {"direct"}
-        assert not w._auto_model_on
+        assert not w._chooser.model_on
 
 
 def test_the_chooser_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -299,8 +299,8 @@ def test_plan_cache_shares_a_program_across_dtypes_of_one_size():
         w.all_reduce([np.ones(8, np.float16) for _ in range(2)])
         w.all_reduce([np.ones(8, BFLOAT16) for _ in range(2)])
         w.all_reduce([np.ones(8, np.uint16) for _ in range(2)], dtype="bfloat16")
-        assert len(w._programs) == 1
-        ((key, program),) = w._programs.items()
+        assert len(w._programs.programs) == 1
+        ((key, program),) = w._programs.programs.items()
         assert key[-2:] == (2, None) and program.dtype is None
 
 

@@ -105,12 +105,14 @@ def test_fake_world_reductions_launch_the_bf16_kernels(fake_cupy: Any, alg: str,
                 for r in range(n):
                     np.testing.assert_array_equal(outs[r].get(), bits(want[r]))
             # the plan cache keys the dtype the arrays carry, and its programs name it
-            assert world._programs
-            assert all(k[-1] == BFLOAT16.str for k in world._programs)
-            assert all(p.dtype == BFLOAT16 for p in world._programs.values())
+            assert world._programs.programs
+            assert all(k[-1] == BFLOAT16.str for k in world._programs.programs)
+            assert all(p.dtype == BFLOAT16 for p in world._programs.programs.values())
             # float16 arrays of the same size: programs of their own, naming no dtype
             world.all_reduce([d.zeros(300, np.float16) for d in devs])
-            assert any(k[-1] is None and p.dtype is None for k, p in world._programs.items())
+            assert any(
+                k[-1] is None and p.dtype is None for k, p in world._programs.programs.items()
+            )
     finally:
         devs[0].runtime.shutdown()
 

@@ -140,7 +140,7 @@ def test_a_range_used_by_many_steps_is_sliced_once():
     with nt.World("cpu:4", algorithm="tree", chunk_bytes=256) as w:
         x = [np.ones(1000, np.float32) for _ in range(4)]
         w.all_reduce(x)
-        (program,) = w._programs.values()
+        (program,) = w._programs.programs.values()
         touches = sum(len(s.touches) for s in program.plan.data_steps())
         assert len(program.ranges) < touches
         views = program.views(Buffers(x, x, [None] * 4))
@@ -152,7 +152,7 @@ def test_events_are_reused_and_async_calls_get_their_own_end_events():
     with nt.World(f"cpu:{n}", algorithm="tree", chunk_bytes=256, inline_bytes=0) as w:
         xs = [np.full(1000, r + 1, np.float32) for r in range(n)]
         w.all_reduce(xs)
-        (program,) = w._programs.values()
+        (program,) = w._programs.programs.values()
         events = program.events
         assert events is not None and len(events) == program.plan.n_events
         w.all_reduce(xs)
@@ -188,8 +188,8 @@ def test_scratch_follows_the_dtype_and_its_replacement():
             assert all(np.all(xs[r] == r + 1) for r in range(n))
             if count == 5000:
                 # the larger call replaced the scratch: the other plan keeps no old buffer
-                assert [p.plan.scratch != {} for p in w._programs.values()] == [True, True]
-                assert [p.memory is None for p in w._programs.values()] == [True, False]
+                assert [p.plan.scratch != {} for p in w._programs.programs.values()] == [True, True]
+                assert [p.memory is None for p in w._programs.programs.values()] == [True, False]
 
 
 # -- the null backend ----------------------------------------------------------------------

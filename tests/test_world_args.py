@@ -139,3 +139,30 @@ def test_in_place_layouts_come_from_the_table(world):
     world.reduce_scatter(xs, [xs[r][r * c : (r + 1) * c] for r in range(n)])
     for r in range(n):
         np.testing.assert_array_equal(xs[r][r * c : (r + 1) * c], 3 * np.arange(r * c, r * c + c))
+
+
+def test_settings_written_after_construction_take_effect_and_are_checked():
+    """``algorithm``, ``timeout``, ``inline_bytes``, ``inline_threads`` and
+    ``max_scratch_bytes`` are read by the World's chooser, issuer and program cache on
+    every call: a write reaches them, and a bad value is refused as the constructor
+    refuses it."""
+    with nt.World("cpu:4", algorithm="tree") as w:
+        w.algorithm = "ring"
+        assert w.algorithm == "ring"
+        assert w.plan("all_reduce", 4096) is w.plan("all_reduce", 4096, algorithm="ring")
+        w.inline_bytes, w.inline_threads, w.timeout = 0, 2, 30
+        assert (w.inline_bytes, w.inline_threads, w.timeout) == (0, 2, 30)
+        w.max_scratch_bytes = 0
+        xs = [np.full(1000, r + 1, np.float32) for r in range(4)]
+        outs = [np.zeros(1000, np.float32) for _ in range(4)]
+        w.algorithm = "tree"
+        w.reduce(xs, root=0, outs=outs)  # the tree's reduce needs scratch: its own
+        np.testing.assert_array_equal(outs[0], np.full(1000, 10, np.float32))
+        assert w.scratch_bytes == 0
+        w.max_scratch_bytes = None
+        w.reduce(xs, root=0, outs=outs)
+        assert w.scratch_bytes == 4000  # kept again
+        for name, value in [("algorithm", "fastest"), ("timeout", -1), ("inline_bytes", -1),
+                            ("inline_threads", 0), ("max_scratch_bytes", -1)]:  # fmt: skip
+            with pytest.raises(ValueError, match=name):
+                setattr(w, name, value)

@@ -298,14 +298,16 @@ def test_train_cli_refuses_a_huge_device_set_as_usage(tmp_path):
 
 
 def test_the_plan_cache_is_bounded_by_steps(monkeypatch):
-    import nccltree.comm.world as world_mod
+    import nccltree.comm.programs as programs_mod
 
-    monkeypatch.setattr(world_mod, "_PLAN_CACHE_STEPS", 200)
+    monkeypatch.setattr(programs_mod, "PLAN_CACHE_STEPS", 200)
     with nt.World(nt.devices("cpu:8"), algorithm="ring") as w:
+        cache = w._programs
         for count in range(64, 64 * 20, 64):
             w.plan("all_reduce", count)
-            assert w._plan_steps == sum(len(p.steps) for p in w._plans.values())
-            assert w._plan_steps <= 200 or len(w._plans) == 1
+            assert cache.plan_steps == sum(len(p.steps) for p in cache.plans.values())
+            assert cache.plan_steps <= 200 or len(cache.plans) == 1
+            assert cache.programs.keys() == cache.plans.keys()
 
 
 def test_a_rank_thread_that_cannot_start_aborts_the_world(monkeypatch):

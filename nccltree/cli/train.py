@@ -64,7 +64,7 @@ from ._training import (
 
 if TYPE_CHECKING:
     from ..comm.group import ProcessGroup
-    from ..parallel import DataParallel, StepInfo
+    from ..parallel import DataParallel, FitResult, StepInfo
     from ..params import FlatParams
     from ..snapshot import Snapshot
 
@@ -1198,31 +1198,48 @@ def run(
         progress.finish()
         if not root:  # global rank 0 evaluates, writes and reports
             return ExitStatus.OK
-        if ds.val is not None and outputs.accuracy is None:  # nothing trained: still report
-            outputs.evaluate(dp.params[0])
+        return _finish(cfg, ds, dp, result, outputs, metrics, target, out, quiet=quiet)
+
+
+def _finish(
+    cfg: TrainConfig,
+    ds: Dataset,
+    dp: DataParallel,
+    result: FitResult,
+    outputs: _Outputs,
+    metrics: Metrics,
+    target: float | None,
+    out: TextIO,
+    *,
+    quiet: bool,
+) -> int:
+    """Global rank 0 after training: evaluates (when nothing trained yet), writes the
+    final weights and the last metrics, reports, and checks ``target``."""
+    if ds.val is not None and outputs.accuracy is None:  # nothing trained: still report
+        outputs.evaluate(dp.params[0])
+    if cfg.out:
+        save_arrays(os.path.join(cfg.out, FINAL_NAME), dp.state_dict())
+    summary = (
+        f"done: {result.iter - result.start_iter} iterations in {result.elapsed_s:.1f} s, "
+        f"{result.examples_per_s:,.0f} examples/s"
+        + (f", final training loss {result.losses[-1]:.4f}" if result.losses else "")
+    )
+    metrics.write(
+        event="final",
+        iter=result.iter,
+        elapsed_s=result.elapsed_s,
+        examples_per_s=result.examples_per_s,
+        accuracy=outputs.accuracy,
+    )
+    if not quiet:
+        print(summary, file=out)
         if cfg.out:
-            save_arrays(os.path.join(cfg.out, FINAL_NAME), dp.state_dict())
-        summary = (
-            f"done: {result.iter - result.start_iter} iterations in {result.elapsed_s:.1f} s, "
-            f"{result.examples_per_s:,.0f} examples/s"
-            + (f", final training loss {result.losses[-1]:.4f}" if result.losses else "")
-        )
-        metrics.write(
-            event="final",
-            iter=result.iter,
-            elapsed_s=result.elapsed_s,
-            examples_per_s=result.examples_per_s,
-            accuracy=outputs.accuracy,
-        )
-        if not quiet:
-            print(summary, file=out)
-            if cfg.out:
-                print(
-                    f"wrote {os.path.join(cfg.out, 'final.npz')} and "
-                    f"{os.path.join(cfg.out, 'metrics.jsonl')}",
-                    file=out,
-                )
-        return _report_accuracy(outputs.accuracy, target, cfg, out)
+            print(
+                f"wrote {os.path.join(cfg.out, 'final.npz')} and "
+                f"{os.path.join(cfg.out, 'metrics.jsonl')}",
+                file=out,
+            )
+    return _report_accuracy(outputs.accuracy, target, cfg, out)
 
 
 def _check_out(out: str, *, resuming: bool, overwrite: bool) -> None:

@@ -25,7 +25,7 @@ explicit ``stream``) returns once the work is issued: a :class:`~nccltree.comm.W
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -272,19 +272,13 @@ class DriverCollectives:
     ``Work`` for all when ``async_op``. The parameters are the per-rank ones
     (:class:`RankCollectives`) with a list for each buffer and stream."""
 
-    def _driver(
-        self,
-        collective: str,
-        xs: Sequence[Array],
-        outs: Sequence[Array] | None,
-        op: str,
-        root: int,
-        streams: Sequence[Stream | None] | None,
-        async_op: bool,
-        dtype: DTypeLike | None = None,
-    ) -> list[Array] | Work:
-        """One collective of the table, by name, for every rank."""
-        raise NotImplementedError
+    #: one collective of the table, by name, for every rank: ``_driver(collective, xs,
+    #: outs, op, root, streams, async_op, dtype)``, implemented by the face (World)
+    _driver: Callable[
+        [str, Sequence[Array], Sequence[Array] | None, str, int,
+         Sequence[Stream | None] | None, bool, DTypeLike | None],
+        list[Array] | Work,
+    ]  # fmt: skip
 
     def all_reduce(
         self,

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from .._errors import CommError, PeerFailure
 from .flight import FlightRecorder
@@ -92,3 +93,36 @@ class LifeCycle:
             exc.add_note(text)  # Python >= 3.11
         print(text, file=sys.stderr, flush=True)
         return text
+
+
+_Owner = TypeVar("_Owner", bound="HasLifeCycle")
+
+
+class HasLifeCycle:
+    """What a communicator with a :class:`LifeCycle` in ``_life`` shows of it, the same
+    on every face: a context manager that closes it, ``closed``, ``aborted`` and the
+    check every call makes first. The owner defines ``close``."""
+
+    _life: LifeCycle
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _Owner) -> _Owner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_usable(self) -> None:
+        self._life.check_usable()
+
+    @property
+    def closed(self) -> bool:
+        """Whether it was closed."""
+        return self._life.closed
+
+    @property
+    def aborted(self) -> bool:
+        """Whether it failed or was aborted (closed for good)."""
+        return self._life.failed

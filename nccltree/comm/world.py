@@ -31,7 +31,7 @@ from .comm import Comm, _Rendezvous
 from .faces import DriverCollectives
 from .flight import FlightRecorder
 from .issuer import INLINE_EVERY_CORE_FROM, Issuer
-from .lifecycle import LifeCycle
+from .lifecycle import HasLifeCycle, LifeCycle
 from .p2p import Mailbox
 from .plan import (
     CHUNK_BYTES,
@@ -59,7 +59,7 @@ ALGORITHM_CHOICES = (*ALGORITHMS, "nccl", "auto")
 _INLINE_EVERY_CORE_FROM = INLINE_EVERY_CORE_FROM
 
 
-class World(DriverCollectives):
+class World(DriverCollectives, HasLifeCycle):
     """All ranks of one process: ``World(devices, algorithm="tree", topology=None,
     timeout=60.0)``.
 
@@ -125,13 +125,10 @@ class World(DriverCollectives):
         timeout = check_call_timeout(timeout)
         if max_scratch_bytes is not None:
             max_scratch_bytes = check_int(max_scratch_bytes, "max_scratch_bytes", min=0)
-        #: whether every message is cut into chunks of ``chunk_bytes`` (given, or the host
-        #: default); else the GPU policy picks the chunk per message (``chunk_for``)
-        self.fixed_chunk = chunk_bytes is not None or devices[0].backend == "host"
+        fixed_chunk = chunk_bytes is not None or devices[0].backend == "host"
         if chunk_bytes is None:
             chunk_bytes = CHUNK_BYTES if devices[0].backend == "host" else GPU_CHUNK_MAX
-        #: the chunk when fixed; under the GPU policy the largest chunk a plan uses
-        self.chunk_bytes = check_int(chunk_bytes, "chunk_bytes", min=64)
+        chunk_bytes = check_int(chunk_bytes, "chunk_bytes", min=64)
         if inline_bytes is not None:
             inline_bytes = check_int(inline_bytes, "inline_bytes", min=0)
         if inline_threads is None:
@@ -152,7 +149,7 @@ class World(DriverCollectives):
             raise ValueError(f"topology has {topology.n} devices, the World {self.size}")
         self.topology = topology
         # the chunk policy, the trees and the plan builder
-        self._planner = Planner(topology, self.chunk_bytes, self.fixed_chunk)
+        self._planner = Planner(topology, chunk_bytes, fixed_chunk)
         # the algorithm of each call (bound: the launch asks it on every call)
         self._chooser = Chooser(algorithm, devices, topology, self._usable, self._planner.build)
         self._choose = self._chooser.choose
@@ -206,12 +203,6 @@ class World(DriverCollectives):
         }
 
     # -- life cycle -----------------------------------------------------------------------
-    def __enter__(self) -> World:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def close(self) -> None:
         """Finish queued work (within the timeout), stop the streams, destroy NCCL
         communicators. Later calls raise ``CommError``."""
@@ -243,13 +234,6 @@ class World(DriverCollectives):
         self._rendezvous.wake_all()
         self._subgroups.wake()
         self._mailbox.wake()
-
-    def _check_usable(self) -> None:
-        self._life.check_usable()
-
-    @property
-    def aborted(self) -> bool:
-        return self._life.failed
 
     @property
     def _failure(self) -> BaseException | None:
@@ -599,6 +583,18 @@ class World(DriverCollectives):
             return self._programs.release()
 
     # -- settings the chooser, the issuer and the cache read on every call ----------------
+    @property
+    def fixed_chunk(self) -> bool:
+        """Whether every message is cut into chunks of ``chunk_bytes`` (given, or the host
+        default); else the GPU policy picks the chunk per message (``chunk_for``). Fixed
+        when the World is made: the cached plans depend on it."""
+        return self._planner.fixed_chunk
+
+    @property
+    def chunk_bytes(self) -> int:
+        """The chunk when fixed; under the GPU policy the largest chunk a plan uses."""
+        return self._planner.chunk_bytes
+
     @property
     def timeout(self) -> float:
         """The bound of every wait (seconds)."""

@@ -61,6 +61,7 @@ from ..algorithms import build_plan
 from ..collectives import COLLECTIVES, collective_name
 from ..faces import PointToPoint, RankCall, RankCollectives
 from ..flight import FlightRecorder
+from ..lifecycle import HasLifeCycle
 from ..plan import CHUNK_BYTES, Plan, chunk_elements
 from ..work import Work
 from .engine import Engine, EngineContext
@@ -127,9 +128,11 @@ def _host_devices(pl: Placement, nlocal: int, threads: int) -> tuple[list[Device
     return list(local_devs), every
 
 
-class ProcessGroup(RankCollectives, PointToPoint):
+class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
     """Ranks across processes and nodes (see the module docstring). Made by
     :func:`init_process_group`."""
+
+    _life: Lifecycle  # the shared life cycle with the group's own steps
 
     def __init__(
         self,
@@ -258,25 +261,6 @@ class ProcessGroup(RankCollectives, PointToPoint):
                 c.Free()
             except Exception:  # noqa: BLE001 - best effort at teardown
                 pass
-
-    def __enter__(self) -> ProcessGroup:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _check_usable(self) -> None:
-        self._life.check_usable()
-
-    @property
-    def closed(self) -> bool:
-        """Whether the group was closed."""
-        return self._life.closed
-
-    @property
-    def aborted(self) -> bool:
-        """Whether the group failed or was aborted (closed for good)."""
-        return self._life.failure is not None
 
     @property
     def sent_bytes(self) -> int:

@@ -7,7 +7,7 @@ ways per algorithm on the same devices and arrays, interleaved in each repetitio
 ``inline_bytes=0`` (every call on the ranks' streams, the devices' threads per kernel);
 inline with one thread per kernel (``inline_threads=1``); inline with every core (the
 devices' threads together, at most the CPU count) at every size; and the World's
-default (every core from the sizes ``world._INLINE_EVERY_CORE_FROM`` gives). The calls
+default (every core from the sizes ``issuer.INLINE_EVERY_CORE_FROM`` gives). The calls
 are driver-side, or with ``--per-rank`` made by the ranks' threads together
 (``World.run``, each rank calling ``comm.all_reduce``). Prints the median time per call
 in microseconds as a Markdown table, with the machine's load.
@@ -24,7 +24,7 @@ import numpy as np
 
 import nccltree as nt
 from nccltree.cli._common import open_devices
-from nccltree.comm import world as world_module
+from nccltree.comm import issuer as issuer_module
 
 SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 MODES = {
@@ -33,7 +33,7 @@ MODES = {
     "inline, every core": {},
     "default": {},
 }
-DEFAULT_FROM = dict(world_module._INLINE_EVERY_CORE_FROM)
+DEFAULT_FROM = dict(issuer_module.INLINE_EVERY_CORE_FROM)
 
 
 def _calls(w: nt.World, xs: list[np.ndarray], calls: int, per_rank: bool) -> None:
@@ -66,7 +66,7 @@ def measure(n: int, reps: int, per_rank: bool = False) -> dict[tuple[str, str, i
                 for _ in range(reps):
                     for (alg, mode), w in worlds.items():
                         every = mode == "inline, every core"
-                        world_module._INLINE_EVERY_CORE_FROM.update(
+                        issuer_module.INLINE_EVERY_CORE_FROM.update(
                             {False: 0, True: 0} if every else DEFAULT_FROM
                         )
                         t0 = time.perf_counter()
@@ -74,7 +74,7 @@ def measure(n: int, reps: int, per_rank: bool = False) -> dict[tuple[str, str, i
                         dt = (time.perf_counter() - t0) / calls * 1e6
                         times.setdefault((alg, mode, size), []).append(dt)
         finally:
-            world_module._INLINE_EVERY_CORE_FROM.update(DEFAULT_FROM)
+            issuer_module.INLINE_EVERY_CORE_FROM.update(DEFAULT_FROM)
             for w in worlds.values():
                 w.close()
     return {k: statistics.median(v) for k, v in times.items()}

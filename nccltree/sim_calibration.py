@@ -161,9 +161,9 @@ def host_machine(n: int, cal: HostCalibration, call_bytes: int, working_set: int
     ``call_bytes`` per rank touching ``working_set`` bytes: its kernels use every core
     from 512 KiB (as a World's inline calls do), else each device's share, at the copy
     rate measured for that working set."""
-    from .comm.world import _INLINE_EVERY_CORE_FROM
+    from .comm.issuer import INLINE_EVERY_CORE_FROM
 
-    threads = cal.cores if call_bytes >= _INLINE_EVERY_CORE_FROM[False] else max(
+    threads = cal.cores if call_bytes >= INLINE_EVERY_CORE_FROM[False] else max(
         1, cal.cores // n)  # fmt: skip
     gbps = cal.rate(threads, working_set)
     host = DeviceModel("host (calibrated)", gbps, 0.0, 0,

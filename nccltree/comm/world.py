@@ -30,7 +30,7 @@ from .collectives import collective_name
 from .comm import Comm, _Rendezvous
 from .faces import DriverCollectives
 from .flight import FlightRecorder
-from .issuer import INLINE_EVERY_CORE_FROM, Issuer
+from .issuer import Issuer
 from .lifecycle import HasLifeCycle, LifeCycle
 from .p2p import Mailbox
 from .plan import (
@@ -53,10 +53,6 @@ if TYPE_CHECKING:
     from .p2p import _Op
 
 ALGORITHM_CHOICES = (*ALGORITHMS, "nccl", "auto")
-
-# the sizes from which inline kernels use every core: the issuer's one dict, under the
-# name the host calibration (sim_calibration) and bench/inline_table.py read
-_INLINE_EVERY_CORE_FROM = INLINE_EVERY_CORE_FROM
 
 
 class World(DriverCollectives, HasLifeCycle):

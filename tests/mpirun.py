@@ -8,6 +8,11 @@ where ``mpiexec`` or ``mpi4py`` is missing. ``faults=True`` adds
 after one process dies, which would make fault tests pass without nccltree doing
 anything.
 
+MPICH's own segments (``/dev/shm/mpich_shm_*``) are unlinked by MPICH when a job ends
+well; a job whose ranks are killed (the fault tests) leaves them. ``run_mpi`` removes the
+ones that appeared during its job and that no live process maps once the job is over
+(:func:`remove_orphaned_mpich_segments`), so a test run leaves none.
+
 Each rank first appends its process id to the file named by ``NCCLTREE_TEST_PIDS`` where
 that is set (``tests/conftest.py`` sets it), then becomes the program (``exec``, the same
 process id): the test run tells the shared-memory segments its ranks leave from those of
@@ -21,6 +26,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -57,6 +63,58 @@ def _recorded() -> list[str]:
     if not os.environ.get("NCCLTREE_TEST_PIDS"):
         return []
     return ["sh", "-c", 'echo $$ >> "$NCCLTREE_TEST_PIDS" && exec "$@"', "rank"]
+
+
+SHM_DIR = "/dev/shm"
+MPICH_PREFIX = "mpich_shm_"
+
+
+def mpich_segments() -> set[str]:
+    """The names of MPICH's segments in ``/dev/shm`` now."""
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith(MPICH_PREFIX)}
+    except OSError:
+        return set()
+
+
+def _mapped_mpich_segments() -> set[str]:
+    """MPICH segments some live process of this machine has mapped (``/proc/*/maps``)."""
+    mapped: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    at = line.find(f"{SHM_DIR}/{MPICH_PREFIX}")
+                    if at >= 0:
+                        mapped.add(line[at + len(SHM_DIR) + 1 :].split()[0])
+        except OSError:
+            continue
+    return mapped
+
+
+def remove_orphaned_mpich_segments(before: set[str], wait: float = 2.0) -> list[str]:
+    """Remove the MPICH segments that appeared since ``before`` (a :func:`mpich_segments`
+    listing taken when a job started) and that no live process maps, waiting up to
+    ``wait`` seconds for killed ranks to be gone; the names removed. A segment another
+    run's job still uses is mapped, so it stays."""
+    removed: list[str] = []
+    deadline = time.monotonic() + wait
+    while True:
+        new = mpich_segments() - before
+        if not new:
+            return removed
+        orphans = new - _mapped_mpich_segments()
+        for name in orphans:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+            except OSError:
+                pass
+        if orphans == new or time.monotonic() > deadline:
+            return removed
+        time.sleep(0.05)
 
 
 def run_mpi(
@@ -97,6 +155,10 @@ def run_mpi(
     # one BLAS/OpenMP thread per process: the machine's cores are shared by all of them
     full.setdefault("OMP_NUM_THREADS", "1")
     full.setdefault("OPENBLAS_NUM_THREADS", "1")
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env=full, cwd=str(ROOT)
-    )
+    before = mpich_segments()
+    try:
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=full, cwd=str(ROOT)
+        )
+    finally:
+        remove_orphaned_mpich_segments(before)

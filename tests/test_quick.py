@@ -174,3 +174,31 @@ def test_a_run_that_leaves_files_fails_and_names_each_test(tmp_path: Path) -> No
     # and they were removed: nothing of that run is left
     pid = out.split("/nccltree-tests-", 1)[1].split("-", 1)[0]
     assert not [n for n in os.listdir("/dev/shm") if f"-p{pid}-" in n or f"-s{pid}-" in n]
+
+
+def test_a_jobs_orphaned_mpich_segments_are_removed_and_mapped_ones_kept() -> None:
+    """tests/mpirun.py removes the MPICH segments a killed job leaves (new since the job
+    started, mapped by no live process) and keeps one that a live process maps."""
+    import mmap
+
+    from tests.mpirun import MPICH_PREFIX, SHM_DIR, mpich_segments, remove_orphaned_mpich_segments
+
+    if not os.path.isdir(SHM_DIR) or not os.path.isdir("/proc"):
+        pytest.skip("needs /dev/shm and /proc")
+    before = mpich_segments()
+    orphan = os.path.join(SHM_DIR, f"{MPICH_PREFIX}test{os.getpid()}_orphan")
+    in_use = os.path.join(SHM_DIR, f"{MPICH_PREFIX}test{os.getpid()}_in_use")
+    for path in (orphan, in_use):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+    with open(in_use, "r+b") as f:
+        held = mmap.mmap(f.fileno(), 4096)
+    try:
+        removed = remove_orphaned_mpich_segments(before, wait=0.2)
+        assert removed == [os.path.basename(orphan)]
+        assert not os.path.exists(orphan) and os.path.exists(in_use)
+    finally:
+        held.close()
+        for path in (orphan, in_use):
+            if os.path.exists(path):
+                os.unlink(path)

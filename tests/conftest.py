@@ -228,7 +228,8 @@ class Leftovers:
       (``nccltree-<uid>-<job>-p<pid>-...``) created by this process or by an MPI rank that
       ``tests/mpirun.py`` started (each rank appends its process id to the file named by
       ``NCCLTREE_TEST_PIDS`` before it runs). Names that carry no creator (MPICH's own
-      ``mpich_shm_*``) are not looked at: they cannot be told apart from another run's.
+      ``mpich_shm_*``) are not looked at here: they cannot be told apart from another
+      run's; ``tests/mpirun.py`` removes those a job of its own leaves behind.
 
     After each test, the fake CuPy's IPC files of this run whose exporting process is gone are
     removed (``fakecupy.release_dead_exports``), as the CUDA driver frees the exported

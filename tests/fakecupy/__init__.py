@@ -239,6 +239,8 @@ def release_dead_exports() -> list[str]:
     """Remove the IPC files of this test run (``_core.session_tag``) whose exporting
     process is gone, as the CUDA driver frees a dead process's exported memory: a process
     that is killed (or ended by its launcher) runs no exit handlers. Returns their paths."""
+    from nccltree.comm.group.shm import alive  # a zombie is gone too, as for the driver
+
     prefix = f"fakecupy-ipc-{_core.session_tag()}-"
     removed: list[str] = []
     try:
@@ -247,7 +249,7 @@ def release_dead_exports() -> list[str]:
         return removed
     for name in names:
         pid = name[len(prefix) :].split("-", 1)[0] if name.startswith(prefix) else ""
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or alive(int(pid)):
             continue
         try:
             os.unlink(os.path.join("/dev/shm", name))
@@ -255,16 +257,6 @@ def release_dead_exports() -> list[str]:
         except OSError:
             pass
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def set_nccl_available(flag: bool) -> None:

@@ -264,7 +264,13 @@ class Engine:
                 continue
             self.waits.counter(mem.arrive[p], seq, p, "arrival")
         theirs = self._finish_signatures(ctl)
-        mem.refresh_arenas()
+        try:
+            mem.refresh_arenas()
+        except CommError:
+            # a process that failed frees its new arenas' names, having told the node
+            # first: its failure is the error, not the name found missing
+            self.waits.check_peers()
+            raise
         for p in self.pl.node_procs:
             if p != self.pl.proc:
                 pd, phead, _ = mem.peer_desc[p][parity]

@@ -60,14 +60,15 @@ class Lifecycle(LifeCycle):
         pl = self.placement
         mem = self.mem
         assert mem is not None
+        # the node first: a process that then finds a name below gone reads why here
+        if not isinstance(exc, PeerFailure) and not self.closed:
+            mem.set_abort(f"ranks {list(pl.ranks)} failed: {type(exc).__name__}: {exc}")
         # nobody may map this process's new segments any more: free their names now
         mem.unlink_pending()
         if pl.shm and len(pl.node_procs) > 1:
             # ... nor a dead process's: an arena that only its send/recv peers mapped
             # keeps its name until every process of the node has mapped it
             remove_stale()
-        if not isinstance(exc, PeerFailure) and not self.closed:
-            mem.set_abort(f"ranks {list(pl.ranks)} failed: {type(exc).__name__}: {exc}")
         # MPI_Finalize would wait for processes that may never come (a dead one, one
         # stuck, or peers of an aborted group): leave without it, whatever failed
         import atexit

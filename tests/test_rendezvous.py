@@ -268,7 +268,8 @@ def test_a_process_group_fails_as_a_world_does_and_tells_its_node(monkeypatch, c
     life, mem, at_exit = _group_life(monkeypatch)
     exc = CommTimeout("rank 0: waited")
     assert life.fail(exc) and not life.fail(PeerFailure("later"))
-    assert mem.calls == ["unlink", "abort word: ranks [0] failed: CommTimeout: rank 0: waited"]
+    # the node is told before the names are freed: a peer that finds one gone reads why
+    assert mem.calls == ["abort word: ranks [0] failed: CommTimeout: rank 0: waited", "unlink"]
     assert at_exit == [exit_without_finalize]
     err = capsys.readouterr().err
     assert err.startswith("nccltree: CommTimeout: rank 0: waited\nflight recorder of rank 0 ")
@@ -287,7 +288,7 @@ def test_a_process_group_fails_as_a_world_does_and_tells_its_node(monkeypatch, c
 def test_a_process_groups_abort_tells_its_node_but_prints_nothing(monkeypatch, capsys):
     life, mem, at_exit = _group_life(monkeypatch)
     assert life.fail(CommError("stop"), report=False)
-    assert mem.calls == ["unlink", "abort word: ranks [0] failed: CommError: stop"]
+    assert mem.calls == ["abort word: ranks [0] failed: CommError: stop", "unlink"]
     assert at_exit == [exit_without_finalize] and capsys.readouterr().err == ""
     # a peer's failure, learnt from the node, is not told back to it
     life, mem, _ = _group_life(monkeypatch)

@@ -95,7 +95,7 @@ class Issuer:
             except (ValueError, TypeError):
                 raise
             except BaseException as exc:
-                raise self.on_stream_error(exc) from exc
+                raise _stream_error(self.on_stream_error, exc)
             return Launched(prep.results, None, list(streams), None)
         events = program.call_events(fresh_ends=async_op)
         try:
@@ -108,7 +108,7 @@ class Issuer:
         except BaseException as exc:
             # a device error while enqueueing (a broken CUDA context): part of the plan
             # may be queued, so the World cannot be trusted any more
-            raise self.on_stream_error(exc) from exc
+            raise _stream_error(self.on_stream_error, exc)
         ends = [events[plan.end_events[r]] for r in range(self.size)]
         keep = (bufs, prep, events)
         if not async_op:
@@ -117,7 +117,7 @@ class Issuer:
                     for ev in ends:
                         ev.synchronize(self.timeout)
                 except BaseException as exc:
-                    raise self.on_stream_error(exc) from exc
+                    raise _stream_error(self.on_stream_error, exc)
             else:
                 for cs, ev in zip(streams, ends):
                     if cs is not None:
@@ -176,7 +176,7 @@ class Issuer:
         try:
             launched = self.nccl_engine().launch(prep, streams)
         except CommError as exc:
-            raise self.on_stream_error(exc) from exc
+            raise _stream_error(self.on_stream_error, exc)
         self._watch(
             f"NCCL {prep.collective} of {prep.nbytes} B per rank",
             launched.events or [],
@@ -212,3 +212,14 @@ class Issuer:
         """Abort the NCCL communicators (the World failed)."""
         if self._nccl is not None:
             self._nccl.close(abort=True)
+
+
+def _stream_error(
+    on_stream_error: Callable[[BaseException], BaseException], exc: BaseException
+) -> BaseException:
+    """The error to raise for ``exc``, caught in the devices' work: the World's own
+    (chained to ``exc``), or ``exc`` itself where the World hands it back (an interrupt)."""
+    err = on_stream_error(exc)
+    if err is not exc:
+        err.__cause__ = exc
+    return err

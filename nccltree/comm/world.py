@@ -512,7 +512,13 @@ class World(DriverCollectives, HasLifeCycle):
             return self._issuer.trace(program, prep, self._callers(None))
 
     def _on_stream_error(self, exc: BaseException) -> BaseException:
-        """A failure inside the devices' work: the World cannot be trusted any more."""
+        """A failure inside the devices' work: the World cannot be trusted any more.
+        Returns the error to raise: ``exc`` itself for an interrupt (Ctrl-C), so that the
+        caller's ``except KeyboardInterrupt`` sees it; the World is closed all the same
+        (part of the plan may have run), quietly: the user knows why."""
+        if isinstance(exc, KeyboardInterrupt):
+            self._abort(CommError("interrupted (KeyboardInterrupt) during a collective"), False)
+            return exc
         if isinstance(exc, CommTimeout):
             err: BaseException = exc
         elif isinstance(exc, NcclTreeError):

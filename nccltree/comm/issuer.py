@@ -12,7 +12,7 @@ World's lock.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, NoReturn, cast
 
 from .._errors import CommError, NcclTreeError
 from ._args import Launched, Prepared
@@ -94,8 +94,8 @@ class Issuer:
                 )
             except (ValueError, TypeError):
                 raise
-            except BaseException as exc:
-                raise _stream_error(self.on_stream_error, exc)
+            except BaseException as exc:  # noqa: BLE001 - re-raised
+                self._raise_stream_error(exc)
             return Launched(prep.results, None, list(streams), None)
         events = program.call_events(fresh_ends=async_op)
         try:
@@ -105,10 +105,10 @@ class Issuer:
             program.enqueue(bufs, self.streams, events)
         except (ValueError, TypeError):
             raise
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - re-raised
             # a device error while enqueueing (a broken CUDA context): part of the plan
             # may be queued, so the World cannot be trusted any more
-            raise _stream_error(self.on_stream_error, exc)
+            self._raise_stream_error(exc)
         ends = [events[plan.end_events[r]] for r in range(self.size)]
         keep = (bufs, prep, events)
         if not async_op:
@@ -116,8 +116,8 @@ class Issuer:
                 try:
                     for ev in ends:
                         ev.synchronize(self.timeout)
-                except BaseException as exc:
-                    raise _stream_error(self.on_stream_error, exc)
+                except BaseException as exc:  # noqa: BLE001 - re-raised
+                    self._raise_stream_error(exc)
             else:
                 for cs, ev in zip(streams, ends):
                     if cs is not None:
@@ -125,6 +125,15 @@ class Issuer:
                     else:
                         ev.synchronize(self.timeout)
         return Launched(prep.results, ends, list(streams), keep)
+
+    def _raise_stream_error(self, exc: BaseException) -> NoReturn:
+        """Raise the error for ``exc``, caught in the devices' work: the World's own
+        (chained to ``exc``), or ``exc`` itself where the World hands it back (an
+        interrupt)."""
+        err = self.on_stream_error(exc)
+        if err is exc:
+            raise exc
+        raise err from exc
 
     def _can_inline(self, prep: Prepared, streams: list[Stream | None], async_op: bool) -> bool:
         return (
@@ -176,7 +185,7 @@ class Issuer:
         try:
             launched = self.nccl_engine().launch(prep, streams)
         except CommError as exc:
-            raise _stream_error(self.on_stream_error, exc)
+            self._raise_stream_error(exc)
         self._watch(
             f"NCCL {prep.collective} of {prep.nbytes} B per rank",
             launched.events or [],
@@ -212,14 +221,3 @@ class Issuer:
         """Abort the NCCL communicators (the World failed)."""
         if self._nccl is not None:
             self._nccl.close(abort=True)
-
-
-def _stream_error(
-    on_stream_error: Callable[[BaseException], BaseException], exc: BaseException
-) -> BaseException:
-    """The error to raise for ``exc``, caught in the devices' work: the World's own
-    (chained to ``exc``), or ``exc`` itself where the World hands it back (an interrupt)."""
-    err = on_stream_error(exc)
-    if err is not exc:
-        err.__cause__ = exc
-    return err

@@ -286,6 +286,39 @@ class Engine:
         entry.state = "running"
         return reqs, recv
 
+    def refuse(self, sig: str) -> None:
+        """A call this process's own checks refused: its arrival all the same, with
+        ``sig`` (which says so) as its signature, so that every other process raises
+        ``ValueError`` naming it instead of waiting for a call that never comes; raises
+        ``ValueError`` here too when the others differ (the caller raises its own error).
+        Host groups."""
+        self._arrivals += 1
+        seq = self._arrivals
+        parity = seq & 1
+        mem = self.mem
+        raw = sig.encode()[:SIG_BYTES]
+        d, head, dloc = mem.own_desc[parity]
+        d[16 : 16 + len(raw)] = raw
+        head[1] = len(raw)
+        head[0] = seq
+        mem.desc_written[parity] = None
+        if mem.desc_loc_set[parity]:
+            dloc[:] = -1
+            mem.desc_loc_set[parity] = False
+        mem.publish_gen()
+        ctl = self._exchange_signatures(sig, seq)
+        mem.arrive[self.pl.proc].add(1)
+        for p in self.pl.node_procs:
+            if p != self.pl.proc:
+                self.waits.counter(mem.arrive[p], seq, p, "arrival")
+        theirs = self._finish_signatures(ctl)
+        for p in self.pl.node_procs:
+            if p != self.pl.proc:
+                pd, phead, _ = mem.peer_desc[p][parity]
+                theirs[p] = bytes(pd[16 : 16 + int(phead[1])]).decode(errors="replace")
+        if any(t != sig for t in theirs.values()):
+            raise ValueError(_mismatch(self.pl, sig, {p: t for p, t in theirs.items() if t != sig}))
+
     def copy(self, dst: Array, src: Array) -> None:
         """A staging copy: on a GPU, on the group's stream; on the host, the library's
         copy (streaming stores, the process's threads) from 64 KiB, numpy's below, where

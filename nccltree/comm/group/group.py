@@ -64,6 +64,7 @@ from ..flight import FlightRecorder
 from ..lifecycle import HasLifeCycle
 from ..plan import CHUNK_BYTES, Plan, chunk_elements
 from ..work import Work
+from .agreement import Agreement, call_signature, refusal_signature
 from .engine import Engine, EngineContext
 from .gpu import GpuContext, GpuSide
 from .lifecycle import Lifecycle
@@ -191,6 +192,7 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         self._life.mem = self._mem
         self._launcher = LauncherWatch()
         self._waits = Waits(pl, self._mem, self._life, self._launcher, MPI, self.timeout)
+        self._agreement = Agreement(pl, self._ctl_comm, MPI, self._waits)
         if self._gpu is not None:
             self._gpu.connect(self._node_comm)
         self._engine = Engine(
@@ -402,13 +404,31 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         group (its own communicator, shared memory, plans and, on GPUs, the same GPU),
         None for color None. Within a node the new group orders processes by ``(key,
         rank)``; ranks stay node-major. The new group is independent: close it when done
-        (closing this one does not). One rank per process; the split itself is an MPI
-        collective, as the bootstrap is."""
+        (closing this one does not). One rank per process. The processes first agree that
+        they all split (a process that calls a collective instead raises ``ValueError``
+        with every other one, or, in a call that cannot agree first, each names the
+        other within the timeout); the split itself is then an MPI collective, as the
+        bootstrap is."""
+        return self._split(color, key, "split")
+
+    def _split(self, color: int | None, key: int, sig: str) -> ProcessGroup | None:
         self._check_usable()
         self._one("split")
         MPI = self._MPI
         c = MPI.UNDEFINED if color is None else check_int(color, "color", min=0)
         k = check_int(key, "key", min=0)
+        self._life.seq += 1
+        entry = self.flight.start(self._life.seq, sig.split()[0], 0, np.dtype(np.uint8), "mpi")
+        try:
+            self._agreement.check(sig, sig.split()[0])
+        except ValueError:
+            entry.state = "argument error"
+            raise
+        except BaseException as exc:
+            entry.state = f"failed: {type(exc).__name__}"
+            self._fail(exc)
+            raise
+        entry.state = "done"
         # MPI orders by key, then by rank in the parent: the group's rank breaks ties
         sub = self._comm.Split(c, k * self.size + self.rank)
         if sub == MPI.COMM_NULL:
@@ -423,13 +443,15 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
 
     def new_group(self, ranks: Sequence[int]) -> ProcessGroup | None:
         """The group of ``ranks`` (ordered as given within a node), from :meth:`split`:
-        every process calls it with the same ``ranks``; those outside get None."""
+        every process calls it with the same ``ranks`` (different lists raise
+        ``ValueError`` on every process); those outside get None."""
         picked = [check_index(r, "a rank of the group", self.size) for r in ranks]
         if len(set(picked)) != len(picked) or not picked:
             raise ValueError(f"ranks of a group must be distinct and not empty, got {ranks!r}")
+        sig = f"new_group {picked}"
         if self.rank not in picked:
-            return self.split(None)
-        return self.split(0, picked.index(self.rank))
+            return self._split(None, 0, sig)
+        return self._split(0, picked.index(self.rank), sig)
 
     def barrier(self) -> None:
         """Every rank of the group has arrived (a one-element all_reduce)."""
@@ -507,11 +529,34 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         dtype: object = None,
     ) -> Prepared:
         self._check_usable()
-        return prepare(
-            self.devices, collective_name(collective), list(xs),
-            None if outs is None else list(outs), op, root, ranks=self.ranks, size=self.size,
-            dtype=dtype,
-        )  # fmt: skip
+        try:
+            return prepare(
+                self.devices, collective_name(collective), list(xs),
+                None if outs is None else list(outs), op, root, ranks=self.ranks,
+                size=self.size, dtype=dtype,
+            )  # fmt: skip
+        except (ValueError, TypeError) as exc:
+            self._refuse(str(collective), exc)
+            raise
+
+    def _refuse(self, collective: str, exc: BaseException) -> None:
+        """This process's own checks refused a call: take part in the call's agreement
+        all the same, saying so, so that the other processes raise ``ValueError`` naming
+        it and no later call is matched with the wrong partner. (This process then
+        raises its own error.)"""
+        sig = refusal_signature(collective, exc)
+        try:
+            if self._agreement.first(self.algorithm):
+                self._life.seq += 1
+                self._agreement.check(sig)
+            elif self.nprocs > 1 and self._gpu is None:
+                self._life.seq += 1
+                self._engine.refuse(sig)
+        except ValueError:
+            pass  # the others differ: they raise, naming this process
+        except BaseException as err:
+            self._fail(err)
+            raise
 
     def _perform(self, prep: Prepared) -> None:
         with self._lock:
@@ -522,6 +567,8 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
             entry = self.flight.start(seq, prep.collective, prep.count, prep.dtype, algorithm)
             debug.trace_call(f"process group rank {self.rank} #{seq}", prep, algorithm)
             try:
+                if self._agreement.first(self.algorithm) or self._agreement.first(algorithm):
+                    self._agreement.check(call_signature(prep))
                 if algorithm == "mpi":
                     run_mpi(self._mpi, prep, entry)
                 elif algorithm == "nccl":

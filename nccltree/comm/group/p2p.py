@@ -77,6 +77,32 @@ _FIRST_SEQ, _FIRST_ENTRY, _MAPPED = 2, 3, 4
 _OK, _MISMATCH = 1, 2
 #: ``all_to_all_v``'s messages carry this tag (``send``/``recv``: 0)
 TAG_ALL_TO_ALL = 1
+#: a message's tag on the wire (the mailbox entry, the MPI tag) also names its dtype, so
+#: that a receive of another dtype fails as one of another size does (a code each; 0:
+#: a dtype outside the table, not compared)
+_DTYPE_CODES = {
+    name: i + 1
+    for i, name in enumerate(
+        ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "uint16",
+         "int32", "uint32", "int64", "uint64", "bool", "complex64", "complex128")
+    )
+}  # fmt: skip
+_DTYPE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
+
+
+def wire_tag(tag: int, dtype: np.dtype) -> int:
+    """The tag a message travels with: its kind (``tag``, below 256) and its dtype."""
+    return tag | _DTYPE_CODES.get(np.dtype(dtype).name, 0) << 8
+
+
+def _tags_differ(a: int, b: int) -> bool:
+    """Whether two wire tags disagree: their kinds, or their dtypes where both are known."""
+    if a & 0xFF != b & 0xFF:
+        return True
+    da, db = a >> 8, b >> 8
+    return bool(da and db and da != db)
+
+
 #: host messages above twice this travel in chunks of it: the receiver copies a chunk out
 #: while the sender copies the next one in (two copies overlapped, not one after the other)
 CHUNK_BYTES = 2 << 20
@@ -262,7 +288,8 @@ class GroupP2p:
             what = f"{kind} {'to' if kind == 'send' else 'from'} {peer}"
             alg = "p2p" if local else "p2p-net"
             entry = self.ctx.flight.start(self.ctx.life.seq, what, arr.size, arr.dtype, alg)
-        op = _Posted(kind, peer, arr, entry, tag, local)
+        on_gpu = self.ctx.gpu is not None and not local
+        op = _Posted(kind, peer, arr, entry, tag if on_gpu else wire_tag(tag, arr.dtype), local)
         if local:
             pass  # moved at the end of the batch
         elif self.ctx.gpu is not None:
@@ -280,7 +307,12 @@ class GroupP2p:
             dest = pl.mpi_rank_of_proc[pl.proc_of_rank[peer]]
             t = mpi_type(self.ctx.mpi, arr.dtype)
             send = kind == "send"
-            op.request = (self.comm.Isend if send else self.comm.Irecv)([arr, t], dest, tag)
+            # a receive takes the next message from its peer whatever its tag, which then
+            # says whether kind and dtype agree (messages of a pair keep their order)
+            if send:
+                op.request = self.comm.Isend([arr, t], dest, op.tag)
+            else:
+                op.request = self.comm.Irecv([arr, t], dest, self.ctx.mpi.ANY_TAG)
         if pending is not None:
             pending.append(op)
             self._batch.stream = stream
@@ -371,7 +403,11 @@ class GroupP2p:
         for op, status in zip(ops, statuses, strict=True):
             if op.kind == "recv":
                 got = status.Get_count(mpi_type(MPI, op.buf.dtype))
-                if got != op.buf.size:
+                theirs = status.Get_tag()
+                if _tags_differ(theirs, op.tag):
+                    op.entry.state = "size mismatch"
+                    mismatched.append(_mismatch_text(pl.rank, op, got * op.buf.itemsize, theirs))
+                elif got != op.buf.size:
                     # raised once the batch's messages within the node moved too
                     op.entry.state = "size mismatch"
                     mismatched.append(
@@ -460,9 +496,9 @@ class GroupP2p:
         sends = [op for op in local if op.kind == "send" and op.peer == me]
         recvs = [op for op in local if op.kind == "recv" and op.peer == me]
         for s, r in zip(sends, recvs, strict=True):
-            if s.buf.nbytes != r.buf.nbytes or s.tag != r.tag:
+            if s.buf.nbytes != r.buf.nbytes or _tags_differ(s.tag, r.tag):
                 r.entry.state = s.entry.state = "size mismatch"
-                mismatched.append(_mismatch_text(me, r, s.buf.nbytes, s.tag != r.tag))
+                mismatched.append(_mismatch_text(me, r, s.buf.nbytes, s.tag))
             else:
                 self.ctx.copy(r.buf, s.buf)
 
@@ -495,11 +531,12 @@ class GroupP2p:
             k = int(pair[_FIRST_ENTRY]) + n - int(pair[_FIRST_SEQ])
             e = mail.table(q)[k]
             off, nbytes, tag, where = int(e[_OFFSET]), int(e[_NBYTES]), int(e[_TAG]), int(e[_WHERE])
-            if nbytes != op.buf.nbytes or tag != op.tag:
+            if nbytes != op.buf.nbytes or _tags_differ(tag, op.tag):
                 e[_THEIRS] = op.buf.nbytes
-                e[_STATUS] = _MISMATCH
+                # the receiver's own tag for the sender's message (above the status)
+                e[_STATUS] = _MISMATCH | op.tag << 4
                 op.entry.state = "size mismatch"
-                mismatched.append(_mismatch_text(pl.rank, op, nbytes, tag != op.tag))
+                mismatched.append(_mismatch_text(pl.rank, op, nbytes, tag))
             else:
                 if nbytes:
                     mem = self.mem.heaps[where - 1][q] if where else self.mem.arenas[q]
@@ -534,14 +571,17 @@ class GroupP2p:
             self.ctx.gpu.after(procs)  # later writes to the arena after their copies out
         table = mail.table(pl.proc)
         for op in sends:
-            if int(table[op.slot, _STATUS]) == _MISMATCH:
+            status = int(table[op.slot, _STATUS])
+            if status & 0xF == _MISMATCH:
                 theirs = int(table[op.slot, _THEIRS])
+                their_tag = status >> 4
                 op.entry.state = "size mismatch"
-                why = (
-                    f"whose receive takes {theirs} bytes"
-                    if theirs != op.buf.nbytes
-                    else "which received it as another kind of operation"
-                )
+                if their_tag & 0xFF != op.tag & 0xFF:
+                    why = "which received it as another kind of operation"
+                elif _tags_differ(their_tag, op.tag):
+                    why = f"whose receive takes {_DTYPE_NAMES[their_tag >> 8]}"
+                else:
+                    why = f"whose receive takes {theirs} bytes"
                 mismatched.append(
                     f"rank {pl.rank}: sent {op.buf.size} {op.buf.dtype} ({op.buf.nbytes} "
                     f"bytes) to rank {op.peer}, {why}"
@@ -633,11 +673,17 @@ def _pieces(buf: Array, at: int) -> Iterator[tuple[Array, int, int]]:
         yield flat[i : i + per], at + i * buf.itemsize, c
 
 
-def _mismatch_text(me: int, op: _Posted, nbytes: int, tag_differs: bool) -> str:
-    if tag_differs:
+def _mismatch_text(me: int, op: _Posted, nbytes: int, their_tag: int) -> str:
+    """The receiver's error for a message of ``nbytes`` sent with ``their_tag``."""
+    if their_tag & 0xFF != op.tag & 0xFF:
         return (
             f"rank {me}: the message from rank {op.peer} is another kind of operation "
             "(send/recv and all_to_all_v meet in one order per pair of ranks)"
+        )
+    if _tags_differ(their_tag, op.tag):
+        return (
+            f"rank {me}: received {_DTYPE_NAMES[their_tag >> 8]} from rank {op.peer} "
+            f"into its {op.buf.dtype} buffer (a send and its receive have one dtype)"
         )
     item = op.buf.dtype.itemsize
     got = f"{nbytes // item}" if nbytes % item == 0 else f"{nbytes} bytes of"

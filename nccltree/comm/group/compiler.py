@@ -194,8 +194,8 @@ class Compiler:
         writes = {(s.dst.rank, s.dst.role) for s in plan.steps if s.dst is not None}
         got = Compiled(plan, scheds, mine, layouts, runs, writes, staged_runs, staging)
         got.sig = (
-            f"{prep.collective} count={prep.count} dtype={prep.dtype.name} op={prep.op} "
-            f"root={prep.root} in_place={in_place} algorithm={algorithm}"
+            f"{coll.describe(prep.op, prep.root)} count={prep.count} dtype={prep.dtype.name} "
+            f"in_place={in_place} algorithm={algorithm}"
         )
         got.sig_raw = got.sig.encode()[:SIG_BYTES]
         self._compiled[key] = got

@@ -14,30 +14,29 @@ pytest.importorskip("mpi4py")
 from nccltree.comm.group.placement import Placement, place
 
 
-class FakeComm:
+class FakeBoot:
     """MPI rank ``me`` of a job whose other processes said ``others`` (by MPI rank:
-    node name, ranks, pid, shared memory usable)."""
+    node name, ranks, pid, shared memory usable), through the bootstrap's one exchange."""
 
-    def __init__(self, me: int, others: list[tuple[str, int, int, bool]]) -> None:
-        self.me = me
+    def __init__(self, me: int, others: list[tuple[str, int, int, bool]],
+                 settings: list[dict[str, object]] | None = None) -> None:  # fmt: skip
+        self.rank = me
+        self.size = len(others)
         self.others = others
+        self.settings = settings
         self.calls: list[str] = []
 
-    def Get_size(self) -> int:
-        return len(self.others)
-
-    def Get_rank(self) -> int:
-        return self.me
-
-    def allgather(self, mine: tuple[str, int, int, bool]) -> list[tuple[str, int, int, bool]]:
-        self.calls.append("allgather")
-        assert mine[0] == self.others[self.me][0] and mine[1] == self.others[self.me][1]
-        return [mine if i == self.me else o for i, o in enumerate(self.others)]
-
-    def bcast(self, obj: object, root: int) -> object:
-        self.calls.append("bcast")
-        assert root == 0
-        return obj if self.me == 0 else "cafe0123"
+    def exchange(self, mine: list[object]) -> list[object]:
+        self.calls.append("exchange")
+        assert mine[0] == self.others[self.rank][0] and mine[1] == self.others[self.rank][1]
+        got: list[object] = []
+        for i, o in enumerate(self.others):
+            if i == self.rank:
+                got.append(mine)
+            else:
+                s = mine[5] if self.settings is None else self.settings[i]
+                got.append([*o, "cafe0123" if i == 0 else "beef4567", s])
+        return got
 
 
 # MPI ranks 0..4: node b first (so b is node 0), then a; MPI rank 1 holds two ranks
@@ -46,18 +45,19 @@ JOB = [("b", 1, 10, True), ("a", 2, 11, True), ("b", 1, 12, True), ("a", 1, 13, 
 
 
 def _place(me: int, others: list[tuple[str, int, int, bool]], monkeypatch: pytest.MonkeyPatch,
-           shm: bool | None = None) -> tuple[Placement, FakeComm]:  # fmt: skip
+           shm: bool | None = None) -> tuple[Placement, FakeBoot]:  # fmt: skip
     monkeypatch.setenv("NCCLTREE_NODE", others[me][0])
-    comm = FakeComm(me, others)
+    boot = FakeBoot(me, others)
     want = others[me][3] if shm is None else shm
-    return place(cast("Any", comm), others[me][1], want), comm
+    return place(cast("Any", boot), others[me][1], want), boot
 
 
 def test_processes_are_numbered_node_major_and_ranks_by_process(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     pl, comm = _place(1, JOB, monkeypatch)
-    assert comm.calls == ["allgather", "bcast"]  # one of each, in this order
+    assert comm.calls == ["exchange"]  # one round
+    assert pl.job == "cafe0123"  # process 0's
     # nodes in order of their first MPI rank: b (MPI 0, 2, 4), then a (MPI 1, 3)
     assert pl.mpi_rank_of_proc == [0, 2, 4, 1, 3]
     assert pl.node_of_proc == [0, 0, 0, 1, 1]
@@ -96,3 +96,23 @@ def test_the_job_name_comes_from_mpi_rank_0(monkeypatch: pytest.MonkeyPatch) -> 
     pl, _ = _place(0, JOB, monkeypatch)
     assert len(pl.job) == 8 and pl.job != "cafe0123"
     assert os.environ["NCCLTREE_NODE"] == "b"
+
+
+def test_different_settings_raise_naming_what_differs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NCCLTREE_NODE", "b")
+    every = [{"algorithm": "auto"}, {"algorithm": "tree"}, {"algorithm": "auto"},
+             {"algorithm": "auto"}, {"algorithm": "auto"}]  # fmt: skip
+    boot = FakeBoot(0, JOB, every)
+    with pytest.raises(
+        ValueError,
+        match=r"algorithm: 'auto' on MPI ranks \[0, 2, 3, 4\], 'tree' on MPI ranks \[1\]",
+    ):
+        place(cast("Any", boot), 1, True, {"algorithm": "auto"})
+
+
+def test_a_malformed_placement_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NCCLTREE_NODE", "b")
+    boot = FakeBoot(0, JOB)
+    boot.exchange = lambda mine: [mine, ["a", 1]]  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match="process 1 sent a malformed placement"):
+        place(cast("Any", boot), 1, True)

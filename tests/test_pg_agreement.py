@@ -125,3 +125,34 @@ def test_the_digest_is_the_same_in_every_process_and_tells_calls_apart() -> None
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env={**os.environ, "PYTHONHASHSEED": "12345"}, check=True)  # fmt: skip
     assert int(other.stdout) == a
+
+
+def _boot(tmp: Path, mode: str) -> dict[int, dict[str, Any]]:
+    out = tmp / "out"
+    out.mkdir(exist_ok=True)
+    run_mpi(3, HERE / "pg_boot.py", mode, "3", env={"NCCLTREE_TEST_OUT": str(out)},
+            timeout=120, faults=True)  # fmt: skip
+    got = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    return {r["rank"]: r for r in got}
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_a_process_that_never_starts_the_group_is_named_within_the_timeout(tmp_path: Path) -> None:
+    got = _boot(tmp_path, "absent")
+    assert set(got) == {0, 1, 2}, got
+    for r in (0, 1):
+        seen = got[r]["seen"]
+        assert seen.startswith("CommTimeout: "), seen
+        assert "MPI ranks [2] of 3 did not call init_process_group within 3 s" in seen, seen
+        assert got[r]["took"] < 30, got[r]
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_processes_that_start_with_different_settings_all_refuse(tmp_path: Path) -> None:
+    got = _boot(tmp_path, "settings")
+    assert set(got) == {0, 1, 2}, got
+    for r in got.values():
+        assert r["seen"].startswith("ValueError: the processes start the process group"), r
+        assert "'tree' on MPI ranks [1]" in r["seen"], r

@@ -64,7 +64,8 @@ from ..flight import FlightRecorder
 from ..lifecycle import HasLifeCycle
 from ..plan import CHUNK_BYTES, Plan, chunk_elements
 from ..work import Work
-from .agreement import Agreement, call_signature, refusal_signature
+from .agreement import Agreement, call_signature, check_enabled, refusal_signature
+from .bootstrap import MpiBootstrap
 from .engine import Engine, EngineContext
 from .gpu import GpuContext, GpuSide
 from .lifecycle import Lifecycle
@@ -146,16 +147,21 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         self.timeout, gpu, nlocal = _check_args(devices, algorithm, timeout)
         self.algorithm = algorithm
         self.gpu = gpu
-        if comm is None:
-            from mpi4py import MPI
-
-            comm = MPI.COMM_WORLD
-        self._comm = comm.Dup()  # our own message space: data and notifications
-        self._ctl_comm = comm.Dup()  # signatures
         from mpi4py import MPI
 
+        if comm is None:
+            comm = MPI.COMM_WORLD
         self._MPI = MPI
-        pl = self.placement = place(self._comm, nlocal, shm)
+        # every process here (or each names the missing ones), within the timeout
+        boot = MpiBootstrap(comm, self.timeout, MPI)
+        try:
+            settings = {"algorithm": algorithm, "devices": "gpu" if gpu else "cpu",
+                        "NCCLTREE_CHECK": check_enabled()}  # fmt: skip
+            pl = self.placement = place(boot, nlocal, shm, settings)
+        finally:
+            boot.close()
+        self._comm = comm.Dup()  # our own message space: data and notifications
+        self._ctl_comm = comm.Dup()  # signatures, agreement
         self.proc, self.nprocs, self.size, self.ranks = pl.proc, pl.nprocs, pl.size, pl.ranks
         self.node, self.node_index, self.nodes, self.shm = pl.node, pl.node_index, pl.nodes, pl.shm
         self.rank, self.local_rank, self.local_size = pl.rank, pl.local_rank, pl.local_size

@@ -1,8 +1,10 @@
 """Who is where in a process group: its processes, their nodes, ranks and MPI ranks.
 
-Worked out once, at bootstrap, from one ``allgather`` (each process's node name, ranks,
-process id and whether it may use shared memory) and one ``bcast`` (the job's name, made
-by MPI rank 0); every process computes the same :class:`Placement` from them. Processes
+Worked out once, from one exchange of the bootstrap (:mod:`.bootstrap`): each process's
+node name, ranks, process id, whether it may use shared memory, a job name (process 0's
+is the job's) and the group's settings, which must be the same everywhere (else every
+process raises ``ValueError`` naming what differs); every process computes the same
+:class:`Placement` from them. Processes
 are numbered node-major (nodes in order of their first MPI rank), ranks by process.
 
 A *transport node* is a set of processes that share memory: a real node where every one
@@ -14,7 +16,9 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,7 +27,7 @@ import numpy as np
 from .shm import shm_usable, shm_usable_reason
 
 if TYPE_CHECKING:
-    from mpi4py import MPI as _MPI
+    from .bootstrap import Bootstrap
 
 
 @dataclass(frozen=True)
@@ -61,18 +65,27 @@ class Placement:
         return [r for r in range(self.size) if self.proc_of_rank[r] == proc]
 
 
-def place(comm: _MPI.Intracomm, nlocal: int, shm: bool | None) -> Placement:
-    """Every process's placement (collective over ``comm``: one ``allgather``, then one
-    ``bcast``). ``nlocal``: this process's ranks; ``shm``: as for the group. The first
-    process of a node that cannot share memory says so on stderr."""
-    from mpi4py import MPI
-
-    nprocs = comm.Get_size()
-    me = comm.Get_rank()
-    node_name = os.environ.get("NCCLTREE_NODE") or MPI.Get_processor_name()
-    job = secrets.token_hex(4) if me == 0 else None
-    info = comm.allgather((node_name, nlocal, os.getpid(), shm_usable(shm)))
-    job = comm.bcast(job, root=0)
+def place(
+    boot: Bootstrap, nlocal: int, shm: bool | None, settings: Mapping[str, object] | None = None
+) -> Placement:
+    """Every process's placement (collective over the bootstrap's processes: one
+    exchange). ``nlocal``: this process's ranks; ``shm``: as for the group; ``settings``:
+    what every process must have alike (the group's algorithm, ...). The first process of
+    a node that cannot share memory says so on stderr."""
+    nprocs = boot.size
+    me = boot.rank
+    node_name = os.environ.get("NCCLTREE_NODE") or socket.gethostname()
+    entry = [node_name, nlocal, os.getpid(), shm_usable(shm), secrets.token_hex(4), settings or {}]
+    info: list[tuple[str, int, int, bool]] = []
+    every: list[dict[str, object]] = []
+    for p, got in enumerate(boot.exchange(entry)):
+        if not (isinstance(got, list) and len(got) == 6 and isinstance(got[5], dict)):
+            raise ValueError(f"bootstrap: process {p} sent a malformed placement: {got!r:.200}")
+        info.append((str(got[0]), int(got[1]), int(got[2]), bool(got[3])))
+        every.append(got[5])
+        if p == 0:
+            job = str(got[4])
+    _check_settings(every)
     # processes numbered node-major: nodes in order of their first MPI rank
     order: list[str] = []
     for name, *_ in info:
@@ -104,7 +117,6 @@ def place(comm: _MPI.Intracomm, nlocal: int, shm: bool | None) -> Placement:
     mine = tnode_of_proc[proc]
     node_procs = [p for p in range(nprocs) if tnode_of_proc[p] == mine]
     node_ranks = [r for r in range(size) if proc_of_rank[r] in phys]
-    assert job is not None
     return Placement(
         nprocs=nprocs,
         proc=proc,
@@ -127,3 +139,21 @@ def place(comm: _MPI.Intracomm, nlocal: int, shm: bool | None) -> Placement:
         node_procs=node_procs,
         remote_procs=[p for p in range(nprocs) if p not in node_procs],
     )
+
+
+def _check_settings(every: list[dict[str, object]]) -> None:
+    """Every process's group settings alike, or ``ValueError`` (on every process, which
+    all see the same table) naming each that differs, by MPI rank."""
+    lines = []
+    for key in sorted({k for d in every for k in d}):
+        values: dict[str, list[int]] = {}
+        for p, d in enumerate(every):
+            values.setdefault(repr(d.get(key)), []).append(p)
+        if len(values) > 1:
+            lines.append(
+                f"  {key}: " + ", ".join(f"{v} on MPI ranks {ps}" for v, ps in values.items())
+            )
+    if lines:
+        raise ValueError(
+            "the processes start the process group with different settings:\n" + "\n".join(lines)
+        )

@@ -77,13 +77,14 @@ class CountingComm:
         s.p2p_local_bytes = s.p2p_remote_bytes = 0
 
     def Dup(self) -> CountingComm:
-        # the group duplicates the communicator for its payload first, then for control
-        # messages (signatures): bytes on the later ones are counted apart; a duplicate of
-        # a duplicate (the group's send/recv space) is counted apart too
+        # the group duplicates the communicator for its bootstrap first, then for its
+        # payload, then for control messages (signatures): bytes on all but the payload's
+        # are counted apart; a duplicate of a duplicate (the group's send/recv space) is
+        # counted apart too
         self._s.collectives += 1
         if self._root:
             self._s.dups += 1
-            payload = self._s.dups % 2 == 1
+            payload = self._s.dups % 3 == 2
         else:
             payload = False
         # the payload communicator's duplicate: the group's send/recv space

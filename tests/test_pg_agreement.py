@@ -65,6 +65,12 @@ def test_disagreeing_calls_raise_on_every_process_and_the_group_goes_on(
             assert r["local"].startswith(MISMATCH), r
             assert "ranks [1] call all_reduce refused by its own checks" in r["local"], r
         assert r["after_local"] == 3.0, r
+        if r["rank"] == 1:
+            assert r["local_async"].startswith("unknown reduction op 'bogus'"), r
+        else:
+            assert "ranks [1] call all_reduce refused by its own checks" in r["local_async"], r
+        assert r["async_before"] == [2.0, 2.0, 2.0], r
+        assert r["after_local_async"] == 3.0, r
         # float32 sent, int32 received: refused, not the bits reinterpreted
         if r["rank"] == 1:
             assert "received float32 from rank 0 into its int32 buffer" in r["p2p"], r

@@ -60,6 +60,15 @@ if mode == "calls":
     attempt("local", lambda: pg.all_reduce(np.ones(4, np.float32), op="bogus" if me else "sum"))
     pg.barrier()
     correct("after_local")
+    # the same behind asynchronous calls in flight: the refusal keeps its place
+    works = [pg.all_reduce(np.full(4, 1.0, np.float32), async_op=True) for _ in range(3)]
+
+    def refused_async() -> None:
+        pg.all_reduce(np.ones(4, np.float32), op="bogus" if me else "sum", async_op=True).result()
+
+    attempt("local_async", refused_async)
+    out["async_before"] = [float(w.result()[0]) for w in works]
+    correct("after_local_async")
     # point-to-point: float32 sent, int32 received
     if pg.rank == 0:
         attempt("p2p", lambda: pg.send(np.ones(4, np.float32), victim))

@@ -80,7 +80,7 @@ if TYPE_CHECKING:
     from mpi4py import MPI as _MPI
     from numpy.typing import DTypeLike
 
-    from ...backends.base import Stream
+    from ...backends.base import Event, Stream
     from ...backends.host import HostDevice
     from ...tree import Tree
 
@@ -549,20 +549,30 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         """This process's own checks refused a call: take part in the call's agreement
         all the same, saying so, so that the other processes raise ``ValueError`` naming
         it and no later call is matched with the wrong partner. (This process then
-        raises its own error.)"""
+        raises its own error.) Host calls in flight on the group's stream go first: the
+        refusal is queued behind them."""
         sig = refusal_signature(collective, exc)
-        try:
-            if self._agreement.first(self.algorithm):
-                self._life.seq += 1
-                self._agreement.check(sig)
-            elif self.nprocs > 1 and self._gpu is None:
-                self._life.seq += 1
-                self._engine.refuse(sig)
-        except ValueError:
-            pass  # the others differ: they raise, naming this process
-        except BaseException as err:
-            self._fail(err)
-            raise
+        if self._stream is not None:
+            self._stream.call(self._exchange_refusal, sig)
+        else:
+            self._exchange_refusal(sig)
+
+    def _exchange_refusal(self, sig: str) -> None:
+        with self._lock:
+            if self._life.failed or self._life.closed:
+                return
+            try:
+                if self._agreement.first(self.algorithm):
+                    self._life.seq += 1
+                    self._agreement.check(sig)
+                elif self.nprocs > 1 and self._gpu is None:
+                    self._life.seq += 1
+                    self._engine.refuse(sig)
+            except ValueError:
+                pass  # the others differ: they raise, naming this process
+            except BaseException as err:
+                self._fail(err)
+                raise
 
     def _perform(self, prep: Prepared) -> None:
         with self._lock:
@@ -602,11 +612,16 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         caller = stream if stream is not None else self.devices[0].explicit_current_stream()
         if caller is not None:
             self._stream.wait_event(caller.record())
-        self._stream.call(self._perform, prep)
-        done = self._stream.record()
         result = cast("np.ndarray", prep.results[0])
         if async_op:
-            return Work([done], [caller], result, prep, self.timeout, self._stream_error)
+            # an argument error (a mismatch) is the call's own, raised by its Work: the
+            # stream, and the calls behind it, go on
+            work = _ArgumentErrors([], [caller], result, prep, self.timeout, self._stream_error)
+            self._stream.call(work.perform, self._perform, prep)
+            work.add_event(self._stream.record())
+            return work
+        self._stream.call(self._perform, prep)
+        done = self._stream.record()
         assert caller is not None  # a stream was given
         caller.wait_event(done)
         return result
@@ -655,6 +670,28 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
             root=root, in_place=in_place, chunk=chunk_elements(CHUNK_BYTES, np.dtype(dtype).itemsize),
             tree_for=self.tree, itemsize=np.dtype(dtype).itemsize,
         )  # fmt: skip
+
+
+class _ArgumentErrors(Work):
+    """The ``Work`` of an asynchronous host call whose argument error (``ValueError``,
+    ``TypeError``: a mismatch between processes) is kept here, not left on the group's
+    stream, which would fail every call behind it; ``synchronize`` raises it."""
+
+    error: BaseException | None = None
+
+    def perform(self, fn: Callable[[Prepared], None], prep: Prepared) -> None:
+        try:
+            fn(prep)
+        except (ValueError, TypeError) as exc:
+            self.error = exc
+
+    def add_event(self, event: Event) -> None:
+        self._events.append(event)
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        super().synchronize(timeout)
+        if self.error is not None:
+            raise self.error
 
 
 def _p2p_buffer(pg: ProcessGroup, buf: Array, what: str, dtype: object) -> Array:

@@ -73,6 +73,15 @@ NT_API int nt_reduce_n(int op, int dtype, void *dst, const void *const *srcs, in
    type and the sum is multiplied by it before the store, so float32/float64 results are
    bitwise those of nt_reduce_n followed by nt_scale; float16 rounds once instead of twice
    (the sum stays in float32 until after the scale), so it is slightly more accurate. */
+/* dsts[0] = the reduction of srcs[0 .. k) (alpha != 1.0: the scaled sum), and dsts[1 .. m)
+   copies of it, block by block: every source read once and every destination written
+   once (where a reduction and then m - 1 copies of its result read the result m - 1
+   times more). A destination may be a source (the same pointer; the block is read before
+   it is written) or an earlier destination (the same pointer: nothing more to write), but
+   not overlap a source or another destination otherwise. Bitwise the
+   reduction's result, in the same summation order. */
+NT_API int nt_reduce_many(int op, int dtype, void *const *dsts, int m, const void *const *srcs,
+                          int k, int64_t n, double alpha, int nthreads);
 NT_API int nt_reduce_n_scaled(int op, int dtype, void *dst, const void *const *srcs, int k,
                               int64_t n, double alpha, int nthreads);
 NT_API int nt_sum_n(int dtype, void *dst, const void *const *srcs, int k, int64_t n,
@@ -100,9 +109,12 @@ typedef struct {
     int32_t src[NT_MAX_SOURCES];
     int64_t dst_off;
     int64_t src_off[NT_MAX_SOURCES];
+    int32_t m; /* reduce_many: destinations, dst and then mdst[0 .. m-1) */
+    int32_t mdst[NT_MAX_SOURCES - 1];
+    int64_t mdst_off[NT_MAX_SOURCES - 1];
 } nt_step;
 
-enum { NT_STEP_COPY = 0, NT_STEP_REDUCE = 1, NT_STEP_SCALE = 2 };
+enum { NT_STEP_COPY = 0, NT_STEP_REDUCE = 1, NT_STEP_SCALE = 2, NT_STEP_REDUCE_MANY = 3 };
 
 /* Perform steps[0 .. nsteps) in order: the inline execution of a plan in one call.
    bases[slot] is each buffer's address, threads[rank] each rank's kernel threads. On an

@@ -59,7 +59,10 @@
 #define NT_LINE_BYTES 64
 #define NT_TILE_BYTES 256
 
-typedef struct {
+typedef struct nt_job nt_job;
+typedef void (*nt_range_fn)(const nt_job *job, int64_t lo, int64_t hi);
+
+struct nt_job {
     void *dst;
     const void *srcs[NT_MAX_SOURCES];
     void *aux1, *aux2; /* sgd: gradient and history */
@@ -69,9 +72,14 @@ typedef struct {
     const void *const *gsrcs;
     const int64_t *goff;
     int gk;
-} nt_job;
-
-typedef void (*nt_range_fn)(const nt_job *job, int64_t lo, int64_t hi);
+    /* reduce_many: the reduction's own range function, the other destinations (each a
+       copy of dst), whether each is streamed, and the element size */
+    nt_range_fn inner;
+    void *mdst[NT_MAX_SOURCES];
+    int mstream[NT_MAX_SOURCES];
+    int m;
+    int64_t item;
+};
 
 #ifdef NT_FORK_GUARD
 /* libgomp's thread pool does not survive fork(): a child whose parent had started it hangs
@@ -814,6 +822,83 @@ NT_API int nt_reduce_n_scaled(int op, int dtype, void *dst, const void *const *s
     return nt_reduce_run(fn, dtype, dst, srcs, k, n, alpha, nthreads);
 }
 
+/* One block of a reduce_many at a time: the reduction into dst, then the block copied from
+   dst (still in cache) into each other destination: the sources are read once and every
+   destination written once. */
+static void nt_reduce_many_range(const nt_job *job, int64_t lo, int64_t hi) {
+    const int64_t item = job->item;
+    for (int64_t s = lo; s < hi; s += NT_GRAIN_ELEMS) {
+        int64_t e = s + NT_GRAIN_ELEMS < hi ? s + NT_GRAIN_ELEMS : hi;
+        job->inner(job, s, e);
+        for (int j = 0; j < job->m; ++j) {
+            nt_job piece = *job;
+            piece.dst = job->mdst[j];
+            piece.srcs[0] = job->dst;
+            piece.stream = job->mstream[j];
+            nt_copy_range(&piece, s * item, e * item);
+        }
+    }
+}
+
+NT_API int nt_reduce_many(int op, int dtype, void *const *dsts, int m, const void *const *srcs,
+                          int k, int64_t n, double alpha, int nthreads) {
+    if (op < 0 || op >= NT_NOPS) return NT_ERR_OP;
+    int st = nt_check_common(dtype, n, nthreads);
+    if (st != NT_OK) return st;
+    if (k < 1 || k > NT_MAX_SOURCES || m < 1 || m > NT_MAX_SOURCES) return NT_ERR_NSOURCES;
+    if (alpha != 1.0 && (op != NT_SUM || nt_scaled_sum_table[dtype][0] == NULL))
+        return alpha != 1.0 && op != NT_SUM ? NT_ERR_OP : NT_ERR_UNSUPPORTED;
+    nt_range_fn fn = alpha != 1.0 ? nt_scaled_sum_fn(dtype, k) : nt_reduce_fn(op, dtype, k);
+    if (fn == NULL) return NT_ERR_INTERNAL;
+    if (m == 1) return nt_reduce_run(fn, dtype, dsts[0], srcs, k, n, alpha, nthreads);
+    if (n == 0) return NT_OK;
+    if (dsts == NULL || srcs == NULL) return NT_ERR_NULL;
+    const int64_t nbytes = n * nt_itemsize[dtype];
+    nt_job job = {0};
+    job.dst = dsts[0];
+    if (job.dst == NULL) return NT_ERR_NULL;
+    for (int j = 0; j < k; ++j) {
+        if (srcs[j] == NULL) return NT_ERR_NULL;
+        job.srcs[j] = srcs[j];
+    }
+    /* each destination is written block by block after the block of every source was
+       read: a destination may be a source (the same pointer) but not overlap one, or
+       another destination, in any other way */
+    for (int i = 0; i < m; ++i) {
+        if (dsts[i] == NULL) return NT_ERR_NULL;
+        for (int j = 0; j < k; ++j)
+            if (srcs[j] != dsts[i] && nt_overlaps(srcs[j], dsts[i], nbytes)) return NT_ERR_OVERLAP;
+        for (int j = 0; j < i; ++j)
+            if (dsts[j] != dsts[i] && nt_overlaps(dsts[j], dsts[i], nbytes))
+                return NT_ERR_OVERLAP;
+    }
+    job.a = alpha;
+    job.inner = fn;
+    job.item = nt_itemsize[dtype];
+    job.m = 0;
+    for (int i = 1; i < m; ++i) {
+        /* the same memory as an earlier destination holds the result already (a copy
+           whose source is its destination moves nothing) */
+        int seen = 0;
+        for (int j = 0; j < i; ++j) seen |= (dsts[j] == dsts[i]);
+        if (seen) continue;
+        int is_source = 0;
+        for (int j = 0; j < k; ++j) is_source |= (srcs[j] == dsts[i]);
+        job.mdst[job.m] = dsts[i];
+#ifdef NT_STREAM
+        /* a destination just read as a source is in cache: a plain store costs no read */
+        job.mstream[job.m] = !is_source && nbytes >= NT_STREAM_MIN_REDUCE_BYTES;
+#else
+        (void)is_source;
+#endif
+        job.m++;
+    }
+    /* dst itself is read back at once for the copies: never streamed */
+    job.stream = 0;
+    nt_run(nt_reduce_many_range, &job, n, NT_GRAIN_ELEMS, nthreads);
+    return NT_OK;
+}
+
 NT_API int nt_sum_n(int dtype, void *dst, const void *const *srcs, int k, int64_t n,
                     int nthreads) {
     return nt_reduce_n(NT_SUM, dtype, dst, srcs, k, n, nthreads);
@@ -908,6 +993,22 @@ NT_API int nt_run_steps(int dtype, const nt_step *steps, int nsteps, void *const
         case NT_STEP_SCALE:
             st = nt_scale(dtype, dst, s->alpha, s->count, nthreads);
             break;
+        case NT_STEP_REDUCE_MANY: {
+            if (s->k < 1 || s->k > NT_MAX_SOURCES || s->m < 1 || s->m > NT_MAX_SOURCES) {
+                st = NT_ERR_NSOURCES;
+                break;
+            }
+            const void *srcs[NT_MAX_SOURCES];
+            void *dsts[NT_MAX_SOURCES];
+            for (int j = 0; j < s->k; ++j)
+                srcs[j] = (const char *)bases[s->src[j]] + s->src_off[j] * item;
+            dsts[0] = dst;
+            for (int j = 1; j < s->m; ++j)
+                dsts[j] = (char *)bases[s->mdst[j - 1]] + s->mdst_off[j - 1] * item;
+            st = nt_reduce_many(s->op, dtype, dsts, s->m, srcs, s->k, s->count, s->alpha,
+                                nthreads);
+            break;
+        }
         default:
             st = NT_ERR_UNSUPPORTED;
         }

@@ -150,6 +150,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "nt_sum_into": [i32, vp, vp, i64, i32],
         "nt_reduce_n": [i32, i32, vp, vpp, i32, i64, i32],
         "nt_reduce_n_scaled": [i32, i32, vp, vpp, i32, i64, f64, i32],
+        "nt_reduce_many": [i32, i32, vpp, i32, vpp, i32, i64, f64, i32],
         "nt_sum_n": [i32, vp, vpp, i32, i64, i32],
         "nt_scale": [i32, vp, f64, i64, i32],
         "nt_sgd_update": [i32, vp, vp, vp, f64, f64, f64, i64, i32],
@@ -335,6 +336,44 @@ def reduce_n(
     return dst
 
 
+def reduce_many(
+    dsts: Sequence[np.ndarray],
+    srcs: Sequence[np.ndarray],
+    op: str = "sum",
+    nthreads: int = 1,
+    alpha: float = 1.0,
+) -> None:
+    """``dsts[0] = op(srcs...)`` (as :func:`reduce_n`) and every other destination a copy
+    of it, in one pass: block by block, each source read once and each destination
+    written once. A destination may be a source (the same memory) but must not overlap a
+    source or another destination otherwise. Bitwise :func:`reduce_n` followed by copies."""
+    code = OPS.get(op) if isinstance(op, str) else None
+    if code is None:
+        raise ValueError(f"op must be one of {', '.join(OPS)}; got {op!r}")
+    if not 1 <= len(dsts) <= MAX_SOURCES or not 1 <= len(srcs) <= MAX_SOURCES:
+        raise ValueError(f"reduce_many takes 1 to {MAX_SOURCES} destinations and sources")
+    alpha = check_real(alpha, "alpha")
+    first = check_host_array(dsts[0], "dsts[0]", writable=True)
+    scaled = alpha != 1.0
+    if scaled and op != "sum":
+        raise ValueError(f"alpha != 1.0 needs op='sum'; got op={op!r}")
+    dtype = _dtype_code(first, "dsts[0]", FLOAT_DTYPES if scaled else tuple(DTYPES))
+    dp = (ctypes.c_void_p * len(dsts))()
+    sp = (ctypes.c_void_p * len(srcs))()
+    for j, d in enumerate(dsts):
+        d = check_host_array(d, f"dsts[{j}]", writable=True)
+        check_same(d, first, f"dsts[{j}]", "dsts[0]")
+        dp[j] = _addr(d)
+    for j, x in enumerate(srcs):
+        x = check_host_array(x, f"srcs[{j}]")
+        check_same(x, first, f"srcs[{j}]", "dsts[0]")
+        sp[j] = _addr(x)
+    status = library().nt_reduce_many(
+        code, dtype, dp, len(dsts), sp, len(srcs), first.size, alpha, _threads(nthreads)
+    )
+    check(status, "reduce_many")
+
+
 def sum_n(dst: np.ndarray, srcs: Sequence[np.ndarray], nthreads: int = 1) -> np.ndarray:
     """``dst = srcs[0] + ... + srcs[k-1]``; see :func:`reduce_n`."""
     return reduce_n(dst, srcs, "sum", nthreads)
@@ -461,10 +500,13 @@ class Step(ctypes.Structure):
         ("src", ctypes.c_int32 * MAX_SOURCES),
         ("dst_off", ctypes.c_int64),
         ("src_off", ctypes.c_int64 * MAX_SOURCES),
+        ("m", ctypes.c_int32),
+        ("mdst", ctypes.c_int32 * (MAX_SOURCES - 1)),
+        ("mdst_off", ctypes.c_int64 * (MAX_SOURCES - 1)),
     ]
 
 
-STEP_COPY, STEP_REDUCE, STEP_SCALE = 0, 1, 2
+STEP_COPY, STEP_REDUCE, STEP_SCALE, STEP_REDUCE_MANY = 0, 1, 2, 3
 
 
 def run_steps(

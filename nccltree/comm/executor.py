@@ -290,8 +290,12 @@ class Program:
             r, role, off, _ = self.ranges[i]
             return slot.setdefault((r, role), len(slot)), off
 
-        steps = (_native.Step * len(self.data_ops))()
-        for st, op in zip(steps, self.data_ops, strict=True):
+        groups = _fused(self.data_ops, self.ranges) if FUSE_REDUCE_COPIES else None
+        if groups is None:
+            groups = [[op] for op in self.data_ops]
+        steps = (_native.Step * len(groups))()
+        for st, group in zip(steps, groups, strict=True):
+            op = group[0]
             st.rank = op.rank
             st.dst, st.dst_off = place(op.dst)
             st.count = self.ranges[op.dst][3]
@@ -306,6 +310,10 @@ class Program:
                 st.alpha = op.alpha
                 for j, i in enumerate(op.srcs):
                     st.src[j], st.src_off[j] = place(i)
+                if len(group) > 1:
+                    st.kind, st.m = _native.STEP_REDUCE_MANY, len(group)
+                    for j, cp in enumerate(group[1:]):
+                        st.mdst[j], st.mdst_off[j] = place(cp.dst)
             else:
                 st.kind, st.alpha = _native.STEP_SCALE, op.alpha
         lowered = _Lowered(
@@ -317,6 +325,45 @@ class Program:
         )
         self._native = lowered
         return lowered
+
+
+#: the host's inline runs fuse a reduction and the copies of its result that follow it
+#: into one pass (``nt_reduce_many``); False lowers every step alone (for comparing the two)
+FUSE_REDUCE_COPIES = True
+
+
+def _fused(ops: Sequence[_Data], ranges: Sequence[Range]) -> list[list[_Data]]:
+    """The data steps in groups: a reduction with the copies of its whole result that
+    follow it at once (a one-pass reduce with several outputs), every other step alone.
+    A copy joins only where nothing can alias in a way the fused kernel would refuse: its
+    destination is one of the reduction's sources exactly (the same range), or lies on a
+    rank none of the others touch, and no two destinations share a rank."""
+    groups: list[list[_Data]] = []
+    i = 0
+    while i < len(ops):
+        op = ops[i]
+        group: list[_Data] = [op]
+        i += 1
+        if isinstance(op, _Reduce) and len(op.srcs) <= _native.MAX_SOURCES:
+            src_ranges = {ranges[j] for j in op.srcs}
+            touched = {ranges[j][0] for j in op.srcs}
+            dst_ranks = {ranges[op.dst][0]}
+            while i < len(ops) and len(group) < _native.MAX_SOURCES:
+                cp = ops[i]
+                # (a copy between one array's ranges, ``same``, moves nothing: the
+                # kernel skips a destination that is an earlier one, or the result)
+                if not (isinstance(cp, _Copy) and cp.src == op.dst and cp.rank == op.rank):
+                    break
+                d = ranges[cp.dst]
+                if d[3] != ranges[op.dst][3] or d[0] in dst_ranks:
+                    break
+                if d not in src_ranges and d[0] in touched:
+                    break
+                dst_ranks.add(d[0])
+                group.append(cp)
+                i += 1
+        groups.append(group)
+    return groups
 
 
 class _Lowered(NamedTuple):

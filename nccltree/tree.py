@@ -249,6 +249,7 @@ def _pairings(
 def _levels_of(
     leaders: tuple[int, ...], pairs: list[tuple[int, int]], root: int | None
 ) -> Iterator[tuple[Level, tuple[int, ...]]]:
+    """The levels of one pairing of ``leaders`` (see :func:`_pairings`)."""
     paired = {x for pair in pairs for x in pair}
     out = tuple(x for x in leaders if x not in paired)
     options = [

@@ -420,7 +420,7 @@ class Device(abc.ABC):
         """Caffe's fused SGD step in the caller's order."""
         self._run_kernel("sgd_update", w, g, v, lr, momentum, weight_decay)
 
-    def _run_kernel(self, name: str, *args: Any) -> None:
+    def _run_kernel(self, name: str, *args: object) -> None:
         """Run the kernel ``name`` of this backend's kernel module (``nccltree._native`` or
         ``nccltree._cuda_kernels``, which have the same names and arguments) on ``args``,
         in the caller's order. A backend without such a module overrides the three

@@ -512,7 +512,7 @@ class CudaDevice(Device):
     def _current(self) -> Any:
         return _cupy().cuda.get_current_stream()
 
-    def _run_kernel(self, name: str, *args: Any) -> None:
+    def _run_kernel(self, name: str, *args: object) -> None:
         with self.activate():
             getattr(_k, name)(*args, self._current())
 

@@ -613,7 +613,7 @@ class HostDevice(Device):
         # all virtual devices share one address space
         return isinstance(other, HostDevice)
 
-    def _run_kernel(self, name: str, *args: Any) -> None:
+    def _run_kernel(self, name: str, *args: object) -> None:
         getattr(_native, name)(*args, nthreads=self.threads)
 
     def _close(self) -> None:

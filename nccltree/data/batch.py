@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from ..backends.base import Event
+    from ..backends.base import Array, Event
     from ..memory import SyncedMemory
     from .pipeline import Pipeline
 
@@ -102,7 +102,7 @@ class Batch:
         return f"<Batch rank {self.rank} #{self.index} of {self._slot.count} at {self.position}>"
 
 
-def _first(host: np.ndarray, count: int, mem: SyncedMemory | None = None) -> Any:
+def _first(host: np.ndarray, count: int, mem: SyncedMemory | None = None) -> Array:
     """The first ``count`` records of a slot's buffer: of its device copy ``mem`` when
     there is one, else of the pinned host array (the array itself when full)."""
     if mem is not None:

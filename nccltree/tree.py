@@ -234,6 +234,31 @@ def _perfect(xs: tuple[int, ...]) -> Iterator[list[tuple[int, int]]]:
             yield [(a, xs[k]), *m]
 
 
+def _pairings(
+    leaders: tuple[int, ...], cost: Sequence[Sequence[int]], root: int | None
+) -> Iterator[tuple[int, Iterator[tuple[Level, tuple[int, ...]]]]]:
+    """Every way to pair ``leaders`` one level up (leaving at most one out), by pairing:
+    its cost, and its levels with the leaders each leaves for the next one. Each pair may
+    keep either member, except that the root always stays; the levels are made only when
+    asked for (a search skips a pairing by its cost first) and their pairs are not
+    sorted."""
+    for pairs in _matchings(leaders):
+        yield sum(cost[a][b] for a, b in pairs), _levels_of(leaders, pairs, root)
+
+
+def _levels_of(
+    leaders: tuple[int, ...], pairs: list[tuple[int, int]], root: int | None
+) -> Iterator[tuple[Level, tuple[int, ...]]]:
+    """The levels of one pairing of ``leaders`` (see :func:`_pairings`)."""
+    paired = {x for pair in pairs for x in pair}
+    out = tuple(x for x in leaders if x not in paired)
+    options = [
+        ((a, b),) if a == root else ((b, a),) if b == root else ((a, b), (b, a)) for a, b in pairs
+    ]
+    for level in _product(options):
+        yield level, tuple(sorted(out + tuple(p for p, _ in level)))
+
+
 _Best = tuple[int, tuple[int, ...], tuple[Level, ...]]
 
 
@@ -256,22 +281,12 @@ def _exact(
         if got is not None:
             return got
         result = None
-        for pairs in _matchings(ls):
-            here = sum(cost[a][b] for a, b in pairs)
+        for here, ways in _pairings(ls, cost, root):
             if result is not None and here > result[0]:
                 continue  # the levels above cost >= 0: no better tree down this way
-            paired = {x for pair in pairs for x in pair}
-            out = tuple(x for x in ls if x not in paired)
-            # Each pair may keep either member, except that the root always stays.
-            options = [
-                ((a, b),) if a == root else ((b, a),) if b == root else ((a, b), (b, a))
-                for a, b in pairs
-            ]
-            for choice in _product(options):
-                level = tuple(sorted(choice))
-                nxt = tuple(sorted(out + tuple(p for p, _ in choice)))
+            for level, nxt in ways:
                 rest_cost, rest_by_level, rest = best(nxt)
-                cand = (here + rest_cost, (here, *rest_by_level), (level, *rest))
+                cand = (here + rest_cost, (here, *rest_by_level), (tuple(sorted(level)), *rest))
                 if result is None or cand < result:
                     result = cand
         assert result is not None
@@ -426,15 +441,11 @@ def _exact_cost(
     if got is not None:
         return got
     best = None
-    for pairs in _matchings(leaders):
-        here = sum(cost[a][b] for a, b in pairs)
+    for here, ways in _pairings(leaders, cost, root):
         if best is not None and here >= best:
             continue
-        paired = {x for pair in pairs for x in pair}
-        out = tuple(x for x in leaders if x not in paired)
-        options = [(a,) if a == root else (b,) if b == root else (a, b) for a, b in pairs]
-        for stay in _product(options):
-            total = here + _exact_cost(tuple(sorted(out + stay)), cost, root, memo)
+        for _, nxt in ways:
+            total = here + _exact_cost(nxt, cost, root, memo)
             if best is None or total < best:
                 best = total
     assert best is not None

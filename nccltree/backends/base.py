@@ -405,20 +405,27 @@ class Device(abc.ABC):
     def can_access_peer(self, other: Device) -> bool:
         """True if kernels on this device can read ``other``'s memory directly."""
 
-    @abc.abstractmethod
     def sum_into(self, dst: Array, src: Array) -> None:
         """``dst += src`` in the caller's order (host: now, in this thread; CUDA: on the
         thread's current stream)."""
+        self._run_kernel("sum_into", dst, src)
 
-    @abc.abstractmethod
     def scale(self, x: Array, alpha: float) -> None:
         """``x *= alpha`` in the caller's order."""
+        self._run_kernel("scale", x, alpha)
 
-    @abc.abstractmethod
     def sgd_update(
         self, w: Array, g: Array, v: Array, lr: float, momentum: float, weight_decay: float
     ) -> None:
         """Caffe's fused SGD step in the caller's order."""
+        self._run_kernel("sgd_update", w, g, v, lr, momentum, weight_decay)
+
+    def _run_kernel(self, name: str, *args: object) -> None:
+        """Run the kernel ``name`` of this backend's kernel module (``nccltree._native`` or
+        ``nccltree._cuda_kernels``, which have the same names and arguments) on ``args``,
+        in the caller's order. A backend without such a module overrides the three
+        operations above instead."""
+        raise NotImplementedError(f"the {self.backend} backend has no kernel {name}")
 
     @abc.abstractmethod
     def pinned_empty(self, shape: ShapeLike, dtype: npt.DTypeLike = "float32") -> Array:

@@ -512,19 +512,9 @@ class CudaDevice(Device):
     def _current(self) -> Any:
         return _cupy().cuda.get_current_stream()
 
-    def sum_into(self, dst: Array, src: Array) -> None:
+    def _run_kernel(self, name: str, *args: object) -> None:
         with self.activate():
-            _k.sum_into(dst, src, self._current())
-
-    def scale(self, x: Array, alpha: float) -> None:
-        with self.activate():
-            _k.scale(x, alpha, self._current())
-
-    def sgd_update(
-        self, w: Array, g: Array, v: Array, lr: float, momentum: float, weight_decay: float
-    ) -> None:
-        with self.activate():
-            _k.sgd_update(w, g, v, lr, momentum, weight_decay, self._current())
+            getattr(_k, name)(*args, self._current())
 
 
 class _PinnedBlock:

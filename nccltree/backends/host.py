@@ -613,22 +613,8 @@ class HostDevice(Device):
         # all virtual devices share one address space
         return isinstance(other, HostDevice)
 
-    def sum_into(self, dst: np.ndarray, src: np.ndarray) -> None:
-        _native.sum_into(dst, src, nthreads=self.threads)
-
-    def scale(self, x: np.ndarray, alpha: float) -> None:
-        _native.scale(x, alpha, nthreads=self.threads)
-
-    def sgd_update(
-        self,
-        w: np.ndarray,
-        g: np.ndarray,
-        v: np.ndarray,
-        lr: float,
-        momentum: float,
-        weight_decay: float,
-    ) -> None:
-        _native.sgd_update(w, g, v, lr, momentum, weight_decay, nthreads=self.threads)
+    def _run_kernel(self, name: str, *args: object) -> None:
+        getattr(_native, name)(*args, nthreads=self.threads)
 
     def _close(self) -> None:
         with self._cores_lock:

@@ -11,7 +11,8 @@ World's lock.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn, cast
 
 from .._errors import CommError, NcclTreeError
@@ -35,30 +36,24 @@ if TYPE_CHECKING:
 INLINE_EVERY_CORE_FROM = {False: 512 << 10, True: 8 << 20}
 
 
+@dataclass(eq=False)
 class Issuer:
     """Issues a World's calls on its ``devices`` and communication ``streams``, with the
     programs and scratch of ``cache``; ``timeout`` bounds every wait (seconds).
-    ``inline_bytes`` and ``inline_threads`` are the World's settings (it forwards them)."""
+    ``inline_bytes`` and ``inline_threads`` are the World's settings (it forwards them);
+    a failure inside the devices' work goes to ``on_stream_error``."""
 
-    def __init__(
-        self,
-        devices: Sequence[Device],
-        streams: Sequence[Stream],
-        cache: ProgramCache,
-        timeout: float,
-        inline_bytes: int | None,
-        inline_threads: int,
-        on_stream_error: Callable[[BaseException], BaseException],
-    ) -> None:
-        self.devices = list(devices)
+    devices: list[Device]
+    streams: list[Stream]
+    cache: ProgramCache
+    timeout: float
+    inline_bytes: int | None
+    inline_threads: int
+    on_stream_error: Callable[[BaseException], BaseException]
+
+    def __post_init__(self) -> None:
         self.size = len(self.devices)
         self.backend = self.devices[0].backend
-        self.streams = list(streams)
-        self.cache = cache
-        self.timeout = timeout
-        self.inline_bytes = inline_bytes
-        self.inline_threads = inline_threads
-        self.on_stream_error = on_stream_error
         # recorded on each rank's caller stream at every launch; reused, as the waits on
         # them take their state when they are enqueued (see executor)
         self.caller_events = [d.new_event() for d in self.devices]

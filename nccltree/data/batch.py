@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from ..backends.base import Event
+    from ..backends.base import Array, Event
     from ..memory import SyncedMemory
     from .pipeline import Pipeline
 
@@ -60,26 +60,22 @@ class Batch:
     @property
     def x_host(self) -> np.ndarray:
         s = self._live()
-        return s.x if s.count == len(s.x) else s.x[: s.count]
+        return _first(s.x, s.count)
 
     @property
     def y_host(self) -> np.ndarray:
         s = self._live()
-        return s.y if s.count == len(s.y) else s.y[: s.count]
+        return _first(s.y, s.count)
 
     @property
     def x(self) -> Any:
         s = self._live()
-        if s.x_mem is None:
-            return self.x_host
-        return s.x_mem.device_array()[: s.count]
+        return _first(s.x, s.count, s.x_mem)
 
     @property
     def y(self) -> Any:
         s = self._live()
-        if s.y_mem is None:
-            return self.y_host
-        return s.y_mem.device_array()[: s.count]
+        return _first(s.y, s.count, s.y_mem)
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.x, self.y))
@@ -104,3 +100,11 @@ class Batch:
         if self._slot is None:
             return f"<Batch rank {self.rank} #{self.index} released>"
         return f"<Batch rank {self.rank} #{self.index} of {self._slot.count} at {self.position}>"
+
+
+def _first(host: np.ndarray, count: int, mem: SyncedMemory | None = None) -> Array:
+    """The first ``count`` records of a slot's buffer: of its device copy ``mem`` when
+    there is one, else of the pinned host array (the array itself when full)."""
+    if mem is not None:
+        return mem.device_array()[:count]
+    return host if count == len(host) else host[:count]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import errno
 import os
 import re
@@ -14,7 +15,7 @@ from collections.abc import Callable, Iterator
 from itertools import islice
 from pathlib import Path
 from types import ModuleType
-from typing import Any, TypedDict
+from typing import Any, TypedDict, TypeVar
 
 import numpy as np
 
@@ -120,7 +121,25 @@ def decode_one(
         raise DataError(f"record {keyname(key)}: {e}") from None
 
 
-class Database:
+_Holder = TypeVar("_Holder", bound="HoldsEnv")
+
+
+class HoldsEnv(abc.ABC):
+    """What holds an LMDB environment open (a :class:`Database`, a ``DataReader``): a
+    context manager that closes it on exit."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Give the environment back (idempotent)."""
+
+    def __enter__(self: _Holder) -> _Holder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Database(HoldsEnv):
     """A read-only view of a record database (nccltree records or Caffe Datums).
 
     ``len(db)``, ``db.format``, ``db.shape``, ``db.dtype`` (taken from the first record),
@@ -208,12 +227,6 @@ class Database:
             env, self.env = self.env, None
             close_env(env)
 
-    def __enter__(self) -> Database:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return (
             f"<Database {self.path!r}: {self.entries} {self.format} records, "
@@ -221,15 +234,9 @@ class Database:
         )
 
 
-def open_db(
-    path: str | os.PathLike,
-    format: str = "auto",
-    *,
-    force_color: bool = False,
-    force_gray: bool = False,
-) -> Database:
-    """Open a record database read-only (see :class:`Database`)."""
-    return Database(path, format, force_color=force_color, force_gray=force_gray)
+#: open a record database read-only: ``open_db(path, format="auto", *, force_color=False,
+#: force_gray=False)``, the :class:`Database`
+open_db = Database
 
 
 def db_info(

@@ -17,7 +17,7 @@ from .datum import image_mode
 from .decode import DatumDecoder, RecordDecoder, Transform
 from .errors import DataError, EndOfData
 from .format import keyname, record_layout
-from .lmdb_io import check_format, close_env, detect_format, open_env
+from .lmdb_io import HoldsEnv, check_format, close_env, detect_format, open_env
 from .order import Dealing
 from .pipeline import Pipeline
 
@@ -29,7 +29,7 @@ __all__ = ["Batch", "DataReader"]
 log = logging.getLogger("nccltree.data")
 
 
-class DataReader:
+class DataReader(HoldsEnv):
     """Feed ``ranks`` consumers from one LMDB database through one cursor (a
     :class:`~nccltree.data.BatchSource`, whose batches are :class:`Batch` objects).
 
@@ -259,12 +259,6 @@ class DataReader:
     def close(self) -> None:
         """Stop the reader thread and wake waiting ranks with ``ReaderClosed`` (idempotent)."""
         self._finalizer()
-
-    def __enter__(self) -> DataReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (

@@ -1,14 +1,17 @@
-"""What every builder shares: the request it gets, the registry it is entered in, and the
-steps every reducing algorithm ends its sums with."""
+"""What every builder shares: the request it gets, the registry it is entered in (which
+makes the builder's ``PlanBuilder``), and the steps every reducing algorithm ends its sums
+with."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...backends.base import MAX_FUSED, fold_schedule
 from .._ops import OPS
+from ..collectives import COLLECTIVES
 from ..plan import IN, OUT, Buf, Plan, PlanBuilder
 
 if TYPE_CHECKING:
@@ -72,22 +75,49 @@ class PlanRequest:
 
 
 Builder = Callable[[PlanRequest], Plan]
+#: what an algorithm module writes for one collective: the steps of a request, added to
+#: the ``PlanBuilder`` that :func:`builds` made for it
+Steps = Callable[[PlanRequest, PlanBuilder], None]
+BufOf = Callable[[int], Buf]  # rank -> a buffer of that rank (its input, its result...)
 
 #: (algorithm, collective) -> its builder; filled by :func:`builds` as the algorithm
 #: modules are imported.
 BUILDERS: dict[tuple[str, str], Builder] = {}
 
 
-def builds(algorithm: str, collective: str) -> Callable[[Builder], Builder]:
-    """Register the decorated function as the builder of ``collective`` by ``algorithm``."""
+def builds(
+    algorithm: str, collective: str, *, also: tuple[str, ...] = ()
+) -> Callable[[Steps], Steps]:
+    """Register the decorated function as the steps of ``collective`` by ``algorithm``
+    (and by each algorithm of ``also``, whose plans keep ``algorithm``'s name)."""
 
-    def register(fn: Builder) -> Builder:
-        if (algorithm, collective) in BUILDERS:
-            raise AssertionError(f"two builders for {algorithm} {collective}")
-        BUILDERS[(algorithm, collective)] = fn
-        return fn
+    def register(steps: Steps) -> Steps:
+        build = functools.partial(_build, algorithm, collective, steps)
+        for name in (algorithm, *also):
+            if (name, collective) in BUILDERS:
+                raise AssertionError(f"two builders for {name} {collective}")
+            BUILDERS[(name, collective)] = build
+        return steps
 
     return register
+
+
+def _build(algorithm: str, collective: str, steps: Steps, req: PlanRequest) -> Plan:
+    """The plan of ``req``: a ``PlanBuilder`` named after the call (the op and root where
+    the collective has them; in and out one buffer when a one-buffer collective runs in
+    place), filled by ``steps``."""
+    c = COLLECTIVES[collective]
+    name = [algorithm, collective]
+    name += [req.op] if c.reduces else []
+    name += [f"root={req.root}"] if c.rooted else []
+    b = PlanBuilder(
+        req.size,
+        " ".join([*name, f"count={req.count}"]),
+        same_buffer=req.in_place and c.one_buffer,
+        align=req.align,
+    )
+    steps(req, b)
+    return b.build()
 
 
 def reduce_many(b: PlanBuilder, rank: int, dst: Buf, srcs: list[Buf], op: str) -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from ..plan import IN, OUT, Buf, Plan, PlanBuilder, chunked, split
-from ._base import Builder, PlanRequest, builds, reduce_final
+from ..plan import IN, OUT, Buf, PlanBuilder, chunked, split
+from ._base import PlanRequest, Steps, builds, reduce_final
 
 
 def _slices(req: PlanRequest) -> Iterator[tuple[int, int, int]]:
@@ -32,136 +32,96 @@ def _peers(r: int, n: int) -> list[int]:
 
 
 @builds("direct", "all_reduce")
-def direct_all_reduce(req: PlanRequest) -> Plan:
+def direct_all_reduce(req: PlanRequest, b: PlanBuilder) -> None:
     """Rank r reduces slice r of every input into its result, then writes it to every peer."""
     n, role = req.size, req.res_role
-    b = PlanBuilder(
-        n,
-        f"direct all_reduce {req.op} count={req.count}",
-        same_buffer=req.in_place,
-        align=req.align,
-    )
     for r, off, c in _slices(req):
         mine = Buf(r, role, off, c)
         reduce_final(b, req, r, mine, _inputs(req, off, c))
         # write the chunk to every peer right away
         for q in _peers(r, n):
             b.copy(r, Buf(q, role, off, c), mine)
-    return b.build()
 
 
 @builds("direct", "reduce")
-def direct_reduce(req: PlanRequest) -> Plan:
+def direct_reduce(req: PlanRequest, b: PlanBuilder) -> None:
     """Rank r reduces slice r of every input straight into the root's result."""
     root = req.root
-    b = PlanBuilder(
-        req.size,
-        f"direct reduce {req.op} root={root} count={req.count}",
-        same_buffer=req.in_place,
-        align=req.align,
-    )
     for r, off, c in _slices(req):
         reduce_final(b, req, r, Buf(root, req.res_role, off, c), _inputs(req, off, c))
-    return b.build()
 
 
 @builds("direct", "broadcast")
-def direct_broadcast(req: PlanRequest) -> Plan:
+def direct_broadcast(req: PlanRequest, b: PlanBuilder) -> None:
     """Every rank reads the root's buffer itself."""
     root, count = req.root, req.count
-    b = PlanBuilder(
-        req.size,
-        f"direct broadcast root={root} count={count}",
-        same_buffer=req.in_place,
-        align=req.align,
-    )
     for r in range(req.size):
         if r == root and req.in_place:
             continue
         b.copy(r, Buf(r, req.res_role, 0, count), Buf(root, IN, 0, count))
-    return b.build()
 
 
 @builds("direct", "all_gather")
-def direct_all_gather(req: PlanRequest) -> Plan:
+def direct_all_gather(req: PlanRequest, b: PlanBuilder) -> None:
     """Every rank writes its block into every rank's output (its own too, unless in place)."""
     n, count = req.size, req.count
-    b = PlanBuilder(n, f"direct all_gather count={count}", align=req.align)
     for r in range(n):
         src = req.gather_input(r)
         for q in ([] if req.in_place else [r]) + _peers(r, n):
             b.copy(r, Buf(q, OUT, r * count, count), src)
-    return b.build()
 
 
 @builds("direct", "reduce_scatter")
-def direct_reduce_scatter(req: PlanRequest) -> Plan:
+def direct_reduce_scatter(req: PlanRequest, b: PlanBuilder) -> None:
     """Rank r reduces block r of every input straight into its result."""
     n, count = req.size, req.count
-    b = PlanBuilder(n, f"direct reduce_scatter {req.op} count={count}", align=req.align)
     for r in range(n):
         dst = req.scatter_output(r)
         for o, c in chunked(count, req.chunk):
             reduce_final(b, req, r, dst.sub(o, c), _inputs(req, r * count + o, c))
-    return b.build()
 
 
-def _moves(*collective: str) -> Callable[[Builder], Builder]:
+def _moves(collective: str) -> Callable[[Steps], Steps]:
     """Register a data-movement plan under every algorithm (see the module docstring)."""
-
-    def register(fn: Builder) -> Builder:
-        for name in collective:
-            for algorithm in ("direct", "tree", "ring"):
-                builds(algorithm, name)(fn)
-        return fn
-
-    return register
+    return builds("direct", collective, also=("tree", "ring"))
 
 
 @_moves("gather")
-def direct_gather(req: PlanRequest) -> Plan:
+def direct_gather(req: PlanRequest, b: PlanBuilder) -> None:
     """Every rank writes its block into the root's output (the root's own block too,
     unless in place: then it is there already)."""
     n, count, root = req.size, req.count, req.root
-    b = PlanBuilder(n, f"direct gather root={root} count={count}", align=req.align)
     for r in [root, *_peers(root, n)]:
         if req.in_place and r == root:
             continue
         b.copy(r, Buf(root, OUT, r * count, count), req.gather_input(r))
-    return b.build()
 
 
 @_moves("scatter")
-def direct_scatter(req: PlanRequest) -> Plan:
+def direct_scatter(req: PlanRequest, b: PlanBuilder) -> None:
     """Every rank reads its block of the root's input into its output (in place, the
     root's block is in place already)."""
     n, count, root = req.size, req.count, req.root
-    b = PlanBuilder(n, f"direct scatter root={root} count={count}", align=req.align)
     for r in [root, *_peers(root, n)]:
         if req.in_place and r == root:
             continue
         b.copy(r, req.scatter_output(r), Buf(root, IN, r * count, count))
-    return b.build()
 
 
 @_moves("all_to_all")
-def direct_all_to_all(req: PlanRequest) -> Plan:
+def direct_all_to_all(req: PlanRequest, b: PlanBuilder) -> None:
     """Rank r writes block q of its input into block r of rank q's output, starting with
     its own and then around the ring, so that ranks writing at once start at different
     destinations."""
     n, count = req.size, req.count
-    b = PlanBuilder(n, f"direct all_to_all count={count}", align=req.align)
     for r in range(n):
         for q in [r, *_peers(r, n)]:
             b.copy(r, Buf(q, OUT, r * count, count), Buf(r, IN, q * count, count))
-    return b.build()
 
 
 @_moves("sendrecv")
-def direct_sendrecv(req: PlanRequest) -> Plan:
+def direct_sendrecv(req: PlanRequest, b: PlanBuilder) -> None:
     """Rank r writes its input into the next rank's output."""
     n, count = req.size, req.count
-    b = PlanBuilder(n, f"direct sendrecv count={count}", align=req.align)
     for r in range(n):
         b.copy(r, Buf((r + 1) % n, OUT, 0, count), Buf(r, IN, 0, count))
-    return b.build()

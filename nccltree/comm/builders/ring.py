@@ -3,20 +3,18 @@ links that can't all be used at once."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from ..plan import IN, OUT, Buf, Plan, PlanBuilder, chunked, split
-from ._base import PlanRequest, builds, reduce_final
+from ..plan import IN, OUT, Buf, PlanBuilder, chunked, split
+from ._base import BufOf, PlanRequest, builds, reduce_final
 
 
 def _ring_reduce_scatter(
     b: PlanBuilder,
     req: PlanRequest,
     segs: list[tuple[int, int]],
-    src: Callable[[int], Buf],
-    acc: Callable[[int], Buf],
+    src: BufOf,
+    acc: BufOf,
     shift: int,
-    final: Callable[[int], Buf],
+    final: BufOf,
 ) -> dict[tuple[int, int, int], int]:
     """Ring reduce-scatter. At step s rank r adds its own part of segment (r + shift - s)
     to the partial sum rank r-1 holds; after n-1 steps rank r has segment (r + shift + 2 -
@@ -43,20 +41,16 @@ def _ring_reduce_scatter(
     return ev
 
 
-def _one_rank(b: PlanBuilder, req: PlanRequest, dst: Buf) -> Plan:
+def _one_rank(b: PlanBuilder, req: PlanRequest, dst: Buf) -> None:
     """The plan of a ring of one rank: its input copied to ``dst`` unless in place."""
     if not req.in_place:
         b.copy(0, dst, Buf(0, IN, 0, dst.count))
-    return b.build()
 
 
 @builds("ring", "all_reduce")
-def ring_all_reduce(req: PlanRequest) -> Plan:
+def ring_all_reduce(req: PlanRequest, b: PlanBuilder) -> None:
     """Ring reduce-scatter into the results, then a ring all-gather of the finished segments."""
     n, count = req.size, req.count
-    b = PlanBuilder(
-        n, f"ring all_reduce {req.op} count={count}", same_buffer=req.in_place, align=req.align
-    )
 
     def own(r: int) -> Buf:
         return Buf(r, IN, 0, count)
@@ -65,7 +59,8 @@ def ring_all_reduce(req: PlanRequest) -> Plan:
         return Buf(r, req.res_role, 0, count)
 
     if n == 1:
-        return _one_rank(b, req, acc(0))
+        _one_rank(b, req, acc(0))
+        return
     segs = split(count, n, req.align)
     ev = _ring_reduce_scatter(b, req, segs, own, acc, shift=-1, final=acc)
     # all-gather: at step t rank r pulls segment (r - t) from rank r-1, which completed it
@@ -79,21 +74,15 @@ def ring_all_reduce(req: PlanRequest) -> Plan:
                 b.wait(r, ev[key])
                 b.copy(r, acc(r).sub(off + o, c), acc(p).sub(off + o, c))
                 ev[(r, n - 1 + t, i)] = b.signal(r)
-    return b.build()
 
 
 @builds("ring", "reduce")
-def ring_reduce(req: PlanRequest) -> Plan:
+def ring_reduce(req: PlanRequest, b: PlanBuilder) -> None:
     """Ring reduce-scatter into scratch, then every segment owner sends its piece to root."""
     n, root, count = req.size, req.root, req.count
-    b = PlanBuilder(
-        n,
-        f"ring reduce {req.op} root={root} count={count}",
-        same_buffer=req.in_place,
-        align=req.align,
-    )
     if n == 1:
-        return _one_rank(b, req, Buf(0, OUT, 0, count))
+        _one_rank(b, req, Buf(0, OUT, 0, count))
+        return
 
     def own(r: int) -> Buf:
         return Buf(r, IN, 0, count)
@@ -106,16 +95,12 @@ def ring_reduce(req: PlanRequest) -> Plan:
     for r in range(n):
         off, cnt = segs[(r + 1) % n]
         b.copy(r, dst.sub(off, cnt), tmp(r).sub(off, cnt))
-    return b.build()
 
 
 @builds("ring", "broadcast")
-def ring_broadcast(req: PlanRequest) -> Plan:
+def ring_broadcast(req: PlanRequest, b: PlanBuilder) -> None:
     """A chunked pipeline along the ring starting at root."""
     n, root, count = req.size, req.root, req.count
-    b = PlanBuilder(
-        n, f"ring broadcast root={root} count={count}", same_buffer=req.in_place, align=req.align
-    )
 
     def res(r: int) -> Buf:
         return Buf(r, req.res_role, 0, count)
@@ -129,14 +114,12 @@ def ring_broadcast(req: PlanRequest) -> Plan:
             b.copy(r, res(r).sub(off, c), src)
             if r != order[-1]:
                 b.wait(order[order.index(r) + 1], b.signal(r))
-    return b.build()
 
 
 @builds("ring", "all_gather")
-def ring_all_gather(req: PlanRequest) -> Plan:
+def ring_all_gather(req: PlanRequest, b: PlanBuilder) -> None:
     """At step t rank r copies from rank r-1 the block that rank got at step t-1."""
     n, count = req.size, req.count
-    b = PlanBuilder(n, f"ring all_gather count={count}", align=req.align)
 
     def out(r: int) -> Buf:
         return Buf(r, OUT, 0, n * count)
@@ -154,14 +137,12 @@ def ring_all_gather(req: PlanRequest) -> Plan:
             for o, c in chunked(count, req.chunk):
                 b.copy(r, out(r).sub(blk * count + o, c), out(p).sub(blk * count + o, c))
             ev[(r, t)] = b.signal(r)
-    return b.build()
 
 
 @builds("ring", "reduce_scatter")
-def ring_reduce_scatter(req: PlanRequest) -> Plan:
+def ring_reduce_scatter(req: PlanRequest, b: PlanBuilder) -> None:
     """Ring reduce-scatter over the ranks' blocks through scratch; rank r finishes block r."""
     n, count = req.size, req.count
-    b = PlanBuilder(n, f"ring reduce_scatter {req.op} count={count}", align=req.align)
     total = n * count
 
     def own(r: int) -> Buf:
@@ -172,9 +153,9 @@ def ring_reduce_scatter(req: PlanRequest) -> Plan:
         return Buf(r, IN, 0, total) if req.in_place else Buf(r, OUT, -r * count, total)
 
     if n == 1:
-        return _one_rank(b, req, Buf(0, OUT, 0, count))
+        _one_rank(b, req, Buf(0, OUT, 0, count))
+        return
     tmps = {r: b.alloc_scratch(r, total) for r in range(n)}
     tmp = tmps.__getitem__
     segs = [(i * count, count) for i in range(n)]
     _ring_reduce_scatter(b, req, segs, own, tmp, shift=-2, final=final)
-    return b.build()

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ...topology import LinkKind
-from ..plan import IN, OUT, Buf, Plan, PlanBuilder, chunked
-from ._base import PlanRequest, builds, finish_mean, reduce_many
+from ..plan import IN, OUT, Buf, PlanBuilder, chunked
+from ._base import BufOf, PlanRequest, builds, finish_mean, reduce_many
 
 if TYPE_CHECKING:
     from ...tree import Tree
@@ -218,8 +218,8 @@ class _TreePlan:
 
     def reduce_up(
         self,
-        part: Callable[[int], Buf],
-        own: Callable[[int], Buf],
+        part: BufOf,
+        own: BufOf,
         key: int,
         off: int,
         c: int,
@@ -283,8 +283,8 @@ class _TreePlan:
 
     def send_down(
         self,
-        src: Callable[[int], Buf],
-        dst: Callable[[int], Buf],
+        src: BufOf,
+        dst: BufOf,
         ranges: Ranges,
         pull: bool,
         root_has: int | None = None,
@@ -342,13 +342,10 @@ def _interleave(
 
 
 @builds("tree", "all_reduce")
-def tree_all_reduce(req: PlanRequest) -> Plan:
+def tree_all_reduce(req: PlanRequest, b: PlanBuilder) -> None:
     """Reduce up the tree rooted at rank 0, send the result down; the chunks interleaved."""
     tree = req.tree()
-    n, count, role = tree.n, req.count, req.res_role
-    b = PlanBuilder(
-        n, f"tree all_reduce {req.op} count={count}", same_buffer=req.in_place, align=req.align
-    )
+    count, role = req.count, req.res_role
     # besides the sums, every rank but the root copies the result down (a read, a write)
     tp = _TreePlan(b, tree, req, base=lambda r: 0.0 if r == tree.root else 2.0)
 
@@ -377,21 +374,14 @@ def tree_all_reduce(req: PlanRequest) -> Plan:
         tp.send_down(res, res, _same_for_all([pieces[i]]), pull, root_has=summed.pop(i))
 
     _interleave(len(pieces), max(1, tree.depth), up, down)
-    return b.build()
 
 
 @builds("tree", "reduce")
-def tree_reduce(req: PlanRequest) -> Plan:
+def tree_reduce(req: PlanRequest, b: PlanBuilder) -> None:
     """Reduce to the root; inputs of other ranks stay unchanged (inner partial sums go to
     scratch memory)."""
     tree = req.tree(req.root)
     n, root, count = tree.n, tree.root, req.count
-    b = PlanBuilder(
-        n,
-        f"tree reduce {req.op} root={root} count={count}",
-        same_buffer=req.in_place,
-        align=req.align,
-    )
     tp = _TreePlan(b, tree, req, base=lambda r: 0.0)
 
     def own(r: int) -> Buf:
@@ -406,16 +396,12 @@ def tree_reduce(req: PlanRequest) -> Plan:
 
     for i, (off, c) in enumerate(chunked(count, req.chunk)):
         tp.reduce_up(part, own, i, off, c, part(root))
-    return b.build()
 
 
 @builds("tree", "broadcast")
-def tree_broadcast(req: PlanRequest) -> Plan:
+def tree_broadcast(req: PlanRequest, b: PlanBuilder) -> None:
     tree = req.tree(req.root)
-    n, root, count, role = tree.n, tree.root, req.count, req.res_role
-    b = PlanBuilder(
-        n, f"tree broadcast root={root} count={count}", same_buffer=req.in_place, align=req.align
-    )
+    root, count, role = tree.root, req.count, req.res_role
     tp = _TreePlan(b, tree, req)
 
     def src(r: int) -> Buf:
@@ -429,16 +415,14 @@ def tree_broadcast(req: PlanRequest) -> Plan:
         if not req.in_place:
             b.copy(root, Buf(root, OUT, off, c), Buf(root, IN, off, c))
         tp.send_down(src, dst, _same_for_all([(off, c)]), len(pieces) > 1)
-    return b.build()
 
 
 @builds("tree", "all_gather")
-def tree_all_gather(req: PlanRequest) -> Plan:
+def tree_all_gather(req: PlanRequest, b: PlanBuilder) -> None:
     """Gather every rank's block up the tree into the root's output, then send the blocks
     each subtree lacks down the tree."""
     tree = req.tree()
     n, count = tree.n, req.count
-    b = PlanBuilder(n, f"tree all_gather count={count}", align=req.align)
     tp = _TreePlan(b, tree, req)
     stager = tp.stager
 
@@ -468,17 +452,15 @@ def tree_all_gather(req: PlanRequest) -> Plan:
 
     pull = any(len(missing(k)) > 1 for k in range(n) if k != tree.root)
     tp.send_down(out, out, missing, pull)
-    return b.build()
 
 
 @builds("tree", "reduce_scatter")
-def tree_reduce_scatter(req: PlanRequest) -> Plan:
+def tree_reduce_scatter(req: PlanRequest, b: PlanBuilder) -> None:
     """Reduce the whole input to the root's scratch memory, then every rank copies its
     block from there."""
     tree = req.tree()
     n, root, count = tree.n, tree.root, req.count
     total = n * count
-    b = PlanBuilder(n, f"tree reduce_scatter {req.op} count={count}", align=req.align)
     # besides the sums, every rank copies its block of the result (a read, a write)
     tp = _TreePlan(b, tree, req, base=lambda r: 2.0 / n)
 
@@ -502,4 +484,3 @@ def tree_reduce_scatter(req: PlanRequest) -> Plan:
             b.copy(r, dst, block)
         else:
             tp.stager.send(root, r, dst, block)
-    return b.build()

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .shm import shm_usable, shm_usable_reason
+from .shm import remove_stale, shm_usable, shm_usable_reason
 
 if TYPE_CHECKING:
     from mpi4py import MPI as _MPI
@@ -71,6 +71,8 @@ def place(comm: _MPI.Intracomm, nlocal: int, shm: bool | None) -> Placement:
     me = comm.Get_rank()
     node_name = os.environ.get("NCCLTREE_NODE") or MPI.Get_processor_name()
     job = secrets.token_hex(4) if me == 0 else None
+    # this user's stale segments first: they would count as used space in shm_usable
+    remove_stale()
     info = comm.allgather((node_name, nlocal, os.getpid(), shm_usable(shm)))
     job = comm.bcast(job, root=0)
     # processes numbered node-major: nodes in order of their first MPI rank

@@ -1,8 +1,8 @@
 """Shared-memory segments for the processes of one node (Linux ``/dev/shm``).
 
 A segment is created by one process with mode 0600 and ``O_EXCL`` under a name that
-carries the user, the job, the creator's process id (for people reading a listing: it
-decides nothing) and a part nobody can guess (:func:`name_part`: drawn at random, or
+carries the user, the job, the creator's process id (for people reading a listing; see
+:func:`remove_stale`) and a part nobody can guess (:func:`name_part`: drawn at random, or
 derived from a secret the node's processes share in their control block), attached by
 the node's other processes, and unlinked as soon as they all have it mapped: the kernel
 then frees it when the last mapping goes, even if every process is killed.
@@ -13,7 +13,8 @@ when the creator dies, however it dies, and a lock on a ``/dev/shm`` file is see
 every process that opens the file, whatever its pid namespace. A segment whose lock
 nobody holds is stale (its creator died between creating and unlinking it) and
 :func:`remove_stale` removes it; a held lock means a live job, whose segment is never
-touched (process ids are not looked at: they mean nothing across pid namespaces).
+touched (a process id means nothing across pid namespaces: one alive here only ever
+keeps a segment, never removes one).
 
 A process also unlinks at exit the names it still holds (:func:`unlink_own`, from an
 ``atexit`` hook), and a process that leaves without ``MPI_Finalize`` after a failed
@@ -265,7 +266,9 @@ _NAME = re.compile(rf"^{PREFIX}-(\d+|u)-[0-9a-zA-Z]+-p(\d+)-")
 def remove_stale() -> list[str]:
     """Unlink this user's segments whose lock nobody holds (their creator died before
     unlinking them); returns their names. A segment whose lock is held belongs to a
-    live process, of this pid namespace or another, and stays."""
+    live process, of this pid namespace or another, and stays. The creator's pid in the
+    name never removes one; a live process of that pid here keeps it (a segment made by
+    a version that took no lock is safe too; one whose pid was reused waits for it)."""
     removed: list[str] = []
     try:
         names = os.listdir(SHM_DIR)
@@ -274,7 +277,9 @@ def remove_stale() -> list[str]:
     me = user_tag()
     for name in names:
         m = _NAME.match(name)
-        if m and m.group(1) == me and _remove_if_unlocked(os.path.join(SHM_DIR, name)):
+        if not m or m.group(1) != me or alive(int(m.group(2))):
+            continue  # (a pid alive here only ever keeps one: see the docstring)
+        if _remove_if_unlocked(os.path.join(SHM_DIR, name)):
             removed.append(name)
     return removed
 

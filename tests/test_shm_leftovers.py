@@ -30,6 +30,11 @@ def _path(name: str) -> str:
     return os.path.join(shm.SHM_DIR, name)
 
 
+def _name(job: str, pid: int, what: str) -> str:
+    """A segment's name as a creator of process ``pid`` makes it (see shm.name_for)."""
+    return f"nccltree-{shm.user_tag()}-{job}-p{pid}-{secrets.token_hex(8)}-{what}"
+
+
 def _make(name: str, size: int = 4096) -> str:
     """A segment file as a creator leaves it (0600), holding no lock."""
     fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -97,7 +102,7 @@ def _cleanup(job: str) -> None:
 def test_a_live_jobs_segment_survives_the_cleanup_whatever_pid_its_name_carries(job):
     # a job of another pid namespace (a container sharing /dev/shm): the pid in its
     # segment's name is no process here, but the job lives and holds the segment's lock
-    name = shm.name_for(job, _dead_pid(), shm.name_part(), "arena1")
+    name = _name(job, _dead_pid(), "arena1")
     path = _make(name)
     holder = subprocess.Popen(
         [sys.executable, "-c", _HOLDER, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -119,10 +124,10 @@ def test_a_live_jobs_segment_survives_the_cleanup_whatever_pid_its_name_carries(
 
 
 def test_a_dead_creators_segment_is_removed_and_a_live_creators_kept(job):
-    dead = _make(shm.name_for(job, _dead_pid(), shm.name_part(), "arena2"))
+    dead = _make(_name(job, _dead_pid(), "arena2"))
     # a segment of a live process of this machine that holds no lock (as a version that
     # took none made them): its pid keeps it
-    kept = _make(shm.name_for(job, os.getpid(), shm.name_part(), "arena3"))
+    kept = _make(_name(job, os.getpid(), "arena3"))
     try:
         removed = shm.remove_stale()
         assert os.path.basename(dead) in removed and not os.path.exists(dead)

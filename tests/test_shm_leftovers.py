@@ -4,6 +4,7 @@ without ``MPI_Finalize`` unlinks (nccltree/comm/group/shm.py)."""
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import secrets
@@ -14,6 +15,7 @@ import pytest
 
 from nccltree._errors import CommError
 from nccltree.comm.group import shm
+from tests.mpirun import needs_mpi, run_mpi
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(shm.SHM_DIR), reason="needs /dev/shm")
 
@@ -264,3 +266,73 @@ raise SystemExit(0)
         assert not os.path.exists(_path(proc.stdout.strip()))
     finally:
         _cleanup(job)
+
+
+# -- under mpiexec: a fault suite that must leave nothing of its job ---------------------
+
+MPI_HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi")
+_LINGER = "{cmd}; sleep 20"  # the launcher does not see this process end (see below)
+
+
+def _job_names(out: str) -> tuple[set[str], set[str]]:
+    """(the job names, the MPICH segment paths) the job's processes wrote down at start."""
+    jobs: set[str] = set()
+    mpich: set[str] = set()
+    for name in os.listdir(out):
+        if name.startswith("start-"):
+            with open(os.path.join(out, name)) as f:
+                d = json.load(f)
+            jobs.add(d["job"])
+            mpich.update(d["mpich"])
+    return jobs, mpich
+
+
+def _left(out: str) -> list[str]:
+    """What the job left in /dev/shm: its own segments (by its job name) and the MPICH
+    segments its processes mapped; removed here once listed (a failed test leaves
+    nothing to the next)."""
+    jobs, mpich = _job_names(out)
+    assert jobs and mpich, "the processes did not write down their segments"
+    left = [p for p in sorted(mpich) if os.path.exists(p)]
+    left += [
+        _path(n) for n in sorted(os.listdir(shm.SHM_DIR))
+        if any(n.startswith(f"{shm.PREFIX}-{shm.user_tag()}-{j}-") for j in jobs)
+    ]  # fmt: skip
+    for p in left:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
+    return left
+
+
+def _run(tmp_path, parts, mode: str, *args: str, env: dict[str, str] | None = None,
+         faults: bool = True):  # fmt: skip
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    proc = run_mpi(
+        parts, os.path.join(MPI_HERE, "pg_leftovers.py"), mode, *args, faults=faults,
+        timeout=90, env={"NCCLTREE_TEST_OUT": str(out), **(env or {})}, clean_mpich=False,
+    )  # fmt: skip
+    reports = {}
+    for name in os.listdir(out):
+        if name[0].isdigit():
+            with open(out / name) as f:
+                d = json.load(f)
+            reports[d["rank"]] = d
+    return proc, reports, _left(str(out))
+
+
+@pytest.mark.mpi
+@needs_mpi
+@pytest.mark.parametrize("attempt", range(3))
+def test_every_survivor_blames_the_process_that_was_killed(tmp_path, attempt):
+    # process 2 is killed; process 1 sees it and leaves at once; process 0, busy then,
+    # finds process 1 gone too: it must still blame rank 2, as process 1 did
+    parts = [(1, {}), (1, {}, _LINGER), (1, {}, _LINGER)]
+    proc, reports, left = _run(tmp_path, parts, "blame")
+    assert sorted(reports) == [0, 1], proc.stderr[-3000:]
+    for r in (0, 1):
+        assert reports[r]["raised"] == "PeerFailure", reports[r]
+        assert "ranks [2]" in reports[r]["message"] and "died" in reports[r]["message"], reports
+    assert left == []

@@ -336,3 +336,23 @@ def test_every_survivor_blames_the_process_that_was_killed(tmp_path, attempt):
         assert reports[r]["raised"] == "PeerFailure", reports[r]
         assert "ranks [2]" in reports[r]["message"] and "died" in reports[r]["message"], reports
     assert left == []
+FAULTS = {
+    # mode: (mpiexec parts, the launcher's -disable-auto-cleanup)
+    "blame": ([(1, {}), (1, {}, _LINGER), (1, {}, _LINGER)], True),  # kill -9
+    "small": (3, True),  # /dev/shm too small for one process's arena
+    "timeout": (3, True),  # a process that never calls
+    "data": (3, True),  # a data error in one process, outside the group
+    "interrupt": (3, False),  # Ctrl-C
+}
+
+
+@pytest.mark.mpi
+@needs_mpi
+@pytest.mark.parametrize("mode", list(FAULTS))
+def test_a_failed_job_leaves_nothing_in_dev_shm(tmp_path, mode):
+    parts, faults = FAULTS[mode]
+    proc, reports, left = _run(tmp_path, parts, mode, "3", faults=faults)
+    assert proc.returncode != 0
+    failed = [r for r in reports.values() if r.get("raised")]
+    assert failed, (reports, proc.stderr[-3000:])
+    assert left == [], proc.stderr[-3000:]

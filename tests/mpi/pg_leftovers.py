@@ -55,7 +55,7 @@ if mode == "stale":
 
 def mpich_mapped() -> list[str]:
     with open("/proc/self/maps") as f:
-        names = {line.split()[-1] for line in f if f"{shm.SHM_DIR}/{shm.MPICH_PREFIX}" in line}
+        names = {line.split()[-1] for line in f if "/dev/shm/mpich_shm_" in line}
     return sorted(n for n in names if n.startswith("/"))
 
 

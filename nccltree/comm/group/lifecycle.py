@@ -40,14 +40,18 @@ class Lifecycle(LifeCycle):
     ) -> bool:
         """Close once (False if closed already): unless the group failed, ``sync`` first
         (every process of the node got here: bounded, and a failure there does not stop
-        the closing), then each of ``release`` in order."""
+        the closing, but the process then leaves at exit without finalizing, as after
+        any failure: ``MPI_Finalize`` would wait for the process that did not come),
+        then each of ``release`` in order."""
         if self.closed:
             return False
         if self.failure is None and sync is not None:
             try:
                 sync()
             except (PeerFailure, CommTimeout):
-                pass
+                import atexit
+
+                atexit.register(exit_without_finalize)
         if not super().close():
             return False
         for step in release:

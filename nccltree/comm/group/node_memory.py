@@ -28,12 +28,14 @@ launcher before they unlink their own.
 
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
 import secrets
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, cast
@@ -49,6 +51,7 @@ from .shm import (
     SHM_DIR,
     Segment,
     address,
+    exit_without_finalize,
     name_for,
     name_part,
     remove_stale,
@@ -133,7 +136,9 @@ class NodeMemory:
         self.pending_unlink: list[tuple[Segment, int]] = []
         self.heaps: list[dict[int, Mem]] = []  # pg.empty segments, by allocation
         self.heap_bases: list[int] = []  # their addresses in this process
+        self.closed = False
         self._bootstrap(node_comm)
+        atexit.register(_leave_if_failed, weakref.ref(self))
 
     def _bootstrap(self, node_comm: _MPI.Comm) -> None:
         """The node's control segment: made by its first process, attached by the others
@@ -423,7 +428,12 @@ class NodeMemory:
         return own
 
     def close(self) -> None:
-        """Unmap everything (the names not yet unlinked go first)."""
+        """Unmap everything (the names not yet unlinked go first). A node told of a
+        failure makes this process leave at exit without finalizing (see
+        :func:`_leave_if_failed`)."""
+        if self.abort_reason() is not None:
+            atexit.register(exit_without_finalize)
+        self.closed = True
         for seg, _ in self.pending_unlink:
             seg.unlink()
         for mem in self.arenas.values():
@@ -432,3 +442,12 @@ class NodeMemory:
             for mem in heap.values():
                 mem.close()
         self.ctl.close()
+
+
+def _leave_if_failed(ref: weakref.ref[NodeMemory]) -> None:
+    """At exit, a process whose group is still open on a node told of a failure (this
+    process itself never saw it: it was elsewhere, or never came) leaves without
+    ``MPI_Finalize``, which would wait for the failed processes."""
+    mem = ref()
+    if mem is not None and not mem.closed and mem.abort_reason() is not None:
+        exit_without_finalize()

@@ -336,6 +336,8 @@ def test_every_survivor_blames_the_process_that_was_killed(tmp_path, attempt):
         assert reports[r]["raised"] == "PeerFailure", reports[r]
         assert "ranks [2]" in reports[r]["message"] and "died" in reports[r]["message"], reports
     assert left == []
+
+
 FAULTS = {
     # mode: (mpiexec parts, the launcher's -disable-auto-cleanup)
     "blame": ([(1, {}), (1, {}, _LINGER), (1, {}, _LINGER)], True),  # kill -9
@@ -356,3 +358,42 @@ def test_a_failed_job_leaves_nothing_in_dev_shm(tmp_path, mode):
     failed = [r for r in reports.values() if r.get("raised")]
     assert failed, (reports, proc.stderr[-3000:])
     assert left == [], proc.stderr[-3000:]
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_stale_segments_are_removed_before_they_make_the_next_group_give_up_shared_memory(
+    tmp_path,
+):
+    # a dead job's segment that no process holds: while it exists, /dev/shm looks full
+    # (the program counts it so): the next group must remove it first, then share memory
+    job = "t" + secrets.token_hex(4)
+    stale = _make(_name(job, _dead_pid(), "arena1"), 1 << 16)
+    try:
+        proc, reports, left = _run(tmp_path, 2, "stale", env={"STALE": stale}, faults=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert not os.path.exists(stale)
+        assert [reports[r]["shm"] for r in (0, 1)] == [True, True], proc.stderr[-2000:]
+        assert left == []
+    finally:
+        _cleanup(job)
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_names_someone_made_in_advance_do_not_stop_the_job(tmp_path):
+    # another local user who saw a segment's name makes the next generation's first:
+    # the job must not meet it (the names are not guessable) nor crash on it
+    made: list[str] = []
+    try:
+        proc, reports, left = _run(tmp_path, 3, "names", faults=False)
+        made = reports.get(0, {}).get("made", [])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert all(reports[r].get("value") == 3.0 for r in range(3)), reports
+        # the names made in advance stay theirs (listed with the job's names, and
+        # removed there); nothing else is left
+        assert made and sorted(left) == sorted(_path(n) for n in made)
+    finally:
+        for name in made:
+            if os.path.exists(_path(name)):
+                os.unlink(_path(name))

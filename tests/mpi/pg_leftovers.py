@@ -18,6 +18,9 @@ of the failure, as a launcher does, before they can free anything themselves.
 run collectives.
 ``stale``: the file ``$STALE`` (a stale segment of this user) makes ``/dev/shm`` look
 full while it exists; the group reports whether its node shares memory.
+``names``: process 0 makes, first, the names that process 1's next arena would have if
+its names followed from those one can see (the generation counted up); then a call
+makes every arena grow. Process 0 reports the names it made.
 
 Survivors write ``<rank>.json`` (what they raised) and exit at once.
 """
@@ -129,12 +132,29 @@ try:
             threading.Timer(0.5, lambda: [os.kill(p, signal.SIGINT) for p in pids]).start()
         for _ in range(1000000):
             pg.all_reduce(x)
+    elif mode == "names":
+        pg.all_reduce(x)
+        if rank == 0:
+            mem = pg._mem
+            pid1 = mem.pid(1)
+            uid = os.getuid()
+            made = [f"nccltree-{uid}-{pg.placement.job}-p{pid1}-arena2"]  # no secret part
+            if hasattr(mem, "name_of"):  # the name of arena1 as a listing showed it
+                made.append(mem.name_of(1, "arena1").replace("arena1", "arena2"))
+            for name in made:
+                os.close(os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+            result["made"] = made
+        pg.all_reduce(x)  # (process 1 grows its arena only after process 0 made them)
+        y = np.ones(1 << 20, np.float32)
+        pg.all_reduce(y)
+        result["value"] = float(y[0])
+        pg.close()
     elif mode == "stale":
         pg.all_reduce(x)
         write(f"{rank}.json", {"rank": rank, "shm": pg.shm})
         pg.close()
         sys.exit(0)
-except (nt.CommError, KeyboardInterrupt) as exc:
+except (nt.CommError, KeyboardInterrupt, FileExistsError) as exc:
     survivor(exc)
 result["raised"] = None
 write(f"{rank}.json", result)

@@ -56,14 +56,16 @@ sys.stdin.read()  # until the test closes it
 
 _MAPPER = """
 import mmap, os, sys
-fd = os.open(sys.argv[1], os.O_RDWR)
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)  # (made here if missing)
+if os.fstat(fd).st_size == 0:
+    os.ftruncate(fd, 1 << 16)
 m = mmap.mmap(fd, os.fstat(fd).st_size)
 print("mapped", flush=True)
 sys.stdin.read()  # until the test closes it
 """
 
 
-def _mpich_like(name: str, holders: list[subprocess.Popen[str]]) -> tuple[str, mmap.mmap]:
+def _mpich_like(name: str) -> tuple[str, mmap.mmap]:
     """An ``mpich_shm_*`` file of this test's, mapped here at once: other test runs
     sharing the machine remove the MPICH segments no process maps."""
     fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -74,7 +76,7 @@ def _mpich_like(name: str, holders: list[subprocess.Popen[str]]) -> tuple[str, m
 
 
 def _map_elsewhere(path: str, holders: list[subprocess.Popen[str]]) -> None:
-    """Another process maps ``path`` until the test ends."""
+    """Another process maps ``path`` (made there if missing) until the test ends."""
     holder = subprocess.Popen(
         [sys.executable, "-c", _MAPPER, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         text=True,
@@ -196,20 +198,20 @@ def test_leaving_without_finalize_unlinks_the_mpich_segments_this_process_maps()
     maps = []
     paths = []
     try:
-        mapped, m = _mpich_like(f"{shm.MPICH_PREFIX}{tag}a_0", holders)
+        mapped, m = _mpich_like(f"{shm.MPICH_PREFIX}{tag}a_0")
         paths.append(mapped)
         maps.append(m)
         # another job's: mapped by another process, not this one
-        other, m = _mpich_like(f"{shm.MPICH_PREFIX}{tag}b_0", holders)
+        other, m = _mpich_like(f"{shm.MPICH_PREFIX}{tag}b_0")
         paths.append(other)
         _map_elsewhere(other, holders)
         m.close()
         # a name that now names another file than the one this process maps
-        replaced, m = _mpich_like(f"{shm.MPICH_PREFIX}{tag}c_0", holders)
+        replaced, m = _mpich_like(f"{shm.MPICH_PREFIX}{tag}c_0")
         paths.append(replaced)
         maps.append(m)
         os.unlink(replaced)
-        _map_elsewhere(_mpich_like(os.path.basename(replaced), holders)[0], holders)
+        _map_elsewhere(replaced, holders)  # a new file under the same name
         done = shm.unlink_mapped_mpich()
         assert done == [mapped]
         assert not os.path.exists(mapped)
@@ -228,8 +230,7 @@ def test_leaving_without_finalize_unlinks_the_mpich_segments_this_process_maps()
 def test_exit_without_finalize_frees_the_names_first(job, tmp_path):
     # a child process: makes a segment of its own and maps an MPICH-like segment, then
     # leaves as a failed group's process does
-    holders: list[subprocess.Popen[str]] = []
-    mpich, m = _mpich_like(f"{shm.MPICH_PREFIX}{secrets.token_hex(6)}_0", holders)
+    mpich, m = _mpich_like(f"{shm.MPICH_PREFIX}{secrets.token_hex(6)}_0")
     code = f"""
 import mmap, os, sys
 from nccltree.comm.group import shm

@@ -703,6 +703,15 @@ class Counter:
         if status:
             check(status, "Counter.add")
 
+    def add_fetch(self, delta: int = 1) -> int:
+        """:meth:`add`, returning the value it made (one atomic add: of threads or
+        processes adding at once, each gets a value of its own)."""
+        made = ctypes.c_uint32()
+        status = self._add(self.addr, delta & _COUNTER_MASK, self.flags, ctypes.byref(made))
+        if status:
+            check(status, "Counter.add_fetch")
+        return int(made.value)
+
 
 def futex_pingpong(
     rounds: int = 10000, spin: float | None = 0.0, cpus: tuple[int, int] | None = None

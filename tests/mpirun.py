@@ -9,9 +9,11 @@ after one process dies, which would make fault tests pass without nccltree doing
 anything.
 
 MPICH's own segments (``/dev/shm/mpich_shm_*``) are unlinked by MPICH when a job ends
-well; a job whose ranks are killed (the fault tests) leaves them. ``run_mpi`` removes the
-ones that appeared during its job and that no live process maps once the job is over
-(:func:`remove_orphaned_mpich_segments`), so a test run leaves none.
+well, and by nccltree in a process that leaves without ``MPI_Finalize`` after its group
+failed; a job all of whose processes on a node are killed leaves them. ``run_mpi``
+removes the ones that appeared during its job and that no live process maps once the
+job is over (:func:`remove_orphaned_mpich_segments`), so a test run leaves none; the
+tests that prove nccltree leaves none pass ``clean_mpich=False``.
 
 Each rank first appends its process id to the file named by ``NCCLTREE_TEST_PIDS`` where
 that is set (``tests/conftest.py`` sets it), then becomes the program (``exec``, the same
@@ -125,10 +127,12 @@ def run_mpi(
     faults: bool = False,
     env: Mapping[str, str] | None = None,
     extra: Sequence[str] = (),
+    clean_mpich: bool = True,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python script args`` under mpiexec; ``parts``: a process count, or
     ``[(count, {env})...]`` for an MPMD launch, a part optionally with a shell line
-    around the program (``"{cmd}; sleep 10"``). Output is captured (text)."""
+    around the program (``"{cmd}; sleep 10"``). Output is captured (text).
+    ``clean_mpich=False``: leave the MPICH segments the job left (the caller looks)."""
     exe = mpiexec()
     assert exe is not None, "needs_mpi should have skipped this test"
     if isinstance(parts, int):
@@ -161,4 +165,5 @@ def run_mpi(
             cmd, capture_output=True, text=True, timeout=timeout, env=full, cwd=str(ROOT)
         )
     finally:
-        remove_orphaned_mpich_segments(before)
+        if clean_mpich:
+            remove_orphaned_mpich_segments(before)

@@ -237,12 +237,19 @@ class _NodeMemory:
 
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.reason: str | None = None  # the abort word's
 
     def unlink_pending(self) -> None:
         self.calls.append("unlink")
 
-    def set_abort(self, reason: str) -> None:
-        self.calls.append(f"abort word: {reason}")
+    def abort_reason(self) -> str | None:
+        return self.reason
+
+    def set_abort(self, reason: str, culprit: int | None) -> str:
+        self.calls.append(f"abort word: {reason} (blames {culprit})")
+        if self.reason is None:
+            self.reason = reason
+        return self.reason
 
 
 def _group_life(monkeypatch: pytest.MonkeyPatch) -> tuple[GroupLifecycle, _NodeMemory, list]:
@@ -269,7 +276,10 @@ def test_a_process_group_fails_as_a_world_does_and_tells_its_node(monkeypatch, c
     exc = CommTimeout("rank 0: waited")
     assert life.fail(exc) and not life.fail(PeerFailure("later"))
     # the node is told before the names are freed: a peer that finds one gone reads why
-    assert mem.calls == ["abort word: ranks [0] failed: CommTimeout: rank 0: waited", "unlink"]
+    assert mem.calls == [
+        "abort word: ranks [0] failed: CommTimeout: rank 0: waited (blames 0)",
+        "unlink",
+    ]
     assert at_exit == [exit_without_finalize]
     err = capsys.readouterr().err
     assert err.startswith("nccltree: CommTimeout: rank 0: waited\nflight recorder of rank 0 ")
@@ -288,12 +298,17 @@ def test_a_process_group_fails_as_a_world_does_and_tells_its_node(monkeypatch, c
 def test_a_process_groups_abort_tells_its_node_but_prints_nothing(monkeypatch, capsys):
     life, mem, at_exit = _group_life(monkeypatch)
     assert life.fail(CommError("stop"), report=False)
-    assert mem.calls == ["abort word: ranks [0] failed: CommError: stop", "unlink"]
+    assert mem.calls == ["abort word: ranks [0] failed: CommError: stop (blames 0)", "unlink"]
     assert at_exit == [exit_without_finalize] and capsys.readouterr().err == ""
     # a peer's failure, learnt from the node, is not told back to it
     life, mem, _ = _group_life(monkeypatch)
+    mem.reason = "ranks [1] failed"
     life.fail(PeerFailure("rank 0: ranks [1] failed"))
     assert mem.calls == ["unlink"]
+    # ... but one learnt otherwise is, as it was learnt (blaming nobody it does not know)
+    life, mem, _ = _group_life(monkeypatch)
+    life.fail(PeerFailure("rank 0: a local rank failed"))
+    assert mem.calls == ["abort word: rank 0: a local rank failed (blames None)", "unlink"]
 
 
 def test_a_process_group_closes_after_its_node_syncs_even_when_the_sync_fails(monkeypatch):

@@ -40,14 +40,18 @@ class Lifecycle(LifeCycle):
     ) -> bool:
         """Close once (False if closed already): unless the group failed, ``sync`` first
         (every process of the node got here: bounded, and a failure there does not stop
-        the closing), then each of ``release`` in order."""
+        the closing, but the process then leaves at exit without finalizing, as after
+        any failure: ``MPI_Finalize`` would wait for the process that did not come),
+        then each of ``release`` in order."""
         if self.closed:
             return False
         if self.failure is None and sync is not None:
             try:
                 sync()
             except (PeerFailure, CommTimeout):
-                pass
+                import atexit
+
+                atexit.register(exit_without_finalize)
         if not super().close():
             return False
         for step in release:
@@ -55,19 +59,28 @@ class Lifecycle(LifeCycle):
         return True
 
     def on_failure(self, exc: BaseException) -> None:
-        """Free this process's segment names, tell the node (unless a peer's failure is
-        what it learnt, or the group was closed), and leave at exit without finalizing."""
+        """Tell the node (unless the group was closed, or the node knows already: a
+        peer's failure learnt from it, or a death this process told it of), free the
+        names of the node's segments, and leave at exit without finalizing."""
         pl = self.placement
         mem = self.mem
         assert mem is not None
         # the node first: a process that then finds a name below gone reads why here
-        if not isinstance(exc, PeerFailure) and not self.closed:
-            mem.set_abort(f"ranks {list(pl.ranks)} failed: {type(exc).__name__}: {exc}")
+        if not self.closed:
+            if not isinstance(exc, PeerFailure):
+                mem.set_abort(
+                    f"ranks {list(pl.ranks)} failed: {type(exc).__name__}: {exc}", pl.proc
+                )
+            elif mem.abort_reason() is None:
+                mem.set_abort(f"{exc}", None)  # (learnt otherwise: said as it was learnt)
         # nobody may map this process's new segments any more: free their names now
         mem.unlink_pending()
         if pl.shm and len(pl.node_procs) > 1:
-            # ... nor a dead process's: an arena that only its send/recv peers mapped
-            # keeps its name until every process of the node has mapped it
+            if mem.abort_reason() is not None:
+                # ... nor any other of the node's: its processes may be killed by their
+                # launcher before they free their own
+                mem.unlink_node_names()
+            # ... nor a dead process's, of this group or another (see remove_stale)
             remove_stale()
         # MPI_Finalize would wait for processes that may never come (a dead one, one
         # stuck, or peers of an aborted group): leave without it, whatever failed

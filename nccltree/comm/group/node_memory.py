@@ -2,12 +2,15 @@
 symmetric buffers.
 
 The **control block** (one segment per transport node, made by its first process,
-attached by the others at bootstrap, then unlinked at once) holds the abort word and its
-reason, then one slot per process: its counters (arrivals, progress, node syncs), its
-process id, the generation and size of its arena, the descriptor of its current call (by
-call parity: the signature and where its ranks' buffers are), and on GPU groups the IPC
-handles of its arena and newest symmetric buffer; after the slots, the point-to-point
-mailboxes (:class:`~.p2p.Mailboxes`).
+attached by the others at bootstrap, then unlinked at once) holds the abort word, its
+reason and the process it blames (claimed by the first process that fails or sees a
+death: every other one reports the same), then one slot per process: its counters
+(arrivals, progress, node syncs), its process id, its secret (the unguessable part of
+its segments' names derives from it: :func:`.shm.name_part`), the generation and size
+of its arena, the descriptor of its current call (by call parity: the signature and
+where its ranks' buffers are), and on GPU groups the IPC handles of its arena and newest
+symmetric buffer; after the slots, the point-to-point mailboxes
+(:class:`~.p2p.Mailboxes`).
 
 Each process's **arena** (a segment it creates, or GPU memory exported through CUDA IPC)
 holds its mirrors and scratch; it grows by a new generation, which the node's other
@@ -16,14 +19,23 @@ process of the node mapped it (or a newer one). **Symmetric buffers** (``pg.empt
 made by every process of the node at once and mapped by all.
 
 A process that is alone on its transport node keeps its control block in private memory.
+
+When the group fails, the process that fails (or sees a death) first unlinks every name
+of the node's segments it can derive (each process's arenas and symmetric buffers, from
+the secrets in the control block): the node's other processes may be killed by their
+launcher before they unlink their own.
 """
 
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
+import secrets
 import signal
 import threading
+import time
+import weakref
 from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, cast
@@ -31,10 +43,20 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from ... import _native
+from ..._errors import CommError, PeerFailure
 from ...backends.base import data_ptr
 from .gpu import DeviceBlock, PeerBlock
 from .p2p import Mailboxes, mailbox_bytes
-from .shm import Segment, address, name_for, remove_stale, segment_name
+from .shm import (
+    SHM_DIR,
+    Segment,
+    address,
+    exit_without_finalize,
+    name_for,
+    name_part,
+    remove_stale,
+    segment_name,
+)
 
 if TYPE_CHECKING:
     from mpi4py import MPI as _MPI
@@ -50,6 +72,8 @@ _Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers
 _ABORT = 0
 _REASON = 8
 REASON_BYTES = 1024
+_CLAIM = 2048  # a counter: who tells the node first (see set_abort)
+_CULPRIT = 2056  # the process blamed, plus one (0: not known)
 _SLOTS = 4096
 _SLOT = 8192
 _ARRIVE, _PROGRESS, _ACK, _SYNC = 0, 8, 16, 24  # counters (8 bytes each)
@@ -59,6 +83,8 @@ _IPC_ARENA = 4096  # GPU groups: the IPC handle of the process's arena (64 bytes
 _IPC_HEAP = 4160  # ... of its newest symmetric buffer (pg.empty), and that one's size
 _IPC_HEAP_SIZE = 4224
 _IPC_BYTES = 64
+_SECRET, SECRET_BYTES = 4352, 32  # names of the process's segments derive from it
+_ARENA_MADE = 4384  # the newest generation of its arena created (maybe not yet published)
 SIG_BYTES = 512
 MAX_LOCAL_RANKS = 16
 _DESC_LOC = SIG_BYTES + 16  # offset of the buffer locations in a descriptor
@@ -110,7 +136,9 @@ class NodeMemory:
         self.pending_unlink: list[tuple[Segment, int]] = []
         self.heaps: list[dict[int, Mem]] = []  # pg.empty segments, by allocation
         self.heap_bases: list[int] = []  # their addresses in this process
+        self.closed = False
         self._bootstrap(node_comm)
+        atexit.register(_leave_if_failed, weakref.ref(self))
 
     def _bootstrap(self, node_comm: _MPI.Comm) -> None:
         """The node's control segment: made by its first process, attached by the others
@@ -127,7 +155,7 @@ class NodeMemory:
             name = None
             if lead:
                 remove_stale()
-                seg = Segment.create(segment_name(pl.job, f"ctl{pl.node_index}"), size)
+                seg = Segment.create(lambda: segment_name(pl.job, f"ctl{pl.node_index}"), size)
                 name = seg.name
             name = node_comm.bcast(name, root=0)
             if not lead:
@@ -149,7 +177,11 @@ class NodeMemory:
         # point-to-point within the node; also who mapped which arena (see settle_arenas)
         self.mail = Mailboxes(buf, _SLOTS + _SLOT * len(procs), procs)
         self._i64 = np.frombuffer(buf, np.int64, (_SLOTS + _SLOT * len(procs)) // 8)
+        self._claim = _native.Counter(buf, _CLAIM, shared=True)
         self.slot_i64(pl.proc, _PID)[0] = os.getpid()
+        self.secret = secrets.token_bytes(SECRET_BYTES)
+        at = self._ipc_at(pl.proc, _SECRET)
+        buf[at : at + SECRET_BYTES] = self.secret
         self.own_gen = self.slot_i64(pl.proc, _ARENA_GEN)
 
         def desc(p: int, parity: int) -> Desc:
@@ -183,17 +215,32 @@ class NodeMemory:
         return _SLOTS + _SLOT * self.slot_of[p] + field
 
     def abort_reason(self) -> str | None:
-        """Why a process of the node failed (None while none did)."""
+        """Why the group failed (None while the node was not told)."""
         if not int(self._i64[_ABORT // 8]):
             return None
         raw = bytes(self.ctl.buf[_REASON : _REASON + REASON_BYTES]).rstrip(b"\0")
         return raw.decode(errors="replace")
 
-    def set_abort(self, reason: str) -> None:
-        """Tell the node this process failed, and why."""
-        raw = reason.encode()[: REASON_BYTES - 1]
-        self.ctl.buf[_REASON : _REASON + len(raw)] = raw
-        self._i64[_ABORT // 8] = self.placement.proc + 1
+    def culprit(self) -> int | None:
+        """The process the node's abort word blames (None: none, or not known)."""
+        p = int(self._i64[_CULPRIT // 8]) - 1
+        return p if p >= 0 and int(self._i64[_ABORT // 8]) else None
+
+    def set_abort(self, reason: str, culprit: int | None) -> str:
+        """Tell the node the group failed, why and because of which process (``culprit``,
+        None when not known), unless another process told it first: the reason the node
+        holds then. The first to claim the word (one atomic add) writes it; the others
+        wait (at most a second) for its reason, so every process reports the same."""
+        if self._claim.add_fetch(1) == 1:
+            raw = reason.encode()[: REASON_BYTES - 1]
+            self.ctl.buf[_REASON : _REASON + len(raw)] = raw
+            self._i64[_CULPRIT // 8] = 0 if culprit is None else culprit + 1
+            self._i64[_ABORT // 8] = 1
+            return reason
+        deadline = time.monotonic() + 1.0
+        while (told := self.abort_reason()) is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return reason if told is None else told
 
     # -- arenas ---------------------------------------------------------------------------
     def ensure_arena(self, need: int) -> None:
@@ -216,7 +263,8 @@ class NodeMemory:
             at = self._ipc_at(me, _IPC_ARENA)
             self.ctl.buf[at : at + _IPC_BYTES] = blk.handle
             return
-        seg = Segment.create(segment_name(self.placement.job, f"arena{gen}"), size)
+        self.slot_i64(me, _ARENA_MADE)[0] = gen  # first: a failing peer unlinks its name
+        seg = Segment.create(segment_name(self.placement.job, f"arena{gen}", self.secret), size)
         if cur is not None:
             cur.close()
         self.arenas[me] = seg
@@ -254,9 +302,15 @@ class NodeMemory:
                 size = int(self.slot_i64(q, _ARENA_SIZE)[0])
                 self.arenas[q] = PeerBlock(self.gpu.device, self.gpu.owner_ordinal(q), handle, size)
             else:
-                self.arenas[q] = Segment.attach(
-                    name_for(self.placement.job, self.pid(q), f"arena{gen}")
-                )
+                try:
+                    self.arenas[q] = Segment.attach(self.name_of(q, f"arena{gen}"))
+                except CommError:
+                    # a process that failed frees the node's names, having told the node
+                    # first: its failure is the error, not the name found missing
+                    reason = self.abort_reason()
+                    if reason is None:
+                        raise
+                    raise PeerFailure(f"rank {self.placement.rank}: {reason}") from None
             self.arena_gen[q] = gen
             self.mail.set_mapped(q, self.placement.proc, gen)
 
@@ -279,6 +333,40 @@ class NodeMemory:
             seg.unlink()
         self.pending_unlink = []
 
+    def secret_of(self, p: int) -> bytes:
+        at = self._ipc_at(p, _SECRET)
+        return bytes(self.ctl.buf[at : at + SECRET_BYTES])
+
+    def name_of(self, p: int, what: str) -> str:
+        """The name of the node's process ``p``'s segment ``what`` (``arena3``,
+        ``heap0``), from its pid and secret in the control block."""
+        part = name_part(self.secret_of(p), what)
+        return name_for(self.placement.job, self.pid(p), part, what)
+
+    def unlink_node_names(self) -> list[str]:
+        """Unlink every name of the node's segments this process can derive (each
+        process's arenas up to the newest generation made, and symmetric buffers up to one
+        past this process's): only once the group failed, when nobody may map a new
+        segment of it any more. Returns the names unlinked."""
+        done: list[str] = []
+        if not self.placement.shm or self.gpu is not None:
+            return done
+        heaps = len(self.heaps) + 2
+        for p in self.placement.node_procs:
+            if not self.pid(p) or not any(self.secret_of(p)):
+                continue  # (not yet past bootstrap)
+            made = int(self.slot_i64(p, _ARENA_MADE)[0])
+            whats = [f"arena{g}" for g in range(1, made + 1)]
+            whats += [f"heap{i}" for i in range(heaps)]
+            for what in whats:
+                name = self.name_of(p, what)
+                try:
+                    os.unlink(os.path.join(SHM_DIR, name))
+                    done.append(name)
+                except OSError:
+                    pass
+        return done
+
     # -- symmetric buffers ------------------------------------------------------------------
     def heap_of(self, arr: np.ndarray) -> tuple[int, int] | None:
         """(symmetric buffer, byte offset) of ``arr``'s data; None if it is in none."""
@@ -299,13 +387,18 @@ class NodeMemory:
         far, called twice)."""
         pl = self.placement
         idx = len(self.heaps)
-        own = Segment.create(segment_name(pl.job, f"heap{idx}"), nbytes)
+        own = Segment.create(segment_name(pl.job, f"heap{idx}", self.secret), nbytes)
         heap: dict[int, Mem] = {pl.proc: own}
-        node_sync()
-        for p in pl.node_procs:
-            if p != pl.proc:
-                heap[p] = Segment.attach(name_for(pl.job, self.pid(p), f"heap{idx}"))
-        node_sync()
+        try:
+            node_sync()
+            for p in pl.node_procs:
+                if p != pl.proc:
+                    heap[p] = Segment.attach(self.name_of(p, f"heap{idx}"))
+            node_sync()
+        except BaseException:
+            for mem in heap.values():
+                mem.close()  # its name first: nobody maps it now
+            raise
         own.unlink()
         self.heaps.append(heap)
         self.heap_bases.append(address(own))
@@ -335,7 +428,12 @@ class NodeMemory:
         return own
 
     def close(self) -> None:
-        """Unmap everything (the names not yet unlinked go first)."""
+        """Unmap everything (the names not yet unlinked go first). A node told of a
+        failure makes this process leave at exit without finalizing (see
+        :func:`_leave_if_failed`)."""
+        if self.abort_reason() is not None:
+            atexit.register(exit_without_finalize)
+        self.closed = True
         for seg, _ in self.pending_unlink:
             seg.unlink()
         for mem in self.arenas.values():
@@ -344,3 +442,12 @@ class NodeMemory:
             for mem in heap.values():
                 mem.close()
         self.ctl.close()
+
+
+def _leave_if_failed(ref: weakref.ref[NodeMemory]) -> None:
+    """At exit, a process whose group is still open on a node told of a failure (this
+    process itself never saw it: it was elsewhere, or never came) leaves without
+    ``MPI_Finalize``, which would wait for the failed processes."""
+    mem = ref()
+    if mem is not None and not mem.closed and mem.abort_reason() is not None:
+        exit_without_finalize()

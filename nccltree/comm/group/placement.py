@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .shm import shm_usable, shm_usable_reason
+from .shm import remove_stale, shm_usable, shm_usable_reason
 
 if TYPE_CHECKING:
     from .bootstrap import Bootstrap
@@ -75,6 +75,8 @@ def place(
     nprocs = boot.size
     me = boot.rank
     node_name = os.environ.get("NCCLTREE_NODE") or socket.gethostname()
+    # this user's stale segments first: they would count as used space in shm_usable
+    remove_stale()
     entry = [node_name, nlocal, os.getpid(), shm_usable(shm), secrets.token_hex(4), settings or {}]
     info: list[tuple[str, int, int, bool]] = []
     every: list[dict[str, object]] = []

@@ -108,7 +108,9 @@ class Waits:
 
     def check_peers(self) -> None:
         """Raise ``PeerFailure`` if a process of the node failed or died, or the launcher
-        reported a death."""
+        reported a death. The first process to see a death tells the node (its abort
+        word) which process died, before it raises: the node's others, which may then see
+        this one gone too, read that and blame the same process."""
         pl = self.placement
         reason = self.mem.abort_reason()
         if reason is not None:
@@ -118,15 +120,19 @@ class Waits:
                 continue
             pid = self.mem.pid(p)
             if not alive(pid):
-                raise PeerFailure(
-                    f"rank {pl.rank}: the process of ranks {pl.ranks_of(p)} (pid {pid}) "
-                    f"died during collective #{self.life.seq}"
+                told = self.mem.set_abort(
+                    f"the process of ranks {pl.ranks_of(p)} (pid {pid}) died during "
+                    f"collective #{self.life.seq}",
+                    p,
                 )
+                raise PeerFailure(f"rank {pl.rank}: {told}")
         self.check_launcher()
 
     def check_launcher(self) -> None:
         if self.launcher.reported:
-            raise PeerFailure(
-                f"rank {self.placement.rank}: the launcher reported that a process of the "
-                f"job died (SIGUSR1) during collective #{self.life.seq}"
+            told = self.mem.set_abort(
+                f"the launcher reported that a process of the job died (SIGUSR1) during "
+                f"collective #{self.life.seq}",
+                None,
             )
+            raise PeerFailure(f"rank {self.placement.rank}: {told}")

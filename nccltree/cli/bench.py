@@ -379,6 +379,8 @@ def make_benchmark(
         raise UsageError(str(exc)) from None
     variants = _variants(args)
     _check_outputs(args, ("json", "csv", "plot"))
+    if getattr(args, "trace", None):  # written after the sweep: checked before it
+        check_output("--trace", args.trace)
     if group is not None:
         assert devices is not None, "under MPI the caller resolves each process's devices"
         if "mpi" in algorithms and len(group.ranks) > 1:
@@ -878,6 +880,9 @@ def resolve_topology(args: argparse.Namespace) -> tuple[Topology, str, Tree]:
     if args.json:
         check_output("--json", args.json)
     if args.preset:
+        from ._simulate import check_flat_preset
+
+        check_flat_preset(args.preset, "--preset")
         topo, where = Topology.preset(args.preset), f"preset {args.preset}"
     elif args.smi:
         with open(args.smi, encoding="utf-8") as f:

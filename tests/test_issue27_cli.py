@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from nccltree.cli import bench, data, train
-from tests.mpirun import ROOT, needs_mpi, run_mpi
+from tests.mpirun import ROOT
 
 CLI = ROOT / "tests" / "mpi" / "cli_main.py"
 
@@ -79,3 +79,117 @@ def test_trace_to_an_unwritable_path_is_refused_before_the_sweep(tmp_path: Path,
     assert code == 2, out + err
     assert "--trace" in err and "does not exist" in err
     assert "all_reduce" not in out  # nothing ran
+
+
+# -- small silences (item 19) ------------------------------------------------------------------
+
+
+def test_bench_usage_line_lists_calibrate(capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    usage = out.split("\n\n")[0]
+    assert "calibrate" in usage, usage
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "2", "on"])
+def test_nccltree_shm_takes_only_0_or_1(value: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from nccltree.comm.group.shm import shm_usable
+
+    monkeypatch.setenv("NCCLTREE_SHM", value)
+    with pytest.raises(ValueError, match=r"NCCLTREE_SHM.*0.*1"):
+        shm_usable(None)
+    assert shm_usable(False) is False  # an explicit argument wins
+    monkeypatch.setenv("NCCLTREE_SHM", "0")
+    assert shm_usable(None) is False
+    monkeypatch.setenv("NCCLTREE_SHM", " 1 ")
+    assert shm_usable(None) is True
+
+
+def test_verify_of_an_empty_database_is_no_success(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import lmdb
+
+    lmdb.open(str(tmp_path / "empty"), subdir=True).close()
+    code, out, err = _run(data.main, ["info", "--verify", str(tmp_path / "empty")], capsys)
+    assert code == 1, out + err
+    assert "all good" not in out and "empty" in err
+    code, out, err = _run(
+        data.main, ["info", "--verify", "--json", str(tmp_path / "empty")], capsys
+    )
+    assert code == 1 and '"records": 0' in out and "empty" in err
+
+
+def test_verify_refuses_negative_labels(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from nccltree.data import write_lmdb
+
+    write_lmdb(tmp_path / "db", np.zeros((4, 3), np.float32), np.array([0, 1, -1, 2]))
+    code, out, err = _run(data.main, ["info", "--verify", str(tmp_path / "db")], capsys)
+    assert code == 3, out + err
+    assert "bad record '00000002'" in out and "negative" in out
+    assert "1 bad" in out
+
+
+def test_an_rgb_image_in_a_gray_database_suggests_force_gray(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("PIL")
+    pytest.importorskip("google.protobuf")
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_data_robust import _encode, _encoded_db
+
+    rng = np.random.default_rng(0)
+    files = [_encode(rng.integers(0, 256, (5, 7), dtype=np.uint8), "PNG") for _ in range(4)]
+    files[2] = _encode(rng.integers(0, 256, (5, 7, 3), dtype=np.uint8), "PNG")
+    _encoded_db(tmp_path / "db", files)
+    code, out, err = _run(data.main, ["info", "--verify", str(tmp_path / "db")], capsys)
+    assert code == 3 and "--force-gray" in out, out
+    argv = ["--devices", "cpu:1", "--data", str(tmp_path / "db"), "--iters", "2"]
+    code, out, err = _run(train.main, [*argv, "--batch-size", "2", "--quiet"], capsys)
+    assert code == 1 and "--force-gray" in err, err
+    # forced, every image reads as 1 channel: it trains
+    code, out, err = _run(
+        train.main, [*argv, "--batch-size", "2", "--quiet", "--force-gray"], capsys
+    )
+    assert code == 0, err
+
+
+def test_out_empty_is_a_usage_error(tmp_path: Path, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.chdir(tmp_path)
+    argv = ["--devices", "cpu:1", "--synthetic", "64", "--iters", "1", "--quiet", "--out", ""]
+    code, out, err = _run(train.main, argv, capsys)
+    assert code == 2, out + err
+    assert "--out" in err
+    assert os.listdir(tmp_path) == []  # nothing written into the current directory
+
+
+def test_resume_with_iters_below_the_snapshot_is_an_error(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "run"
+    argv = ["--devices", "cpu:1", "--synthetic", "64", "--batch-size", "4", "--quiet"]
+    code, _, err = _run(
+        train.main, [*argv, "--iters", "6", "--snapshot-every", "3", "--out", str(out)], capsys
+    )
+    assert code == 0, err
+    code, stdout, err = _run(train.main, ["--resume", str(out), "--iters", "4", "--quiet"], capsys)
+    assert code == 2, stdout + err
+    assert "--iters 4" in err and "6" in err
+
+
+@pytest.mark.subprocess
+def test_import_nccltree_without_ml_dtypes() -> None:
+    code = (
+        "import sys; sys.modules['ml_dtypes'] = None\n"
+        "import numpy as np, nccltree as nt\n"
+        "with nt.World(nt.devices('cpu:2')) as w:\n"
+        "    xs = [np.ones(4, np.float32), np.ones(4, np.float32)]\n"
+        "    w.all_reduce(xs)\n"
+        "    assert xs[0].tolist() == [2.0] * 4\n"
+        "    try:\n"
+        "        w.all_reduce([np.zeros(4, np.uint16)] * 2, dtype='bfloat16')\n"
+        "    except ImportError as exc:\n"
+        "        assert 'ml_dtypes' in str(exc), exc\n"
+        "    else:\n"
+        "        raise SystemExit('bfloat16 ran without ml_dtypes')\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=str(ROOT)
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr

@@ -926,7 +926,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = make_parser(
         "nccltree-bench", "Collective and training benchmarks, and the topology the tree uses."
     )
-    sub = p.add_subparsers(dest="command", metavar="{collectives,train,topo,simulate}")
+    sub = p.add_subparsers(dest="command", metavar="{collectives,train,topo,simulate,calibrate}")
     sub.required = True
     d = COLLECTIVE_DEFAULTS
     c = sub.add_parser(

@@ -196,6 +196,9 @@ class TrainConfig:
         )
         scale, gamma, power = opt_real("scale"), opt_real("gamma"), opt_real("power")
         out, weights = get("out"), get("weights")
+        if out is not None and not str(out).strip():
+            # abspath("") is the current directory: an empty value is a mistake
+            raise ValueError("--out: an empty path; name a directory (e.g. --out run)")
         if counts["snapshot_every"] and not out:
             raise ValueError("--snapshot-every needs --out DIR (where snapshot.npz goes)")
         hidden = _int_tuple(get("hidden"), "--hidden")
@@ -655,6 +658,11 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Snapshot | No
     values = {k: getattr(args, k) for k in TrainConfig().as_dict()}
     with checking():
         cfg = TrainConfig.checked({k: saved.get(k) if v is None else v for k, v in values.items()})
+    if snap is not None and cfg.iters < snap.iter:
+        raise UsageError(
+            f"--iters {cfg.iters} is below the snapshot's iteration {snap.iter}: a resumed run "
+            f"continues up to --iters (iterations in all); give --iters above {snap.iter}"
+        )
     return cfg, snap
 
 

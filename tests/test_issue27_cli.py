@@ -193,3 +193,54 @@ def test_import_nccltree_without_ml_dtypes() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=str(ROOT)
     )
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+# -- ./dev run: the README's mpiexec lines after ./dev train -----------------------------------
+
+
+def _stand_in_venv(tmp_path: Path) -> Path:
+    """A virtual environment ./dev takes as installed (its stamp matches the checkout's
+    build inputs), whose bin holds a python and a stand-in nccltree-train."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    os.symlink(sys.executable, venv / "bin" / "python")
+    tool = venv / "bin" / "nccltree-train"
+    tool.write_text('#!/bin/sh\necho "stand-in nccltree-train $*"\n')
+    tool.chmod(0o755)
+    stamp = subprocess.run(
+        ["bash", "-c", "cat pyproject.toml CMakeLists.txt csrc/* 2>/dev/null | cksum"],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        check=True,
+    ).stdout.split()[0]
+    (venv / ".nccltree-stamp").write_text(stamp + "\n")
+    return venv
+
+
+@pytest.mark.subprocess
+def test_dev_run_puts_the_venv_first_on_path_in_the_callers_directory(tmp_path: Path) -> None:
+    venv = _stand_in_venv(tmp_path)
+    env = dict(os.environ, NCCLTREE_VENV=str(venv))
+    here = tmp_path / "work"
+    here.mkdir()
+    r = subprocess.run(
+        [
+            str(ROOT / "dev"),
+            "run",
+            "sh",
+            "-c",
+            'nccltree-train --iters 3; pwd; echo "$VIRTUAL_ENV"',
+        ],
+        capture_output=True,
+        text=True,
+        cwd=str(here),
+        env=env,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["stand-in nccltree-train --iters 3", str(here), str(venv)]
+    r = subprocess.run(
+        [str(ROOT / "dev"), "run"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert r.returncode == 2 and "usage: ./dev run" in r.stderr

@@ -1417,8 +1417,10 @@ def _train_in_job(args: argparse.Namespace | None, found: Exception | None) -> i
                 raise
             except (ValueError, TypeError, ImportError) as exc:
                 # no group for the exchange: this process's own environment (no mpi4py,
-                # a bad NCCLTREE_SHM), which it says itself
-                refused = UsageError(str(exc))
+                # a bad NCCLTREE_SHM), which it says itself, after its own error if any
+                if found is not None and not isinstance(found, UsageError):
+                    raise found from exc
+                refused = found if isinstance(found, UsageError) else UsageError(str(exc))
                 refused.alone = True
                 raise refused from exc
             assert cfg is not None and args is not None, "the agreement raised the error"

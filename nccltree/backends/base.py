@@ -32,7 +32,7 @@ MAX_FUSED = 8
 try:  # bfloat16 alone needs ml_dtypes: everything else runs without it
     import ml_dtypes
 
-    _ML_BFLOAT16: np.dtype[Any] | None = np.dtype(ml_dtypes.bfloat16)
+    _ML_BFLOAT16: np.dtype | None = np.dtype(ml_dtypes.bfloat16)
 except ImportError:
     _ML_BFLOAT16 = None
 
@@ -40,12 +40,12 @@ except ImportError:
 #: ``kind`` is ``"V"``, not ``"f"``: test floating dtypes with ``FLOAT_DTYPES``). Without
 #: ``ml_dtypes`` a stand-in that no array has, and asking for bfloat16 by name raises
 #: ``ImportError`` (:func:`bfloat16`).
-BFLOAT16: np.dtype[Any] = (
+BFLOAT16: np.dtype = (
     _ML_BFLOAT16 if _ML_BFLOAT16 is not None else np.dtype([("bfloat16 (needs ml_dtypes)", "<u2")])
 )
 
 
-def bfloat16() -> np.dtype[Any]:
+def bfloat16() -> np.dtype:
     """:data:`BFLOAT16`, or an ``ImportError`` naming ``ml_dtypes`` where it is missing."""
     if _ML_BFLOAT16 is None:
         raise ImportError("bfloat16 needs the ml_dtypes package (pip install ml_dtypes)")

@@ -162,9 +162,15 @@ class Parser(argparse.ArgumentParser):
             allow_abbrev=allow_abbrev,
         )
 
+    #: raise a :class:`UsageError` for a bad flag instead of printing it and exiting (a
+    #: caller that decides who reports it: the processes of an MPI job)
+    raising = False
+
     def error(self, message: str) -> NoReturn:
         """argparse's usage error (the usage and ``PROG: error: MESSAGE``, status 2),
         printed by one process of an MPI job (:func:`reports_usage`)."""
+        if self.raising:
+            raise UsageError(message)
         if not reports_usage():
             self.exit(ExitStatus.USAGE)
         super().error(message)

@@ -22,7 +22,7 @@ import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NoReturn, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import numpy as np
 
@@ -40,6 +40,7 @@ from ..snapshot import (
 from ._common import (
     EXIT_STATUS_EPILOG,
     ExitStatus,
+    Parser,
     Progress,
     RuntimeFailure,
     UsageError,
@@ -1376,17 +1377,14 @@ def _main_in_job(argv: list[str]) -> int:
     (:func:`nccltree.cli._agreement.agree_on_start`): a mismatch or an error is the same
     usage error on every process, printed once, by the job's first process."""
     parser = build_parser()
+    assert isinstance(parser, Parser)
     found: Exception | None = None
     args: argparse.Namespace | None = None
     hint = caffe_hint(argv)
     if hint is not None:
         found = UsageError(hint)
     else:
-
-        def refuse(message: str) -> NoReturn:
-            raise UsageError(message)
-
-        parser.error = refuse  # type: ignore[method-assign]
+        parser.raising = True  # the error goes to the agreement, not to stderr
         try:
             args = parser.parse_args(argv)
         except SystemExit as exc:  # --help, printed by the job's first process

@@ -157,7 +157,7 @@ SHM_MIN_FREE = 64 << 20
 def shm_usable(shm: bool | None) -> bool:
     """Whether this process may use shared memory: ``shm`` when given, else
     ``NCCLTREE_SHM`` (0 or 1) when set, else whether ``/dev/shm`` has
-    :data:`SHM_MIN_FREE` bytes free. Any other value of ``NCCLTREE_SHM`` is a
+    :data:`SHM_MIN_FREE` bytes free. Another value of ``NCCLTREE_SHM`` is a
     ``ValueError`` naming the accepted ones (not ignored: ``yes`` would read as unset)."""
     if shm is not None:
         return bool(shm)

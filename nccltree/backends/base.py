@@ -15,7 +15,6 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple, Protocol, SupportsIndex, TypeVar
 
-import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
@@ -30,9 +29,28 @@ REDUCE_OPS = ("sum", "prod", "max", "min")
 #: source's ``NT_MAX_SOURCES``.
 MAX_FUSED = 8
 
+try:  # bfloat16 alone needs ml_dtypes: everything else runs without it
+    import ml_dtypes
+
+    _ML_BFLOAT16: np.dtype | None = np.dtype(ml_dtypes.bfloat16)
+except ImportError:
+    _ML_BFLOAT16 = None
+
 #: bfloat16, as numpy arrays carry it (the ``ml_dtypes`` package's dtype, whose numpy
-#: ``kind`` is ``"V"``, not ``"f"``: test floating dtypes with ``FLOAT_DTYPES``).
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+#: ``kind`` is ``"V"``, not ``"f"``: test floating dtypes with ``FLOAT_DTYPES``). Without
+#: ``ml_dtypes`` a stand-in that no array has, and asking for bfloat16 by name raises
+#: ``ImportError`` (:func:`bfloat16`).
+BFLOAT16: np.dtype = (
+    _ML_BFLOAT16 if _ML_BFLOAT16 is not None else np.dtype([("bfloat16 (needs ml_dtypes)", "<u2")])
+)
+
+
+def bfloat16() -> np.dtype:
+    """:data:`BFLOAT16`, or an ``ImportError`` naming ``ml_dtypes`` where it is missing."""
+    if _ML_BFLOAT16 is None:
+        raise ImportError("bfloat16 needs the ml_dtypes package (pip install ml_dtypes)")
+    return BFLOAT16
+
 
 #: The dtypes of the kernels (host and CUDA alike); ``FLOAT_DTYPES`` those that scale,
 #: the SGD step and a scaled sum accept; ``HALF_DTYPES`` the 16-bit floats, which the
@@ -589,7 +607,7 @@ def carried_dtype(arr: Array, dtype: npt.DTypeLike | None, what: str) -> np.dtyp
     if dtype is None:
         return None
     try:
-        want = BFLOAT16 if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype)
+        want = bfloat16() if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype)
     except TypeError as exc:
         raise ValueError(f"dtype={dtype!r} is not a dtype name: {exc}") from None
     if want == arr.dtype:

@@ -22,6 +22,14 @@ Exit statuses (every ``--help`` epilog prints :data:`EXIT_STATUS_EPILOG`):
   work was cut short (a trainer stops at its next line, with no ``final.npz``), and a
   pipeline under ``set -o pipefail`` must not take that for a finished run.
 
+Under an MPI launcher (``mpiexec -n P``), a usage error is printed once per job, by the
+process whose launcher rank is 0 (:func:`job_rank`, read from the launcher's variables
+without starting MPI); every process still exits with ``2``. ``nccltree-train`` first
+agrees on its configuration across the processes, so that the first process also names
+what the others found; ``nccltree-bench`` takes every process to have been given the same
+command line. An error a process may have found alone (:attr:`UsageError.alone`) is
+printed by that process.
+
 ``2`` is argparse's status for a bad flag, kept for every error of the same kind, so that a
 script can tell "nothing ran, the command is wrong" (retry another way) from "the run
 failed" (``1``) and from "the run computed something wrong" (``3``), which is worse than a
@@ -37,12 +45,14 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, TextIO
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from .._errors import NcclTreeError
 
 if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
+
     from ..backends.base import Device
 
 
@@ -74,12 +84,57 @@ ERRORS: tuple[type[Exception], ...] = (NcclTreeError, ValueError, TypeError, OSE
 
 
 class UsageError(ValueError):
-    """The command cannot run as given (exit status 2); the message says what is accepted."""
+    """The command cannot run as given (exit status 2); the message says what is accepted.
+
+    ``alone``: this process may be the only one of an MPI job to have found it (its own
+    environment, say), so it prints it even where it is not the job's first process."""
+
+    alone = False
 
 
 class RuntimeFailure(NcclTreeError):
     """The work failed on what it read, not on how it was asked (exit status 1), even
     inside :func:`checking`: a corrupt record is not a usage error."""
+
+
+# -- MPI jobs ---------------------------------------------------------------------------------
+
+# The launchers' variables that give the number of processes: MPICH and Intel MPI (Hydra,
+# PMI), Open MPI, MVAPICH; Slurm's srun with PMIx sets PMIX_RANK and SLURM_NTASKS.
+MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+# ... and this process's rank among them
+MPI_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PMIX_RANK")
+
+
+def mpi_world_size(env: Mapping[str, str] | None = None) -> int:
+    """The number of processes an MPI launcher started this one among (1 when none did):
+    ``PMI_SIZE``, ``OMPI_COMM_WORLD_SIZE``, ``MV2_COMM_WORLD_SIZE``, or ``SLURM_NTASKS``
+    where ``PMIX_RANK`` is set."""
+    env = os.environ if env is None else env
+    names = [*MPI_SIZE_VARIABLES, *(["SLURM_NTASKS"] if "PMIX_RANK" in env else [])]
+    for name in names:
+        value = env.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
+def job_rank(env: Mapping[str, str] | None = None) -> int:
+    """This process's rank among those an MPI launcher started (``PMI_RANK``,
+    ``OMPI_COMM_WORLD_RANK``, ``MV2_COMM_WORLD_RANK``, ``PMIX_RANK``); 0 when none did.
+    Read from the environment: no MPI is started."""
+    env = os.environ if env is None else env
+    for name in MPI_RANK_VARIABLES:
+        value = env.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def reports_usage(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process prints usage errors and help: always, except in an MPI job
+    of several processes, where the one of launcher rank 0 speaks for the job."""
+    return mpi_world_size(env) <= 1 or job_rank(env) == 0
 
 
 # -- the parser ------------------------------------------------------------------------------
@@ -106,6 +161,24 @@ class Parser(argparse.ArgumentParser):
             formatter_class=formatter_class,
             allow_abbrev=allow_abbrev,
         )
+
+    #: raise a :class:`UsageError` for a bad flag instead of printing it and exiting (a
+    #: caller that decides who reports it: the processes of an MPI job)
+    raising = False
+
+    def error(self, message: str) -> NoReturn:
+        """argparse's usage error (the usage and ``PROG: error: MESSAGE``, status 2),
+        printed by one process of an MPI job (:func:`reports_usage`)."""
+        if self.raising:
+            raise UsageError(message)
+        if not reports_usage():
+            self.exit(ExitStatus.USAGE)
+        super().error(message)
+
+    def print_help(self, file: SupportsWrite[str] | None = None) -> None:
+        """``--help``, printed by one process of an MPI job."""
+        if reports_usage():
+            super().print_help(file)
 
 
 def make_parser(prog: str, description: str, epilog: str | None = None) -> Parser:
@@ -163,12 +236,21 @@ def run_main(
             code if isinstance(code, int) else ExitStatus.OK if code is None else ExitStatus.USAGE
         )
     name = prog(args) if prog is not None else parser.prog
+    return run_body(parser, name, lambda: body(args), show_usage=show_usage)
+
+
+def run_body(
+    parser: argparse.ArgumentParser, name: str, body: Callable[[], int], *, show_usage: bool
+) -> int:
+    """``body()``, turning what ends it into an exit status (as :func:`run_main`, for a
+    command line that parses its flags itself)."""
     try:
-        return body(args)
+        return body()
     except UsageError as exc:
-        if show_usage:
-            parser.print_usage(sys.stderr)
-        report_error(name, exc)
+        if exc.alone or reports_usage():  # once per MPI job (see the module's docstring)
+            if show_usage:
+                parser.print_usage(sys.stderr)
+            report_error(name, exc)
         return ExitStatus.USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)

@@ -23,6 +23,26 @@ if TYPE_CHECKING:
 SIM_ALGORITHMS = ("tree", "ring", "direct", "nccl-model")
 NCCL_MODELED = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 PROCESSES = {"one": "one process", "node": "a process per node", "gpu": "a process per GPU"}
+# The most devices a topology of `simulate` and `topo` may hold (flat:N, --nodes times a
+# node's): building and simulating grows with the square of it (flat:256 takes about a
+# minute per size on one core, flat:1024 several minutes and gigabytes); far beyond it,
+# memory runs out before a line is printed.
+MAX_DEVICES = 512
+
+
+def check_device_count(n: int, what: str) -> None:
+    """A :class:`UsageError` when a topology of ``n`` devices (described by ``what``) is
+    larger than :data:`MAX_DEVICES`: refused before it is built."""
+    if n > MAX_DEVICES:
+        raise UsageError(f"{what}: {n} devices; at most {MAX_DEVICES} are accepted")
+
+
+def check_flat_preset(name: str, flag: str) -> None:
+    """``flat:N`` (a preset name) within :data:`MAX_DEVICES`, checked before the
+    topology is built; other names pass (the preset itself judges them)."""
+    count = name[5:] if name.startswith("flat:") else ""
+    if count.isdigit():
+        check_device_count(int(count), f"{flag} {name}")
 
 
 def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
@@ -177,8 +197,7 @@ def run_simulate(args: argparse.Namespace, out: TextIO) -> int:
         itemsize = np.dtype(args.dtype).itemsize
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from None
-    if args.nodes < 1 or args.net_gbps <= 0 or args.issue_us < 0:
-        raise UsageError("--nodes >= 1, --net-gbps > 0 and --issue-us >= 0 are needed")
+    _check_numbers(args)
     for flag in ("json", "plot"):
         if getattr(args, flag):
             check_output(f"--{flag}", getattr(args, flag))
@@ -198,6 +217,7 @@ def run_simulate(args: argparse.Namespace, out: TextIO) -> int:
             n_host = 0
         if n_host < 1:
             raise UsageError(f"--topo {args.topo}: cpu:N with N >= 1")
+        check_device_count(n_host, f"--topo {args.topo}")
         cal = _load_calibration(args.calibration)
         topo = Topology.preset(f"flat:{n_host}")
     elif args.topo:
@@ -212,6 +232,7 @@ def run_simulate(args: argparse.Namespace, out: TextIO) -> int:
         topo.link(i, j).gbps is not None for i in range(topo.n) for j in range(topo.n) if i != j
     )
     if args.nodes > 1:
+        check_device_count(topo.n * args.nodes, f"--nodes {args.nodes} x {topo.n} devices")
         topo = sim.cluster_topology(topo, args.nodes)
     n = topo.n
     per_node = n // args.nodes
@@ -221,8 +242,8 @@ def run_simulate(args: argparse.Namespace, out: TextIO) -> int:
     machine = sim.Machine(topo, sim.DEVICES[args.gpu], args.net_gbps, args.issue_us * 1e-6,
                           issuers=issuers)  # fmt: skip
     lo, hi = drv.parse_size(args.minbytes), drv.parse_size(args.maxbytes)
-    if lo > hi or args.stepfactor <= 1:
-        raise UsageError("-b must be <= -e and -f > 1")
+    if lo > hi:
+        raise UsageError("-b must be <= -e")
     sizes = drv.size_range(lo, hi, args.stepfactor)
     if cal is not None:
         what = f"cpu:{n} (host backend, calibrated: {args.calibration})"
@@ -276,6 +297,20 @@ def run_simulate(args: argparse.Namespace, out: TextIO) -> int:
     return ExitStatus.OK
 
 
+def _check_numbers(args: argparse.Namespace) -> None:
+    """The numeric flags, before anything is built: argparse's ``float`` takes "nan" and
+    "inf", which would predict nonsense (or trip the model's own checks)."""
+    from .._validate import check_int, check_real
+
+    try:
+        check_int(args.nodes, "--nodes", min=1)
+        check_real(args.net_gbps, "--net-gbps", min=0.0, min_open=True)
+        check_real(args.issue_us, "--issue-us", min=0.0)
+        check_real(args.stepfactor, "-f/--stepfactor", min=1.0, min_open=True)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+
+
 def load_topology(value: str) -> Topology:
     """``--topo``: a preset by name, else a topology JSON file; a :class:`UsageError`
     saying which of the two failed and why."""
@@ -285,6 +320,7 @@ def load_topology(value: str) -> Topology:
 
     presets = Topology.presets()
     if value in presets or value.startswith("flat:"):
+        check_flat_preset(value, "--topo")
         try:
             return Topology.preset(value)
         except ValueError as exc:
@@ -299,9 +335,11 @@ def load_topology(value: str) -> Topology:
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"--topo {value}: cannot read the file: {exc}") from None
     try:
-        return Topology.from_json(text)
+        topo = Topology.from_json(text)
     except ValueError as exc:
         hint = ""
         if not text.lstrip().startswith("{"):
             hint = " (a saved `nvidia-smi topo -m` output goes to --smi)"
         raise UsageError(f"--topo {value}: not a topology JSON file: {exc}{hint}") from None
+    check_device_count(topo.n, f"--topo {value}")
+    return topo

@@ -13,13 +13,14 @@ its own ranks' devices, replicas and records.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ._common import MPI_SIZE_VARIABLES as MPI_SIZE_VARIABLES
+from ._common import mpi_world_size as mpi_world_size
 from ._common import open_devices
 
 if TYPE_CHECKING:
@@ -108,24 +109,6 @@ class Training:
         return self.group.size if self.group is not None else len(self.devices)
 
 
-# The launchers' variables that give the number of processes: MPICH and Intel MPI (Hydra,
-# PMI), Open MPI, MVAPICH; Slurm's srun with PMIx sets PMIX_RANK and SLURM_NTASKS.
-MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
-
-
-def mpi_world_size(env: Mapping[str, str] | None = None) -> int:
-    """The number of processes an MPI launcher started this one among (1 when none did):
-    ``PMI_SIZE``, ``OMPI_COMM_WORLD_SIZE``, ``MV2_COMM_WORLD_SIZE``, or ``SLURM_NTASKS``
-    where ``PMIX_RANK`` is set."""
-    env = os.environ if env is None else env
-    names = [*MPI_SIZE_VARIABLES, *(["SLURM_NTASKS"] if "PMIX_RANK" in env else [])]
-    for name in names:
-        value = env.get(name, "").strip()
-        if value.isdigit():
-            return int(value)
-    return 1
-
-
 def group_devices(spec: str, flag: str = "--devices") -> str:
     """The devices of each process under MPI: ``cpu`` (one rank), ``cpu:N`` (N ranks),
     ``gpu`` (one GPU: the process's index among its node's processes, modulo the GPUs it
@@ -170,11 +153,15 @@ def open_group(devices: str, algorithm: str, timeout: float) -> Iterator[Process
         yield pg
     finally:
         pg.close()
-        # the group is closed, this process is finishing on its own: a notice from the
-        # launcher that another process ended (SIGUSR1, whose default action would end
-        # this one too) changes nothing any more
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        ignore_launcher_notices()
+
+
+def ignore_launcher_notices() -> None:
+    """After a process group closed, this process goes on on its own: a notice from the
+    launcher that another process ended (SIGUSR1, whose default action would end this one
+    too) changes nothing any more (the main thread only sets signal handlers)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def bucket_bytes(mib: float) -> int:

@@ -378,7 +378,11 @@ def make_benchmark(
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     variants = _variants(args)
+    if "mpi" in algorithms:
+        _refuse_mpi_half(collectives, [d for d, _ in variants])
     _check_outputs(args, ("json", "csv", "plot"))
+    if getattr(args, "trace", None):  # written after the sweep: checked before it
+        check_output("--trace", args.trace)
     if group is not None:
         assert devices is not None, "under MPI the caller resolves each process's devices"
         if "mpi" in algorithms and len(group.ranks) > 1:
@@ -408,6 +412,28 @@ def make_benchmark(
         world_factory=world_factory if group is None else None,
         group=group,
     )
+
+
+def _refuse_mpi_half(collectives: Sequence[str], dtypes: Sequence[str]) -> None:
+    """``--algorithm mpi`` cannot reduce float16 or bfloat16 (MPI has no such types): a
+    usage error before the sweep, rather than a failure in its middle."""
+    from ..comm.group.mpi_collectives import mpi_reduces
+
+    if not any(COLLECTIVES[c].reduces for c in collectives):
+        return  # moved as 16-bit words: MPI can
+    bad = []
+    for d in dtypes:
+        try:
+            dt = drv.check_dtype(d)
+        except (TypeError, ValueError):
+            continue  # an unknown name: the benchmark's own check names it
+        if not mpi_reduces(dt) and dt.name not in bad:
+            bad.append(dt.name)
+    if bad:
+        raise UsageError(
+            f"--algorithm mpi cannot reduce {' or '.join(bad)} (MPI has no such type): "
+            "leave it out of -d, or use --algorithm tree, ring, direct or auto"
+        )
 
 
 def _check_outputs(args: argparse.Namespace, flags: Sequence[str]) -> None:
@@ -693,6 +719,11 @@ def check_train_args(args: argparse.Namespace, *, mpi: bool = False) -> None:
         raise UsageError(f"unknown model {args.model!r}; accepted: {', '.join(MODELS)}")
     if args.algorithm not in choices:
         raise UsageError(f"unknown algorithm {args.algorithm!r}; accepted: {', '.join(choices)}")
+    if args.algorithm == "mpi" and args.comm_hook == "float16":
+        raise UsageError(
+            "--comm-hook float16 cannot go with --algorithm mpi: MPI has no float16 type to "
+            "sum the gradients in; use --algorithm tree, ring, direct or auto"
+        )
     for flag, v, lo in (
         ("--iters", args.iters, 1),
         ("-w/--warmup-iters", args.warmup, 0),
@@ -878,6 +909,9 @@ def resolve_topology(args: argparse.Namespace) -> tuple[Topology, str, Tree]:
     if args.json:
         check_output("--json", args.json)
     if args.preset:
+        from ._simulate import check_flat_preset
+
+        check_flat_preset(args.preset, "--preset")
         topo, where = Topology.preset(args.preset), f"preset {args.preset}"
     elif args.smi:
         with open(args.smi, encoding="utf-8") as f:
@@ -921,7 +955,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = make_parser(
         "nccltree-bench", "Collective and training benchmarks, and the topology the tree uses."
     )
-    sub = p.add_subparsers(dest="command", metavar="{collectives,train,topo,simulate}")
+    sub = p.add_subparsers(dest="command", metavar="{collectives,train,topo,simulate,calibrate}")
     sub.required = True
     d = COLLECTIVE_DEFAULTS
     c = sub.add_parser(

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ._common import ExitStatus, checking, int_at_least, make_parser, run_main
+from ._common import ExitStatus, RuntimeFailure, checking, int_at_least, make_parser, run_main
 
 PROG = "nccltree-data"
 
@@ -276,8 +276,10 @@ def _verify(args: argparse.Namespace, force: dict[str, bool]) -> int:
     report = verify_db(args.db, args.format, **force)
     bad = report["bad"]
     if args.json:
-        print(json.dumps(report))
-    else:
+        print(json.dumps(report), flush=True)
+    if report["records"] == 0:  # nothing verified is not "all good": info says so too
+        raise RuntimeFailure(f"the database at {args.db!r} is empty")
+    if not args.json:
         for b in bad:
             print(f"bad record {b['key']} (number {b['number']} in key order): {b['reason']}")
         shape = " x ".join(map(str, report["shape"] or [])) or "none"

@@ -40,6 +40,7 @@ from ..snapshot import (
 from ._common import (
     EXIT_STATUS_EPILOG,
     ExitStatus,
+    Parser,
     Progress,
     RuntimeFailure,
     UsageError,
@@ -47,6 +48,7 @@ from ._common import (
     make_parser,
     open_devices,
     report_error,
+    run_body,
     run_main,
 )
 from ._training import (
@@ -194,8 +196,16 @@ class TrainConfig:
         lr, momentum, weight_decay = (
             check_real(get(k), _flag(k)) for k in ("lr", "momentum", "weight_decay")
         )
+        if comm_hook == "float16" and get("algorithm") == "mpi":
+            raise ValueError(
+                "--comm-hook float16 cannot go with --algorithm mpi: MPI has no float16 type "
+                "to sum the gradients in; use --algorithm tree, ring, direct or auto"
+            )
         scale, gamma, power = opt_real("scale"), opt_real("gamma"), opt_real("power")
         out, weights = get("out"), get("weights")
+        if out is not None and not str(out).strip():
+            # abspath("") is the current directory: an empty value is a mistake
+            raise ValueError("--out: an empty path; name a directory (e.g. --out run)")
         if counts["snapshot_every"] and not out:
             raise ValueError("--snapshot-every needs --out DIR (where snapshot.npz goes)")
         hidden = _int_tuple(get("hidden"), "--hidden")
@@ -655,6 +665,11 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Snapshot | No
     values = {k: getattr(args, k) for k in TrainConfig().as_dict()}
     with checking():
         cfg = TrainConfig.checked({k: saved.get(k) if v is None else v for k, v in values.items()})
+    if snap is not None and cfg.iters < snap.iter:
+        raise UsageError(
+            f"--iters {cfg.iters} is below the snapshot's iteration {snap.iter}: a resumed run "
+            f"continues up to --iters (iterations in all); give --iters above {snap.iter}"
+        )
     return cfg, snap
 
 
@@ -1111,7 +1126,7 @@ def run(
     with contextlib.ExitStack() as stack:
         group: ProcessGroup | None = None
         if mpi:
-            with checking():
+            with _alone(), checking():  # this process's own environment may be the cause
                 spec = group_devices(cfg.devices)
                 group = stack.enter_context(open_group(spec, cfg.algorithm, cfg.timeout))
         elif cfg.algorithm == "mpi":
@@ -1323,6 +1338,103 @@ def _record_interruption(outputs: _Outputs, name: str, err: TextIO, *, snapshot:
         file=err,
         flush=True,
     )
+
+
+@contextlib.contextmanager
+def _alone() -> Iterator[None]:
+    """Inside, a usage error may be this process's alone (its environment): it prints it
+    itself rather than leave it to the job's first process (``UsageError.alone``)."""
+    try:
+        yield
+    except UsageError as exc:
+        exc.alone = True
+        raise
+
+
+# Each process of an MPI job may have its own: where rank 0 writes (the others cache the
+# built-in data there), how long a wait may take, its BLAS threads. Every other flag must
+# be the same on every process (see _agreement.py).
+PER_PROCESS = frozenset({"out", "timeout", "blas_threads"})
+# How the start agreement names a key that is no flag of its own
+_AGREED_FLAGS = {
+    "decode": "--force-color/--force-gray",
+    "resume_iter": "--resume (the snapshot's iteration)",
+}
+
+
+def agreed_config(cfg: TrainConfig, snap: Snapshot | None) -> dict[str, object]:
+    """What every process of an MPI job must agree on: the configuration less
+    :data:`PER_PROCESS`, and the iteration of the snapshot it resumes."""
+    flat = {k: v for k, v in cfg.as_dict().items() if k not in PER_PROCESS}
+    flat["resume_iter"] = None if snap is None else snap.iter
+    return flat
+
+
+def _main_in_job(argv: list[str]) -> int:
+    """``nccltree-train`` as one process of an MPI job: the flags are checked as alone,
+    but whatever each process resolved (its configuration, or the usage error that
+    stopped it) goes to one agreement of every process before anything else
+    (:func:`nccltree.cli._agreement.agree_on_start`): a mismatch or an error is the same
+    usage error on every process, printed once, by the job's first process."""
+    parser = build_parser()
+    assert isinstance(parser, Parser)
+    found: Exception | None = None
+    args: argparse.Namespace | None = None
+    hint = caffe_hint(argv)
+    if hint is not None:
+        found = UsageError(hint)
+    else:
+        parser.raising = True  # the error goes to the agreement, not to stderr
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:  # --help, printed by the job's first process
+            return exc.code if isinstance(exc.code, int) else ExitStatus.OK
+        except UsageError as exc:
+            found = exc
+        if args is not None and args.evaluate is not None:  # one device, no group
+            return run_body(parser, PROG, lambda: evaluate_saved(args, sys.stdout), show_usage=True)
+    return run_body(parser, PROG, lambda: _train_in_job(args, found), show_usage=True)
+
+
+def _train_in_job(args: argparse.Namespace | None, found: Exception | None) -> int:
+    from ._agreement import agree_on_start
+
+    try:
+        with _sigterm_stops():
+            cfg, snap = None, None
+            if args is not None and found is None:
+                try:
+                    cfg, snap = resolve_config(args)
+                except Exception as exc:  # noqa: BLE001 - every process learns of it
+                    found = exc
+            timeout = cfg.timeout if cfg is not None else TrainConfig().timeout
+            agreed = None if cfg is None else agreed_config(cfg, snap)
+            try:
+                agree_on_start(agreed, found, timeout, _AGREED_FLAGS)
+            except (UsageError, RuntimeFailure):
+                raise
+            except (ValueError, TypeError, ImportError) as exc:
+                # no group for the exchange: this process's own environment (no mpi4py,
+                # a bad NCCLTREE_SHM), which it says itself, after its own error if any
+                if found is not None and not isinstance(found, UsageError):
+                    raise found from exc
+                refused = found if isinstance(found, UsageError) else UsageError(str(exc))
+                refused.alone = True
+                raise refused from exc
+            assert cfg is not None and args is not None, "the agreement raised the error"
+            return run(
+                cfg,
+                snap,
+                sys.stdout,
+                sys.stderr,
+                quiet=args.quiet,
+                target=args.target_accuracy,
+                overwrite=args.overwrite,
+                mpi=True,
+            )
+    except Terminated:  # before or after training: nothing to snapshot
+        print("terminated (SIGTERM)", file=sys.stderr, flush=True)
+        return TERMINATED
 
 
 def _agree_on_setup(failure: BaseException | None) -> None:
@@ -1557,7 +1669,10 @@ def caffe_hint(argv: Sequence[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``nccltree-train``; returns the exit status."""
-    hint = caffe_hint(sys.argv[1:] if argv is None else argv)
+    given = sys.argv[1:] if argv is None else list(argv)
+    if mpi_world_size() > 1 or "--mpi" in given:
+        return _main_in_job(given)
+    hint = caffe_hint(given)
     if hint is not None:
         report_error(PROG, hint)
         return ExitStatus.USAGE

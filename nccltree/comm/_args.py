@@ -10,7 +10,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from .._validate import check_index
-from ..backends.base import BFLOAT16, CARRIERS, carried_dtype, data_ptr
+from ..backends.base import CARRIERS, bfloat16, carried_dtype, data_ptr
 from . import _ops
 from .collectives import COLLECTIVES, Collective
 
@@ -216,7 +216,7 @@ def check_call_dtype(dtype: object) -> np.dtype | None:
     if dtype is None:
         return None
     if isinstance(dtype, str) and dtype == "bfloat16":
-        return BFLOAT16  # numpy knows the name only through ml_dtypes' type
+        return bfloat16()  # numpy knows the name only through ml_dtypes' type
     try:
         dt = np.dtype(cast("DTypeLike", dtype))
     except TypeError:

@@ -32,7 +32,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-import ml_dtypes
 import numpy as np
 from numpy.typing import DTypeLike
 
@@ -111,7 +110,11 @@ def tolerance(dtype: DTypeLike) -> float:
     """Relative tolerance of the check: integers are exact; floats may round a mean (or a
     float16 or bfloat16 result accumulated in float32) by an ulp or so."""
     dtype = np.dtype(dtype)
-    return 0.0 if dtype not in FLOAT_DTYPES else 4 * float(ml_dtypes.finfo(dtype).eps)
+    if dtype not in FLOAT_DTYPES:
+        return 0.0
+    import ml_dtypes  # a float dtype here is numpy's or (bfloat16) ml_dtypes' own
+
+    return 4 * float(ml_dtypes.finfo(dtype).eps)
 
 
 def count_wrong(actual: np.ndarray, expected: np.ndarray, dtype: DTypeLike) -> int:

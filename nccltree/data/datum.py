@@ -160,6 +160,15 @@ def image_mode(force_color: bool = False, force_gray: bool = False) -> str:
     return "color" if force_color else "gray" if force_gray else "native"
 
 
+def channels_hint(want: int) -> str:
+    """The advice for an encoded image whose channels differ from the database's ``want``
+    (each decoded as stored): force one kind, the database's first (gray for a gray one)."""
+    gray = "force_gray (--force-gray) to read every image as 1 channel"
+    color = "force_color (--force-color) to read every image as 3 channels (BGR)"
+    first, second = (gray, color) if want == 1 else (color, gray)
+    return f"its image has another number of channels: decode with {first}, or {second}"
+
+
 def decode_datum(
     buf: bytes | memoryview,
     key: bytes | str = b"?",

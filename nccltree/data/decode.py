@@ -374,10 +374,7 @@ class DatumDecoder:
         if arr.shape != self.shape or arr.dtype != self.dtype:
             reason = _unlike(arr.shape, arr.dtype, self.shape, self.dtype)
             if self.encoded and self.mode == "native" and arr.shape[1:] == self.shape[1:]:
-                reason += (
-                    "; its image has another number of channels: decode with force_color "
-                    "(or force_gray) to give every image the same"
-                )
+                reason += "; " + datum.channels_hint(self.shape[0])
             raise BadRecord(i, reason)
         return arr, label
 

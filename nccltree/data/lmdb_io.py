@@ -21,7 +21,14 @@ import numpy as np
 
 from .._validate import check_int
 from .datum import _decode as _decode_datum
-from .datum import check_label, encode_datum, image_mode, looks_like_datum, parse_datum
+from .datum import (
+    channels_hint,
+    check_label,
+    encode_datum,
+    image_mode,
+    looks_like_datum,
+    parse_datum,
+)
 from .errors import DataError
 from .format import DTYPE_CODES, LABEL_OFFSET, encode_record, is_record, keyname
 from .format import _decode as _decode_record
@@ -315,7 +322,9 @@ def verify_db(
                 try:
                     if fmt is None:
                         fmt = detect_format(value, k)
-                    x, _ = decoder(fmt, mode)(value)
+                    x, label = decoder(fmt, mode)(value)
+                    if label < 0:  # training refuses it: a class index is >= 0
+                        raise ValueError(f"label {label} is negative (a class index is >= 0)")
                 except (ValueError, DataError) as e:
                     reason = str(e)
                     prefix = f"record {keyname(k)} "
@@ -326,14 +335,14 @@ def verify_db(
                 if want is None:
                     want = got
                 elif got != want:
-                    bad.append(
-                        {
-                            "number": i,
-                            "key": keyname(k),
-                            "reason": f"shape {got[0]} / dtype {got[1].name} differs from "
-                            f"the database's shape {want[0]} / dtype {want[1].name}",
-                        }
+                    reason = (
+                        f"shape {got[0]} / dtype {got[1].name} differs from the database's "
+                        f"shape {want[0]} / dtype {want[1].name}"
                     )
+                    if fmt == "datum" and mode == "native" and got[0][1:] == want[0][1:]:
+                        if parse_datum(value).encoded:
+                            reason += "; " + channels_hint(want[0][0])
+                    bad.append({"number": i, "key": keyname(k), "reason": reason})
     finally:
         close_env(env)
     return {

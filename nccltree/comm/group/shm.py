@@ -365,12 +365,18 @@ SHM_MIN_FREE = 64 << 20
 def shm_usable(shm: bool | None) -> bool:
     """Whether this process may use shared memory: ``shm`` when given, else
     ``NCCLTREE_SHM`` (0 or 1) when set, else whether ``/dev/shm`` has
-    :data:`SHM_MIN_FREE` bytes free."""
+    :data:`SHM_MIN_FREE` bytes free. Another value of ``NCCLTREE_SHM`` is a
+    ``ValueError`` naming the accepted ones (not ignored: ``yes`` would read as unset)."""
     if shm is not None:
         return bool(shm)
     env = os.environ.get("NCCLTREE_SHM", "").strip()
     if env in ("0", "1"):
         return env == "1"
+    if env:
+        raise ValueError(
+            f"NCCLTREE_SHM={env!r}: accepted values are 0 (no shared memory) and 1 (use "
+            "it whatever /dev/shm has free); unset, the free space of /dev/shm decides"
+        )
     try:
         st = os.statvfs(SHM_DIR)
     except OSError:

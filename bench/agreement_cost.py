@@ -113,8 +113,16 @@ def main() -> None:
         print(f"| {size}, MPICH Allreduce | {med[f'{size}|MPICH Allreduce']:.1f} | | |")
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"cpu": _cpu(), "load": [load0, os.getloadavg()], "procs": args.procs,
-                        "median_us": med, "runs_us": times}, indent=1)  # fmt: skip
+            json.dumps(
+                {
+                    "cpu": _cpu(),
+                    "load": [load0, os.getloadavg()],
+                    "procs": args.procs,
+                    "median_us": med,
+                    "runs_us": times,
+                },
+                indent=1,
+            )  # fmt: skip
         )
 
 

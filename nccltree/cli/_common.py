@@ -112,23 +112,23 @@ def mpi_world_size(env: Mapping[str, str] | None = None) -> int:
     where ``PMIX_RANK`` is set."""
     env = os.environ if env is None else env
     names = [*MPI_SIZE_VARIABLES, *(["SLURM_NTASKS"] if "PMIX_RANK" in env else [])]
-    for name in names:
-        value = env.get(name, "").strip()
-        if value.isdigit():
-            return int(value)
-    return 1
+    return _first_number(env, names, 1)
 
 
 def job_rank(env: Mapping[str, str] | None = None) -> int:
     """This process's rank among those an MPI launcher started (``PMI_RANK``,
     ``OMPI_COMM_WORLD_RANK``, ``MV2_COMM_WORLD_RANK``, ``PMIX_RANK``); 0 when none did.
     Read from the environment: no MPI is started."""
-    env = os.environ if env is None else env
-    for name in MPI_RANK_VARIABLES:
+    return _first_number(os.environ if env is None else env, MPI_RANK_VARIABLES, 0)
+
+
+def _first_number(env: Mapping[str, str], names: Sequence[str], default: int) -> int:
+    """The first of ``names`` set in ``env`` to a whole number, else ``default``."""
+    for name in names:
         value = env.get(name, "").strip()
         if value.isdigit():
             return int(value)
-    return 0
+    return default
 
 
 def reports_usage(env: Mapping[str, str] | None = None) -> bool:

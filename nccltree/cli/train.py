@@ -1422,16 +1422,7 @@ def _train_in_job(args: argparse.Namespace | None, found: Exception | None) -> i
                 refused.alone = True
                 raise refused from exc
             assert cfg is not None and args is not None, "the agreement raised the error"
-            return run(
-                cfg,
-                snap,
-                sys.stdout,
-                sys.stderr,
-                quiet=args.quiet,
-                target=args.target_accuracy,
-                overwrite=args.overwrite,
-                mpi=True,
-            )
+            return _run(cfg, snap, args, mpi=True)
     except Terminated:  # before or after training: nothing to snapshot
         print("terminated (SIGTERM)", file=sys.stderr, flush=True)
         return TERMINATED
@@ -1609,22 +1600,19 @@ def _output_size(weights: Mapping[str, np.ndarray], labels: np.ndarray) -> int:
     return int(last.shape[0]) if last.ndim == 1 else int(labels.max()) + 1
 
 
+def _run(cfg: TrainConfig, snap: Snapshot | None, args: argparse.Namespace, mpi: bool) -> int:
+    """The training ``args`` describe, with its console and flags, as ``run`` takes them."""
+    return run(cfg, snap, sys.stdout, sys.stderr, quiet=args.quiet,
+               target=args.target_accuracy, overwrite=args.overwrite, mpi=mpi)  # fmt: skip
+
+
 def _train(args: argparse.Namespace) -> int:
     if args.evaluate is not None:
         return evaluate_saved(args, sys.stdout)
     try:
         with _sigterm_stops():
             cfg, snap = resolve_config(args)
-            return run(
-                cfg,
-                snap,
-                sys.stdout,
-                sys.stderr,
-                quiet=args.quiet,
-                target=args.target_accuracy,
-                overwrite=args.overwrite,
-                mpi=args.mpi or mpi_world_size() > 1,
-            )
+            return _run(cfg, snap, args, mpi=args.mpi or mpi_world_size() > 1)
     except Terminated:  # before or after training: nothing to snapshot
         print("terminated (SIGTERM)", file=sys.stderr, flush=True)
         return TERMINATED

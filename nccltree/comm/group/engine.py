@@ -38,15 +38,11 @@ from .schedule import RECV, Item
 from .staging import MIRROR
 
 if TYPE_CHECKING:
-    from types import ModuleType
-
     from mpi4py import MPI as _MPI
 
     from ...backends.host import HostDevice
-    from .gpu import GpuSide
-    from .node_memory import NodeMemory
+    from .core import Core
     from .placement import Placement
-    from .waits import Waits
 
 _Requests = dict[tuple[int, int], "_MPI.Request"]
 
@@ -78,18 +74,12 @@ class _Placed:
 
 @dataclass
 class EngineContext:
-    """What the engine needs of its group: who is where, the node's memory, the waits,
-    the GPU side (None on the host), the group's MPI communicators (data and
-    notifications; signatures), the devices (this process's ranks'; every rank's, as the
-    executor names them), the host threads for copies and programs, and the plan hook."""
+    """What the engine needs of its group: the shared core, the control communicator
+    (signatures), the devices (this process's ranks'; every rank's, as the executor
+    names them), the host threads for copies and programs, and the plan hook."""
 
-    placement: Placement
-    mem: NodeMemory
-    waits: Waits
-    gpu: GpuSide | None
-    comm: _MPI.Intracomm
+    core: Core
     ctl_comm: _MPI.Intracomm
-    mpi: ModuleType
     devices: list[Device]
     all_devices: list[Device]
     threads: int
@@ -102,16 +92,16 @@ class Engine:
 
     def __init__(self, ctx: EngineContext) -> None:
         self.ctx = ctx
-        self.pl = ctx.placement
-        self.mem = ctx.mem
-        self.waits = ctx.waits
-        self.gpu = ctx.gpu
+        self.pl = ctx.core.placement
+        self.mem = ctx.core.mem
+        self.waits = ctx.core.waits
+        self.gpu = ctx.core.gpu
         self.sent_bytes = 0
         self.compiler = Compiler(
-            ctx.placement,
+            ctx.core.placement,
             ctx.plan,
             ctx.all_devices,
-            ctx.gpu is not None and ctx.gpu.sync_mode,
+            ctx.core.gpu is not None and ctx.core.gpu.sync_mode,
         )
         self._arrivals = 0  # collectives that arrive through shared memory (not "mpi")
         self._base = dict.fromkeys(self.pl.node_procs, 0)  # steps completed before this call
@@ -480,7 +470,7 @@ class Engine:
         mine = self.mem.progress[self.pl.proc]
         sends: list[_MPI.Request] = []
         self.waits.inflight = sends
-        MPI = self.ctx.mpi
+        MPI = self.ctx.core.mpi
         for run in runs:
             if run.program is not None:
                 run.program.run_inline(
@@ -501,11 +491,11 @@ class Engine:
                 assert it.src is not None
                 src = bufs.view(it.src)
                 sends.append(
-                    self.ctx.comm.Isend([src, mpi_type(MPI, src.dtype)], dest, it.tag % 32768)
+                    self.ctx.core.comm.Isend([src, mpi_type(MPI, src.dtype)], dest, it.tag % 32768)
                 )
                 self.sent_bytes += src.nbytes
             else:
-                sends.append(self.ctx.comm.Isend([NOTHING, MPI.BYTE], dest, it.tag % 32768))
+                sends.append(self.ctx.core.comm.Isend([NOTHING, MPI.BYTE], dest, it.tag % 32768))
         self.waits.inflight = []
         for req in sends:
             self.waits.request(req, -1, "a send to finish")
@@ -567,14 +557,16 @@ class Engine:
         arena = c.recv_arena
         if arena is None:
             arena = c.recv_arena = np.empty(max(1, c.mine.arena), dt)
-        MPI = self.ctx.mpi
+        MPI = self.ctx.core.mpi
         for q, tag, count, off in c.mine.recvs:
             src = self.pl.mpi_rank_of_proc[q]
             if count:
                 view = arena[off : off + count]
-                reqs[(q, tag)] = self.ctx.comm.Irecv([view, mpi_type(MPI, dt)], src, tag % 32768)
+                reqs[(q, tag)] = self.ctx.core.comm.Irecv(
+                    [view, mpi_type(MPI, dt)], src, tag % 32768
+                )
             else:
-                reqs[(q, tag)] = self.ctx.comm.Irecv([NOTHING, MPI.BYTE], src, tag % 32768)
+                reqs[(q, tag)] = self.ctx.core.comm.Irecv([NOTHING, MPI.BYTE], src, tag % 32768)
         return reqs, arena
 
     def _exchange_signatures(
@@ -583,7 +575,7 @@ class Engine:
         """Non-blocking: this call's signature to every process of another node."""
         if not self.pl.remote_procs:
             return []
-        MPI = self.ctx.mpi
+        MPI = self.ctx.core.mpi
         raw = np.frombuffer(sig.encode()[:SIG_BYTES].ljust(SIG_BYTES, b"\0"), np.uint8).copy()
         tag = 0
         out = []

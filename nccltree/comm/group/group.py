@@ -66,6 +66,7 @@ from ..plan import CHUNK_BYTES, Plan, chunk_elements
 from ..work import Work
 from .agreement import Agreement, call_signature, check_enabled, refusal_signature
 from .bootstrap import MpiBootstrap
+from .core import Core
 from .engine import Engine, EngineContext
 from .gpu import GpuContext, GpuSide
 from .lifecycle import Lifecycle
@@ -201,33 +202,17 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         self._agreement = Agreement(pl, self._ctl_comm, MPI, self._waits)
         if self._gpu is not None:
             self._gpu.connect(self._node_comm)
+        core = Core(pl, self._mem, self._waits, self._gpu, self._comm, MPI)
         self._engine = Engine(
-            EngineContext(
-                placement=pl,
-                mem=self._mem,
-                waits=self._waits,
-                gpu=self._gpu,
-                comm=self._comm,
-                ctl_comm=self._ctl_comm,
-                mpi=MPI,
-                devices=self.devices,
-                all_devices=all_devices,
-                threads=threads,
-                plan=self.plan,
-            )
+            EngineContext(core, self._ctl_comm, self.devices, all_devices, threads, self.plan)
         )
-        self._mpi = MpiContext(pl, self._comm, MPI, self._waits, self._one)
+        self._mpi = MpiContext(core, self._one)
         self._p2p = GroupP2p(
             P2pContext(
-                placement=pl,
-                mem=self._mem,
-                waits=self._waits,
+                core=core,
                 life=self._life,
                 flight=self.flight,
-                gpu=self._gpu,
                 device=self.devices[0],
-                comm=self._comm,
-                mpi=MPI,
                 lock=self._lock,
                 copy=self._engine.copy,
                 check_usable=self._check_usable,

@@ -19,27 +19,24 @@ if TYPE_CHECKING:
     from mpi4py import MPI as _MPI
 
     from ..flight import Entry
+    from .core import Core
     from .placement import Placement
-    from .waits import Waits
 
 
 @dataclass
 class MpiContext:
-    """What MPI's collectives need of their group: who is where, its communicator, the
-    MPI module, its bounded waits, and its one-rank-per-process check (``one(what)``)."""
+    """What MPI's collectives need of their group: the shared core, and its
+    one-rank-per-process check (``one(what)``)."""
 
-    placement: Placement
-    comm: _MPI.Intracomm
-    mpi: ModuleType
-    waits: Waits
+    core: Core
     one: Callable[[str], None]
 
 
 def run_mpi(ctx: MpiContext, prep: Prepared, entry: Entry) -> None:
     """MPI's own collectives (one rank per process)."""
     ctx.one(f"algorithm 'mpi' ({prep.collective})")
-    pl = ctx.placement
-    MPI = ctx.mpi
+    pl = ctx.core.placement
+    MPI = ctx.core.mpi
     if COLLECTIVES[prep.collective].reduces and not mpi_reduces(prep.dtype):
         raise TypeError(
             f"algorithm 'mpi' cannot reduce {prep.dtype} (MPI has no such type); "
@@ -49,7 +46,7 @@ def run_mpi(ctx: MpiContext, prep: Prepared, entry: Entry) -> None:
     t = mpi_type(MPI, prep.dtype)
     mop = {"sum": MPI.SUM, "mean": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX,
            "min": MPI.MIN}[prep.op]  # fmt: skip
-    comm = ctx.comm
+    comm = ctx.core.comm
     # MPI's ranks in this group's numbering: the communicator is the group's own dup, so
     # map roots through it
     root = pl.mpi_rank_of_proc[pl.proc_of_rank[prep.root]]
@@ -98,7 +95,7 @@ def run_mpi(ctx: MpiContext, prep: Prepared, entry: Entry) -> None:
             # in place the output lies inside the input: reduce from a copy
             send = x.copy() if prep.in_place else x
             req = comm.Ireduce_scatter_block([send, t], [o, t], op=mop)
-        ctx.waits.request(req, -1, f"MPI's {coll}")
+        ctx.core.waits.request(req, -1, f"MPI's {coll}")
     except MPI.Exception as exc:
         raise CommError(f"rank {pl.rank}: MPI {coll} failed: {exc}") from exc
     if prep.op == "mean" and (coll != "reduce" or me_root):

@@ -43,7 +43,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -61,11 +60,8 @@ if TYPE_CHECKING:
 
     from ...backends.base import Device, Stream
     from ..flight import FlightRecorder
-    from .gpu import GpuSide
+    from .core import Core
     from .lifecycle import Lifecycle
-    from .node_memory import NodeMemory
-    from .placement import Placement
-    from .waits import Waits
 
 # The node's mailboxes, in its control segment after the processes' slots (see Mailboxes)
 _ENTRY = 7  # int64 words per message: offset, bytes, status, receiver's bytes, tag, where,
@@ -203,15 +199,10 @@ class P2pContext:
     and one-rank-per-process checks, its failure, and ``drain`` (the calls in flight on
     the group's own stream finished)."""
 
-    placement: Placement
-    mem: NodeMemory
-    waits: Waits
+    core: Core
     life: Lifecycle
     flight: FlightRecorder
-    gpu: GpuSide | None
     device: Device
-    comm: _MPI.Intracomm
-    mpi: ModuleType
     lock: threading.RLock
     copy: Callable[[Array, Array], None]
     check_usable: Callable[[], None]
@@ -225,9 +216,9 @@ class GroupP2p:
 
     def __init__(self, ctx: P2pContext) -> None:
         self.ctx = ctx
-        self.pl = ctx.placement
-        self.mem = ctx.mem
-        self.comm = ctx.comm.Dup()  # a message space of its own: matched per pair, in order
+        self.pl = ctx.core.placement
+        self.mem = ctx.core.mem
+        self.comm = ctx.core.comm.Dup()  # a message space of its own: matched per pair, in order
         self._batch = threading.local()
         procs = self.pl.node_procs
         self._sent = dict.fromkeys(procs, 0)  # messages published to each process
@@ -246,7 +237,7 @@ class GroupP2p:
         pl = self.pl
         if pl.proc_of_rank[peer] not in self._sent:
             return False
-        return self.ctx.gpu is None or not self.ctx.gpu.ipc_problem
+        return self.ctx.core.gpu is None or not self.ctx.core.gpu.ipc_problem
 
     def drain(self) -> None:
         """The host group's calls in flight on its stream finished (they use the arena)."""
@@ -288,16 +279,16 @@ class GroupP2p:
             what = f"{kind} {'to' if kind == 'send' else 'from'} {peer}"
             alg = "p2p" if local else "p2p-net"
             entry = self.ctx.flight.start(self.ctx.life.seq, what, arr.size, arr.dtype, alg)
-        on_gpu = self.ctx.gpu is not None and not local
+        on_gpu = self.ctx.core.gpu is not None and not local
         op = _Posted(kind, peer, arr, entry, tag if on_gpu else wire_tag(tag, arr.dtype), local)
         if local:
             pass  # moved at the end of the batch
-        elif self.ctx.gpu is not None:
+        elif self.ctx.core.gpu is not None:
             from ..nccl import stream_handle
             from .gpu import nccl_dtype
 
-            if self.ctx.gpu.engine is None:
-                self.ctx.gpu.ensure_nccl()  # raises why there is none (made at bootstrap)
+            if self.ctx.core.gpu.engine is None:
+                self.ctx.core.gpu.ensure_nccl()  # raises why there is none (made at bootstrap)
 
             caller = stream if stream is not None else self.ctx.device.current_stream()
             args = (data_ptr(arr), int(arr.size), nccl_dtype(arr.dtype), peer,
@@ -305,14 +296,14 @@ class GroupP2p:
             op.call = (kind, args)
         else:
             dest = pl.mpi_rank_of_proc[pl.proc_of_rank[peer]]
-            t = mpi_type(self.ctx.mpi, arr.dtype)
+            t = mpi_type(self.ctx.core.mpi, arr.dtype)
             send = kind == "send"
             # a receive takes the next message from its peer whatever its tag, which then
             # says whether kind and dtype agree (messages of a pair keep their order)
             if send:
                 op.request = self.comm.Isend([arr, t], dest, op.tag)
             else:
-                op.request = self.comm.Irecv([arr, t], dest, self.ctx.mpi.ANY_TAG)
+                op.request = self.comm.Irecv([arr, t], dest, self.ctx.core.mpi.ANY_TAG)
         if pending is not None:
             pending.append(op)
             self._batch.stream = stream
@@ -330,7 +321,7 @@ class GroupP2p:
         rd = np.cumsum([0, *rc[:-1]]).tolist()
         # empty blocks travel too (a size mismatch is then seen), except over NCCL, which
         # orders nothing for them
-        nccl = self.ctx.gpu is not None
+        nccl = self.ctx.core.gpu is not None
         with self.batch(), self.ctx.lock:
             self.ctx.check_usable()
             self.ctx.life.seq += 1
@@ -355,7 +346,7 @@ class GroupP2p:
                 self.ctx.check_usable()
                 local = [op for op in ops if op.local]
                 remote = [op for op in ops if not op.local]
-                if self.ctx.gpu is not None:
+                if self.ctx.core.gpu is not None:
                     self._gpu_finish(local, remote, stream, mismatched)
                 else:
                     self._host_finish(local, remote, mismatched)
@@ -381,24 +372,26 @@ class GroupP2p:
         sends, recvs = self._split_local(local)
         self._publish(sends)
         self._to_self(local, mismatched)
-        self.ctx.waits.inflight = [op.request for op in remote if op.kind == "send" and op.request]
+        self.ctx.core.waits.inflight = [
+            op.request for op in remote if op.kind == "send" and op.request
+        ]
         try:
             self._wait(remote, mismatched)
             self._consume(recvs, mismatched)
             self._await_consumed(sends, mismatched)
         finally:
-            self.ctx.waits.inflight = []
+            self.ctx.core.waits.inflight = []
         self.mem.settle_arenas()
 
     def _wait(self, ops: list[_Posted], mismatched: list[str]) -> None:
         pl = self.pl
-        MPI = self.ctx.mpi
+        MPI = self.ctx.core.mpi
         statuses = []
         for op in ops:
             assert op.request is not None
             what = "a message it sends" if op.kind == "recv" else "its receive"
             status = MPI.Status()
-            self.ctx.waits.request(op.request, pl.proc_of_rank[op.peer], what, status)
+            self.ctx.core.waits.request(op.request, pl.proc_of_rank[op.peer], what, status)
             statuses.append(status)
         for op, status in zip(ops, statuses, strict=True):
             if op.kind == "recv":
@@ -466,7 +459,7 @@ class GroupP2p:
                     off += align_bytes(op.buf.nbytes)
                 op.slot = k
                 k += 1
-        g = self.ctx.gpu
+        g = self.ctx.core.gpu
         if g is not None:  # every copy first, ordered before any receiver's read
             for op, at in copies:
                 if op.buf.nbytes:
@@ -508,7 +501,7 @@ class GroupP2p:
         the sender's next message may wait for them)."""
         pl = self.pl
         mail = self.mem.mail
-        g = self.ctx.gpu
+        g = self.ctx.core.gpu
         unacked: list[int] = []
 
         def flush() -> None:
@@ -525,7 +518,9 @@ class GroupP2p:
             posted = mail.counter(q, pl.proc, 0)
             if not posted.wait(n + 1, 0.0):
                 flush()
-                self.ctx.waits.counter(posted, n + 1, q, f"message #{n} of its sends to this rank")
+                self.ctx.core.waits.counter(
+                    posted, n + 1, q, f"message #{n} of its sends to this rank"
+                )
             self.mem.refresh_arena(q)
             pair = mail.pair(q, pl.proc)
             k = int(pair[_FIRST_ENTRY]) + n - int(pair[_FIRST_SEQ])
@@ -548,7 +543,7 @@ class GroupP2p:
                         for dst, src_at, upto in _pieces(op.buf, off):
                             if not ready.wait(upto, 0.0):
                                 flush()
-                                self.ctx.waits.counter(
+                                self.ctx.core.waits.counter(
                                     ready, upto, q, f"message #{n}'s chunk {upto}"
                                 )
                             self.ctx.copy(dst, mem.view(dst.dtype, dst.size, src_at))
@@ -566,9 +561,11 @@ class GroupP2p:
         mail = self.mem.mail
         procs = list(dict.fromkeys(pl.proc_of_rank[op.peer] for op in sends))
         for q in procs:
-            self.ctx.waits.counter(mail.counter(pl.proc, q, 1), self._sent[q], q, "its receive")
-        if self.ctx.gpu is not None:
-            self.ctx.gpu.after(procs)  # later writes to the arena after their copies out
+            self.ctx.core.waits.counter(
+                mail.counter(pl.proc, q, 1), self._sent[q], q, "its receive"
+            )
+        if self.ctx.core.gpu is not None:
+            self.ctx.core.gpu.after(procs)  # later writes to the arena after their copies out
         table = mail.table(pl.proc)
         for op in sends:
             status = int(table[op.slot, _STATUS])
@@ -595,7 +592,7 @@ class GroupP2p:
         stream: Stream | None,
         mismatched: list[str],
     ) -> None:
-        g = self.ctx.gpu
+        g = self.ctx.core.gpu
         assert g is not None
         caller = stream if stream is not None else self.ctx.device.current_stream()
         if not local:
@@ -618,7 +615,7 @@ class GroupP2p:
             g.caller, g.caller_waits = None, True
 
     def _launch(self, ops: list[_Posted], caller: Stream) -> None:
-        g = self.ctx.gpu
+        g = self.ctx.core.gpu
         assert g is not None
         engine = g.ensure_nccl()
         nccl, comm = engine.nccl, engine.comms[0]

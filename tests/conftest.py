@@ -81,6 +81,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 LAST_PART_SHARE = 3
 
 
+def deal_parts(tests: list[QuickRecord], n: int) -> list[list[QuickRecord]]:
+    """The whole suite in ``n`` parts (``./dev test`` runs two side by side): the tests
+    that are expensive one by one dealt out in turn, and so are the others, so that each
+    part gets about its share of both kinds."""
+    parts: list[list[QuickRecord]] = [[] for _ in range(n)]
+    counts = [0, 0]
+    for t in tests:
+        heavy = bool(t.markers & HEAVY_MARKERS) or ("slow" in t.markers and t.grid == t.nodeid)
+        parts[counts[heavy] % n].append(t)
+        counts[heavy] += 1
+    return parts
+
+
 def split_parts(tests: list[QuickRecord], n: int) -> list[list[QuickRecord]]:
     """The selected tests in ``n`` parts of about the same cost: the tests that are
     expensive one by one (marked ``mpi``, ``subprocess``, or ``slow`` and not a case of a
@@ -177,7 +190,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         records = quick_selection(records)
     if config.getoption("part"):
         i, n = _part_option(config.getoption("part"))
-        records = split_parts(records, n)[i - 1]
+        split = split_parts if config.getoption("quick") else deal_parts
+        records = split(records, n)[i - 1]
     if len(records) < len(items):
         chosen = {t.nodeid for t in records}
         config.hook.pytest_deselected(items=[i for i in items if i.nodeid not in chosen])

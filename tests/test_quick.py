@@ -22,6 +22,7 @@ from conftest import (
     QuickRecord,
     collect_ignore,
     quick_selection,
+    deal_parts,
     split_parts,
 )
 
@@ -202,3 +203,13 @@ def test_a_jobs_orphaned_mpich_segments_are_removed_and_mapped_ones_kept() -> No
         for path in (orphan, in_use):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_the_whole_suite_is_dealt_to_both_parts_each_kind_in_turn() -> None:
+    tests = [QuickRecord(f"m.py::t{i}", "m.py", f"m.py::t{i}",
+                         frozenset({"mpi"} if i % 3 == 0 else set())) for i in range(12)]  # fmt: skip
+    first, second = deal_parts(tests, 2)
+    assert sorted(t.nodeid for t in first + second) == sorted(t.nodeid for t in tests)
+    heavy = [sum("mpi" in t.markers for t in part) for part in (first, second)]
+    assert heavy == [2, 2]
+    assert abs(len(first) - len(second)) <= 1

@@ -61,8 +61,8 @@ def test_on_the_fake_backward_kernels_do_not_wait_for_a_buckets_collective(
     Now the rank's thread records the compute stream when the bucket is ready, the
     collective runs on a communication stream after that event, and only the consumer
     (the update, at ``on_gradients_ready``) waits for it."""
-    from nccltree.params import FlatParams
     from nccltree.parallel import BucketSync, make_buckets
+    from nccltree.params import FlatParams
 
     dev = nt.devices("gpu:0")[0]
     try:
@@ -232,7 +232,7 @@ def test_on_the_fake_a_peer_dead_with_gpu_work_pending_is_named_not_waited_on(
 class _Comm:
     """The MPI communicator's part that ``nccl_comm`` uses (one process)."""
 
-    def Get_rank(self) -> int:  # noqa: N802 - MPI's name
+    def Get_rank(self) -> int:
         return 0
 
     def bcast(self, obj: Any, root: int = 0) -> Any:

@@ -16,11 +16,11 @@ call *and* by ``groupEnd``, which then launches nothing of the group. See the
 from __future__ import annotations
 
 import itertools
-import threading
 import os
+import threading
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np

@@ -411,23 +411,27 @@ def test_processes_left_by_a_killed_test_are_found_and_killed(tmp_path: Path) ->
 
 @pytest.mark.mpi
 def test_an_mpi_job_past_its_timeout_goes_with_every_rank(tmp_path: Path) -> None:
-    """``run_mpi`` at its timeout kills the job's whole session: mpiexec and the ranks
-    (before, only mpiexec, and the ranks could stay on the GPU for the later tests)."""
+    """``run_mpi`` at its timeout kills the job's whole session: mpiexec, the ranks and
+    whatever they started. (MPICH's hydra, killed alone, takes its ranks down here too;
+    the session makes it so whatever the launcher does. What outlives a killed pytest
+    process is the check's to find: test_processes_left_by_a_killed_test...)"""
     from tests.mpirun import mpiexec, run_mpi
 
     if mpiexec() is None:
         pytest.skip("needs mpiexec")
     pids = tmp_path / "pids"
     script = tmp_path / "sleeper.py"
+    # each rank starts a helper of its own (as a GPU test's rank may), then hangs
     script.write_text(
-        "import os, sys, time\n"
-        f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+        "import os, subprocess, time\n"
+        "helper = subprocess.Popen(['sleep', '120'])\n"
+        f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n{{helper.pid}}\\n')\n"
         "time.sleep(120)\n"
     )
     with pytest.raises(subprocess.TimeoutExpired):
-        run_mpi(2, script, timeout=8)
+        run_mpi(2, script, timeout=8, faults=True)  # MPICH cleans up nothing itself
     ranks = [int(x) for x in pids.read_text().split()] if pids.exists() else []
-    assert len(ranks) == 2, ranks
+    assert len(ranks) == 4, ranks  # two ranks and their helpers
     deadline = time.monotonic() + 10
     alive = ranks
     while alive and time.monotonic() < deadline:

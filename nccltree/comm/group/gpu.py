@@ -33,12 +33,13 @@ Everything CUDA is reached through CuPy's ``cupy.cuda.runtime`` and ``cupy.cuda.
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -206,7 +207,7 @@ _HANDLE_ENTRY = 80  # the generation (int64), the size (int64), the 64-byte hand
 ARENA_TABLE_BYTES = ARENA_HANDLES * _HANDLE_ENTRY
 
 
-def put_arena_handle(buf: Any, at: int, gen: int, size: int, handle: bytes) -> None:
+def put_arena_handle(buf: mmap.mmap, at: int, gen: int, size: int, handle: bytes) -> None:
     """Publish generation ``gen`` of this process's arena (``size`` bytes, its IPC
     ``handle``) in the table at ``at``: the generation goes in last, so a reader that
     sees it sees the rest."""
@@ -216,7 +217,7 @@ def put_arena_handle(buf: Any, at: int, gen: int, size: int, handle: bytes) -> N
     buf[e : e + 8] = int(gen).to_bytes(8, "little", signed=True)
 
 
-def get_arena_handle(buf: Any, at: int, gen: int) -> tuple[bytes, int]:
+def get_arena_handle(buf: mmap.mmap, at: int, gen: int) -> tuple[bytes, int]:
     """(IPC handle, size) of generation ``gen`` of a peer's arena, from its table at
     ``at``: the block of that generation, never a newer one the peer made since (its
     call's data is in the generation it named)."""

@@ -286,6 +286,7 @@ def test_on_the_fake_a_one_node_group_makes_no_communicator_until_one_is_needed(
         side.nccl_ok, side.nccl_missing, side.engine, side.comm = True, "", None, None
         side.event, side.peer_events = None, {}
         side.buses = ["0000:01:00.0"]
+        side.ipc_problem = None  # IPC reaches every GPU of the node
         made: list[int] = []
         real = GpuSide.ensure_nccl
 

@@ -563,6 +563,15 @@ class GpuSide:
                     self.peer_events[p] = IpcEvent(self.device, h)
         if self.sync_mode or algorithm == "nccl":
             self.ensure_nccl()  # needed from the first call on
+        elif self.nccl_ok and self.ipc_problem:
+            # send/recv within the node go over NCCL where IPC cannot reach the peers'
+            # GPUs, between two processes only: the (collective) creation cannot wait
+            # for them, it happens now, while every process is here
+            try:
+                self.ensure_nccl()
+            except BackendUnavailable as exc:
+                self.nccl_ok = False
+                self.nccl_missing = str(exc)
         elif self.nccl_ok:
             # One node: nothing needs NCCL unless a call chooses it (auto's large
             # messages), and that call, made by every process in the same order, creates

@@ -65,7 +65,7 @@ from .snapshot import SNAPSHOT_FORMAT, Snapshot, load_snapshot, save_snapshot
 from .solver import SGD, Callback, Diverged, GradientCallback
 
 if TYPE_CHECKING:
-    from .backends.base import Array, Device, Stream
+    from .backends.base import Array, Device, Event, Stream
     from .comm import Comm, World
     from .comm.group import ProcessGroup
     from .comm.group.local import GroupComm
@@ -321,6 +321,7 @@ class _Job:
         self.fn, self.timeout = fn, timeout
         self.done = threading.Event()
         self.error: BaseException | None = None
+        self.result: object = None  # what ``fn`` returned
 
     def synchronize(self) -> None:
         # the collective has its own timeout; this bound only keeps a wait from hanging
@@ -336,8 +337,10 @@ class _CommThread:
     has called it (in one process, the last to arrive runs it for all), and a rank that
     is ahead keeps computing its backward pass meanwhile. The rank's own thread calls no
     collective while a job is pending (it waits for every bucket first), so the comm
-    still sees one caller at a time. Calls are ordered against the rank thread's stream,
-    passed explicitly (on a GPU, the stream backward's kernels were queued on)."""
+    still sees one caller at a time. A call on a stream is ordered after an event the rank
+    thread recorded on its own stream when the bucket was ready (see
+    :meth:`BucketSync._start`), never after whatever that stream holds when the helper
+    issues it."""
 
     def __init__(self, name: str, device: Device | None) -> None:
         self._device = device
@@ -360,10 +363,10 @@ class _CommThread:
                 return
             try:
                 if self._device is None:
-                    job.fn()
+                    job.result = job.fn()
                 else:
                     with self._device.activate():
-                        job.fn()
+                        job.result = job.fn()
             except BaseException as exc:  # noqa: BLE001 - raised in the rank's thread
                 job.error = exc
             job.done.set()
@@ -512,6 +515,8 @@ class BucketSync(Sync, GradientCallback):
         self._works: list[_Job | _BoardWait] = []
         self._thread: _CommThread | None = None
         self._board = board
+        self._comm_stream: Stream | None = None  # the bucket collectives' own stream
+        self._consumers: list[Stream | None] = []  # per helper job: the stream to order
 
     def begin(self) -> None:
         if self.root is None:
@@ -545,28 +550,54 @@ class BucketSync(Sync, GradientCallback):
             meeting = self._board.arrive(i, comm.rank, buf, stream)
             self._works.append(_BoardWait(self._board, meeting, comm.rank))
             return
-        if self.root is None:
+        # On a stream (a GPU's, or a host stream the rank set), the bucket is ready at the
+        # stream's current end: recorded here, on the thread that made it ready. The
+        # collective goes on a communication stream that waits for that point only, so
+        # backward's later kernels on the rank's stream never wait for it; the rank's
+        # stream waits for the communication stream once, in on_gradients_ready (the
+        # consumer of the gradient).
+        ready = None
+        side: Stream | None = None
+        if stream is not None:
+            assert device is not None
+            ready = stream.record()
+            if self._comm_stream is None:
+                self._comm_stream = device.new_stream()
+            side = self._comm_stream
+        root = self.root
 
-            def run() -> object:
-                return comm.all_reduce(buf, op="mean", stream=stream)
-        else:
-            root = self.root
-
-            def run() -> object:
+        def run() -> object:
+            if side is None:
+                if root is None:
+                    return comm.all_reduce(buf, op="mean", stream=stream)
                 return comm.reduce(buf, root=root, stream=stream)
+            assert ready is not None
+            side.wait_event(ready)
+            if root is None:
+                comm.all_reduce(buf, op="mean", stream=side)
+            else:
+                comm.reduce(buf, root=root, stream=side)
+            return side.record()  # the end of the bucket's collective, for the consumer
 
         if self._thread is None:
             self._thread = _CommThread(f"nccltree-buckets-{comm.rank}", device)
         self._works.append(self._thread.submit(run, self.timeout))
+        self._consumers.append(stream)
 
     def on_gradients_ready(self) -> None:
         while self._next < len(self.buckets):
             self._start(self._next)  # parameters the model did not announce
         works, self._works = self._works, []
+        consumers, self._consumers = self._consumers, []
         self._next = 0
         self._pending = [len(b.names) for b in self.buckets]
         for work in works:
             work.synchronize()
+        # the consumer (the update, on the rank's stream) after each bucket's collective
+        jobs = [w for w in works if isinstance(w, _Job)]
+        for job, consumer in zip(jobs, consumers, strict=True):
+            if consumer is not None:  # then the job returned its end (an event)
+                consumer.wait_event(cast("Event", job.result))
         if not self.updates:
             return
         if self.wire is not None:

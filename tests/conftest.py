@@ -1,7 +1,10 @@
 """Shared fixtures: the ``backend`` parametrisation, device factories, the fake CuPy.
 
 ``backend`` runs a test body on the host backend always and on the CUDA backend where a GPU
-is usable; ``gpu`` and ``multi_gpu(n)`` tests are skipped cleanly without enough GPUs.
+is usable; ``gpu`` and ``multi_gpu(n)`` tests are skipped cleanly without enough GPUs. A
+GPU test declares its expected seconds on the GPU with ``gpu_seconds(n)`` (the GPU check's
+plan, :func:`gpu_seconds`; a test that starts processes bounds them with
+:func:`gpu_own_timeout`).
 ``fake_cupy`` runs nccltree's CUDA code on a fake of CuPy's layer (wiring only, never GPU
 verification; see ``tests/fakecupy``).
 
@@ -40,6 +43,35 @@ def gpu_count() -> int:
         return count()
     except nt.BackendUnavailable:
         return 0
+
+
+# -- GPU tests' declared durations (the GPU check's plan; bench/gpu_check.py) ---------------
+
+#: a GPU test's expected seconds on the check's GPU when it declares none
+#: (``@pytest.mark.gpu_seconds(n)``), and for a ``slow`` one
+GPU_SECONDS_DEFAULT = 0.25
+GPU_SECONDS_SLOW = 1.5
+#: the check stops a test after max(GPU_LIMIT_FLOOR, GPU_LIMIT_FACTOR x its seconds)
+GPU_LIMIT_FLOOR = 60.0
+GPU_LIMIT_FACTOR = 5.0
+#: a test's own waits (an mpiexec job's timeout) end this long before the check's limit,
+#: so the test fails first, cleanly, with the job's output
+GPU_OWN_MARGIN = 15.0
+
+
+def gpu_seconds(item: pytest.Item) -> float:
+    """A test's expected seconds on the GPU (its ``gpu_seconds`` marker, or the default)."""
+    m = item.get_closest_marker("gpu_seconds")
+    if m is not None and m.args:
+        return float(m.args[0])
+    return GPU_SECONDS_SLOW if item.get_closest_marker("slow") else GPU_SECONDS_DEFAULT
+
+
+def gpu_own_timeout(request: pytest.FixtureRequest) -> float:
+    """The timeout for the processes a GPU test starts: its limit in the GPU check less
+    ``GPU_OWN_MARGIN`` (the check's rule; bench/gpu_check.py's ``gpu_limit``)."""
+    limit = max(GPU_LIMIT_FLOOR, GPU_LIMIT_FACTOR * gpu_seconds(request.node))
+    return limit - GPU_OWN_MARGIN
 
 
 # Test-only libraries a GPU machine may lack (it gets nccltree's runtime dependencies and

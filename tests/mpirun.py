@@ -161,9 +161,37 @@ def run_mpi(
     full.setdefault("OPENBLAS_NUM_THREADS", "1")
     before = mpich_segments()
     try:
-        return subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, env=full, cwd=str(ROOT)
+        # a session of its own: at the timeout (or when the test is stopped) the whole
+        # job goes, mpiexec and every rank it started, not mpiexec alone
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=full,
+            cwd=str(ROOT),
+            start_new_session=True,
         )
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException:
+            _kill_session(proc)
+            raise
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     finally:
         if clean_mpich:
             remove_orphaned_mpich_segments(before)
+
+
+def _kill_session(proc: subprocess.Popen[str]) -> None:
+    """Kill ``proc``'s session (its process group: mpiexec and its ranks) and reap it."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass

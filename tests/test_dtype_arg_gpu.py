@@ -167,9 +167,9 @@ def test_fake_world_refuses_bad_combinations(fake_cupy: Any):
 
 @pytest.mark.parametrize("fake_cupy", [{"n_gpus": 3}], indirect=True)
 def test_fake_nccl_gets_ncclbfloat16(fake_cupy: Any):
-    """algorithm="nccl": the uint16 buffers go to NCCL as ncclBfloat16 (every reducing
-    collective, and the data movement ones), the fake reducing in float32 and rounding
-    once (wiring check)."""
+    """algorithm="nccl": the uint16 buffers go to NCCL as ncclBfloat16 in every reducing
+    collective, the fake reducing in float32 and rounding once; what NCCL only moves
+    (broadcast) goes as bytes, ncclUint8 and twice the count (wiring check)."""
     from cupy.cuda import nccl
 
     devs = nt.devices("gpu:0,1,2")
@@ -193,7 +193,10 @@ def test_fake_nccl_gets_ncclbfloat16(fake_cupy: Any):
                      if c.method in ("allReduce", "reduceScatter", "reduce", "broadcast")]  # fmt: skip
             assert {c.method for c in calls} == {"allReduce", "reduceScatter", "reduce",
                                                  "broadcast"}  # fmt: skip
-            assert all(c.datatype == nccl.NCCL_BFLOAT16 for c in calls), calls
+            reducing = [c for c in calls if c.method != "broadcast"]
+            assert all(c.datatype == nccl.NCCL_BFLOAT16 for c in reducing), calls
+            moved = {(c.datatype, c.count) for c in calls if c.method == "broadcast"}
+            assert moved == {(nccl.NCCL_UINT8, 2 * 96)}, calls
     finally:
         devs[0].runtime.shutdown()
 

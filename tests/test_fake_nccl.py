@@ -114,8 +114,12 @@ def test_every_collective_dtype_and_op_calls_nccl_right(
         for r, c in enumerate(calls):
             assert c.device == devs[r].physical_id
             assert c.sendbuf == xs[r].data.ptr and c.recvbuf == outs[r].data.ptr
-            assert c.count == count
-            assert c.datatype == getattr(nccl, f"NCCL_{np.dtype(dtype).name.upper()}")
+            if collective in ("broadcast", "all_gather"):
+                # only moved: bytes
+                assert (c.count, c.datatype) == (count * np.dtype(dtype).itemsize, nccl.NCCL_UINT8)
+            else:
+                assert c.count == count
+                assert c.datatype == getattr(nccl, f"NCCL_{np.dtype(dtype).name.upper()}")
             if collective in ("all_reduce", "reduce", "reduce_scatter"):
                 assert c.op == getattr(nccl, {"mean": "NCCL_AVG"}.get(op, f"NCCL_{op.upper()}"))
             if collective in ("reduce", "broadcast"):

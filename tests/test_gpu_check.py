@@ -65,11 +65,37 @@ def test_dry_run_passes_and_reports_from_the_json(tmp_path: Path) -> None:
     # the summary comes last
     tail = output.rstrip().splitlines()
     assert tail[-1].startswith("results: ")
-    assert any(line.startswith("nccltree GPU check: PASS") for line in tail[-40:])
+    assert any(line.startswith("nccltree GPU check: PASS") for line in tail[-60:])
     stages = res["stages"]
-    assert {k: v["status"] for k, v in stages.items()} == dict.fromkeys(
-        ("probe", "install", "topology", "tests", "sweep", "issue_cost", "process_groups"), "ok"
+    steps = ("probe", "install", "topology", "tests", "gpu_clean", "sweep", "bound",
+             "issue_cost", "process_groups")  # fmt: skip
+    assert {k: v["status"] for k, v in stages.items() if k != "nccl_one_gpu"} == dict.fromkeys(
+        steps, "ok"
     )
+    # NCCL across processes on one GPU is only attempted on a GPU: its commands are shown
+    assert stages["nccl_one_gpu"]["status"].startswith("not run (dry run")
+    assert all("NCCL_HOSTID" in c for c in stages["nccl_one_gpu"]["commands"])
+    # each stage ran within its share, and the GPU run's plan fits
+    assert set(res["timing"]) == {"core", "ipc", "rest"}
+    plan = res["plan_time"]
+    assert plan["ok"] and plan["total_s"] < 360
+    assert all(v["planned_s"] <= 0.7 * (v["end_s"] - v["from_s"]) for v in plan["parts"].values())
+    assert "planned time of a GPU run" in output
+    # the GPU tests of every stage were planned: the process groups' in ipc
+    assert any(k.startswith("tests") for k, _ in plan["parts"]["ipc"]["steps"])
+    # the bound: a copy rate, and both ratios for every out-of-place all_reduce (one memory)
+    bound = stages["bound"]
+    assert bound["copy"]["rate_gbs"] > 0
+    rows = []
+    for run in bound["runs"]:
+        rows += json.loads((tmp_path / run["json"]).read_text())["records"]
+    out_of_place = [r for r in rows if r["placement"] == "out-of-place"]
+    assert {r["devices"] for r in out_of_place} == {"cpu:1", "cpu:4"}
+    for r in out_of_place:
+        assert r["min_ratio"] > 0
+        if r["algorithm"] != "nccl":
+            assert r["own_ratio"] > 0 and r["bytes_moved"] >= r["min_bytes"] > 0
+    assert any(line.startswith("bound     ok: copy rate") for line in tail[-60:])
     # the process groups' benchmark ran (host groups in a dry run), every case checked, and
     # the ratio of each case to the in-process World is reported at the largest size
     pgs = stages["process_groups"]
@@ -77,7 +103,7 @@ def test_dry_run_passes_and_reports_from_the_json(tmp_path: Path) -> None:
     assert set(pgs["ratios"]) == {f"{a}/{k}" for a in ("tree", "ring", "direct")
                                   for k in ("sym", "user")}  # fmt: skip
     assert all(v > 0 for v in pgs["ratios"].values())
-    assert any(line.startswith("groups    ok:") for line in tail[-40:])
+    assert any(line.startswith("groups    ok:") for line in tail[-60:])
     counts = stages["tests"]["counts"]
     assert counts["passed"] >= 3 and counts["failed"] == 0
     # the GPU tests skip on the host backend, as expected in a dry run
@@ -204,7 +230,7 @@ def test_gpu_mode_counts_failures_skips_crashes_and_hangs(tmp_path: Path) -> Non
     out2 = tmp_path / "out2"
     prev = str(out / "gpu_check.json")
     rc, output, res2 = run_check(out2, *args, "--tests", str(tests), "--rerun-failed", prev)
-    planned = {t.split("::")[-1] for t in res2["plan"]["tests"]}
+    planned = {t.split("::")[-1] for t in res2["plan"]["tests"]["core"]}
     assert planned == {
         "test_fails",
         "test_gpu_skipped",
@@ -318,3 +344,133 @@ def test_modules_left_out_without_hypothesis_hold_no_gpu_tests():
     )  # fmt: skip
     assert res.returncode == 5, res.stdout + res.stderr  # 5: no tests selected
     assert "deselected" in res.stdout
+
+
+# -- the plan, the limits, the process tree, the bound ----------------------------------------
+
+
+def test_the_limits_and_defaults_are_the_conftests() -> None:
+    """A test's own waits end before the check's limit: both sides use one rule."""
+    import conftest
+
+    for name in ("GPU_SECONDS_DEFAULT", "GPU_SECONDS_SLOW", "GPU_LIMIT_FLOOR",
+                 "GPU_LIMIT_FACTOR"):  # fmt: skip
+        assert getattr(gpu_check, name) == getattr(conftest, name), name
+    assert gpu_check.gpu_limit(0.25) == 60.0 and gpu_check.gpu_limit(20) == 100.0
+
+
+def _tests(**parts: list[float]) -> list[dict[str, Any]]:
+    out = []
+    for part, seconds in parts.items():
+        for i, sec in enumerate(seconds):
+            out.append({"id": f"{part}{i}", "gpu": 1, "multi_gpu": 0, "mpi": int(part == "ipc"),
+                        "slow": int(part == "rest"), "gpu_seconds": sec})  # fmt: skip
+    return out
+
+
+def test_the_plan_puts_tests_in_their_stage_and_fails_a_stage_over_its_share(
+    tmp_path: Path,
+) -> None:
+    args = gpu_check.build_parser().parse_args(["--dry-run"])
+    check = gpu_check.Check(args, tmp_path, 120.0)
+    ok = check.plan_time(_tests(core=[0.25] * 100, ipc=[10, 10], rest=[1.5] * 4))
+    assert ok["ok"], ok
+    core = dict(ok["parts"]["core"]["steps"])
+    assert core["tests (100)"] == gpu_check.PLANNED["pytest_start"] + 25
+    assert dict(ok["parts"]["ipc"]["steps"]) == {"tests (2)": gpu_check.PLANNED["pytest_start"]
+                                                 + 20}  # fmt: skip
+    # the ipc stage's share is 22% of 360 s: 70% of it is 55.4 s
+    over = check.plan_time(_tests(core=[0.25], ipc=[30, 30]))
+    assert not over["ok"] and not over["parts"]["ipc"]["ok"] and over["parts"]["core"]["ok"]
+    # a multi_gpu(2) test skips on the one GPU of the plan: not its declared time
+    multi = _tests(ipc=[40])
+    multi[0]["multi_gpu"] = 2
+    assert check.plan_time(multi)["parts"]["ipc"]["ok"]
+
+
+@pytest.mark.subprocess
+def test_processes_left_by_a_killed_test_are_found_and_killed(tmp_path: Path) -> None:
+    """Whatever a test started, in a session of its own (as mpiexec's ranks), carries the
+    check's run token and is killed after the test's pytest process ends."""
+    args = gpu_check.build_parser().parse_args(["--dry-run"])
+    check = gpu_check.Check(args, tmp_path, 120.0)
+    env = {**check.env, gpu_check.RUN_ENV: check.token}
+    orphan = subprocess.Popen(["sleep", "120"], env=env, start_new_session=True)
+    other = subprocess.Popen(["sleep", "120"], start_new_session=True)  # not the check's
+    try:
+        killed = check.kill_leftovers()
+        assert [k.split()[0] for k in killed] == [str(orphan.pid)]
+        assert orphan.wait(10) == -signal.SIGKILL
+        assert other.poll() is None
+    finally:
+        for p in (orphan, other):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+@pytest.mark.mpi
+def test_an_mpi_job_past_its_timeout_goes_with_every_rank(tmp_path: Path) -> None:
+    """``run_mpi`` at its timeout kills the job's whole session: mpiexec, the ranks and
+    whatever they started. (MPICH's hydra, killed alone, takes its ranks down here too;
+    the session makes it so whatever the launcher does. What outlives a killed pytest
+    process is the check's to find: test_processes_left_by_a_killed_test...)"""
+    from tests.mpirun import mpiexec, run_mpi
+
+    if mpiexec() is None:
+        pytest.skip("needs mpiexec")
+    pids = tmp_path / "pids"
+    script = tmp_path / "sleeper.py"
+    # each rank starts a helper of its own (as a GPU test's rank may), then hangs
+    script.write_text(
+        "import os, subprocess, time\n"
+        "helper = subprocess.Popen(['sleep', '120'])\n"
+        f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n{{helper.pid}}\\n')\n"
+        "time.sleep(120)\n"
+    )
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_mpi(2, script, timeout=8, faults=True)  # MPICH cleans up nothing itself
+    ranks = [int(x) for x in pids.read_text().split()] if pids.exists() else []
+    assert len(ranks) == 4, ranks  # two ranks and their helpers
+    deadline = time.monotonic() + 10
+    alive = ranks
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in ranks if Path(f"/proc/{pid}").exists()
+                 and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]]  # fmt: skip
+        time.sleep(0.2)
+    assert not alive, f"ranks still running after the job's timeout: {alive}"
+
+
+def test_the_bound_on_the_fake(tmp_path: Path, fake_cupy: Any) -> None:
+    """Wiring check on tests/fakecupy (not GPU verification: the fake's copies take no
+    time, so its rate means nothing). The bound worker measures a copy rate on GPU 0 and
+    gives every all_reduce of one GPU its ratio to its own plan's bytes and to 2 N S;
+    nccl (no plan of ours) only the latter; ranks on several GPUs neither."""
+    base = {"collective": "all_reduce", "dtype": "float32", "time_us": 1000.0}
+    recs = [
+        {**base, "devices": "gpu:0,0,0,0", "algorithm": "tree", "placement": "out-of-place",
+         "size": 1 << 20, "count": 1 << 18, "ranks": 4},
+        {**base, "devices": "gpu:0,0,0,0", "algorithm": "ring", "placement": "in-place",
+         "size": 1 << 20, "count": 1 << 18, "ranks": 4},
+        {**base, "devices": "gpu:0", "algorithm": "nccl", "placement": "out-of-place",
+         "size": 1 << 20, "count": 1 << 18, "ranks": 1},
+        {**base, "devices": "gpu:0,1", "algorithm": "tree", "placement": "out-of-place",
+         "size": 1 << 20, "count": 1 << 18, "ranks": 2},
+        {**base, "collective": "broadcast", "devices": "gpu:0", "algorithm": "tree",
+         "placement": "out-of-place", "size": 1 << 20, "count": 1 << 18, "ranks": 1},
+    ]  # fmt: skip
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"records": recs}))
+    out = tmp_path / "bound.json"
+    assert gpu_check.bound_worker("gpu:0", 1 << 20, [sweep], out) == 0
+    got = json.loads(out.read_text())
+    rate = got["copy"]["rate_gbs"] * 1e9
+    assert rate > 0 and got["backend"] == "cuda"
+    tree, ring, nccl, two_gpus = got["records"]  # all_reduce only
+    assert tree["min_bytes"] == 2 * 4 * (1 << 20)
+    assert tree["min_ratio"] == pytest.approx(1e-3 / (tree["min_bytes"] / rate))
+    assert tree["own_ratio"] == pytest.approx(1e-3 / (tree["bytes_moved"] / rate))
+    assert tree["bytes_moved"] > tree["min_bytes"]  # a tree of 4 moves more than 2 N S
+    assert ring["own_ratio"] > 0 and "min_ratio" not in ring  # in place: own bound only
+    assert nccl["min_ratio"] > 0 and "own_ratio" not in nccl
+    assert "own_ratio" not in two_gpus and "min_ratio" not in two_gpus and two_gpus["note"]

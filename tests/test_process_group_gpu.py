@@ -27,11 +27,14 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import gpu_count
+from tests.conftest import gpu_count, gpu_own_timeout
 from tests.mpirun import needs_mpi, run_mpi
 
 HERE = Path(__file__).resolve().parent / "mpi"
 WORKER = HERE / "pg_gpu.py"
+#: how long a killed rank's shell outlives it in the GPU kill tests: long enough that the
+#: survivor must find the death itself (it does within a second), short for the GPU check
+KILLED_SHELL_S = 4
 
 
 def _nodes(*sizes: int) -> list[tuple[int, dict[str, str]]]:
@@ -97,12 +100,13 @@ def test_on_the_fake_every_collective_matches_numpy(name: str, tmp_path: Path) -
 
 
 BF16_FAKE = {
-    # name: (mpiexec parts, worker arguments, NCCL methods)
+    # name: (mpiexec parts, worker arguments, NCCL methods, NCCL datatypes: ncclBfloat16
+    # (9) for the reductions, ncclUint8 (1) for what is only moved)
     "one node, every algorithm": (
         3, ["--algorithms", "tree,ring,direct,nccl"],
-        ["allGather", "allReduce", "broadcast", "reduce", "reduceScatter"]),
-    "two nodes x two processes (NCCL send/recv of uint16 between nodes)": (
-        _nodes(2, 2), ["--algorithms", "tree,direct"], ["recv", "send"]),
+        ["allGather", "allReduce", "broadcast", "reduce", "reduceScatter"], {1, 9}),
+    "two nodes x two processes (NCCL send/recv of bytes between nodes)": (
+        _nodes(2, 2), ["--algorithms", "tree,direct"], ["recv", "send"], {1}),
 }  # fmt: skip
 
 
@@ -112,18 +116,16 @@ BF16_FAKE = {
 def test_on_the_fake_bfloat16_in_uint16_cupy_arrays(name: str, tmp_path: Path) -> None:
     """Wiring check on tests/fakecupy (not GPU verification): GPU groups take bfloat16 as
     uint16 CuPy arrays named ``dtype="bfloat16"`` on every collective and placement; the
-    values match numpy, and every NCCL call (the collectives of algorithm nccl, the
-    sends and receives between nodes) carries ncclBfloat16."""
-    parts, args, nccl = BF16_FAKE[name]
+    values match numpy; NCCL's reductions carry ncclBfloat16, and what NCCL only moves
+    (broadcast, all_gather, the sends and receives between nodes) goes as bytes."""
+    parts, args, nccl, datatypes = BF16_FAKE[name]
     reports, proc = _run(tmp_path, parts, "--fake", "4", "--dtypes", "bfloat16",
                          "--counts", "5,70001", *args, timeout=300)  # fmt: skip
     n = parts if isinstance(parts, int) else sum(p[0] for p in parts)
     _all_pass(reports, n, proc)
     for r in reports:
         assert r["nccl"] == nccl, r
-        # NCCL_BFLOAT16 for the data; besides it only NCCL_UINT8, the one-byte notes that
-        # stand in for empty messages between nodes
-        assert set(r["nccl_datatypes"]) - {1} == {9}, r
+        assert set(r["nccl_datatypes"]) == datatypes, r
 
 
 @pytest.mark.mpi
@@ -135,6 +137,36 @@ def test_on_the_fake_nccl_refuses_processes_sharing_a_gpu(tmp_path: Path) -> Non
                    timeout=120)  # fmt: skip
     assert proc.returncode != 0
     assert proc.stderr.count("needs one GPU per process") == 2, proc.stderr[-3000:]
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_on_the_fake_the_checks_nccl_on_one_gpu_attempt_gets_past_nccltrees_refusal(
+    tmp_path: Path,
+) -> None:
+    """Wiring check on tests/fakecupy (not GPU verification, and not evidence that NCCL
+    accepts it: only a GPU run can say). The GPU check's attempt at NCCL across two
+    processes on one GPU, with its environment (a distinct ``NCCL_HOSTID`` per process,
+    sockets over ``lo``, the test-only variable that lifts nccltree's own refusal): the
+    groups make their NCCL communicator and the collectives of algorithm nccl match numpy
+    (the fake, like NCCL 2.28, tells GPUs apart by host id and device)."""
+    from tests.conftest import bench_module
+
+    check = bench_module("gpu_check")
+    attempt = check.nccl_one_gpu_attempts("gpu:0", ["--fake", "4"])[0]
+    assert attempt["args"][:2] == ["--fake", "4"]
+    parts = [(1, {**check.NCCL_ONE_GPU_ENV, **env}) for env in attempt["procs"]]
+    assert len({env["NCCL_HOSTID"] for _, env in parts}) == 2
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_mpi(parts, attempt["worker"], *attempt["args"],
+                   env={"NCCLTREE_TEST_OUT": str(out)}, timeout=180)  # fmt: skip
+    reports = [json.loads(f.read_text()) for f in sorted(out.glob("*.json"))]
+    _all_pass(reports, 2, proc)
+    for r in reports:
+        assert "allReduce" in r["nccl"], r
+    argv = check.nccl_one_gpu_argv("mpiexec", attempt)
+    assert argv.count("NCCL_HOSTID") == 2 and argv.count(":") == 1
 
 
 @pytest.mark.mpi
@@ -288,54 +320,68 @@ def test_the_simulation_catches_a_bad_order() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.mpi
+@pytest.mark.gpu_seconds(15)
 @needs_mpi
-def test_gpu_two_processes_sharing_one_gpu_through_ipc(tmp_path: Path) -> None:
+def test_gpu_two_processes_sharing_one_gpu_through_ipc(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     """Two processes on GPU 0, CUDA IPC between them: tree, ring and direct, every
-    collective, against numpy."""
+    collective, against numpy (one element, an odd count and a million: the sizes that
+    take the paths apart; the GPU check's budget has room for three)."""
     if gpu_count() < 1:
         pytest.skip("needs a GPU")
-    reports, proc = _run(tmp_path, 2, "--devices", "gpu:0", "--counts", "1,1000,70001,1000003",
-                         timeout=400)  # fmt: skip
+    reports, proc = _run(tmp_path, 2, "--devices", "gpu:0", "--counts", "1,70001,1000003",
+                         timeout=gpu_own_timeout(request))  # fmt: skip
     _all_pass(reports, 2, proc)
 
 
 @pytest.mark.gpu
 @pytest.mark.mpi
+@pytest.mark.gpu_seconds(8)
 @needs_mpi
-def test_gpu_bfloat16_in_uint16_arrays_two_processes_sharing_one_gpu(tmp_path: Path) -> None:
+def test_gpu_bfloat16_in_uint16_arrays_two_processes_sharing_one_gpu(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     """bfloat16 as uint16 CuPy arrays named ``dtype="bfloat16"``, two processes on GPU 0
     (CUDA IPC): tree, ring and direct, every collective and placement, against numpy."""
     if gpu_count() < 1:
         pytest.skip("needs a GPU")
     reports, proc = _run(tmp_path, 2, "--devices", "gpu:0", "--dtypes", "bfloat16",
-                         "--counts", "1,1000,70001", timeout=300)  # fmt: skip
+                         "--counts", "1,70001", timeout=gpu_own_timeout(request))  # fmt: skip
     _all_pass(reports, 2, proc)
 
 
 @pytest.mark.gpu
 @pytest.mark.mpi
+@pytest.mark.gpu_seconds(4)
 @needs_mpi
-def test_gpu_a_killed_process_is_named(tmp_path: Path) -> None:
+def test_gpu_a_killed_process_is_named(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """The killed rank's shell stays a few seconds (the launcher does not see it go),
+    so the survivor must find the death itself: it names it and exits on its own."""
     if gpu_count() < 1:
         pytest.skip("needs a GPU")
-    parts = [(1, {}), (1, {}, "{cmd}; sleep 20")]
+    parts = [(1, {}), (1, {}, "{cmd}; sleep " + str(KILLED_SHELL_S))]
     _, proc = _run(tmp_path, parts, "--devices", "gpu:0", "--kill", "1", "--algorithms",
-                   "direct", faults=True, timeout=120)  # fmt: skip
+                   "direct", faults=True, timeout=gpu_own_timeout(request))  # fmt: skip
     lines = re.findall(r"nccltree: PeerFailure: rank 0: [^\n]*", proc.stderr)
     assert lines and "ranks [1]" in lines[0] and "died" in lines[0], proc.stderr[-3000:]
 
 
 @pytest.mark.multi_gpu
 @pytest.mark.mpi
+@pytest.mark.gpu_seconds(20)
 @needs_mpi
-def test_multi_gpu_nccl_across_processes_and_two_simulated_nodes(tmp_path: Path) -> None:
+def test_multi_gpu_nccl_across_processes_and_two_simulated_nodes(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     """NCCL needs one GPU per process: the nccl algorithm on two GPUs, and two simulated
     nodes of one process each (NCCL send/recv between them)."""
     if gpu_count() < 2:
         pytest.skip("needs two GPUs")
-    reports, proc = _run(tmp_path, 2, "--algorithms", "nccl,auto,tree,direct", timeout=400)
+    own = gpu_own_timeout(request) / 2
+    reports, proc = _run(tmp_path, 2, "--algorithms", "nccl,auto,tree,direct", timeout=own)
     _all_pass(reports, 2, proc)
-    reports, proc = _run(tmp_path, _nodes(1, 1), "--algorithms", "tree,ring", timeout=400)
+    reports, proc = _run(tmp_path, _nodes(1, 1), "--algorithms", "tree,ring", timeout=own)
     _all_pass(reports, 2, proc)
 
 
@@ -358,9 +404,10 @@ def test_on_the_fake_the_benchmark_runs_a_gpu_group(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.mpi
+@pytest.mark.gpu_seconds(8)
 @needs_mpi
 def test_gpu_training_over_two_processes_sharing_a_gpu_equals_one_process(
-    tmp_path: Path,
+    tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """``mpiexec -n 2 nccltree-train --devices gpu:0`` trains bitwise as one process on
     two logical ranks of GPU 0 (``gpu:0,0``) with the tree: the same plan over the same
@@ -378,7 +425,7 @@ def test_gpu_training_over_two_processes_sharing_a_gpu_equals_one_process(
     assert train.main([*common, "--devices", "gpu:0,0", "--out", str(ref)]) == 0
     out = tmp_path / "mpi"
     proc = run_mpi(2, ROOT / "tests" / "mpi" / "cli_main.py", "train", *common, "--devices",
-                   "gpu:0", "--out", str(out), timeout=300)  # fmt: skip
+                   "gpu:0", "--out", str(out), timeout=gpu_own_timeout(request))  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     a, b = np.load(ref / "final.npz"), np.load(out / "final.npz")
     assert sorted(a.files) == sorted(b.files)
@@ -444,16 +491,17 @@ def test_on_the_fake_a_process_killed_before_its_messages_is_named(tmp_path: Pat
 
 @pytest.mark.gpu
 @pytest.mark.mpi
+@pytest.mark.gpu_seconds(8)
 @needs_mpi
 def test_gpu_send_recv_and_all_to_all_v_between_processes_sharing_one_gpu(
-    tmp_path: Path,
+    tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """Two processes on GPU 0: send/recv, batches and all_to_all_v over CUDA IPC (NCCL
     refuses two ranks on one GPU), results against numpy, mismatches on both sides."""
     if gpu_count() < 1:
         pytest.skip("needs a GPU")
     reports, proc = _p2p_run(tmp_path, 2, "--devices", "gpu:0", "--big", str(1 << 22),
-                             timeout=300)  # fmt: skip
+                             timeout=gpu_own_timeout(request))  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert len(reports) == 2 and all(r["failures"] == [] for r in reports), reports
     assert all(r["p2p_within_node"] == 0 for r in reports), reports
@@ -461,13 +509,16 @@ def test_gpu_send_recv_and_all_to_all_v_between_processes_sharing_one_gpu(
 
 @pytest.mark.gpu
 @pytest.mark.mpi
+@pytest.mark.gpu_seconds(4)
 @needs_mpi
-def test_gpu_a_process_killed_before_its_messages_is_named(tmp_path: Path) -> None:
+def test_gpu_a_process_killed_before_its_messages_is_named(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     if gpu_count() < 1:
         pytest.skip("needs a GPU")
-    parts = [(1, {}), (1, {}, "{cmd}; sleep 20")]
+    parts = [(1, {}), (1, {}, "{cmd}; sleep " + str(KILLED_SHELL_S))]
     _, proc = _p2p_run(tmp_path, parts, "--devices", "gpu:0", "--kill", "1", faults=True,
-                       timeout=120)  # fmt: skip
+                       timeout=gpu_own_timeout(request))  # fmt: skip
     lines = re.findall(r"nccltree: PeerFailure: rank 0: [^\n]*", proc.stderr)
     assert lines and "ranks [1]" in lines[0] and "died" in lines[0], proc.stderr[-3000:]
 

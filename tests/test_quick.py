@@ -21,8 +21,8 @@ from conftest import (
     QUICK_SAMPLE,
     QuickRecord,
     collect_ignore,
-    quick_selection,
     deal_parts,
+    quick_selection,
     split_parts,
 )
 

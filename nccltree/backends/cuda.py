@@ -1,8 +1,10 @@
 """CUDA backend: CuPy arrays, ``cupy.cuda.Stream``/``Event``, peer access.
 
 The same interface as ``host.py`` (docstrings in ``base.py``). CuPy is imported on first use
-only. Every method enters ``cupy.cuda.Device(physical_id)`` itself, so a device works from
-any thread whatever that thread's current GPU is. Several logical devices may share one GPU
+only. Every method makes its GPU current itself where CUDA needs it (``cupy.cuda.Device``,
+at most once per operation; an event record or a stream wait needs none), so a device
+works from any thread whatever that thread's current GPU is. Several logical devices may
+share one GPU
 (``"gpu:0,0"``): each has its own streams, and copies between them are plain device copies.
 """
 
@@ -156,6 +158,11 @@ def _enable_peer(a: int, b: int) -> bool:
         return ok
 
 
+#: the handles of a GPU's default streams (legacy, per-thread): they mean "the current
+#: GPU's", so work on them needs the right GPU current; a created stream names its GPU
+_DEFAULT_STREAMS = (0, 1, 2)
+
+
 class CudaEvent(Event):
     """A ``cupy.cuda.Event(disable_timing=True)``, created on the device that records it.
 
@@ -172,13 +179,17 @@ class CudaEvent(Event):
     def record(self, stream: Stream) -> None:
         if not isinstance(stream, CudaStream):
             raise TypeError(f"a CUDA event records on a CUDA stream, got {stream!r}")
-        cp = _cupy()
         pid = stream.device.physical_id
-        with cp.cuda.Device(pid):
-            # an event belongs to the device it was created on: recreate it if needed
-            if self._ev is None or self._pid != pid:
-                self._ev = cp.cuda.Event(disable_timing=True)
-                self._pid = pid
+        if self._ev is None or self._pid != pid or stream._cs.ptr in _DEFAULT_STREAMS:
+            cp = _cupy()
+            with cp.cuda.Device(pid):
+                # an event belongs to the device it was created on: recreate it if needed
+                if self._ev is None or self._pid != pid:
+                    self._ev = cp.cuda.Event(disable_timing=True)
+                    self._pid = pid
+                self._ev.record(stream._cs)
+        else:
+            # a created stream names its GPU: recording needs no current device
             self._ev.record(stream._cs)
         self._error = stream._error
 
@@ -249,15 +260,40 @@ class CudaStream(Stream):
         dpid = c.dst_device.physical_id
         # -1: host memory or the stream's own GPU
         spid = -1 if c.src_device is None else c.src_device.physical_id
-        with self._on() as cp:
-            if nbytes == 0:
-                return
+        if nbytes == 0:
+            return
+        cp = _cupy()
+        # the stream's GPU current (not the stream: the copy names it), once per step
+        with cp.cuda.Device(self.device.physical_id):
             if spid >= 0 and spid != dpid:
                 cp.cuda.runtime.memcpyPeerAsync(dptr, dpid, sptr, spid, nbytes, self._cs.ptr)
             else:
                 cp.cuda.runtime.memcpyAsync(dptr, sptr, nbytes, _MEMCPY_DEFAULT, self._cs.ptr)
 
     def _reduce(self, r: ReduceArgs) -> None:
+        dst = r.dst
+        pid = self.device.physical_id
+        dpid = r.dst_device.physical_id
+        if (dpid == pid or _enable_peer(pid, dpid)) and all(
+            d.physical_id == pid or _enable_peer(pid, d.physical_id) for d in r.src_devices
+        ):
+            # every operand here or over peer access: one kernel (or a fold of them) on
+            # this stream; the kernel wrapper makes the GPU current, once
+            def launch(o: Array, ins: list[Array], a: float) -> None:
+                _k.reduce_n(o, ins, r.op, self._cs, alpha=a, dtype=r.dtype)
+
+            def scratch() -> Array:
+                with self._on() as cp:
+                    return cp.empty(dst.shape, dst.dtype)
+
+            srcs = list(r.srcs)
+            aliases = [i for i, s in enumerate(srcs) if _overlap(s, dst)]
+            run_fold(dst, srcs, r.alpha, aliases, launch, scratch)
+            return
+        self._reduce_staged(r)
+
+    def _reduce_staged(self, r: ReduceArgs) -> None:
+        """A reduction with an operand on a GPU this one cannot reach: staged copies."""
         dst = r.dst
         pid = self.device.physical_id
         dpid = r.dst_device.physical_id
@@ -292,12 +328,10 @@ class CudaStream(Stream):
                 )
 
     def _scale(self, x: Array, alpha: float, dtype: np.dtype | None = None) -> None:
-        with self._on():
-            _k.scale(x, alpha, self._cs, dtype=dtype)
+        _k.scale(x, alpha, self._cs, dtype=dtype)  # makes the stream's GPU current itself
 
     def _sgd_update(self, a: SgdArgs) -> None:
-        with self._on():
-            _k.sgd_update(*a, stream=self._cs)
+        _k.sgd_update(*a, stream=self._cs)
 
     def _call(self, fn: Callable[..., object], args: tuple[object, ...]) -> None:
         with self._on():
@@ -308,7 +342,12 @@ class CudaStream(Stream):
             raise TypeError(f"a CUDA stream waits on CUDA events, got {event!r}")
         if event._ev is None:
             return
-        with _cupy().cuda.Device(self.device.physical_id):
+        if self._cs.ptr in _DEFAULT_STREAMS:  # "the current GPU's default stream"
+            with _cupy().cuda.Device(self.device.physical_id):
+                self._cs.wait_event(event._ev)
+        else:
+            # cudaStreamWaitEvent on a created stream needs no current GPU (the event may
+            # be another GPU's)
             self._cs.wait_event(event._ev)
 
     def _synchronize(self, timeout: float) -> None:

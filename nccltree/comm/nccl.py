@@ -129,8 +129,14 @@ class NcclEngine:
         the order the collectives table gives for the method."""
         nccl = self.nccl
         coll = COLLECTIVES[prep.collective]
+        # A collective that only moves data (broadcast, all_gather, and the sends and
+        # receives of gather, scatter, all_to_all, sendrecv) moves bytes: ncclUint8 and
+        # the byte count, whatever the dtype. Only reductions name their datatype.
+        item = prep.dtype.itemsize
+        scale = 1 if coll.reduces else item
         try:
-            dtype = getattr(nccl, _DTYPES[prep.dtype.name])
+            name_of = _DTYPES[prep.dtype.name] if coll.reduces else "NCCL_UINT8"
+            dtype = getattr(nccl, name_of)
             # One rank: the mean is the sum (x / 1 == x, exactly). NCCL before 2.29.7 runs
             # its one-rank average as a kernel that leaves the last elements of a count
             # not divisible by its block count unwritten (NVIDIA/nccl#1950); the sum of
@@ -144,14 +150,13 @@ class NcclEngine:
         calls: list[tuple[Callable[..., None], tuple[object, ...]]] = []
         if coll.p2p is not None:
             # no NCCL call of its own: the table's sends and receives, in one group
-            item = prep.dtype.itemsize
             for r, comm in enumerate(self.comms):
                 me = self._rank_of(r)
                 bufs = {"in": data_ptr(prep.ins[r]), "out": data_ptr(prep.outs[r])}
                 for kind, peer, which, off, cnt in coll.p2p(
                     me, prep.count, self.size, prep.root, prep.in_place
                 ):
-                    args = (bufs[which] + off * item, cnt, dtype, peer, handles[r])
+                    args = (bufs[which] + off * item, cnt * scale, dtype, peer, handles[r])
                     calls.append((getattr(comm, kind), args))
             return calls
         method, names = coll.nccl
@@ -159,7 +164,7 @@ class NcclEngine:
             values = {
                 "send": data_ptr(prep.ins[r]),
                 "recv": data_ptr(prep.outs[r]),
-                "count": prep.count,
+                "count": prep.count * scale,
                 "dtype": dtype,
                 "op": op,
                 "root": prep.root,

@@ -332,6 +332,8 @@ class FakeCuda:
         #: CUDA IPC calls: ("export", base, size), ("open", pid, base, size, local base),
         #: ("close", ptr), ("export_event", event), ("open_event", pid, event, local)
         self.ipc_log: list[tuple[Any, ...]] = []
+        #: eventQuery calls per event handle (a host-side wait on a peer's event)
+        self.event_queries: dict[int, int] = {}
         #: an mpi4py communicator: NCCL communicators of more than one rank made with
         #: ``NcclCommunicator(n, uid, rank)`` then span the processes (cupy/cuda/nccl.py)
         self.mpi_comm: Any = None

@@ -175,9 +175,11 @@ if fake is not None:
         kinds[entry[0]] = kinds.get(entry[0], 0) + 1
     opened_events = {e[3] for e in fake.ipc_log if e[0] == "open_event"}
     report["ipc"] = kinds
+    # waits on the peers' events: on the host (eventQuery; the group's stream never
+    # waits on another process's event), or by a stream
     report["waits_on_peer_events"] = sum(
         1 for op in fake.ops if op.kind == "wait_event" and op.src in opened_events
-    )
+    ) + sum(fake.event_queries.get(e, 0) for e in opened_events)
     report["nccl"] = sorted({c.method for c in fake.nccl.calls})
     report["nccl_datatypes"] = sorted({int(c.datatype) for c in fake.nccl.calls})
     report["misuse"] = fake.misuse[:5]

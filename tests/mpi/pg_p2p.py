@@ -277,7 +277,7 @@ if fake is not None:
     opened = {e[3] for e in fake.ipc_log if e[0] == "open_event"}
     out["waits_on_peer_events"] = sum(
         1 for op in fake.ops if op.kind == "wait_event" and op.src in opened
-    )
+    ) + sum(fake.event_queries.get(e, 0) for e in opened)  # host-side waits (eventQuery)
 y = arr(np.ones(2))
 pg.all_reduce(y)  # and its collectives
 if not np.all(host(y) == n):

@@ -11,11 +11,15 @@ Ordering, in two modes (chosen per group, the same in every process):
 - ``events`` (every process on one node): each process records its one inter-process
   event (``cudaEventInterprocess``) on its stream after every run of steps, then moves its
   progress counter on (shared memory, as host groups do). A process that needs a peer's
-  progress waits for the counter on the host, then makes its stream wait on the peer's
-  event. ``cudaStreamWaitEvent`` takes the event's latest record, which may cover more of
-  the peer's work than needed: that is safe because a peer's work never depends on work a
-  process has not issued yet (every dependency between processes goes through a host
-  wait first).
+  progress waits for the counter on the host, then for the peer's event, also on the
+  host (``cudaEventQuery``, bounded by the group's timeout, checking the node's processes
+  while it waits), and only then issues the work that reads the peer's memory. Its stream
+  never waits on a peer's event: a peer that dies with its work pending leaves that event
+  incomplete for good, and a stream waiting on it (and the caller's stream after it)
+  would wait forever, where a host wait names the dead process. The query sees the
+  event's latest record, which may cover more of the peer's work than needed: that is
+  safe because a peer's work never depends on work a process has not issued yet (every
+  dependency between processes goes through a host wait first).
 - ``sync`` (several nodes): NCCL point-to-point operations enter the streams without a
   host wait, so a latest record could make a stream wait for work that depends on its own
   future. Each process therefore completes each run of steps (stream synchronisation)
@@ -29,7 +33,9 @@ Everything CUDA is reached through CuPy's ``cupy.cuda.runtime`` and ``cupy.cuda.
 
 from __future__ import annotations
 
+import mmap
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,7 +43,7 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from ..._errors import BackendUnavailable, CommError, CommTimeout
+from ..._errors import BackendUnavailable, CommError, CommTimeout, PeerFailure
 from ...backends.base import Array
 from ...backends.cuda import _cupy
 from ...topology import Link, LinkKind
@@ -55,6 +61,13 @@ if TYPE_CHECKING:
     from .schedule import Schedule
 
 _EVENT_FLAGS = 2 | 4  # cudaEventDisableTiming | cudaEventInterprocess
+_NOT_READY = 600  # cudaErrorNotReady
+_IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t
+#: Test-only: lets processes that share a GPU make an NCCL communicator, which nccltree
+#: refuses otherwise (NCCL refuses two ranks on one GPU unless each process claims its own
+#: host, ``NCCL_HOSTID``). The GPU check sets it to try NCCL across processes on one GPU;
+#: NVIDIA does not support that, and nothing outside the check should set it.
+SHARED_GPU_NCCL_ENV = "NCCLTREE_TEST_NCCL_SHARED_GPU"
 _SELF = Link(LinkKind.SELF)
 
 
@@ -165,12 +178,58 @@ class IpcEvent:
         """Make the stream ``stream_ptr`` wait for the event's latest record."""
         _cupy().cuda.runtime.streamWaitEvent(stream_ptr, self.ptr, 0)
 
+    def done(self) -> bool:
+        """Whether the event's latest record completed (``cudaEventQuery``); a failed one
+        raises ``CommError``."""
+        rt = _cupy().cuda.runtime
+        status = int(rt.eventQuery(self.ptr))
+        if status == 0:
+            return True
+        if status == _NOT_READY:
+            return False
+        raise CommError(f"a peer process's GPU work failed (CUDA error {status})")
+
     def close(self) -> None:
         if self._open:
             self._open = False
             cp = _cupy()
             with cp.cuda.Device(self.device.physical_id):
                 cp.cuda.runtime.eventDestroy(self.ptr)
+
+
+# -- the arenas' IPC handles, one per generation ------------------------------------------
+
+#: entries of a process's table of arena handles (in its control-block slot): generation g
+#: goes to entry g % ARENA_HANDLES. An arena's size at least doubles with each generation
+#: (from 64 KiB), so no GPU's memory holds enough generations for two to share an entry.
+ARENA_HANDLES = 32
+_HANDLE_ENTRY = 80  # the generation (int64), the size (int64), the 64-byte handle
+ARENA_TABLE_BYTES = ARENA_HANDLES * _HANDLE_ENTRY
+
+
+def put_arena_handle(buf: mmap.mmap, at: int, gen: int, size: int, handle: bytes) -> None:
+    """Publish generation ``gen`` of this process's arena (``size`` bytes, its IPC
+    ``handle``) in the table at ``at``: the generation goes in last, so a reader that
+    sees it sees the rest."""
+    e = at + (gen % ARENA_HANDLES) * _HANDLE_ENTRY
+    buf[e + 16 : e + 16 + len(handle)] = handle
+    buf[e + 8 : e + 16] = int(size).to_bytes(8, "little", signed=True)
+    buf[e : e + 8] = int(gen).to_bytes(8, "little", signed=True)
+
+
+def get_arena_handle(buf: mmap.mmap, at: int, gen: int) -> tuple[bytes, int]:
+    """(IPC handle, size) of generation ``gen`` of a peer's arena, from its table at
+    ``at``: the block of that generation, never a newer one the peer made since (its
+    call's data is in the generation it named)."""
+    e = at + (gen % ARENA_HANDLES) * _HANDLE_ENTRY
+    stamp = int.from_bytes(bytes(buf[e : e + 8]), "little", signed=True)
+    if stamp != gen:
+        raise CommError(
+            f"generation {gen} of a peer's GPU arena is not in its table (entry holds "
+            f"generation {stamp})"
+        )
+    size = int.from_bytes(bytes(buf[e + 8 : e + 16]), "little", signed=True)
+    return bytes(buf[e + 16 : e + 16 + _IPC_HANDLE_BYTES]), size
 
 
 # -- which GPU, and where it sits --------------------------------------------------------
@@ -246,41 +305,76 @@ def node_matrix(rows: Sequence[Sequence[Link]]) -> list[list[Link]]:
 # -- NCCL ----------------------------------------------------------------------------------
 
 
-def nccl_comm(comm: _MPI.Intracomm, rank_of: int, size: int, device: CudaDevice) -> object:
+def nccl_comm(
+    comm: _MPI.Intracomm,
+    rank_of: int,
+    size: int,
+    device: CudaDevice,
+    *,
+    timeout: float | None = None,
+    check_peers: Callable[[], None] | None = None,
+) -> object:
     """One NCCL communicator over the group: the unique id made by process 0 and
-    broadcast over MPI; every process joins with its rank (``rank_of``) on its GPU."""
+    broadcast over MPI; every process joins with its rank (``rank_of``) on its GPU.
+
+    ``ncclCommInitRank`` blocks until every rank joined, and CuPy offers no non-blocking
+    form: with ``timeout``, it runs in a helper thread while this one waits at most
+    ``timeout`` seconds, calling ``check_peers`` (which raises for a dead process) every
+    10 ms; past the timeout, ``CommTimeout`` (the helper stays blocked in NCCL, a daemon
+    thread that exits with the process)."""
     from ..nccl import _nccl_module
 
     nccl = _nccl_module()
     uid = nccl.get_unique_id() if comm.Get_rank() == 0 else None
     uid = comm.bcast(uid, root=0)
     cp = _cupy()
-    with cp.cuda.Device(device.physical_id):
+    made: list[object] = []
+    failed: list[BaseException] = []
+    done = threading.Event()
+
+    def init() -> None:
         try:
-            return nccl.NcclCommunicator(size, uid, rank_of)
-        except Exception as exc:  # NcclError, CUDARuntimeError
-            raise BackendUnavailable(
-                f"NCCL could not create the group's communicator (rank {rank_of} of {size} "
-                f"on GPU {device.physical_id}): {type(exc).__name__}: {exc}; NCCL needs one "
-                "GPU per process (two processes sharing a GPU can use the tree, ring or "
-                "direct algorithm, over CUDA IPC)"
-            ) from exc
+            with cp.cuda.Device(device.physical_id):
+                made.append(nccl.NcclCommunicator(size, uid, rank_of))
+        except BaseException as exc:  # noqa: BLE001 - raised in the waiting thread
+            failed.append(exc)
+        finally:
+            done.set()
+
+    if timeout is None:
+        init()
+    else:
+        threading.Thread(target=init, name="nccltree-nccl-init", daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not done.wait(0.01):
+            if check_peers is not None:
+                check_peers()
+            if time.monotonic() > deadline:
+                raise CommTimeout(
+                    f"rank {rank_of}: NCCL's communicator (ncclCommInitRank, {size} ranks, "
+                    f"GPU {device.physical_id}) was not made within {timeout:g} s: a "
+                    "process never joined it"
+                )
+    if failed:
+        exc = failed[0]
+        if isinstance(exc, (PeerFailure, CommTimeout)):
+            raise exc
+        raise BackendUnavailable(
+            f"NCCL could not create the group's communicator (rank {rank_of} of {size} "
+            f"on GPU {device.physical_id}): {type(exc).__name__}: {exc}; NCCL needs one "
+            "GPU per process (two processes sharing a GPU can use the tree, ring or "
+            "direct algorithm, over CUDA IPC)"
+        ) from exc
+    return made[0]
 
 
-def nccl_dtype(dtype: np.dtype) -> int:
-    """The NCCL datatype of a buffer that is only moved (sends and receives): a carrier
-    array as the dtype it carries (a uint16 CuPy array of bfloat16 bits as
-    ncclBfloat16; reductions name their dtype through the collective's ``dtype=``)."""
-    from ...backends.base import CARRIERS
-    from ..nccl import _DTYPES, _nccl_module
+def nccl_move(arr: Array) -> tuple[int, int]:
+    """(count, NCCL datatype) of a buffer that is only moved (a send or a receive): its
+    bytes, as ``ncclUint8``. NCCL moves bytes alike whatever they hold, so a plain move
+    needs no datatype of its own (bfloat16 and the other carried dtypes included)."""
+    from ..nccl import _nccl_module
 
-    carried = {c.name: d.name for d, c in CARRIERS.items()}
-    name = {**_DTYPES, "uint8": "NCCL_UINT8"}.get(
-        carried.get(np.dtype(dtype).name, np.dtype(dtype).name)
-    )
-    if name is None:
-        raise ValueError(f"NCCL carries no {np.dtype(dtype)}")
-    return int(getattr(_nccl_module(), name))
+    return int(arr.nbytes), int(_nccl_module().NCCL_UINT8)
 
 
 # -- the order of a process's work in sync mode ---------------------------------------------
@@ -371,10 +465,11 @@ class GpuSide:
         # process. Both judged from every process's answers, so all judge alike.
         self.ipc_problem: str | None = None
         self.nccl_ok = True
+        shared_ok = os.environ.get(SHARED_GPU_NCCL_ENV) == "1"  # test-only, see its note
         for node in range(pl.nodes):
             procs = [p for p in range(nprocs) if pl.node_of_proc[p] == node]
             gpus = {_bus_key(buses[p]) for p in procs}
-            if len(gpus) != len(procs):
+            if len(gpus) != len(procs) and not shared_ok:
                 self.nccl_ok = False
             blind = [p for p in procs if not info[p][0]]
             if len(gpus) > 1 and blind and self.ipc_problem is None:
@@ -468,13 +563,25 @@ class GpuSide:
                     self.peer_events[p] = IpcEvent(self.device, h)
         if self.sync_mode or algorithm == "nccl":
             self.ensure_nccl()  # needed from the first call on
-        elif self.nccl_ok:
-            # made now, while every process is here: send/recv need it between two
-            # processes only, and the creation is collective
+        elif self.nccl_ok and self.ipc_problem:
+            # send/recv within the node go over NCCL where IPC cannot reach the peers'
+            # GPUs, between two processes only: the (collective) creation cannot wait
+            # for them, it happens now, while every process is here
             try:
                 self.ensure_nccl()
             except BackendUnavailable as exc:
-                # no NCCL: auto takes the tree, ring or direct; send/recv say why
+                self.nccl_ok = False
+                self.nccl_missing = str(exc)
+        elif self.nccl_ok:
+            # One node: nothing needs NCCL unless a call chooses it (auto's large
+            # messages), and that call, made by every process in the same order, creates
+            # the communicator (ensure_nccl). Whether NCCL is there at all is known now,
+            # locally, so auto never chooses a NCCL that is missing.
+            from ..nccl import _nccl_module
+
+            try:
+                _nccl_module()
+            except BackendUnavailable as exc:
                 self.nccl_ok = False
                 self.nccl_missing = str(exc)
 
@@ -493,7 +600,8 @@ class GpuSide:
             from ..nccl import NcclEngine
 
             pl = self.ctx.placement
-            self.comm = nccl_comm(self.ctx.comm, pl.proc, pl.nprocs, self.device)
+            self.comm = nccl_comm(self.ctx.comm, pl.proc, pl.nprocs, self.device,
+                                  timeout=self.ctx.timeout, check_peers=self.ctx.check_peers)  # fmt: skip
             self.engine = NcclEngine([self.device], comms=[self.comm], size=pl.nprocs)
             self.engine.rank0 = pl.proc  # one rank per process: NCCL rank = group rank
         return self.engine
@@ -563,15 +671,41 @@ class GpuSide:
             self.event.record(self.stream_ptr)
 
     def after(self, procs: Sequence[int]) -> None:
-        """Events mode: the group's stream after the latest published work of ``procs``
-        (their host counters already say they published it)."""
+        """Events mode: what this process issues next comes after the latest published
+        work of ``procs`` (their host counters already say they published it): each one's
+        event completed, waited for on the host, bounded by the group's timeout and
+        watching the node's processes (a process that died with its work pending is
+        named; nothing on the GPU waits for its event)."""
         if self.sync_mode:
             return
-        sp = self.stream_ptr
         for p in procs:
             ev = self.peer_events.get(p)
-            if ev is not None:
-                ev.wait(sp)
+            if ev is not None and not ev.done():
+                self._wait_peer(ev, p)
+
+    def _wait_peer(self, ev: IpcEvent, proc: int) -> None:
+        ctx = self.ctx
+        start = time.monotonic()
+        deadline = start + ctx.timeout
+        last = start
+        spin_until = start + 1e-4  # the first 100 us: the peer's work is often just ending
+        pause = 2e-5
+        while not ev.done():
+            now = time.monotonic()
+            if now < spin_until:
+                continue
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+            now = time.monotonic()
+            if now - last >= 0.01:
+                last = now
+                ctx.check_peers()
+                if now > deadline:
+                    raise CommTimeout(
+                        f"rank {ctx.placement.rank}: the GPU work process {proc} published "
+                        f"for collective #{ctx.life.seq} did not finish within "
+                        f"{ctx.timeout:g} s"
+                    )
 
     def wait_stream(self) -> None:
         """The group's stream finished, bounded by the timeout, checking the node's
@@ -614,7 +748,7 @@ class GpuSide:
         assert self.comm is not None
         fn = getattr(self.comm, method)
         try:
-            fn(data_ptr(arr), int(arr.size), nccl_dtype(arr.dtype), proc, self.stream_ptr)
+            fn(data_ptr(arr), *nccl_move(arr), proc, self.stream_ptr)
         except Exception as exc:  # NcclError, CUDARuntimeError
             raise CommError(
                 f"rank {self.ctx.placement.rank}: NCCL {method} {'to' if method == 'send' else 'from'} "

@@ -8,9 +8,9 @@ death: every other one reports the same), then one slot per process: its counter
 (arrivals, progress, node syncs), its process id, its secret (the unguessable part of
 its segments' names derives from it: :func:`.shm.name_part`), the generation and size
 of its arena, the descriptor of its current call (by call parity: the signature and
-where its ranks' buffers are), and on GPU groups the IPC handles of its arena and newest
-symmetric buffer; after the slots, the point-to-point mailboxes
-(:class:`~.p2p.Mailboxes`).
+where its ranks' buffers are), and on GPU groups the IPC handles of its arena (one per
+generation) and of its newest symmetric buffer; after the slots, the point-to-point
+mailboxes (:class:`~.p2p.Mailboxes`).
 
 Each process's **arena** (a segment it creates, or GPU memory exported through CUDA IPC)
 holds its mirrors and scratch; it grows by a new generation, which the node's other
@@ -45,7 +45,7 @@ import numpy as np
 from ... import _native
 from ..._errors import CommError, PeerFailure
 from ...backends.base import data_ptr
-from .gpu import DeviceBlock, PeerBlock
+from .gpu import ARENA_TABLE_BYTES, DeviceBlock, PeerBlock, get_arena_handle, put_arena_handle
 from .p2p import Mailboxes, mailbox_bytes
 from .shm import (
     SHM_DIR,
@@ -79,12 +79,13 @@ _SLOT = 8192
 _ARRIVE, _PROGRESS, _ACK, _SYNC = 0, 8, 16, 24  # counters (8 bytes each)
 _PID, _ARENA_GEN, _ARENA_SIZE = 32, 40, 48  # int64
 _DESC = (128, 2112)  # descriptor, by call parity
-_IPC_ARENA = 4096  # GPU groups: the IPC handle of the process's arena (64 bytes)
 _IPC_HEAP = 4160  # ... of its newest symmetric buffer (pg.empty), and that one's size
 _IPC_HEAP_SIZE = 4224
 _IPC_BYTES = 64
 _SECRET, SECRET_BYTES = 4352, 32  # names of the process's segments derive from it
 _ARENA_MADE = 4384  # the newest generation of its arena created (maybe not yet published)
+_IPC_ARENAS = 4416  # GPU groups: the arena's handle per generation (gpu.put_arena_handle)
+assert _IPC_ARENAS + ARENA_TABLE_BYTES <= _SLOT
 SIG_BYTES = 512
 MAX_LOCAL_RANKS = 16
 _DESC_LOC = SIG_BYTES + 16  # offset of the buffer locations in a descriptor
@@ -260,8 +261,7 @@ class NodeMemory:
             self.arenas[me] = blk
             self.arena_gen[me] = gen
             self.slot_i64(me, _ARENA_SIZE)[0] = size
-            at = self._ipc_at(me, _IPC_ARENA)
-            self.ctl.buf[at : at + _IPC_BYTES] = blk.handle
+            put_arena_handle(self.ctl.buf, self._ipc_at(me, _IPC_ARENAS), gen, size, blk.handle)
             return
         self.slot_i64(me, _ARENA_MADE)[0] = gen  # first: a failing peer unlinks its name
         seg = Segment.create(segment_name(self.placement.job, f"arena{gen}", self.secret), size)
@@ -297,9 +297,8 @@ class NodeMemory:
                     self.gpu.wait_stream()  # this process's GPU may still read it
                 old.close()
             if self.gpu is not None:
-                at = self._ipc_at(q, _IPC_ARENA)
-                handle = bytes(self.ctl.buf[at : at + _IPC_BYTES])
-                size = int(self.slot_i64(q, _ARENA_SIZE)[0])
+                # the block of the generation q named, not q's newest
+                handle, size = get_arena_handle(self.ctl.buf, self._ipc_at(q, _IPC_ARENAS), gen)
                 self.arenas[q] = PeerBlock(self.gpu.device, self.gpu.owner_ordinal(q), handle, size)
             else:
                 try:

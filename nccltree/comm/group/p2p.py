@@ -285,13 +285,13 @@ class GroupP2p:
             pass  # moved at the end of the batch
         elif self.ctx.core.gpu is not None:
             from ..nccl import stream_handle
-            from .gpu import nccl_dtype
+            from .gpu import nccl_move
 
             if self.ctx.core.gpu.engine is None:
                 self.ctx.core.gpu.ensure_nccl()  # raises why there is none (made at bootstrap)
 
             caller = stream if stream is not None else self.ctx.device.current_stream()
-            args = (data_ptr(arr), int(arr.size), nccl_dtype(arr.dtype), peer,
+            args = (data_ptr(arr), *nccl_move(arr), peer,
                     stream_handle(caller))  # fmt: skip
             op.call = (kind, args)
         else:

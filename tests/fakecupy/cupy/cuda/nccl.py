@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,6 +168,8 @@ class NcclState:
         self.fail_init: int = 0
         self.aborted: list[tuple[int, int]] = []  # (clique, rank) in abort order
         self.destroyed: list[tuple[int, int]] = []
+        self.init_gates: list[threading.Event] = []  # inits blocked by hang_next_init
+        self._hang_init = False
 
     def hang_next_call(self, rank: int) -> None:
         """The next NCCL call of rank ``rank`` (any clique) never completes: its stream stays
@@ -181,6 +185,19 @@ class NcclState:
     def fail_next_init(self, status: int = ncclSystemError) -> None:
         """The next ``initAll`` or ``NcclCommunicator(...)`` raises ``NcclError(status)``."""
         self.fail_init = status
+
+    def hang_next_init(self) -> Callable[[], None]:
+        """The next ``NcclCommunicator(...)`` blocks, as ``ncclCommInitRank`` does while a
+        rank never joins, until the returned function (or :meth:`release_inits`) is
+        called; it then raises ``NcclError(ncclSystemError)`` (the init was given up)."""
+        self._hang_init = True
+        gate = threading.Event()
+        self.init_gates.append(gate)
+        return gate.set
+
+    def release_inits(self) -> None:
+        for gate in self.init_gates:
+            gate.set()
 
     def calls_of(self, method: str) -> list[NcclCall]:
         return [c for c in self.calls if c.method == method]
@@ -199,6 +216,15 @@ def _take_init_failure() -> None:
     if st.fail_init:
         status, st.fail_init = st.fail_init, 0
         raise NcclError(status)
+
+
+def _take_init_hang() -> None:
+    st = _state()
+    if st._hang_init:
+        st._hang_init = False
+        gate = st.init_gates[-1]
+        gate.wait(600)  # a blocked ncclCommInitRank; released by the test
+        raise NcclError(ncclSystemError)
 
 
 # -- groups ------------------------------------------------------------------------------
@@ -245,6 +271,7 @@ class NcclCommunicator:
         if len(commId) != NCCL_UNIQUE_ID_BYTES:
             raise ValueError(f"commId length {len(commId)} != {NCCL_UNIQUE_ID_BYTES}.")
         _take_init_failure()
+        _take_init_hang()
         st = _state()
         if n < 1 or not 0 <= r < n:
             raise NcclError(ncclInvalidArgument)
@@ -268,8 +295,10 @@ class NcclCommunicator:
         (a sub-group's): they find each other through files named after the unique id,
         then make an MPI communicator of just them (MPI_Comm_create_group)."""
         mpi = _members_comm(fake.mpi_comm, n, uid, r)
-        # a GPU is (its machine, its number): NCCL's "Duplicate GPU detected"
-        host = os.environ.get("NCCLTREE_NODE") or os.uname().nodename
+        # a GPU is (its machine, its number): NCCL's "Duplicate GPU detected". NCCL
+        # (2.28) takes the machine's identity from NCCL_HOSTID where it is set.
+        host = (os.environ.get("NCCL_HOSTID") or os.environ.get("NCCLTREE_NODE")
+                or os.uname().nodename)  # fmt: skip
         got = mpi.allgather((r, uid, (host, fake.tls.device)))
         ranks = sorted(x[0] for x in got)
         gpus = [x[2] for x in got]

@@ -543,6 +543,7 @@ def eventQuery(event: int) -> int:
     f = _fake()
     p = as_intptr(event, "event")
     with f.lock:
+        f.event_queries[p] = f.event_queries.get(p, 0) + 1
         try:
             return f.event(p).status(f)
         except CUDARuntimeError as exc:

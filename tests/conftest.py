@@ -21,6 +21,7 @@ import importlib.util
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -216,6 +217,15 @@ def quick_selection(tests: Iterable[QuickRecord]) -> list[QuickRecord]:
     return [t for t in tests if t.nodeid in keep]
 
 
+def _sigint_default() -> None:
+    # a shell without job control starts its background commands with SIGINT ignored
+    # (./dev test runs one part in the background), and an ignored signal is inherited
+    # by every process started: the tests that send Ctrl-C to a child would wait for
+    # ever. Python's own handler here; a child then starts with the default again.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     records = [QuickRecord.of(i) for i in items]
     if config.getoption("quick"):
@@ -373,6 +383,7 @@ _LEFTOVERS = pytest.StashKey[Leftovers]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _sigint_default()
     config.stash[_LEFTOVERS] = Leftovers.start()
 
 

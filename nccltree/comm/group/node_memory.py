@@ -270,7 +270,11 @@ class NodeMemory:
         self.arenas[me] = seg
         self.arena_gen[me] = gen
         self.slot_i64(me, _ARENA_SIZE)[0] = size
-        if len(self.placement.node_procs) > 1:
+        # a peer that failed meanwhile may have swept the node's names before this one
+        # existed: nobody will map it now. (Its claim, an atomic add, comes before its
+        # sweep; here the creating system calls come between the generation written
+        # above and the claim read: one of the two sees the other.)
+        if len(self.placement.node_procs) > 1 and not self._claim.value:
             self.pending_unlink.append((seg, gen))
         else:
             seg.unlink()

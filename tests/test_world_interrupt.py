@@ -71,11 +71,16 @@ def test_ctrl_c_in_a_loop_of_all_reduces_exits_130_with_a_keyboard_interrupt(tmp
     proc = subprocess.Popen(
         [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "ready"
-    time.sleep(0.5)
-    os.kill(proc.pid, signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(0.5)
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # never left behind, whatever failed
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == 130, err
     assert "caught KeyboardInterrupt" in out
     assert "CommError" not in err

@@ -684,15 +684,37 @@ class GpuSide:
                 self._wait_peer(ev, p)
 
     def _wait_peer(self, ev: IpcEvent, proc: int) -> None:
+        self._poll(
+            ev.done,
+            f"the GPU work process {proc} published for collective #{self.ctx.life.seq} did "
+            f"not finish",
+            spin=1e-4,  # the first 100 us: the peer's work is often just ending
+        )
+
+    def wait_stream(self) -> None:
+        """The group's stream finished, bounded by the timeout, checking the node's
+        processes while it waits."""
+        st = self.stream
+        if st.query():
+            return
+        self._poll(
+            st.query,
+            f"the GPU work of collective #{self.ctx.life.seq} did not finish",
+            why=" (a peer's message never came?)",
+        )
+
+    def _poll(self, done: Callable[[], bool], what: str, spin: float = 0.0,
+              why: str = "") -> None:  # fmt: skip
+        """Until ``done()``: a short spin, then sleeps growing to 1 ms, the node's
+        processes checked every 10 ms; ``CommTimeout`` naming ``what`` after the
+        timeout."""
         ctx = self.ctx
         start = time.monotonic()
         deadline = start + ctx.timeout
         last = start
-        spin_until = start + 1e-4  # the first 100 us: the peer's work is often just ending
         pause = 2e-5
-        while not ev.done():
-            now = time.monotonic()
-            if now < spin_until:
+        while not done():
+            if time.monotonic() < start + spin:
                 continue
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
@@ -702,33 +724,7 @@ class GpuSide:
                 ctx.check_peers()
                 if now > deadline:
                     raise CommTimeout(
-                        f"rank {ctx.placement.rank}: the GPU work process {proc} published "
-                        f"for collective #{ctx.life.seq} did not finish within "
-                        f"{ctx.timeout:g} s"
-                    )
-
-    def wait_stream(self) -> None:
-        """The group's stream finished, bounded by the timeout, checking the node's
-        processes while it waits."""
-        ctx = self.ctx
-        st = self.stream
-        if st.query():
-            return
-        deadline = time.monotonic() + ctx.timeout
-        pause = 2e-5
-        last = time.monotonic()
-        while not st.query():
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-            now = time.monotonic()
-            if now - last >= 0.01:
-                last = now
-                ctx.check_peers()
-                if now > deadline:
-                    raise CommTimeout(
-                        f"rank {ctx.placement.rank}: the GPU work of collective "
-                        f"#{ctx.life.seq} did not finish within {ctx.timeout:g} s (a peer's "
-                        "message never came?)"
+                        f"rank {ctx.placement.rank}: {what} within {ctx.timeout:g} s{why}"
                     )
 
     # -- NCCL point-to-point (sync mode) ---------------------------------------------------------

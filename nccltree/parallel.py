@@ -676,6 +676,13 @@ class DataParallel:
     ``grad_hook(rank, iteration, params)`` runs on every rank after the backward pass and
     before the wait for the gradients' communication (tests inject faults with it).
 
+    ``iter_size`` (Caffe's ``iter_size``, gradient accumulation): each iteration, every
+    rank runs forward and backward over its next ``iter_size`` batches and the solver
+    applies the mean of their gradients (communicated once, after the last pass); the
+    reported loss is the mean of the passes' losses. ``iter_size`` k with batch b is the
+    computation of batch k*b up to floating-point summation order. ``clip_gradients``
+    keeps Caffe's meaning (the norm of the passes' summed gradient).
+
     ``group`` (a :class:`~nccltree.comm.group.ProcessGroup`) trains over several
     processes: ``devices`` are this process's ranks' (``group.devices``), the collectives
     are the group's (its algorithm; ``algorithm`` is ignored), the data source serves this
@@ -706,6 +713,7 @@ class DataParallel:
         group: ProcessGroup | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         comm_hook: str | None = None,
+        iter_size: int = 1,
         **sgd: Any,
     ) -> None:
         from .backends import devices as make_devices
@@ -733,6 +741,12 @@ class DataParallel:
         if grad_hook is not None and not callable(grad_hook):
             raise TypeError("grad_hook must be callable(rank, iteration, params)")
         bucket_bytes = check_int(bucket_bytes, "bucket_bytes", min=0)
+        self.iter_size = check_int(iter_size, "iter_size", min=1)
+        clip = sgd.get("clip_gradients")
+        if clip is not None and self.iter_size > 1:
+            # Caffe clips the sum of the iter_size passes' gradients; the solver here sees
+            # their mean: the same rule with the threshold divided by iter_size
+            sgd["clip_gradients"] = check_real(clip, "clip_gradients", min=0.0) / self.iter_size
         if comm_hook is not None and comm_hook not in COMM_HOOKS:
             raise ValueError(
                 f"comm_hook must be None or one of {', '.join(COMM_HOOKS)}; got {comm_hook!r}"
@@ -786,6 +800,10 @@ class DataParallel:
             else:
                 self._wires = [d.zeros((size,), np.float16) for d in devices]
         self.solvers = [SGD(p, **sgd) for p in self.params]
+        # iter_size > 1: each rank's sum of its passes' gradients
+        self._accumulators: list[Any] = (
+            [p.xp.zeros(p.size, p.dtype) for p in self.params] if self.iter_size > 1 else []
+        )
         # Only rank 0 initialises; the first broadcast of fit makes the replicas equal.
         model.init(self.params[0], seed=seed)
         self.position: int | None = None  # data position of the next iteration, if known
@@ -1095,23 +1113,53 @@ class DataParallel:
         params, solver = self.params[rank], self.solvers[rank]
         it, comm_before, exposed_before = solver.iter, solver.callback_s, solver.gradients_ready_s
         ready = solver.gradient_ready if solver.takes_gradients else None
+        k = self.iter_size
         t0 = time.perf_counter()
-        with _next_batch(run.data, rank, run, stoppable=comm is None) as batch:
-            x, y = batch
-            n_local, batch_pos = len(y), batch.position
-            lr = solver.learning_rate()
+        stop = comm is None  # over a group the ranks stop where they agree to
+        first = _next_batch(run.data, rank, run, stoppable=stop)
+        lr = solver.learning_rate()
+        n_local, batch_pos = 0, None
 
-            def gradients() -> float:
-                if ready is None:
+        def one_pass(batch: RankBatch) -> float:
+            """Forward and backward over one of the rank's batches."""
+            nonlocal n_local, batch_pos
+            with batch:
+                x, y = batch
+                n_local, batch_pos = n_local + len(y), batch.position
+                if ready is None or k > 1:
                     loss = self.model.loss_and_grad(params, x, y)
                 else:
                     loss = self.model.loss_and_grad(params, x, y, ready=ready)
                 batch.release()  # the reader may refill the buffer during communication
-                run.losses[rank][it % 2] = loss
-                if self.grad_hook is not None:
-                    self.grad_hook(rank, it, params)
-                return loss
+            return loss
 
+        def gradients() -> float:
+            if k == 1:
+                loss = one_pass(first)
+            else:
+                # Caffe's Solver::Step: iter_size forward/backward passes accumulate
+                # their gradients; their mean is communicated and applied once
+                acc = self._accumulators[rank]
+                losses = []
+                for j in range(k):
+                    batch = first if j == 0 else _next_batch(run.data, rank, run, stoppable=stop)
+                    losses.append(one_pass(batch))
+                    if j == 0:
+                        acc[...] = params.grad
+                    else:
+                        acc += params.grad
+                params.grad[...] = acc
+                params.grad *= params.grad.dtype.type(1.0 / k)
+                loss = math.fsum(losses) / k
+                if ready is not None:  # every gradient is final now, in backward order
+                    for name in self.model.gradient_order():
+                        ready(name)
+            run.losses[rank][it % 2] = loss
+            if self.grad_hook is not None:
+                self.grad_hook(rank, it, params)
+            return loss
+
+        with first:
             loss = solver.iteration(gradients, update=update)
         step_s = time.perf_counter() - t0
         comm_s = solver.callback_s - comm_before
@@ -1123,7 +1171,7 @@ class DataParallel:
         losses = self._agree(comm, loss, run) if comm is not None else None
         if rank != 0:
             return
-        round_size = run.data.round_size
+        round_size = run.data.round_size * self.iter_size
         if losses is not None:
             mean_loss = math.fsum(losses) / self.size
             examples = round_size
@@ -1132,8 +1180,8 @@ class DataParallel:
             examples = round_size
         else:
             mean_loss, examples = loss, n_local * self.size
-        if batch_pos is not None:
-            self.position = batch_pos + round_size
+        if batch_pos is not None:  # after the last of the iteration's batches
+            self.position = batch_pos + run.data.round_size
         result.losses.append(mean_loss)
         result.step_times.append(step_s)
         result.comm_times.append(comm_s)

@@ -111,7 +111,12 @@ class SGD:
         sigmoid    lr / (1 + exp(-gamma * (iter - stepsize)))
 
     A policy's parameters are required (ValueError names the missing ones); parameters
-    it does not use are ignored. ``callbacks`` are SolverCallback objects, run in order
+    it does not use are ignored.
+
+    ``clip_gradients`` (Caffe's ``clip_gradients``; None: off): before the update, when
+    the L2 norm of the whole gradient exceeds it, every gradient is scaled by
+    ``clip_gradients / norm`` (Caffe's ``SGDSolver::ClipGradients``; the norm is summed in
+    float64, Caffe sums it in the parameters' dtype). ``callbacks`` are SolverCallback objects, run in order
     by :meth:`iteration`; :attr:`callback_s` is the time spent inside them, of which
     :attr:`gradients_ready_s` inside ``on_gradients_ready`` (from the end of the backward
     pass to the update: the communication the backward pass did not hide).
@@ -135,6 +140,7 @@ class SGD:
         stepsize: int | None = None,
         stepvalue: Sequence[int] | None = None,
         max_iter: int | None = None,
+        clip_gradients: float | None = None,
         callbacks: Iterable[SolverCallback] = (),
         check_finite: bool = True,
     ) -> None:
@@ -170,8 +176,12 @@ class SGD:
         self.stepsize = None if stepsize is None else check_int(stepsize, "stepsize", min=1)
         self.max_iter = None if max_iter is None else check_int(max_iter, "max_iter", min=1)
         self.stepvalue = None if stepvalue is None else self._check_stepvalue(stepvalue)
+        self.clip_gradients = (
+            None if clip_gradients is None else check_real(clip_gradients, "clip_gradients", min=0.0)
+        )
 
         self.check_finite = bool(check_finite)
+        self.last_grad_norm: float | None = None  # before clipping, with clip_gradients
         self.iter = 0
         self.history = self._zeros_like_data()
         # Seconds spent inside the callbacks' hooks, over the solver's life: for a
@@ -255,10 +265,22 @@ class SGD:
         The kernel may overwrite ``params.grad`` (Caffe leaves the update value there).
         """
         p = self.params
+        if self.clip_gradients is not None:
+            self._clip(p.grad, self.clip_gradients)
         self._kernel(
             p.data, p.grad, self.history, self.learning_rate(), self.momentum, self.weight_decay
         )
         self.iter += 1
+
+    def _clip(self, grad: Any, clip: float) -> None:
+        """Caffe's rule: scale every gradient by ``clip / norm`` when the L2 norm of
+        them all is above ``clip``. The squares are summed in float64 by numpy's pairwise
+        sum (the same on every rank and every run, whatever the BLAS threads)."""
+        xp = self.params.xp
+        norm = math.sqrt(float(xp.square(grad, dtype=xp.float64).sum()))
+        if norm > clip:
+            grad *= grad.dtype.type(clip / norm)
+        self.last_grad_norm = norm
 
     def add_callback(self, callback: SolverCallback) -> None:
         """Append a callback; it runs after those added before it."""

@@ -47,6 +47,7 @@ class SolverConfig:
     stepsize: int | None = None
     stepvalue: tuple[int, ...] | None = None
     max_iter: int | None = None
+    clip_gradients: float | None = None  # Caffe's: scale gradients to this L2 norm
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class DriverConfig:
     seed: int = 0
     timeout: float = 60.0
     blas_threads: int | None = None
+    iter_size: int = 1  # Caffe's iter_size: batches accumulated per iteration
 
 
 @dataclass(frozen=True)
@@ -245,6 +247,8 @@ def build_training(
                 stepsize=s.stepsize,
                 stepvalue=s.stepvalue,
                 max_iter=s.max_iter,
+                clip_gradients=s.clip_gradients,
+                iter_size=cfg.iter_size,
                 group=group,
             )
         )

@@ -5,6 +5,10 @@ nccltree-data info DB [--verify]           records, format, shape, dtype, labels
                                            --verify reads every record, lists the bad ones
 nccltree-data make synthetic OUT_DB ...    a seeded learnable task of any size
 nccltree-data make digits OUT_DB           scikit-learn's 8x8 digits (needs scikit-learn)
+nccltree-data convert-imageset ROOT LIST OUT_DB   Caffe's convert_imageset: images named
+                                           by a list file -> Caffe Datum LMDB (needs Pillow)
+nccltree-data mean DB OUT                  Caffe's compute_image_mean: OUT.binaryproto
+                                           (a BlobProto) or OUT.npy
 
 Exit statuses as in :mod:`nccltree.cli._common`: 2 when an input does not exist or does not
 hold what the flags name, the output is already there (without ``--overwrite``) or a
@@ -21,7 +25,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -127,6 +131,85 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode encoded Datum images as 1 channel, as Caffe's force_gray (default: "
         "each image keeps its channels, as Caffe's default decoding)",
     )
+
+    p = sub.add_parser(
+        "convert-imageset",
+        help="Caffe's convert_imageset: images named by a list file -> Datum database",
+        description="Read ROOT + path for each 'path label' line of LISTFILE and write "
+        "a Caffe Datum database, as Caffe's convert_imageset: images in BGR order, 3 "
+        "channels (1 with --gray), keys %%08d_path, resized with OpenCV's INTER_LINEAR "
+        "rule when both --resize-height and --resize-width are set. An image that cannot "
+        "be read is skipped with its line number, as Caffe skips it; a line without an "
+        "integer label is refused before anything is written. Written all or nothing "
+        "(needs Pillow).",
+    )
+    p.add_argument("root", metavar="ROOT", help="folder the list's paths are relative to "
+                   "(joined as written, as Caffe does: end it with /)")  # fmt: skip
+    p.add_argument("listfile", metavar="LISTFILE", help="lines of 'relative/path label'")
+    p.add_argument("out_db", metavar="OUT_DB", help="LMDB environment directory to create")
+    for caffe, ours, what in (
+        ("resize_height", "--resize-height", "height"),
+        ("resize_width", "--resize-width", "width"),
+    ):
+        p.add_argument(
+            ours,
+            f"--{caffe}",
+            dest=caffe,
+            type=_nonnegative,
+            default=0,
+            metavar="N",
+            help=f"resize every image to this {what} (with the other one; 0: keep sizes) "
+            "(default: 0)",
+        )
+    p.add_argument("--gray", action="store_true", help="read images as 1 channel")
+    p.add_argument(
+        "--shuffle",
+        action="store_true",
+        help="write the images in a random order, seeded by --seed (Caffe's is unseeded)",
+    )
+    p.add_argument("--seed", type=_nonnegative, default=0, help="--shuffle's seed (default: 0)")
+    p.add_argument(
+        "--encoded",
+        action="store_true",
+        help="store image files (encoded Datums) instead of pixels: the file itself when "
+        "nothing is resized and its extension is the encoding, else the image encoded again",
+    )
+    p.add_argument(
+        "--encode-type",
+        "--encode_type",
+        dest="encode_type",
+        default="",
+        metavar="EXT",
+        help="encode as EXT (png, jpg, ...; implies --encoded) (default: each file's extension)",
+    )
+    p.add_argument(
+        "--check-size",
+        "--check_size",
+        dest="check_size",
+        action="store_true",
+        help="refuse the conversion at the first image whose size differs from the first's",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the records of an existing database at OUT_DB (default: refuse)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress and no skip messages")
+
+    p = sub.add_parser(
+        "mean",
+        help="Caffe's compute_image_mean: the mean image of a database",
+        description="Average every record of DB (encoded images decoded as stored) and "
+        "write the C x H x W mean to OUT: a .binaryproto (Caffe's BlobProto, as "
+        "compute_image_mean writes it; for --mean and Caffe's mean_file) or, for a name "
+        "ending .npy, a numpy file. Prints the mean of each channel (for --mean V,V,V).",
+    )
+    p.add_argument("db", metavar="DB", help="LMDB environment directory")
+    p.add_argument("out", metavar="OUT", help="mean.binaryproto or mean.npy")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace OUT if it exists (default: refuse)"
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress")
 
     make = sub.add_parser(
         "make",
@@ -291,9 +374,118 @@ def _verify(args: argparse.Namespace, force: dict[str, bool]) -> int:
     return ExitStatus.WRONG if bad else ExitStatus.OK
 
 
+def _convert_imageset(args: argparse.Namespace) -> int:
+    from ..data.imageset import ImagesetOptions, ImagesetResult, imageset_records, read_list
+    from ..data.lmdb_io import write_records
+    from ._common import Progress
+
+    with checking():
+        _check_out(args)
+        if not os.path.isdir(args.root):
+            raise FileNotFoundError(f"ROOT {args.root!r} is not a folder")
+        if not os.path.isfile(args.listfile):
+            raise FileNotFoundError(f"no list file at {args.listfile!r}")
+        options = ImagesetOptions(
+            resize_height=args.resize_height,
+            resize_width=args.resize_width,
+            gray=args.gray,
+            shuffle=args.shuffle,
+            seed=args.seed,
+            encoded=args.encoded,
+            encode_type=args.encode_type,
+            check_size=args.check_size,
+        )
+        entries = read_list(args.listfile)
+        if not entries:
+            raise ValueError(f"{args.listfile} lists no image")
+        from ..data.imageset import _pillow
+
+        _pillow()
+    if bool(args.resize_height) != bool(args.resize_width):
+        print(
+            "note: only one of --resize-height/--resize-width is set: images keep their size "
+            "(Caffe resizes only when both are)",
+            file=sys.stderr,
+        )
+    progress = Progress(sys.stderr, args.quiet, redraw_s=0.2)
+    result = ImagesetResult()
+
+    def skipped(entry: object, reason: str) -> None:
+        line, path = getattr(entry, "line", "?"), getattr(entry, "path", "?")
+        progress.message(f"skipped line {line} of {args.listfile}: {path}: {reason}")
+
+    def records() -> Iterator[tuple[bytes, bytes]]:
+        every = max(1, min(1000, len(entries) // 10))
+        for i, item in enumerate(imageset_records(args.root, entries, options, result,
+                                                  on_skip=skipped), 1):  # fmt: skip
+            yield item
+            done = len(result.skipped) + i
+            progress.show(f"{done}/{len(entries)} images", log=done % every == 0)
+        progress.show(
+            f"{len(entries)}/{len(entries)} images, {len(result.skipped)} skipped", log=False,
+            last=True,
+        )  # fmt: skip
+
+    n = write_records(args.out_db, _nonempty(records(), args.listfile), overwrite=args.overwrite)
+    kind = "encoded" if args.encoded or args.encode_type else "raw"
+    shape = " x ".join(map(str, result.shape or ()))
+    print(
+        f"wrote {n} {kind} Datum records (first {shape}) to {args.out_db}"
+        + (f"; skipped {len(result.skipped)} images that could not be read, as Caffe "
+           f"skips them (lines {', '.join(str(s[0]) for s in result.skipped[:10])}"
+           f"{', ...' if len(result.skipped) > 10 else ''})" if result.skipped else "")
+    )  # fmt: skip
+    return ExitStatus.OK
+
+
+def _nonempty(items: Iterator[tuple[bytes, bytes]], listfile: str) -> Iterator[tuple[bytes, bytes]]:
+    """``items``, or a RuntimeFailure when there is none (every image skipped): no empty
+    database is written."""
+    empty = True
+    for item in items:
+        empty = False
+        yield item
+    if empty:
+        raise RuntimeFailure(f"no image of {listfile} could be read: nothing written")
+
+
+def _mean(args: argparse.Namespace) -> int:
+    from ..data.blobproto import write_blobproto
+    from ..data.imageset import compute_image_mean
+    from ._common import Progress
+
+    with checking():
+        if not os.path.exists(args.db):
+            raise FileNotFoundError(f"no LMDB database at {args.db!r}")
+        if os.path.exists(args.out) and not args.overwrite:
+            raise FileExistsError(f"{args.out} exists (--overwrite replaces it)")
+        parent = os.path.dirname(os.path.abspath(args.out))
+        if not os.path.isdir(parent):
+            raise FileNotFoundError(f"no folder {parent} to write {args.out} in")
+    progress = Progress(sys.stderr, args.quiet, redraw_s=0.2)
+    mean, count = compute_image_mean(
+        args.db, progress=lambda done, total: progress.show(
+            f"{done}/{total} records", log=True, last=done == total)
+    )  # fmt: skip
+    if args.out.endswith(".npy"):
+        tmp = f"{args.out}.tmp{os.getpid()}.npy"
+        np.save(tmp, mean)
+        os.replace(tmp, args.out)
+    else:
+        write_blobproto(args.out, mean)
+    channels = ", ".join(f"{v:.4f}" for v in mean.reshape(mean.shape[0], -1).mean(axis=1))
+    print(
+        f"wrote the mean of {count} records ({' x '.join(map(str, mean.shape))}) to "
+        f"{args.out}; mean value per channel: {channels}"
+    )
+    return ExitStatus.OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (see ``--help``)."""
     commands: dict[str, Callable[[argparse.Namespace], int]] = {
+        "convert-imageset": _convert_imageset,
+        "mean": _mean,
         "convert": _convert,
         "info": _info,
         "make": _make,

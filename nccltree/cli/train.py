@@ -66,6 +66,7 @@ from ._training import (
 
 if TYPE_CHECKING:
     from ..comm.group import ProcessGroup
+    from ..solver_file import SolverFile
     from ..parallel import DataParallel, FitResult, StepInfo
     from ..params import FlatParams
     from ..snapshot import Snapshot
@@ -85,9 +86,9 @@ RUN_FILES = (METRICS_NAME, FINAL_NAME, SNAPSHOT_NAME)
 TERMINATED = ExitStatus.TERMINATED
 EPILOG = (
     EXIT_STATUS_EPILOG
-    + " On Ctrl-C or SIGTERM the iteration reached is snapshotted in --out. Caffe's -gpu, "
-    "-solver, -weights, -snapshot and -model are answered with the flags to use instead "
-    "(status 2). Under MPI (mpiexec -n P nccltree-train ...; detected from PMI_SIZE, "
+    + " On Ctrl-C or SIGTERM the iteration reached is snapshotted in --out. Caffe's -solver "
+    "FILE is taken as --solver FILE; its -gpu, -weights, -snapshot and -model are answered "
+    "with the flags to use instead (status 2). Under MPI (mpiexec -n P nccltree-train ...; detected from PMI_SIZE, "
     "OMPI_COMM_WORLD_SIZE, MV2_COMM_WORLD_SIZE, or SLURM_NTASKS with PMIX_RANK, when above 1; "
     "or forced with --mpi) the processes form one process group: --devices cpu (one rank "
     "each, the default) or cpu:N (N ranks each), global rank 0 prints and writes --out, each "
@@ -144,6 +145,8 @@ class TrainConfig:
     blas_threads: int | None = None
     weights: str | None = None  # a fine-tuning's start: a final.npz or a snapshot
     snapshot_keep: int = 0  # snapshots kept by iteration besides snapshot.npz
+    iter_size: int = 1  # Caffe's iter_size: batches whose gradients one iteration sums
+    display: int = 0  # a progress line every K iterations (0: every tenth of the run)
 
     def as_dict(self) -> dict[str, object]:
         """The configuration, flat, as JSON takes it (the snapshot's and metrics.jsonl's
@@ -182,6 +185,8 @@ class TrainConfig:
             "eval_every": 0,
             "snapshot_every": 0,
             "snapshot_keep": 0,
+            "iter_size": 1,
+            "display": 0,
         }
         counts = {k: check_int(get(k), _flag(k), min=low) for k, low in ints.items()}
         classes, blas_threads = opt_int("classes", 2), opt_int("blas_threads", 1)
@@ -220,6 +225,7 @@ class TrainConfig:
             stepsize=opt_int("stepsize"),
             stepvalue=None if stepvalue is None else _int_tuple(stepvalue, "--stepvalue"),
             max_iter=opt_int("max_iter"),
+            clip_gradients=_clip(get("clip_gradients")),
         )
         data, val_data = (_database(get(k), _flag(k)) for k in ("data", "val_data"))
         return cls(
@@ -276,7 +282,17 @@ class TrainConfig:
             timeout=self.timeout,
             blas_threads=self.blas_threads,
             solver=self.solver,
+            iter_size=self.iter_size,
         )
+
+
+def _clip(value: object) -> float | None:
+    """``--clip-gradients``: an L2 norm >= 0, or None (off; a negative value is off too,
+    as Caffe's default -1)."""
+    if value is None:
+        return None
+    clip = check_real(value, "--clip-gradients")
+    return None if clip < 0 else clip
 
 
 def _database(path: object, flag: str) -> str | None:
@@ -303,16 +319,25 @@ def _mean(value: object) -> tuple[float, ...] | str | None:
     if not os.path.isfile(text):
         raise ValueError(
             f"--mean: {text!r} is neither comma-separated numbers (one per channel) nor a "
-            "mean file (.npy, or .npz holding one array)"
+            "mean file (.npy, .npz holding one array, or a Caffe .binaryproto)"
         )
     load_mean(os.path.abspath(text))  # a usage error now rather than at the first batch
     return os.path.abspath(text)
 
 
 def load_mean(path: str) -> np.ndarray:
-    """The array of a mean file: a .npy, or a .npz holding one array (or one named
-    ``mean``); a ValueError naming ``--mean`` otherwise."""
+    """The array of a mean file: a .npy, a .npz holding one array (or one named
+    ``mean``), or a Caffe ``BlobProto`` (``mean.binaryproto``; its leading ``num`` of 1
+    dropped, so a 1 x C x H x W mean is C x H x W); a ValueError naming ``--mean``
+    otherwise."""
+    from ..data.blobproto import read_blobproto
+
     try:
+        with open(path, "rb") as f:
+            head = f.read(6)
+        if head != b"\x93NUMPY" and head[:2] != b"PK":  # neither .npy nor .npz: a BlobProto
+            z = read_blobproto(path)
+            return z[0] if z.ndim == 4 and z.shape[0] == 1 else z
         with open(path, "rb") as f:
             z = np.load(f, allow_pickle=False)
             if isinstance(z, np.lib.npyio.NpzFile):
@@ -478,7 +503,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="subtract a mean from inputs as they are read, before the crop, as Caffe's "
         "transform_param mean_value (one value per channel, e.g. 104,117,123, or one for "
         "all) or mean_file "
-        "(an .npy, or .npz of one array, of the record shape) (default: none)",
+        "(an .npy, an .npz of one array, or Caffe's mean.binaryproto as compute_image_mean "
+        "and nccltree-data mean write it, of the record shape) (default: none)",
     )
     g.add_argument(
         "--crop",
@@ -527,6 +553,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("solver")
     g.add_argument(
+        "--solver",
+        metavar="FILE",
+        help="read the solver settings from a Caffe solver file (solver.prototxt; Caffe's "
+        "-solver is accepted too): base_lr, lr_policy, gamma, stepsize, stepvalue, power, "
+        "momentum, weight_decay, max_iter (--iters), snapshot (--snapshot-every), "
+        "snapshot_prefix (--out), test_interval (--eval-every), display, random_seed "
+        "(--seed), iter_size, clip_gradients; flags given beside it win; net, solver_mode "
+        "and the like are reported and not used (needs protobuf: the caffe extra)",
+    )
+    g.add_argument(
         "--batch-size",
         type=int,
         metavar="B",
@@ -571,6 +607,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="iterations where multistep multiplies the rate by gamma",
     )
     g.add_argument("--max-iter", type=int, metavar="N", help="max_iter of poly")
+    g.add_argument(
+        "--iter-size",
+        type=int,
+        metavar="K",
+        help="accumulate the gradients of K batches per iteration, as Caffe's iter_size: "
+        "each rank reads K batches, one update applies their mean (batch B with K is batch "
+        f"K x B, up to rounding) (default: {_d('iter_size')})",
+    )
+    g.add_argument(
+        "--clip-gradients",
+        type=float,
+        metavar="X",
+        help="Caffe's clip_gradients: when the L2 norm of all gradients (summed over "
+        "--iter-size passes) is above X, scale them by X / norm; negative: off "
+        "(default: off)",
+    )
 
     g = p.add_argument_group("output")
     g.add_argument(
@@ -623,6 +675,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"below PCT (default: report against {SYNTHETIC_TARGET:g}%% for the built-in "
         "task, without failing)",
     )
+    g.add_argument(
+        "--display",
+        type=int,
+        metavar="K",
+        help="a progress line every K iterations when not on a terminal, as Caffe's display "
+        "(0: every tenth of the run) (default: 0)",
+    )
     g.add_argument("--quiet", action="store_true", help="print only the result and errors")
 
     g = p.add_argument_group("evaluation only (Caffe's caffe test)")
@@ -638,8 +697,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@dataclass
+class Origins:
+    """Where each setting of a run came from: ``sources`` maps every TrainConfig key to
+    ``"flag"``, ``"solver file (FIELD)"``, ``"snapshot"`` or ``"default"``; ``solver`` is
+    the solver file read (None without ``--solver``)."""
+
+    sources: dict[str, str] = field(default_factory=dict)
+    solver: SolverFile | None = None
+
+
 def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Snapshot | None]:
-    """Flags given > the snapshot's config (with --resume) > the defaults."""
+    """Flags given > the solver file (--solver) > the snapshot's config (with --resume) >
+    the defaults."""
+    cfg, snap, _ = resolve_with_origins(args)
+    return cfg, snap
+
+
+def resolve_with_origins(
+    args: argparse.Namespace,
+) -> tuple[TrainConfig, Snapshot | None, Origins]:
+    """:func:`resolve_config`, and where each setting came from."""
     snap = None
     if args.resume and args.overwrite:
         raise UsageError("--resume continues a run and --overwrite replaces one: give one")
@@ -651,6 +729,12 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Snapshot | No
     if args.target_accuracy is not None:
         with checking():
             check_real(args.target_accuracy, "--target-accuracy")
+    origins = Origins()
+    if args.solver is not None:
+        from ..solver_file import read_solver
+
+        with checking():
+            origins.solver = read_solver(args.solver)
     if args.resume:
         path = args.resume
         if os.path.isdir(path):
@@ -662,15 +746,33 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Snapshot | No
         except ValueError as exc:
             raise UsageError(f"--resume: {exc}") from exc
     saved = snap.config if snap is not None else {}
-    values = {k: getattr(args, k) for k in TrainConfig().as_dict()}
+    from_file = origins.solver.values if origins.solver is not None else {}
+    merged: dict[str, object] = {}
+    for k in TrainConfig().as_dict():
+        given = getattr(args, k)
+        if given is not None:
+            merged[k], origins.sources[k] = given, "flag"
+        elif k in from_file:
+            assert origins.solver is not None
+            merged[k] = from_file[k]
+            origins.sources[k] = f"solver file ({origins.solver.origin[k]})"
+        elif saved.get(k) is not None:
+            merged[k], origins.sources[k] = saved[k], "snapshot"
+        else:
+            merged[k], origins.sources[k] = None, "default"
     with checking():
-        cfg = TrainConfig.checked({k: saved.get(k) if v is None else v for k, v in values.items()})
+        try:
+            cfg = TrainConfig.checked(merged)
+        except (ValueError, TypeError) as exc:
+            if origins.solver is None:
+                raise
+            raise type(exc)(f"{exc} (settings from {origins.solver.path} included)") from None
     if snap is not None and cfg.iters < snap.iter:
         raise UsageError(
             f"--iters {cfg.iters} is below the snapshot's iteration {snap.iter}: a resumed run "
             f"continues up to --iters (iterations in all); give --iters above {snap.iter}"
         )
-    return cfg, snap
+    return cfg, snap, origins
 
 
 def read_weights(path: str, flag: str) -> dict[str, np.ndarray]:
@@ -999,7 +1101,12 @@ def _finite_or_none(value: object) -> object:
 
 
 def _print_header(
-    cfg: TrainConfig, ds: Dataset, t: Training, snap: Snapshot | None, out: TextIO
+    cfg: TrainConfig,
+    ds: Dataset,
+    t: Training,
+    snap: Snapshot | None,
+    out: TextIO,
+    origins: Origins | None = None,
 ) -> None:
     dp, n, per_rank = t.driver, t.ranks, t.per_rank_batch
     p = dp.params[0]
@@ -1026,8 +1133,31 @@ def _print_header(
         ),
         f"  solver     learning rate {dp.solvers[0].learning_rate():g} "
         f"(policy {cfg.solver.lr_policy}), momentum {cfg.solver.momentum:g}, weight decay "
-        f"{cfg.solver.weight_decay:g}, {cfg.iters} iterations",
+        f"{cfg.solver.weight_decay:g}, {cfg.iters} iterations"
+        + (f", iter_size {cfg.iter_size} (batches per update)" if cfg.iter_size > 1 else "")
+        + (
+            f", gradients clipped to L2 norm {cfg.solver.clip_gradients:g}"
+            if cfg.solver.clip_gradients is not None
+            else ""
+        ),
     ]
+    solver = origins.solver if origins is not None else None
+    if origins is not None and solver is not None:
+        used = sorted({v[len("solver file (") : -1] for v in origins.sources.values()
+                       if v.startswith("solver file")})  # fmt: skip
+        over = sorted(
+            f"--{k.replace('_', '-')}"
+            for k, src in origins.sources.items()
+            if src == "flag" and k in solver.values
+        )
+        lines.append(
+            f"  solver file {solver.path}: {', '.join(used) or 'nothing'} used"
+            + (f"; flags over it: {' '.join(over)}" if over else "")
+        )
+        lines += [f"              {note}" for note in solver.notes]
+        unused = solver.unused_line()
+        if unused:
+            lines.append(f"  {unused}")
     if snap is not None:
         lines.append(f"  resumed    at iteration {snap.iter}, data position {snap.position}")
     elif cfg.weights:
@@ -1114,11 +1244,13 @@ def run(
     target: float | None = None,
     overwrite: bool = False,
     mpi: bool = False,
+    origins: Origins | None = None,
 ) -> int:
     """Train as ``cfg`` says (continuing ``snap``); returns the exit status.
 
     ``overwrite`` replaces a run held in ``cfg.out``, which is refused otherwise (unless
-    continuing ``snap``). ``mpi``: this process is one of an MPI job; they train together
+    continuing ``snap``). ``origins`` (where each setting came from) goes to the header
+    and to the metrics' config record. ``mpi``: this process is one of an MPI job; they train together
     over a process group, global rank 0 alone prints and writes ``cfg.out``.
     """
     from ..parallel import Diverged, RankFailure
@@ -1171,15 +1303,18 @@ def run(
             stack.callback(metrics.close)
         dp = t.driver
         if not quiet:
-            _print_header(cfg, ds, t, snap, out)
+            _print_header(cfg, ds, t, snap, out, origins)
+        origins = origins if origins is not None else Origins()
         metrics.write(
             event="config",
             **cfg.as_dict(),
             ranks=t.ranks,
             per_rank_batch=t.per_rank_batch,
             start_iter=dp.iter,
+            solver_file=origins.solver.path if origins.solver is not None else None,
+            sources=origins.sources,
         )
-        progress = TrainProgress(cfg.iters, max(1, cfg.iters // 10), quiet, err)
+        progress = TrainProgress(cfg.iters, cfg.display or max(1, cfg.iters // 10), quiet, err)
         outputs = _Outputs(cfg, ds, t, metrics, progress)
         if snap is not None and outputs.snapshot_path and os.path.exists(outputs.snapshot_path):
             with contextlib.suppress(ValueError):
@@ -1401,10 +1536,10 @@ def _train_in_job(args: argparse.Namespace | None, found: Exception | None) -> i
 
     try:
         with _sigterm_stops():
-            cfg, snap = None, None
+            cfg, snap, origins = None, None, None
             if args is not None and found is None:
                 try:
-                    cfg, snap = resolve_config(args)
+                    cfg, snap, origins = resolve_with_origins(args)
                 except Exception as exc:  # noqa: BLE001 - every process learns of it
                     found = exc
             timeout = cfg.timeout if cfg is not None else TrainConfig().timeout
@@ -1422,7 +1557,7 @@ def _train_in_job(args: argparse.Namespace | None, found: Exception | None) -> i
                 refused.alone = True
                 raise refused from exc
             assert cfg is not None and args is not None, "the agreement raised the error"
-            return _run(cfg, snap, args, mpi=True)
+            return _run(cfg, snap, args, mpi=True, origins=origins)
     except Terminated:  # before or after training: nothing to snapshot
         print("terminated (SIGTERM)", file=sys.stderr, flush=True)
         return TERMINATED
@@ -1600,10 +1735,17 @@ def _output_size(weights: Mapping[str, np.ndarray], labels: np.ndarray) -> int:
     return int(last.shape[0]) if last.ndim == 1 else int(labels.max()) + 1
 
 
-def _run(cfg: TrainConfig, snap: Snapshot | None, args: argparse.Namespace, mpi: bool) -> int:
+def _run(
+    cfg: TrainConfig,
+    snap: Snapshot | None,
+    args: argparse.Namespace,
+    mpi: bool,
+    origins: Origins | None = None,
+) -> int:
     """The training ``args`` describe, with its console and flags, as ``run`` takes them."""
     return run(cfg, snap, sys.stdout, sys.stderr, quiet=args.quiet,
-               target=args.target_accuracy, overwrite=args.overwrite, mpi=mpi)  # fmt: skip
+               target=args.target_accuracy, overwrite=args.overwrite, mpi=mpi,
+               origins=origins)  # fmt: skip
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -1611,8 +1753,8 @@ def _train(args: argparse.Namespace) -> int:
         return evaluate_saved(args, sys.stdout)
     try:
         with _sigterm_stops():
-            cfg, snap = resolve_config(args)
-            return _run(cfg, snap, args, mpi=args.mpi or mpi_world_size() > 1)
+            cfg, snap, origins = resolve_with_origins(args)
+            return _run(cfg, snap, args, mpi=args.mpi or mpi_world_size() > 1, origins=origins)
     except Terminated:  # before or after training: nothing to snapshot
         print("terminated (SIGTERM)", file=sys.stderr, flush=True)
         return TERMINATED
@@ -1628,12 +1770,6 @@ def _caffe_hint(flag: str, value: str | None) -> str | None:
             return "Caffe's -gpu takes a value here too: --devices gpu:0,1 or --devices gpu:all"
         ids = value.replace(" ", "")
         return f"Caffe's -gpu {value} is --devices gpu:{'all' if ids == 'all' else ids} here"
-    if flag == "-solver":
-        return (
-            "nccltree-train reads no solver prototxt: give its fields as flags (base_lr "
-            "--lr, momentum --momentum, weight_decay --weight-decay, lr_policy --lr-policy, "
-            "max_iter --iters, snapshot --snapshot-every, net: --model and --data)"
-        )
     same = {"-weights": "--weights", "-snapshot": "--resume", "-model": "--model"}
     if flag in same:
         return f"Caffe's {flag} is {same[flag]} here"
@@ -1655,9 +1791,23 @@ def caffe_hint(argv: Sequence[str]) -> str | None:
     return None
 
 
+def caffe_spellings(argv: Sequence[str]) -> list[str]:
+    """``argv`` with Caffe's spellings that mean the same here made nccltree's: ``-solver
+    FILE`` (or ``-solver=FILE``) is ``--solver FILE``."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            out += argv[i:]
+            break
+        flag, eq, value = arg.partition("=")
+        out.append(f"--solver{eq}{value}" if flag == "-solver" else arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``nccltree-train``; returns the exit status."""
-    given = sys.argv[1:] if argv is None else list(argv)
+    given = caffe_spellings(sys.argv[1:] if argv is None else list(argv))
+    argv = given
     if mpi_world_size() > 1 or "--mpi" in given:
         return _main_in_job(given)
     hint = caffe_hint(given)

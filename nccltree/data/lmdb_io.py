@@ -11,7 +11,7 @@ import shutil
 import socket
 import struct
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from pathlib import Path
 from types import ModuleType
@@ -407,27 +407,50 @@ def write_lmdb(
     commit_bytes = check_int(commit_bytes, "commit_bytes", min=1)
     if map_size is not None:
         map_size = check_int(map_size, "map_size", min=1)
-    target = Path(path)
-    check_target(target, overwrite)
     encode = encode_record if format == "nccltree" else encode_datum
     sample = encode(X[0], int(y[0]))
     width = max(8, len(str(len(X) - 1)))
-    per_txn = max(1, commit_bytes // len(sample))
     if map_size is None:
         map_size = max(16 * _MiB, int(len(X) * (len(sample) + width + 64) * 1.25))
+    items = ((b"%0*d" % (width, j), encode(X[j], int(y[j]))) for j in range(len(X)))
+    return write_records(
+        path, items, overwrite=overwrite, map_size=map_size, commit_bytes=commit_bytes
+    )
+
+
+def write_records(
+    path: str | os.PathLike,
+    items: Iterable[tuple[bytes, bytes]],
+    *,
+    overwrite: bool = False,
+    map_size: int | None = None,
+    commit_bytes: int = 64 * _MiB,
+) -> int:
+    """Write ``(key, value)`` records, as they come, into a new database at ``path``;
+    returns the number written. The writer of :func:`write_lmdb` (which describes the
+    rules: all or nothing through a temporary directory renamed at the end, a killed
+    writer's leftovers removed by the next one, ``overwrite``); ``items`` may be a
+    generator computing each record (an exception from it writes nothing). Keys in
+    increasing byte order are appended (LMDB's fast path); others are inserted.
+    """
+    commit_bytes = check_int(commit_bytes, "commit_bytes", min=1)
+    if map_size is not None:
+        map_size = check_int(map_size, "map_size", min=1)
+    target = Path(path)
+    check_target(target, overwrite)
     remove_stale_temporaries(target)
     tmp = _temporary(target, "tmp")
     try:
-        env = _lmdb().open(str(tmp), map_size=map_size, subdir=True, max_dbs=0)
+        env = _lmdb().open(str(tmp), map_size=map_size or 64 * _MiB, subdir=True, max_dbs=0)
         try:
-            _put_all(env, X, y, encode, width, per_txn)
+            n = _put_all(env, items, commit_bytes)
         finally:
             env.close()
         _install(tmp, target, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return len(X)
+    return n
 
 
 def _check_datum_labels(y: np.ndarray) -> None:
@@ -440,28 +463,39 @@ def _check_datum_labels(y: np.ndarray) -> None:
             raise ValueError(f"record {i}: {e}") from None
 
 
-def _put_all(
-    env: Any,
-    X: np.ndarray,
-    y: np.ndarray,
-    encode: Callable[[np.ndarray, int], bytes],
-    width: int,
-    per_txn: int,
-) -> None:
+def _put_all(env: Any, items: Iterable[tuple[bytes, bytes]], commit_bytes: int) -> int:
     lmdb = _lmdb()
-    i = 0
-    while i < len(X):
-        stop = min(len(X), i + per_txn)
-        items = [(b"%0*d" % (width, j), encode(X[j], int(y[j]))) for j in range(i, stop)]
+    n = 0
+    last = b""
+    batch: list[tuple[bytes, bytes]] = []
+    size = 0
+    append = True
+
+    def commit() -> None:
         while True:
             try:
                 with env.begin(write=True) as txn:
-                    txn.cursor().putmulti(items, append=True)
-                break
+                    txn.cursor().putmulti(batch, append=append)
+                return
             except lmdb.MapFullError:
                 # Grow geometrically so a badly underestimated size costs O(log) retries.
                 env.set_mapsize(env.info()["map_size"] * 2)
-        i = stop
+
+    for key, value in items:
+        if n and key <= last:
+            if key == last:
+                raise ValueError(f"record {keyname(key)} is written twice")
+            append = False  # out of order from here: inserted, not appended
+        last = key
+        batch.append((key, value))
+        size += len(key) + len(value)
+        n += 1
+        if size >= commit_bytes:
+            commit()
+            batch, size = [], 0
+    if batch:
+        commit()
+    return n
 
 
 def _entries(p: Path) -> int:

@@ -17,7 +17,13 @@ and mean-file paths read the wire format by hand (:mod:`nccltree.data.datum`,
 from __future__ import annotations
 
 import functools
-from typing import Any
+import types
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from google.protobuf.descriptor_pb2 import DescriptorProto, FileDescriptorProto
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from google.protobuf.message import Message
 
 PACKAGE = "caffe"
 
@@ -121,7 +127,7 @@ def solver_field_names() -> tuple[str, ...]:
     return tuple(f[0] for f in _SOLVER_FIELDS)
 
 
-def _protobuf() -> Any:
+def _protobuf() -> types.ModuleType:
     try:
         from google.protobuf import descriptor_pb2
     except ImportError:
@@ -132,7 +138,7 @@ def _protobuf() -> Any:
     return descriptor_pb2
 
 
-def file_descriptor() -> Any:
+def file_descriptor() -> FileDescriptorProto:
     """The ``FileDescriptorProto`` of package ``caffe`` (see the module docstring)."""
     pb = _protobuf()
     F = pb.FieldDescriptorProto
@@ -141,7 +147,10 @@ def file_descriptor() -> Any:
     for name, number in (("TRAIN", 0), ("TEST", 1)):
         enum.value.add(name=name, number=number)
 
-    def add(message: Any, fields: tuple[tuple[str, int, str, str, str | None, str | None], ...]):
+    def add(
+        message: DescriptorProto,
+        fields: tuple[tuple[str, int, str, str, str | None, str | None], ...],
+    ) -> None:
         for name, number, typ, label, default, type_name in fields:
             f = message.field.add(
                 name=name,
@@ -168,7 +177,7 @@ def file_descriptor() -> Any:
 
 
 @functools.cache
-def _pool() -> Any:
+def _pool() -> DescriptorPool:
     from google.protobuf import descriptor_pool
 
     pool = descriptor_pool.DescriptorPool()
@@ -176,7 +185,7 @@ def _pool() -> Any:
     return pool
 
 
-def message_class(name: str) -> Any:
+def message_class(name: str) -> type[Message]:
     """The protobuf message class of ``caffe.<name>`` (``SolverParameter``, ``BlobProto``,
     ``BlobShape``, ``Datum``, ``NetState``); ImportError without protobuf."""
     _protobuf()

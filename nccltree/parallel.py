@@ -801,7 +801,7 @@ class DataParallel:
                 self._wires = [d.zeros((size,), np.float16) for d in devices]
         self.solvers = [SGD(p, **sgd) for p in self.params]
         # iter_size > 1: each rank's sum of its passes' gradients
-        self._accumulators: list[Any] = (
+        self._accumulators: list[Array] = (
             [p.xp.zeros(p.size, p.dtype) for p in self.params] if self.iter_size > 1 else []
         )
         # Only rank 0 initialises; the first broadcast of fit makes the replicas equal.

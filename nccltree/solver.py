@@ -16,13 +16,16 @@ import math
 import numbers
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
 from ._errors import NcclTreeError
 from ._validate import check_int, check_real
 from .params import FlatParams
+
+if TYPE_CHECKING:
+    from .backends.base import Array
 
 T = TypeVar("T")
 
@@ -39,6 +42,16 @@ _POLICY_NEEDS: dict[str, tuple[str, ...]] = {
     "poly": ("power", "max_iter"),
     "sigmoid": ("gamma", "stepsize"),
 }
+
+
+def check_policy(lr_policy: str, **given: object) -> None:
+    """ValueError when ``lr_policy`` is unknown or a parameter it needs (``gamma``,
+    ``power``, ``stepsize``, ``stepvalue``, ``max_iter``) is None in ``given``."""
+    if lr_policy not in _POLICY_NEEDS:
+        raise ValueError(f"lr_policy must be one of {', '.join(LR_POLICIES)}; got {lr_policy!r}")
+    missing = [k for k in _POLICY_NEEDS[lr_policy] if given.get(k) is None]
+    if missing:
+        raise ValueError(f"lr_policy {lr_policy!r} needs {' and '.join(missing)}")
 
 
 class Diverged(NcclTreeError):
@@ -152,21 +165,15 @@ class SGD:
         if self.momentum >= 1.0:  # the history would grow without bound
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum:g}")
         self.weight_decay = check_real(weight_decay, "weight_decay", min=0.0)
-        if lr_policy not in _POLICY_NEEDS:
-            raise ValueError(
-                f"lr_policy must be one of {', '.join(LR_POLICIES)}; got {lr_policy!r}"
-            )
+        check_policy(
+            lr_policy,
+            gamma=gamma,
+            power=power,
+            stepsize=stepsize,
+            stepvalue=stepvalue,
+            max_iter=max_iter,
+        )
         self.lr_policy = lr_policy
-        given = {
-            "gamma": gamma,
-            "power": power,
-            "stepsize": stepsize,
-            "stepvalue": stepvalue,
-            "max_iter": max_iter,
-        }
-        missing = [k for k in _POLICY_NEEDS[lr_policy] if given[k] is None]
-        if missing:
-            raise ValueError(f"lr_policy {lr_policy!r} needs {' and '.join(missing)}")
         # Sigmoid uses a negative gamma on purpose, for a decaying rate.
         needs = _POLICY_NEEDS[lr_policy]
         self.gamma = self._policy_real(
@@ -177,7 +184,9 @@ class SGD:
         self.max_iter = None if max_iter is None else check_int(max_iter, "max_iter", min=1)
         self.stepvalue = None if stepvalue is None else self._check_stepvalue(stepvalue)
         self.clip_gradients = (
-            None if clip_gradients is None else check_real(clip_gradients, "clip_gradients", min=0.0)
+            None
+            if clip_gradients is None
+            else check_real(clip_gradients, "clip_gradients", min=0.0)
         )
 
         self.check_finite = bool(check_finite)
@@ -272,7 +281,7 @@ class SGD:
         )
         self.iter += 1
 
-    def _clip(self, grad: Any, clip: float) -> None:
+    def _clip(self, grad: Array, clip: float) -> None:
         """Caffe's rule: scale every gradient by ``clip / norm`` when the L2 norm of
         them all is above ``clip``. The squares are summed in float64 by numpy's pairwise
         sum (the same on every rank and every run, whatever the BLAS threads)."""

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .caffe_proto import message_class
+
+if TYPE_CHECKING:
+    from google.protobuf.message import Message
 
 #: solver field -> the trainer setting (TrainConfig key) it sets
 MAPPED: dict[str, tuple[str, ...]] = {
@@ -78,14 +81,14 @@ _LR_POLICIES = ("fixed", "step", "exp", "inv", "multistep", "poly", "sigmoid")
 class SolverFile:
     """A solver file's settings: ``values`` by trainer setting (TrainConfig key),
     ``origin`` the solver field each came from, ``unused`` the fields present and not
-    used with the reason, ``notes`` what the reader said about values (floats as
-    written)."""
+    used with the reason, ``notes`` what the reader said about a field's value (a float
+    kept as written), by field."""
 
     path: str
     values: dict[str, object] = field(default_factory=dict)
     origin: dict[str, str] = field(default_factory=dict)
     unused: dict[str, str] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
+    notes: dict[str, str] = field(default_factory=dict)
 
     def unused_line(self) -> str | None:
         """The one line reporting the fields read and not used (None when none)."""
@@ -144,7 +147,7 @@ def _tokens(text: str) -> tuple[list[str], dict[str, list[str]]]:
     return names, written
 
 
-def parse_solver_text(text: str, path: str = "solver file") -> Any:
+def parse_solver_text(text: str, path: str = "solver file") -> Message:
     """``text`` parsed into a ``caffe.SolverParameter`` message: ValueError naming the
     line of an unknown field or a bad value, or an inline net definition."""
     from google.protobuf import text_format
@@ -225,11 +228,11 @@ def read_solver(path: str | os.PathLike[str]) -> SolverFile:
             continue
         value = _as_written(name, getattr(msg, name), written.get(name))
         if name == "clip_gradients" and value < 0:
-            out.notes.append(f"clip_gradients {value:g}: off (negative, as in Caffe)")
+            out.notes[name] = f"clip_gradients {value:g}: off (negative, as in Caffe)"
             continue
         put(name, value)
         if float(_f32(value)) != value:
-            out.notes.append(f"{name} {value!r} as written (caffe.proto's float: {_f32(value)})")
+            out.notes[name] = f"{name} {value!r} as written (caffe.proto's float: {_f32(value)})"
     for name in ("stepsize", "max_iter", "snapshot", "test_interval", "display"):
         if name in present:
             put(name, int(getattr(msg, name)))

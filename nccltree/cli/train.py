@@ -66,10 +66,10 @@ from ._training import (
 
 if TYPE_CHECKING:
     from ..comm.group import ProcessGroup
-    from ..solver_file import SolverFile
     from ..parallel import DataParallel, FitResult, StepInfo
     from ..params import FlatParams
     from ..snapshot import Snapshot
+    from ..solver_file import SolverFile
 
 PROG = "nccltree-train"
 # The built-in task: nccltree.data.synthetic's defaults, a held-out quarter, and the
@@ -763,6 +763,13 @@ def resolve_with_origins(
     with checking():
         try:
             cfg = TrainConfig.checked(merged)
+            if origins.solver is not None:  # said now, with the file named
+                from ..solver import check_policy
+
+                sv = cfg.solver
+                check_policy(sv.lr_policy, gamma=sv.gamma, power=sv.power,
+                             stepsize=sv.stepsize, stepvalue=sv.stepvalue,
+                             max_iter=sv.max_iter)  # fmt: skip
         except (ValueError, TypeError) as exc:
             if origins.solver is None:
                 raise
@@ -1111,7 +1118,7 @@ def _print_header(
     dp, n, per_rank = t.driver, t.ranks, t.per_rank_batch
     p = dp.params[0]
     names = ", ".join(d.name for d in t.devices)
-    effective = per_rank * n
+    effective = per_rank * n * cfg.iter_size
     lines = [
         "nccltree-train",
         f"  data       {ds.description}",
@@ -1126,6 +1133,7 @@ def _print_header(
         + (f", gradient buckets of {cfg.bucket_mb:g} MiB" if cfg.bucket_mb else "")
         + (f", gradients sent as {cfg.comm_hook}" if cfg.comm_hook else ""),
         f"  scaling    {cfg.scaling}: batch {per_rank} per rank, effective batch {effective}"
+        + (f" ({per_rank * n} x iter_size {cfg.iter_size})" if cfg.iter_size > 1 else "")
         + (
             f" (global batch {cfg.batch_size} split across {n} ranks)"
             if cfg.scaling == "strong"
@@ -1154,7 +1162,7 @@ def _print_header(
             f"  solver file {solver.path}: {', '.join(used) or 'nothing'} used"
             + (f"; flags over it: {' '.join(over)}" if over else "")
         )
-        lines += [f"              {note}" for note in solver.notes]
+        lines += [f"              {note}" for name, note in solver.notes.items() if name in used]
         unused = solver.unused_line()
         if unused:
             lines.append(f"  {unused}")
@@ -1794,7 +1802,7 @@ def caffe_hint(argv: Sequence[str]) -> str | None:
 def caffe_spellings(argv: Sequence[str]) -> list[str]:
     """``argv`` with Caffe's spellings that mean the same here made nccltree's: ``-solver
     FILE`` (or ``-solver=FILE``) is ``--solver FILE``."""
-    out = []
+    out: list[str] = []
     for i, arg in enumerate(argv):
         if arg == "--":
             out += argv[i:]

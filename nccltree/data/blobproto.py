@@ -114,7 +114,9 @@ def decode_blobproto(buf: bytes | memoryview) -> np.ndarray:
     elif shape is not None:
         dims = shape
     else:
-        raise ValueError("a BlobProto without a shape (neither num/channels/height/width nor shape)")
+        raise ValueError(
+            "a BlobProto without a shape (neither num/channels/height/width nor shape)"
+        )
     if any(d < 0 for d in dims):
         raise ValueError(f"a BlobProto of negative shape {tuple(dims)}")
     values = doubles or floats

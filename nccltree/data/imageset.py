@@ -107,11 +107,11 @@ def imread(path: str, gray: bool = False) -> np.ndarray:
     """An image file as OpenCV's ``imread`` gives it: uint8 H x W x 3 (BGR), or H x W with
     ``gray``; ValueError when it cannot be read as an image."""
     _pillow()
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as img:
-            img = _oriented(img, ImageOps)
+            img = _oriented(img)
             if gray and img.format == "JPEG":
                 img.draft("L", img.size)  # libjpeg's own gray output, as OpenCV asks for
             arr = _image_array(img, "gray" if gray else "color")
@@ -126,12 +126,12 @@ def imread(path: str, gray: bool = False) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
-def _oriented(img: Image, image_ops: object) -> Image:
+def _oriented(img: Image) -> Image:
     """The image turned by its EXIF orientation (OpenCV's imread does so since 3.1)."""
-    exif = img.getexif() if hasattr(img, "getexif") else None
-    if exif and exif.get(0x0112, 1) != 1:
-        turned: Image = image_ops.exif_transpose(img)  # type: ignore[attr-defined]
-        return turned
+    from PIL import ImageOps
+
+    if img.getexif().get(0x0112, 1) != 1:
+        return ImageOps.exif_transpose(img)
     return img
 
 
@@ -157,7 +157,9 @@ def resize_linear(img: np.ndarray, height: int, width: int) -> np.ndarray:
     fixed-point weights and its vectorised rounding. Against opencv-python 5.1 every
     sample is within one level (most are equal; tests/test_imageset.py measures it)."""
     if img.dtype != np.uint8 or img.ndim not in (2, 3):
-        raise ValueError(f"resize_linear takes a uint8 H x W (x C) image, got {img.dtype} {img.shape}")
+        raise ValueError(
+            f"resize_linear takes a uint8 H x W (x C) image, got {img.dtype} {img.shape}"
+        )
     if height < 1 or width < 1:
         raise ValueError(f"cannot resize to {height} x {width}")
     h0, w0 = img.shape[:2]
@@ -166,8 +168,8 @@ def resize_linear(img: np.ndarray, height: int, width: int) -> np.ndarray:
     src = img.astype(np.int64)
     xs, xs1, xa0, xa1 = _axis(w0, width)
     ys, ys1, ya0, ya1 = _axis(h0, height)
-    tail = (None,) * (img.ndim - 2)
-    rows = src[:, xs] * xa0[(slice(None), *tail)] + src[:, xs1] * xa1[(slice(None), *tail)]
+    across = xa0.shape + (1,) * (img.ndim - 2)  # the weights broadcast over channels
+    rows = src[:, xs] * xa0.reshape(across) + src[:, xs1] * xa1.reshape(across)
     col = (-1,) + (1,) * (img.ndim - 1)
     b0, b1 = ya0.reshape(col), ya1.reshape(col)
     # OpenCV's VResizeLinearVec_32s8u: (((r0 >> 4) * b0) >> 16) + ... rounded by >> 2

@@ -30,7 +30,9 @@ def db(tmp_path_factory: pytest.TempPathFactory) -> str:
     return path
 
 
-def _train(db: str, devices: str, batch: int, iter_size: int, **sgd: float) -> tuple[dict, list, int]:
+def _train(
+    db: str, devices: str, batch: int, iter_size: int, **sgd: float
+) -> tuple[dict, list, int]:
     model = build_model("mlp", (16,), 4, hidden=(12,))
     with DataParallel(model, devices, iter_size=iter_size, **{**SGD_ARGS, **sgd}) as dp:
         with DataReader(db, batch, len(dp.devices)) as reader:

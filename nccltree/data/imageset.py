@@ -26,8 +26,9 @@ What differs, on purpose: ``shuffle`` is seeded (Caffe's is seeded from the cloc
 same command gives the same database; a line without a label, or with one that is not an
 int32, is refused with its line number before anything is read (Caffe's ``atoi`` would
 make it label 0); blank lines are ignored. Images are decoded by Pillow, not OpenCV: a
-PNG's pixels are the same, a JPEG's agree within libjpeg's versions, a colour image read
-as gray uses Pillow's luma weights (OpenCV's differ by at most one level).
+PNG's pixels are the same (a colour PNG read as gray with libpng's weights, as OpenCV
+has libpng convert it), a JPEG's agree as far as the two libjpeg builds do (a JPEG read
+as gray is libjpeg's own gray output, as in OpenCV).
 """
 
 from __future__ import annotations
@@ -114,7 +115,10 @@ def imread(path: str, gray: bool = False) -> np.ndarray:
             img = _oriented(img)
             if gray and img.format == "JPEG":
                 img.draft("L", img.size)  # libjpeg's own gray output, as OpenCV asks for
-            arr = _image_array(img, "gray" if gray else "color")
+            if gray and img.mode not in _GRAY_MODES:
+                arr = _to_gray(_image_array(img, "color"), png=img.format == "PNG")
+            else:
+                arr = _image_array(img, "gray" if gray else "color")
     except FileNotFoundError:
         raise ValueError("no such file") from None
     except UnidentifiedImageError:
@@ -124,6 +128,22 @@ def imread(path: str, gray: bool = False) -> np.ndarray:
     if arr.ndim == 3:
         arr = arr[:, :, ::-1]  # RGB -> BGR, OpenCV's order
     return np.ascontiguousarray(arr)
+
+
+# Pillow modes that are gray already (their gray reading needs no weights)
+_GRAY_MODES = ("1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")
+
+
+def _to_gray(rgb: np.ndarray, png: bool) -> np.ndarray:
+    """A colour image's gray reading as OpenCV's ``IMREAD_GRAYSCALE`` computes it: for a
+    PNG, libpng's ``png_set_rgb_to_gray(1, 0.299, 0.587)`` (weights 29900 * 32768 / 100000
+    and 58700 * 32768 / 100000 truncated, the sum truncated, a gray pixel kept), else
+    OpenCV's BGR-to-gray (14-bit weights, rounded)."""
+    r, g, b = (rgb[:, :, i].astype(np.uint32) for i in range(3))
+    if png:
+        gray = (r * 9797 + g * 19234 + b * 3737) >> 15
+        return np.where((r == g) & (g == b), r, gray).astype(np.uint8)
+    return ((r * 4899 + g * 9617 + b * 1868 + 8192) >> 14).astype(np.uint8)
 
 
 def _oriented(img: Image) -> Image:

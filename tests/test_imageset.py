@@ -18,8 +18,9 @@ import pytest
 
 pytest.importorskip("PIL")
 pytest.importorskip("google.protobuf")
-cv2 = pytest.importorskip("cv2")
+pytest.importorskip("cv2")
 
+import cv2
 from PIL import Image
 
 from nccltree.caffe_proto import message_class

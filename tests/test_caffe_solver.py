@@ -259,6 +259,13 @@ def test_flags_override_the_file_and_every_source_is_recorded(tmp_path):
     assert set(src) == set(train.TrainConfig().as_dict())
 
 
+def test_caffes_solver_spelling_is_taken(tmp_path, capsys):
+    rc = train.main(["-solver", str(tmp_path / "missing.prototxt")])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"cannot read the solver file {tmp_path / 'missing.prototxt'}" in err
+    assert train.caffe_spellings(["-solver=a", "--", "-solver"]) == ["--solver=a", "--", "-solver"]
+
+
 def test_bad_settings_from_the_file_say_so(tmp_path, capsys):
     path = _write(tmp_path, 'lr_policy: "step"\nbase_lr: 0.1\n')  # step needs stepsize
     rc = train.main(["--solver", str(path), "--devices", "cpu:1", "--iters", "1"])

@@ -245,7 +245,6 @@ def test_train_snapshot_resume_fine_tune_evaluate(capsys, tmp_path):
         (["-gpu", "0,1"], "Caffe's -gpu 0,1 is --devices gpu:0,1 here"),
         (["-gpu", "all", "--iters", "5"], "Caffe's -gpu all is --devices gpu:all here"),
         (["-gpu=2"], "Caffe's -gpu 2 is --devices gpu:2 here"),
-        (["-solver", "lenet_solver.prototxt"], "cannot read the solver file lenet_solver.prototxt"),
         (["-weights", "x.caffemodel"], "Caffe's -weights is --weights here"),
         (["-snapshot", "x.solverstate"], "Caffe's -snapshot is --resume here"),
     ],

@@ -293,6 +293,7 @@ def test_train_with_a_solver_file_records_sources(tmp_path, capsys):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     config = next(r for r in records if r["event"] == "config")
     assert config["solver_file"] == str(path)
+    assert "base_lr 0.05 as written" in config["solver_notes"]["base_lr"]  # and says so
     assert config["iter_size"] == 2 and config["clip_gradients"] == 100.0 and config["iters"] == 4
     assert config["sources"]["iter_size"] == "solver file (iter_size)"
     assert config["sources"]["devices"] == "flag" and config["sources"]["seed"] == "default"

@@ -88,7 +88,9 @@ def test_a_caffe_users_files_train_on_cpu2(caffe_files, tmp_path):
     config = next(r for r in records if r["event"] == "config")
     assert config["iters"] == 6 and config["iter_size"] == 2 and config["seed"] == 5
     assert config["sources"]["lr"] == "solver file (base_lr)"
-    assert config["sources"]["mean"] == "flag" and config["solver_file"] == str(caffe_files["solver"])
+    assert config["sources"]["mean"] == "flag" and config["solver_file"] == str(
+        caffe_files["solver"]
+    )
     losses = [r["loss"] for r in records if r["event"] == "train"]
     assert len(losses) == 6 and all(np.isfinite(losses))
     lrs = [r["lr"] for r in records if r["event"] == "train"]

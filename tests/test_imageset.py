@@ -200,10 +200,17 @@ def test_bad_lines_and_sizes_are_refused_with_nothing_written(images, tmp_path, 
 
 
 def test_skipped_images_are_named_by_line(images, tmp_path, capsys):
-    rc = data_cli.main(["convert-imageset", f"{images}/", str(images / "list.txt"),
+    # a folder ROOT without its "/" is joined with one
+    rc = data_cli.main(["convert-imageset", str(images), str(images / "list.txt"),
                         str(tmp_path / "db")])  # fmt: skip
     err = capsys.readouterr().err
     assert rc == 0 and "skipped line 5 of" in err and "broken.png" in err
+    assert len(_records(tmp_path / "db")) == 6
+    # anything else is a prefix, as Caffe concatenates ROOT and the path
+    (tmp_path / "one.txt").write_text("1.PNG 4\n")
+    rc = data_cli.main(["convert-imageset", f"{images}/c", str(tmp_path / "one.txt"),
+                        str(tmp_path / "prefixed"), "--quiet"])  # fmt: skip
+    assert rc == 0 and [k for k, _ in _records(tmp_path / "prefixed")] == [b"00000000_1.PNG"]
 
 
 def test_mean_binaryproto_is_caffes_blobproto(images, tmp_path, capsys):

@@ -137,14 +137,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="Caffe's convert_imageset: images named by a list file -> Datum database",
         description="Read ROOT + path for each 'path label' line of LISTFILE and write "
         "a Caffe Datum database, as Caffe's convert_imageset: images in BGR order, 3 "
-        "channels (1 with --gray), keys %%08d_path, resized with OpenCV's INTER_LINEAR "
+        "channels (1 with --gray), keys %08d_path, resized with OpenCV's INTER_LINEAR "
         "rule when both --resize-height and --resize-width are set. An image that cannot "
         "be read is skipped with its line number, as Caffe skips it; a line without an "
         "integer label is refused before anything is written. Written all or nothing "
         "(needs Pillow).",
     )
     p.add_argument("root", metavar="ROOT", help="folder the list's paths are relative to "
-                   "(joined as written, as Caffe does: end it with /)")  # fmt: skip
+                   "(a folder is joined with /; anything else is a prefix the paths are "
+                   "appended to, as Caffe concatenates ROOT and path)")  # fmt: skip
     p.add_argument("listfile", metavar="LISTFILE", help="lines of 'relative/path label'")
     p.add_argument("out_db", metavar="OUT_DB", help="LMDB environment directory to create")
     for caffe, ours, what in (
@@ -381,8 +382,11 @@ def _convert_imageset(args: argparse.Namespace) -> int:
 
     with checking():
         _check_out(args)
-        if not os.path.isdir(args.root):
-            raise FileNotFoundError(f"ROOT {args.root!r} is not a folder")
+        root = args.root
+        if os.path.isdir(root):
+            root = root if root.endswith(os.sep) else root + os.sep
+        elif not os.path.isdir(os.path.dirname(root) or "."):
+            raise FileNotFoundError(f"ROOT {args.root!r} is not a folder (nor a prefix in one)")
         if not os.path.isfile(args.listfile):
             raise FileNotFoundError(f"no list file at {args.listfile!r}")
         options = ImagesetOptions(
@@ -416,7 +420,7 @@ def _convert_imageset(args: argparse.Namespace) -> int:
 
     def records() -> Iterator[tuple[bytes, bytes]]:
         every = max(1, min(1000, len(entries) // 10))
-        for i, item in enumerate(imageset_records(args.root, entries, options, result,
+        for i, item in enumerate(imageset_records(root, entries, options, result,
                                                   on_skip=skipped), 1):  # fmt: skip
             yield item
             done = len(result.skipped) + i

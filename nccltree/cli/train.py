@@ -1320,6 +1320,7 @@ def run(
             per_rank_batch=t.per_rank_batch,
             start_iter=dp.iter,
             solver_file=origins.solver.path if origins.solver is not None else None,
+            solver_notes=origins.solver.notes if origins.solver is not None else None,
             sources=origins.sources,
         )
         progress = TrainProgress(cfg.iters, cfg.display or max(1, cfg.iters // 10), quiet, err)

@@ -4,8 +4,8 @@ file into a Datum database, and a database's mean image.
 Caffe's rules (tools/convert_imageset.cpp, util/io.cpp), kept here:
 
 - a list line is ``relative/path label``: the label is after the *last* space (the path
-  may hold spaces); ``ROOT + path`` is read (ROOT is joined as written: give it a
-  trailing ``/``, as Caffe's examples do);
+  may hold spaces); ``root + path`` is read, concatenated as written (the command line
+  adds the ``/`` after a folder);
 - images are read as OpenCV's ``imread`` reads them: 3 channels in BGR order
   (``IMREAD_COLOR``: a gray image is repeated, an alpha channel dropped), or 1 with
   ``gray`` (``IMREAD_GRAYSCALE``); 16-bit samples keep their high byte; the EXIF

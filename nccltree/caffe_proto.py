@@ -127,7 +127,8 @@ def solver_field_names() -> tuple[str, ...]:
     return tuple(f[0] for f in _SOLVER_FIELDS)
 
 
-def _protobuf() -> types.ModuleType:
+def require_protobuf() -> types.ModuleType:
+    """protobuf's ``descriptor_pb2``, or an ImportError saying how to install protobuf."""
     try:
         from google.protobuf import descriptor_pb2
     except ImportError:
@@ -140,7 +141,7 @@ def _protobuf() -> types.ModuleType:
 
 def file_descriptor() -> FileDescriptorProto:
     """The ``FileDescriptorProto`` of package ``caffe`` (see the module docstring)."""
-    pb = _protobuf()
+    pb = require_protobuf()
     F = pb.FieldDescriptorProto
     fdp = pb.FileDescriptorProto(name="nccltree_caffe.proto", package=PACKAGE, syntax="proto2")
     enum = fdp.enum_type.add(name="Phase")
@@ -188,7 +189,7 @@ def _pool() -> DescriptorPool:
 def message_class(name: str) -> type[Message]:
     """The protobuf message class of ``caffe.<name>`` (``SolverParameter``, ``BlobProto``,
     ``BlobShape``, ``Datum``, ``NetState``); ImportError without protobuf."""
-    _protobuf()
+    require_protobuf()
     from google.protobuf import message_factory
 
     return message_factory.GetMessageClass(_pool().FindMessageTypeByName(f"{PACKAGE}.{name}"))

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .caffe_proto import message_class
+from .caffe_proto import message_class, require_protobuf
 
 if TYPE_CHECKING:
     from google.protobuf.message import Message
@@ -179,6 +179,7 @@ def read_solver(path: str | os.PathLike[str]) -> SolverFile:
     protobuf package.
     """
     p = os.fspath(path)
+    require_protobuf()
     try:
         with open(p, encoding="utf-8") as f:
             text = f.read()

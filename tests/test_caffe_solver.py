@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -264,6 +265,14 @@ def test_caffes_solver_spelling_is_taken(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and f"cannot read the solver file {tmp_path / 'missing.prototxt'}" in err
     assert train.caffe_spellings(["-solver=a", "--", "-solver"]) == ["--solver=a", "--", "-solver"]
+
+
+def test_without_protobuf_the_message_says_what_to_install(tmp_path, capsys, monkeypatch):
+    path = _write(tmp_path, LENET_SOLVER)
+    monkeypatch.setitem(sys.modules, "google.protobuf", None)
+    rc = train.main(["--solver", str(path), "--devices", "cpu:1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "needs the protobuf package" in err and "nccltree[caffe]" in err
 
 
 def test_bad_settings_from_the_file_say_so(tmp_path, capsys):

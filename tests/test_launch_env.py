@@ -273,3 +273,30 @@ def test_mpi_singleton_under_torchrun_variables_refused():
         "the process group would have one (started by mpi); start every process the same "
         "way, or pass init_method= to match how they were launched"
     )
+
+
+def test_store_port_under_torchrun_agent():
+    # torchrun's agent holds MASTER_PORT (here: a listening socket): the store takes the
+    # next port
+    for _ in range(50):
+        agent = socket.create_server(("127.0.0.1", 0))
+        master = agent.getsockname()[1]
+        try:
+            socket.create_server(("127.0.0.1", master + 1)).close()
+            break
+        except OSError:
+            agent.close()
+    else:
+        pytest.skip("no two free ports in a row")
+
+    def env(i: int) -> dict[str, str]:
+        return {"RANK": str(i), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(master), "TORCHELASTIC_USE_AGENT_STORE": "True"}  # fmt: skip
+
+    with agent:
+        assert exchange_in_threads(2, "env://", env) == [[0, 1]] * 2
+        other = free_port()
+        got = exchange_in_threads(
+            2, "env://", lambda i: {**env(i), "NCCLTREE_STORE_PORT": str(other)}
+        )
+        assert got == [[0, 1]] * 2

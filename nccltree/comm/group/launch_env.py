@@ -12,7 +12,11 @@ torchrun's (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 :class:`Started`: a bootstrap (:mod:`.bootstrap`) and, over MPI, the communicator.
 ``"env://"``, ``"tcp://host:port"`` and ``"slurm"`` meet through a :class:`.TCPStore`
 hosted by rank 0 (or by ``nccltree-run``'s launcher on node 0, which says so with
-``NCCLTREE_STORE_HOSTED=1``), ``"file://path"`` through a :class:`.FileStore`. The store
+``NCCLTREE_STORE_HOSTED=1``), ``"file://path"`` through a :class:`.FileStore`. The
+store's port is ``NCCLTREE_STORE_PORT`` where set, else ``MASTER_PORT`` -- plus one
+under torchrun, whose agent serves its own store on ``MASTER_PORT``
+(``TORCHELASTIC_USE_AGENT_STORE=True``) -- else, for ``"slurm"``, one derived from the
+job and step ids. The store
 requires the token in ``NCCLTREE_STORE_TOKEN`` when it is set (``nccltree-run`` sets a
 random one per job). mpi4py is imported only on the MPI paths.
 
@@ -45,6 +49,8 @@ if TYPE_CHECKING:
 TOKEN_VAR = "NCCLTREE_STORE_TOKEN"
 #: set to 1 by a launcher that hosts the store itself (every rank is then its client)
 HOSTED_VAR = "NCCLTREE_STORE_HOSTED"
+#: the store's port instead of MASTER_PORT (env:// and slurm)
+PORT_VAR = "NCCLTREE_STORE_PORT"
 #: where rank 0's store listens instead of its MASTER_ADDR (e.g. 0.0.0.0)
 BIND_VAR = "NCCLTREE_STORE_BIND"
 #: the key prefix of a group's bootstrap in the store (a launcher uses others)
@@ -386,7 +392,11 @@ def _start_env(
     addr = env.get("MASTER_ADDR") or None
     if addr is None:
         raise ValueError("env://: MASTER_ADDR is not set")
-    port = _need(_int(env, "MASTER_PORT"), "env://: MASTER_PORT")
+    port = _int(env, PORT_VAR)
+    if port is None:
+        port = _need(_int(env, "MASTER_PORT"), "env://: MASTER_PORT")
+        if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get(HOSTED_VAR) != "1":
+            port += 1  # torchrun's agent serves its own store on MASTER_PORT
     local = (_int(env, "LOCAL_RANK"), _int(env, "LOCAL_WORLD_SIZE"))
     return _tcp("env://", addr, port, r, n, timeout, env, local)
 
@@ -404,9 +414,9 @@ def _start_slurm(
     addr = env.get("MASTER_ADDR") or (first_host(nodes) if nodes else None)
     if addr is None:
         raise ValueError("slurm: neither MASTER_ADDR nor SLURM_STEP_NODELIST/SLURM_NODELIST is set")
-    port = _int(env, "MASTER_PORT") or slurm_port(env)
+    port = _int(env, PORT_VAR) or _int(env, "MASTER_PORT") or slurm_port(env)
     if port is None:
-        raise ValueError("slurm: neither MASTER_PORT nor SLURM_JOB_ID is set")
+        raise ValueError(f"slurm: none of {PORT_VAR}, MASTER_PORT, SLURM_JOB_ID is set")
     seen = detect(env)
     local = (_int(env, "SLURM_LOCALID"), seen.local_size if seen else None)
     return _tcp("slurm", addr, port, r, n, timeout, env, local)

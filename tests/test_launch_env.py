@@ -70,6 +70,8 @@ def test_precedence():
     assert e is not None and (e.launcher, e.rank, e.size) == ("mpi", 3, 4)
     e = detect({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"})
     assert e is not None and (e.launcher, e.rank) == ("mpi", 1)
+    e = detect({**SLURM, "PMIX_RANK": "5"})  # srun --mpi=pmix: MPI, Slurm's size
+    assert e is not None and (e.launcher, e.rank, e.size) == ("mpi", 5, 8)
 
 
 def test_bad_number():

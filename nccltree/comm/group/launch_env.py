@@ -2,7 +2,8 @@
 
 :func:`detect` reads which launcher started the process from its environment, by
 precedence: an MPI launcher's (``PMI_SIZE``/``PMI_RANK``: MPICH's ``mpiexec``, ``srun
---mpi=pmi2``; ``OMPI_COMM_WORLD_SIZE``/``OMPI_COMM_WORLD_RANK``: Open MPI's), then
+--mpi=pmi2``; ``OMPI_COMM_WORLD_SIZE``/``OMPI_COMM_WORLD_RANK``: Open MPI's;
+``MV2_COMM_WORLD_SIZE``: MVAPICH's; ``PMIX_RANK``: ``srun --mpi=pmix``), then
 torchrun's (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``; ``nccltree-run`` sets the same), then Slurm's
 (``SLURM_STEP_NUM_TASKS`` with ``SLURM_PROCID``: a task of an ``srun`` step; not
@@ -112,12 +113,21 @@ def detect(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
     for size_var, rank_var in (
         ("PMI_SIZE", "PMI_RANK"),
         ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
+        ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK"),
     ):
         size = _int(env, size_var)
         if size is not None:
             return LaunchEnv(
                 "mpi", size, _int(env, rank_var), variables=_vars(env, size_var, rank_var)
             )
+    if "PMIX_RANK" in env:  # srun --mpi=pmix: the step's size is Slurm's
+        size_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+        return LaunchEnv(
+            "mpi",
+            _int(env, size_var) or 1,
+            _int(env, "PMIX_RANK"),
+            variables=_vars(env, "PMIX_RANK", size_var),
+        )
     size = _int(env, "WORLD_SIZE")
     if size is not None:
         return LaunchEnv(
@@ -157,7 +167,7 @@ def several_processes(environ: Mapping[str, str] | None = None) -> list[str]:
     than one process (any launcher's, not only the one that wins)."""
     env = os.environ if environ is None else environ
     out = []
-    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "WORLD_SIZE"):
+    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "WORLD_SIZE"):
         n = _int(env, name)
         if n is not None and n > 1:
             out.append(f"{name}={n}")

@@ -45,9 +45,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from .._errors import CommError, PeerFailure
-from ..comm.group.launch_env import HOSTED_VAR, TOKEN_VAR
-from ..comm.group.shm import remove_of_pids
-from ..comm.group.store import TCPStore
+from ..comm.group.store import HOSTED_VAR, TOKEN_VAR, TCPStore
 from ._common import ExitStatus, UsageError, int_at_least, make_parser, run_main
 
 PROG = "nccltree-run"
@@ -548,6 +546,8 @@ class Launcher:
             for t in ch.readers:
                 t.join(timeout=5)
         if self.pids:
+            from ..comm.group.shm import remove_of_pids  # (numpy: not before the children)
+
             remove_of_pids(self.pids)
         if self.store is not None:
             self.store.close()

@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 from ..._errors import BackendUnavailable, CommError
 from .bootstrap import LocalBootstrap, MpiBootstrap, StoreBootstrap
-from .store import FileStore, TCPStore
+from .store import HOSTED_VAR, TOKEN_VAR, FileStore, TCPStore
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -46,10 +46,6 @@ if TYPE_CHECKING:
 
     from .bootstrap import Bootstrap
 
-#: the variable holding the job's store token
-TOKEN_VAR = "NCCLTREE_STORE_TOKEN"
-#: set to 1 by a launcher that hosts the store itself (every rank is then its client)
-HOSTED_VAR = "NCCLTREE_STORE_HOSTED"
 #: the store's port instead of MASTER_PORT (env:// and slurm)
 PORT_VAR = "NCCLTREE_STORE_PORT"
 #: where rank 0's store listens instead of its MASTER_ADDR (e.g. 0.0.0.0)

@@ -39,6 +39,11 @@ from typing import Protocol
 
 from ..._errors import CommError, CommTimeout, PeerFailure
 
+#: the variable holding the job's store token (the same in every process of a job)
+TOKEN_VAR = "NCCLTREE_STORE_TOKEN"
+#: set to 1 by a launcher that hosts the store itself (every rank is then its client)
+HOSTED_VAR = "NCCLTREE_STORE_HOSTED"
+
 #: the largest frame either side accepts (values are names, ids, small JSON documents)
 MAX_FRAME = 16 << 20
 #: the longest key

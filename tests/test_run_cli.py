@@ -88,11 +88,12 @@ def test_variables_and_prefix():
 
 def test_module_and_env(tmp_path):
     script = tmp_path / "show_env.py"
-    script.write_text(
-        "import os\n"
-        "print(*(os.environ.get(k) for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', "
+    script.write_text(  # one write per line: the children share the launcher's stdout
+        "import os, sys\n"
+        "vals = [os.environ.get(k) for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', "
         "'LOCAL_WORLD_SIZE', 'GROUP_RANK', 'MASTER_ADDR', 'NCCLTREE_STORE_HOSTED', "
-        "'PMI_SIZE')), len(os.environ['NCCLTREE_STORE_TOKEN']))\n"
+        "'PMI_SIZE')] + [len(os.environ['NCCLTREE_STORE_TOKEN'])]\n"
+        "sys.stdout.write(' '.join(map(str, vals)) + '\\n')\n"
     )
     env = env_for(PMI_SIZE="9", PYTHONPATH=os.pathsep.join([NOMPI, ROOT, str(tmp_path)]))
     rc, out, err = finish(launch("--nproc-per-node", "2", "-m", "show_env", env=env))
@@ -161,6 +162,16 @@ def test_signal_forwarded(sig):
     assert rc == 128 + sig
     assert one_line(err) == f"nccltree-run: got {signal.Signals(sig).name}: stopping the children"
     assert_clean("".join(seen) + out)
+
+
+def test_signal_while_waiting_for_node0():
+    p = node(1, free_port(), timeout="60")
+    assert p.stderr is not None
+    time.sleep(1.0)  # connecting to a store that is not there
+    p.send_signal(signal.SIGTERM)
+    rc, _, err = finish(p, limit=10)
+    assert rc == 128 + signal.SIGTERM
+    assert one_line(err) == "nccltree-run: got SIGTERM before the children started"
 
 
 def test_port_in_use():

@@ -117,6 +117,28 @@ def test_two_nodes_on_loopback():
     assert_clean(out0 + out1, port)
 
 
+def test_failure_on_another_node_stops_the_job():
+    port = free_port()
+    env = env_for(NCCLTREE_STORE_TOKEN="t0k3n", WORKER_TIMEOUT="20")
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-port", str(port),
+              "--rdzv-timeout", "10"]  # fmt: skip
+    n1 = launch(*common, "--node-rank", "1", WORKER, "fail", "3", env=env)
+    n0 = launch(*common, "--node-rank", "0", WORKER, "fail", "3", env=env)
+    (rc0, out0, err0), (rc1, out1, err1) = finish(n0), finish(n1)
+    assert (rc0, rc1) == (7, 7), err0 + err1
+    assert re.fullmatch(
+        r"nccltree-run: rank 3 \(local rank 1, pid \d+, node 1\) exited with status 7; "
+        r"stopping the job",
+        one_line(err1),
+    )
+    assert re.fullmatch(
+        r"nccltree-run: on another node, rank 3 \(local rank 1, pid \d+, node 1\) exited "
+        r"with status 7; stopping this node's children",
+        one_line(err0),
+    )
+    assert_clean(out0 + out1, port)
+
+
 def test_killed_child():
     rc, out, err = finish(launch("--nproc-per-node", "3", WORKER, "die", "1"))
     assert rc == 128 + signal.SIGKILL

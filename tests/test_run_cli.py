@@ -231,7 +231,9 @@ def test_wrong_master_port():
 def test_wrong_token():
     port = free_port()
     n0, n1 = node(0, port, timeout="3"), node(1, port, token="not-the-token")
-    (rc0, _, err0), (rc1, _, err1) = finish(n0), finish(n1)
+    (rc0, out0, err0), (rc1, out1, err1) = finish(n0), finish(n1)
+    assert out0 + out1 == ""  # no child started
+    assert_clean("", port)
     assert (rc0, rc1) == (1, 1)
     assert "node ranks [1] of 2 did not join" in one_line(err0)
     assert one_line(err1) == (

@@ -4,7 +4,7 @@
   transfers need it, and many GPUs copying at once stay stable with it), of exactly the
   size asked and unpinned when the array is gone (not CuPy's pinned pool, which rounds to
   powers of two and never unpins), else 64-byte-aligned plain numpy memory -- never
-  ``mlock``ed, so tests and CPU-only runs cannot exhaust locked RAM.
+  locked with ``mlock``, so tests and CPU-only runs cannot exhaust locked RAM.
 - ``PinnedPool``: reuses freed pinned blocks, because page-locking is slow (a system call
   and page-table work per allocation), with a hard cap on the bytes it keeps locked.
 - ``SyncedMemory``: Caffe's syncedmem: one logical array with a host copy and a device copy,
@@ -59,7 +59,8 @@ def _use_cuda_pinned() -> bool:
 def pinned_empty(
     shape: ShapeLike, dtype: DTypeLike = "float32", *, pinned: bool | None = None
 ) -> np.ndarray:
-    """An uninitialised C-contiguous host array for fast device transfers.
+    """An uninitialised C-contiguous host array of ``shape`` and ``dtype`` for fast
+    device transfers.
 
     ``pinned=None``: page-locked (``cudaHostAlloc``, freed with the last view of the array)
     when a GPU is usable, else 64-byte-aligned pageable memory. ``pinned=True`` insists on page-locked memory (``BackendUnavailable``
@@ -91,7 +92,10 @@ def size_class(nbytes: int) -> int:
 
 @dataclass(frozen=True)
 class PoolStats:
-    """A snapshot of a ``PinnedPool``."""
+    """A snapshot of a ``PinnedPool``: ``in_use_bytes`` (blocks handed out, by block
+    size), ``cached_bytes`` (freed blocks kept for reuse), ``peak_bytes`` (the highest
+    in use plus cached so far), ``hits`` and ``misses`` (allocations served from the
+    cache, and those that needed new memory) and the pool's ``max_bytes``."""
 
     in_use_bytes: int  # bytes of blocks handed out (block sizes, not requested sizes)
     cached_bytes: int  # bytes of freed blocks kept for reuse
@@ -109,6 +113,8 @@ class PinnedPool:
     ``max_bytes`` (blocks in use plus cached: the bytes the pool keeps page-locked), cached
     blocks are released (unpinned) first, then a ``MemoryError`` says how much is in use.
     Thread-safe. An array must not be used after ``free``: its block is handed out again.
+    ``pinned``: the kind of memory, as for :func:`pinned_empty` (None: page-locked where
+    a GPU is usable).
     """
 
     def __init__(self, max_bytes: int = 1 << 30, *, pinned: bool | None = None) -> None:
@@ -124,7 +130,9 @@ class PinnedPool:
         self._misses = 0
 
     def alloc(self, shape: ShapeLike, dtype: DTypeLike = "float32") -> np.ndarray:
-        """An uninitialised C-contiguous array from the pool; give it back with ``free``."""
+        """An uninitialised C-contiguous array of ``shape`` and ``dtype`` from the pool;
+        give it back with ``free``. ``MemoryError`` when it does not fit under
+        ``max_bytes`` even after the cached blocks are released."""
         dt = np.dtype(dtype)
         shape = check_shape(shape)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
@@ -161,8 +169,8 @@ class PinnedPool:
             )
 
     def free(self, arr: np.ndarray) -> None:
-        """Return an array from ``alloc`` to the pool (ValueError for any other array or a
-        second free)."""
+        """Return ``arr``, an array from ``alloc``, to the pool (ValueError for any other
+        array or a second free)."""
         ptr = arr.ctypes.data if isinstance(arr, np.ndarray) else None
         with self._lock:
             raw = self._used.pop(ptr, None) if ptr is not None else None
@@ -175,7 +183,7 @@ class PinnedPool:
 
     @contextmanager
     def borrow(self, shape: ShapeLike, dtype: DTypeLike = "float32") -> Iterator[np.ndarray]:
-        """``alloc`` for the duration of a ``with`` block."""
+        """``alloc(shape, dtype)`` for the duration of a ``with`` block."""
         arr = self.alloc(shape, dtype)
         try:
             yield arr
@@ -205,7 +213,8 @@ UNINITIALIZED, HOST, DEVICE, SYNCED = "uninitialized", "host", "device", "synced
 
 
 class SyncedMemory:
-    """One array with a host copy and a copy on ``device``; ``head`` names the fresh one.
+    """One array of ``shape`` and ``dtype`` with a host copy and a copy on ``device``;
+    ``head`` names the fresh one.
 
     ``head`` is ``"uninitialized"`` (nothing allocated; the first touch allocates
     zero-filled memory), ``"host"`` or ``"device"`` (only that copy is current) or
@@ -227,6 +236,7 @@ class SyncedMemory:
 
     @property
     def nbytes(self) -> int:
+        """The size of the array in bytes (of each copy)."""
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
     def __repr__(self) -> str:

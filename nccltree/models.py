@@ -478,7 +478,7 @@ def build_model(name: str, input_shape: ShapeLike, classes: int, **kw: Any) -> M
     """The model registered as ``name`` ("softmax", "mlp", "cnn") for inputs of
     ``input_shape`` (one example, e.g. ``(C, H, W)`` or ``(features,)``) and ``classes``.
 
-    Keyword arguments go to the model: ``hidden=[...]`` for mlp; ``channels``, ``kernel``,
+    Keyword arguments (``kw``) go to the model: ``hidden=[...]`` for mlp; ``channels``, ``kernel``,
     ``pool`` for cnn.
     """
     if name not in MODELS:

@@ -120,8 +120,8 @@ class RankFailure(NcclTreeError):
 
 
 def per_rank_batch(batch_size: int, ranks: int, scaling: str = "weak") -> int:
-    """The batch each rank computes: ``batch_size`` (weak) or ``batch_size / ranks``
-    (strong; ValueError when it does not divide evenly)."""
+    """The batch each rank computes under ``scaling``: ``batch_size`` (``"weak"``) or
+    ``batch_size / ranks`` (``"strong"``; ValueError when it does not divide evenly)."""
     batch_size = check_int(batch_size, "batch_size", min=1)
     ranks = check_int(ranks, "ranks", min=1)
     if scaling not in SCALING_MODES:
@@ -141,7 +141,14 @@ def per_rank_batch(batch_size: int, ranks: int, scaling: str = "weak") -> int:
 
 @dataclass
 class StepInfo:
-    """What the root sees after each iteration (passed to ``fit``'s ``on_step``)."""
+    """What the root sees after each iteration (passed to ``fit``'s ``on_step``):
+    ``iter`` (iterations completed), ``loss`` (mean training loss over all ranks'
+    batches), ``lr`` (the learning rate this iteration used), ``examples`` (over all
+    ranks), ``step_s`` (the iteration's wall time on the root), ``comm_s`` (of which in
+    the sync callback), ``exposed_s`` (of ``comm_s``, from the end of backward to the
+    update: communication backward did not hide), ``elapsed_s`` (since ``fit`` started),
+    ``position`` (where the next iteration's data starts) and ``params`` (the root's
+    parameters, for read-only use in the root's thread)."""
 
     iter: int  # iterations completed (the solver's iter)
     loss: float  # mean training loss over all ranks' batches (root's own without comm)
@@ -158,7 +165,14 @@ class StepInfo:
 
 @dataclass
 class FitResult:
-    """Summary of a ``fit`` call; per-iteration lists are the root's."""
+    """Summary of a ``fit`` call; per-iteration lists are the root's.
+
+    ``start_iter`` and ``iter``: the solver's iteration at the start and the end;
+    ``losses``, ``step_times``, ``comm_times`` and ``exposed_times``: per iteration, as in
+    :class:`StepInfo`; ``examples``: over all ranks and iterations; ``elapsed_s``: the
+    wall time; ``position``: where the next ``fit``'s data starts; ``stopped``: whether
+    :meth:`DataParallel.stop` ended it early; ``rank_comm_s``, ``rank_step_s`` and
+    ``rank_exposed_s``: each rank's totals over the run."""
 
     start_iter: int
     iter: int
@@ -176,6 +190,7 @@ class FitResult:
 
     @property
     def examples_per_s(self) -> float:
+        """Examples per second over the run (0 when no time passed)."""
         return self.examples / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     @property
@@ -198,7 +213,8 @@ class FitResult:
 def evaluate(
     model: Model, params: FlatParams, x: np.ndarray, y: np.ndarray, batch_size: int = 1024
 ) -> tuple[float, float]:
-    """``(accuracy, mean loss)`` of ``model`` with ``params`` on the arrays ``x``, ``y``."""
+    """``(accuracy, mean loss)`` of ``model`` with ``params`` on the arrays ``x``, ``y``,
+    computed ``batch_size`` examples at a time."""
     batch_size = check_int(batch_size, "batch_size", min=1)
     n = len(y)
     if n == 0:
@@ -221,8 +237,8 @@ def evaluate(
 
 
 class Sync(Callback):
-    """A solver callback that keeps one rank's replica in step with the others through
-    ``comm``. The driver registers one with each rank's solver for a ``fit``, calls
+    """A solver callback that keeps one rank's replica (its ``params``) in step with the
+    others through ``comm``. The driver registers one with each rank's solver for a ``fit``, calls
     :meth:`begin` before the first iteration and :meth:`finish` after the last; the
     solver times its hooks (:attr:`~nccltree.solver.SGD.callback_s`). ``updates`` says
     whether this rank's solver applies the update itself."""
@@ -247,15 +263,18 @@ class AllReduceSync(Sync):
     replicas are made equal once, at :meth:`begin`; equal updates keep them so."""
 
     def begin(self) -> None:
+        """Make every replica the rank 0's (a broadcast of the parameters)."""
         self.comm.broadcast(self.params.data, root=0)
 
     def on_gradients_ready(self) -> None:
+        """Average the gradient over all ranks (an all_reduce with ``op="mean"``)."""
         self.comm.all_reduce(self.params.grad, op="mean")
 
 
 class RootSync(Sync):
     """Caffe's P2PSync: gradients summed at the root, which alone updates; the root's
-    parameters are broadcast at the start of the next iteration, and at :meth:`finish`."""
+    parameters are broadcast at the start of the next iteration, and at :meth:`finish`.
+    ``comm`` and ``params`` as for :class:`Sync`; ``root`` is the rank that updates."""
 
     def __init__(self, comm: Comm | GroupComm, params: FlatParams, root: int = 0) -> None:
         super().__init__(comm, params)
@@ -263,9 +282,11 @@ class RootSync(Sync):
         self.updates = comm.rank == root
 
     def on_start(self) -> None:
+        """Give every rank the root's parameters (a broadcast)."""
         self.comm.broadcast(self.params.data, root=self.root)
 
     def on_gradients_ready(self) -> None:
+        """Sum the gradients at the root, which scales them to the mean (a reduce)."""
         self.comm.reduce(self.params.grad, root=self.root)
         if self.comm.rank == self.root:
             # each rank's loss is a mean over its batch: the sum of N means needs 1/N
@@ -284,7 +305,7 @@ class RootSync(Sync):
 @dataclass(frozen=True)
 class Bucket:
     """A contiguous slice ``[start, stop)`` of the flat gradient (alignment padding
-    included) and the parameters in it, in the order backward writes them."""
+    included) and the parameters in it (``names``), in the order backward writes them."""
 
     start: int
     stop: int
@@ -473,7 +494,8 @@ class _BoardWait:
 
 
 class BucketSync(Sync, GradientCallback):
-    """Gradient buckets communicated during backward (PyTorch DDP's reducer).
+    """Gradient buckets communicated during backward (PyTorch DDP's reducer): the
+    ``buckets`` of ``params``' gradient, over ``comm``.
 
     ``on_gradient_ready(name)`` counts the bucket's parameters down; once the next bucket
     (in :func:`make_buckets` order) is complete, its collective starts asynchronously --
@@ -654,12 +676,14 @@ class _Run:
 class DataParallel:
     """Data-parallel SGD over ``devices`` (a list from :func:`nccltree.devices` or a spec).
 
-    ``model`` is a :class:`~nccltree.models.Model`; keyword arguments not listed below go
-    to every rank's :class:`~nccltree.solver.SGD` (``lr``, ``momentum``, ``weight_decay``,
+    ``model`` is a :class:`~nccltree.models.Model`; keyword arguments not listed below
+    (``sgd``) go to every rank's :class:`~nccltree.solver.SGD` (``lr``, ``momentum``, ``weight_decay``,
     ``lr_policy`` and its parameters). ``algorithm`` picks the collective algorithm
     (``tree``, ``ring``, ``direct``, ``nccl``, ``auto``), ``update_mode`` is
     ``allreduce`` or ``root``; ``comm=False`` turns communication off (each rank steps on
-    its own gradient -- a control for measuring the cost of communication). ``blas_threads``
+    its own gradient -- a control for measuring the cost of communication). ``seed``
+    seeds the model's initial parameters (the same on every rank); ``timeout`` bounds
+    every wait of the collectives (seconds). ``blas_threads``
     limits BLAS threads during :meth:`fit` (None: ``max(1, cores // ranks)``; needs the
     ``threadpoolctl`` package, otherwise BLAS is left alone).
 
@@ -827,6 +851,7 @@ class DataParallel:
 
     @property
     def root_updates(self) -> bool:
+        """Whether the root alone updates (``update_mode="root"`` with communication on)."""
         return self.update_mode == "root" and self.comm_enabled
 
     def world(self) -> World:
@@ -845,7 +870,8 @@ class DataParallel:
     def snapshot(
         self, path: str | os.PathLike[str], config: Mapping[str, Any] | None = None
     ) -> None:
-        """Save the root's state (parameters, solver, data position) to ``path``.
+        """Save the root's state (parameters, solver, data position) to ``path``, with
+        ``config`` (JSON-able, e.g. the command line) beside it.
 
         Call it between iterations: from ``fit``'s ``on_step`` (the root's thread) or when
         no ``fit`` is running.

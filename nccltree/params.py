@@ -42,7 +42,8 @@ class FlatParams:
     """Named parameters and gradients stored in two contiguous buffers on one device.
 
     ``shapes`` maps parameter names to shapes; the insertion order is the layout order.
-    ``device`` is a device from :func:`nccltree.devices` or None for plain numpy arrays.
+    ``dtype`` is the buffers' (floating) dtype. ``device`` is a device from
+    :func:`nccltree.devices` or None for plain numpy arrays.
 
     ``data`` and ``grad`` are the flat 1-D buffers; ``views[name]`` and
     ``grad_views[name]`` are views of them with the parameter's shape. Each parameter
@@ -135,10 +136,12 @@ class FlatParams:
 
     @property
     def dtype(self) -> np.dtype:
+        """The dtype of both buffers."""
         return self._dtype
 
     @property
     def device(self) -> Device | None:
+        """The device the buffers live on (None: plain numpy arrays)."""
         return self._device
 
     @property
@@ -186,7 +189,8 @@ class FlatParams:
         }
 
     def load(self, state: Mapping[str, Any]) -> None:
-        """Copy parameter values from a dict of arrays by name (exactly these names).
+        """Copy parameter values from ``state``, a dict of arrays by name (exactly these
+        names).
 
         Values are cast to this dtype; every name and shape is checked before anything is
         written, so a bad dict leaves the parameters unchanged.

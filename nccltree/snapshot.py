@@ -38,7 +38,9 @@ _FORMAT, _CONFIG = "meta/format", "meta/config"
 
 @dataclass
 class Snapshot:
-    """A training state as :func:`load_snapshot` returns it."""
+    """A training state as :func:`load_snapshot` returns it: the ``params`` by name,
+    the solver's ``iter`` and momentum ``history``, the data ``position`` the next
+    iteration starts at (None: none recorded) and the ``config`` saved with it."""
 
     params: dict[str, np.ndarray]
     iter: int
@@ -58,7 +60,8 @@ def save_snapshot(
     position: int | None,
     config: Mapping[str, Any] | None = None,
 ) -> None:
-    """Write a snapshot atomically: a temporary file in the same directory, flushed to
+    """Write a snapshot of ``params`` (arrays by name), ``solver_state`` and the data
+    ``position`` to ``path`` atomically: a temporary file in the same directory, flushed to
     disk, then ``os.replace``. A process killed at any point (even ``kill -9``) leaves
     either the previous snapshot or the new one, never a partial file.
 
@@ -135,7 +138,7 @@ def process_alive(pid: int) -> bool:
 
 
 def load_snapshot(path: str | os.PathLike[str]) -> Snapshot:
-    """Read a snapshot written by :func:`save_snapshot`.
+    """Read the snapshot at ``path``, written by :func:`save_snapshot`.
 
     ValueError when the file cannot be read, is not a snapshot, or lacks or mangles one of
     its entries (the message names the file and the entry).

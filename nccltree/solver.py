@@ -97,10 +97,10 @@ class Callback:
     """A SolverCallback that does nothing; subclass it and override what you need."""
 
     def on_start(self) -> None:
-        pass
+        """Before the forward pass of an iteration (nothing here)."""
 
     def on_gradients_ready(self) -> None:
-        pass
+        """After the backward pass, before the update (nothing here)."""
 
 
 def _given(value: T | None) -> T:
@@ -112,8 +112,12 @@ def _given(value: T | None) -> T:
 class SGD:
     """Stochastic gradient descent over a :class:`FlatParams`, as Caffe's ``SGDSolver``.
 
-    ``lr`` is Caffe's ``base_lr``. ``lr_policy`` is one of fixed, step, exp, inv,
-    multistep, poly, sigmoid, with Caffe's formulas (``iter`` is :attr:`iter`)::
+    ``params`` are the parameters it updates (their gradients are read from
+    ``params.grad``). ``lr`` is Caffe's ``base_lr``; ``momentum`` and ``weight_decay``
+    are Caffe's (the update is ``g += weight_decay * w; v = momentum * v + rate * g;
+    w -= v``, ``rate`` the policy's learning rate at the iteration). ``lr_policy`` is
+    one of fixed, step, exp, inv, multistep, poly, sigmoid, with Caffe's formulas
+    (``iter`` is :attr:`iter`)::
 
         fixed      lr
         step       lr * gamma ** floor(iter / stepsize)
@@ -338,6 +342,7 @@ class SGD:
 
     @property
     def callbacks(self) -> tuple[SolverCallback, ...]:
+        """The callbacks :meth:`iteration` runs, in order."""
         return tuple(self._callbacks)
 
     def iteration(self, compute_grads: Callable[[], T], *, update: bool = True) -> T:
@@ -397,7 +402,8 @@ class SGD:
         return {"iter": self.iter, "history": history}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output bitwise (checked before anything is written)."""
+        """Restore ``state``, :meth:`state_dict` output, bitwise (checked before anything
+        is written)."""
         try:
             it, history = state["iter"], state["history"]
         except (KeyError, TypeError):

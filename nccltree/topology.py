@@ -101,7 +101,8 @@ _P2P_TOKENS = frozenset({"X", "OK", "CNS", "GNS", "TNS", "NS", "DR", "U"})
 
 @dataclass(frozen=True)
 class Link:
-    """One link of the matrix: its kind, NVLink count (NVLINK only) and peer access, and
+    """One link of the matrix: its ``kind``, NVLink count ``nvlinks`` (NVLINK only) and
+    peer access ``p2p``, and
     optionally its numbers: ``gbps``, the link's nominal rate in each direction (GB/s,
     1e9 bytes per second: NVLink links x the rate per link, PCIe lanes x the rate per
     lane, as detection fills it), and ``latency_s``, one transfer's latency (seconds).
@@ -159,7 +160,7 @@ class Link:
 
     @classmethod
     def from_token(cls, token: str, p2p: bool | None = None) -> Link:
-        """The link an nvidia-smi cell names; ``p2p=None``: peer access unless ``SYS`` or
+        """The link an nvidia-smi cell ``token`` names; ``p2p=None``: peer access unless ``SYS`` or
         ``NET`` (``NET`` never has it, ``X`` and ``DEV`` always do, whatever ``p2p`` says)."""
         tok = token.upper()
         m = _NV_TOKEN.match(tok)
@@ -382,7 +383,8 @@ class Topology:
 
     @classmethod
     def from_smi(cls, text: str, p2p: str | None = None) -> Topology:
-        """Parse what ``nvidia-smi topo -m`` prints (GPU rows and columns; NICs ignored).
+        """Parse ``text``, what ``nvidia-smi topo -m`` prints (GPU rows and columns; NICs
+        ignored).
 
         ``p2p`` is optionally what ``nvidia-smi topo -p2p r`` prints for the same
         machine; without it, peer access is assumed everywhere except across sockets
@@ -448,7 +450,8 @@ class Topology:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Topology:
-        """Read a topology written by ``to_json`` (or by hand, in the same format).
+        """Read a topology from ``text``, JSON written by ``to_json`` (or by hand, in the
+        same format).
 
         Malformed input is a ``ValueError`` naming the field and what it expected
         (``names``, ``gbps`` and ``latency_s`` are optional; ``p2p`` is not)."""

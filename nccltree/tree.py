@@ -56,7 +56,8 @@ Level = tuple[tuple[int, int], ...]  # the (parent, child) pairs of one level, s
 
 @dataclass(frozen=True)
 class Tree:
-    """A reduce/broadcast tree over ``n`` ranks, built level by level.
+    """A reduce/broadcast tree over the ``topology``'s ``n`` ranks, rooted at ``root``,
+    built level by level.
 
     ``levels[k]`` holds the (parent, child) pairs formed at level ``k``; a reduce runs
     the levels in order, a broadcast in reverse. Built by ``build_tree``; the

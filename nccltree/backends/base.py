@@ -195,8 +195,9 @@ class Stream(abc.ABC):
     def sgd_update(
         self, w: Array, g: Array, v: Array, lr: float, momentum: float, weight_decay: float
     ) -> None:
-        """Caffe's SGD step in one pass: ``g += wd*w; v = momentum*v + lr*g; w -= v``
-        (``w``, ``g``, ``v`` of one floating dtype and one size; finite hyperparameters)."""
+        """Caffe's SGD step in one pass: ``g += weight_decay*w; v = momentum*v + lr*g;
+        w -= v`` (``w``, ``g``, ``v`` of one floating dtype and one size; finite
+        hyperparameters ``lr``, ``momentum``, ``weight_decay``)."""
         self._sgd_update(check_sgd(self.device, w, g, v, lr, momentum, weight_decay))
 
     def call(self, fn: Callable[..., object], *args: object) -> None:
@@ -236,18 +237,19 @@ class Stream(abc.ABC):
     # -- the engine's entry: arguments checked once for a whole collective ---------------
 
     def copy_checked(self, c: CopyArgs) -> None:
-        """``copy`` of arguments already checked: by :func:`check_copy`, or by the engine,
+        """``copy`` of arguments ``c`` already checked: by :func:`check_copy`, or by the engine,
         which checks every rank's buffers once per collective and then issues many steps
         on views of them (checking each step again cost more than the step on small
         messages). Nothing is checked here."""
         self._copy(c)
 
     def reduce_checked(self, r: ReduceArgs) -> None:
-        """``reduce`` of arguments already checked (see :meth:`copy_checked`)."""
+        """``reduce`` of arguments ``r`` already checked (see :meth:`copy_checked`)."""
         self._reduce(r)
 
     def scale_checked(self, x: Array, alpha: float, dtype: np.dtype | None = None) -> None:
-        """``scale`` of arguments already checked (see :meth:`copy_checked`); ``dtype``:
+        """``scale`` (``x *= alpha``) of arguments already checked (see
+        :meth:`copy_checked`); ``dtype``:
         the dtype ``x`` carries (None: its own)."""
         self._scale(x, alpha, dtype)
 
@@ -338,7 +340,7 @@ class Device(abc.ABC):
     def empty(
         self, shape: ShapeLike, dtype: npt.DTypeLike = "float32", *, stream: Stream | None = None
     ) -> Array:
-        """An uninitialised C-contiguous array on this device.
+        """An uninitialised C-contiguous array of ``shape`` and ``dtype`` on this device.
 
         ``stream``: the stream of this device that uses the memory first. A GPU memory pool
         hands a freed block out again in the order of the stream it was allocated for, so
@@ -353,13 +355,14 @@ class Device(abc.ABC):
     def zeros(
         self, shape: ShapeLike, dtype: npt.DTypeLike = "float32", *, stream: Stream | None = None
     ) -> Array:
-        """A zero-filled C-contiguous array on this device; ``stream`` as in ``empty``
+        """A zero-filled C-contiguous array of ``shape`` and ``dtype`` on this device;
+        ``stream`` as in ``empty``
         (on CUDA the zero fill runs on that stream, so it too is ready in its order)."""
 
     @abc.abstractmethod
     def asarray(self, obj: Array) -> Array:
-        """A zero-copy view of a buffer on this device (numpy, CUDA array interface,
-        DLPack); TypeError for a buffer that lives elsewhere."""
+        """A zero-copy view of ``obj``, a buffer on this device (numpy, CUDA array
+        interface, DLPack); TypeError for a buffer that lives elsewhere."""
 
     def check_array(self, arr: Array) -> None:
         """TypeError/ValueError unless ``arr`` is a C-contiguous array usable here."""
@@ -435,7 +438,8 @@ class Device(abc.ABC):
     def sgd_update(
         self, w: Array, g: Array, v: Array, lr: float, momentum: float, weight_decay: float
     ) -> None:
-        """Caffe's fused SGD step in the caller's order."""
+        """Caffe's fused SGD step in the caller's order (``w``, ``g``, ``v``, ``lr``,
+        ``momentum``, ``weight_decay`` as in :meth:`Stream.sgd_update`)."""
         self._run_kernel("sgd_update", w, g, v, lr, momentum, weight_decay)
 
     def _run_kernel(self, name: str, *args: object) -> None:
@@ -447,8 +451,8 @@ class Device(abc.ABC):
 
     @abc.abstractmethod
     def pinned_empty(self, shape: ShapeLike, dtype: npt.DTypeLike = "float32") -> Array:
-        """A host numpy array for fast transfers to and from this device (page-locked on
-        CUDA, 64-byte-aligned plain memory on host)."""
+        """A host numpy array of ``shape`` and ``dtype`` for fast transfers to and from
+        this device (page-locked on CUDA, 64-byte-aligned plain memory on host)."""
 
     @contextmanager
     def activate(self) -> Iterator[Device]:

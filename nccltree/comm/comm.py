@@ -38,7 +38,8 @@ class Comm(RankCollectives, PointToPoint):
     """Rank ``rank``'s face of a World, for a thread per rank (NCCL/MPI style); its
     collectives, sends and receives are declared in :mod:`nccltree.comm.faces`.
 
-    Every rank calls the same collectives in the same order; the last to arrive runs the
+    Made by ``world.comm(rank)`` (``world``: the World it belongs to). Every rank calls
+    the same collectives in the same order; the last to arrive runs the
     collective for all. Arguments are checked for all ranks together, so a bad argument
     raises on every rank before any buffer is written.
 
@@ -53,10 +54,12 @@ class Comm(RankCollectives, PointToPoint):
 
     @property
     def size(self) -> int:
+        """The number of ranks of the World."""
         return self.world.size
 
     @property
     def device(self) -> Device:
+        """The device this rank's buffers live on."""
         return self.world.devices[self.rank]
 
     def _call(self, call: RankCall) -> Array | Work:

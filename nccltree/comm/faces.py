@@ -84,7 +84,37 @@ POINT_TO_POINT = ("send", "recv", "sendrecv", "batch")
 class RankCollectives:
     """The per-rank collectives over ``_call``: every rank calls the same collectives in
     the same order, each with its own ``x`` (and ``out``). Returns the result (``out``,
-    or ``x`` for a collective computed in place), or a ``Work`` when ``async_op``."""
+    or ``x`` for a collective computed in place), or a ``Work`` when ``async_op``.
+
+    The arguments, the same on every method that takes them:
+
+    - ``x``: this rank's input (a numpy array on host devices, a CuPy array on the
+      rank's GPU), contiguous; the ranks' arrays agree in size and dtype.
+    - ``out``: where the result goes; None computes in place into ``x`` (where the
+      collective allows it). Methods with a positional ``out`` need one.
+    - ``root``: the rank that owns the result (``reduce``, ``gather``) or the data
+      (``broadcast``, ``scatter``); every rank passes the same.
+    - ``op``: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"prod"``.
+    - ``stream``: the stream the call is ordered against: its work starts after the work
+      already queued there, and that stream waits for the result. None: on GPUs the
+      thread's current CuPy stream, and the call returns once the work is issued (as
+      NCCL's); on host devices the calling thread, and the call returns once the result
+      is in place (each wait bounded by the timeout). An explicit host ``stream`` orders
+      the call after that stream's queued work and returns once it is issued.
+    - ``async_op``: return a :class:`~nccltree.comm.Work` once the work is issued:
+      ``wait()`` orders the caller's stream after it, ``synchronize()`` blocks,
+      ``result()`` returns the output; the Work keeps the buffers alive until done.
+    - ``dtype``: None computes in the arrays' own dtype; ``"bfloat16"`` also takes
+      ``uint16`` arrays holding bfloat16 bits (how CuPy carries it). Every rank names
+      the same.
+
+    Errors: ``ValueError`` or ``TypeError`` for bad arguments (shape, dtype, device,
+    contiguity, or a mismatch between the ranks), raised on every rank before any buffer
+    is written; :class:`~nccltree.CommTimeout` when the ranks do not all arrive or the
+    work does not finish within the timeout; :class:`~nccltree.PeerFailure` once another
+    rank failed (every later call raises it too); :class:`~nccltree.CommError` for other
+    failures of the communication itself.
+    """
 
     def _call(self, call: RankCall) -> Array | Work:
         """One collective of the table, by name, for this rank: what every method below
@@ -205,7 +235,15 @@ class RankCollectives:
 
 class PointToPoint:
     """Sends and receives of one rank over ``_post_p2p`` (post one, and wait for it
-    unless a batch is open) and ``batch``."""
+    unless a batch is open) and ``batch``.
+
+    ``peer``, ``dest`` and ``source`` are ranks of the group; sends and receives between
+    one pair are matched in call order. ``stream`` and ``dtype`` mean what they mean for
+    the collectives (:class:`RankCollectives`): the transfer is ordered after the work on
+    ``stream`` (None: the current stream on GPUs, the calling thread on host devices),
+    and the receiving side names the same ``dtype`` as the sending side. The errors are
+    the collectives' too.
+    """
 
     def _post_p2p(
         self, kind: str, buf: Array, peer: int, stream: Stream | None, dtype: DTypeLike | None
@@ -270,7 +308,19 @@ class DriverCollectives:
     """The driver-side collectives over ``_driver``: one call for every rank, ``xs[r]``
     (and ``outs[r]``, ``streams[r]``) rank r's. Returns each rank's result, or one
     ``Work`` for all when ``async_op``. The parameters are the per-rank ones
-    (:class:`RankCollectives`) with a list for each buffer and stream."""
+    (:class:`RankCollectives`) with a list for each buffer and stream.
+
+    - ``xs``: one input array per rank, in rank order (``xs[r]`` on rank r's device).
+    - ``outs``: one output array per rank; None computes in place into ``xs`` (where the
+      collective allows it). Methods with a positional ``outs`` need them.
+    - ``root``, ``op``, ``async_op``, ``dtype``: as per rank (:class:`RankCollectives`).
+    - ``streams``: one stream per rank (or None) that rank's part is ordered against;
+      None for all: each device's current stream on GPUs; on host devices the call
+      returns once every result is in place.
+
+    Errors are the per-rank ones: ``ValueError``/``TypeError`` before any buffer is
+    written, ``CommTimeout``, ``PeerFailure``, ``CommError``.
+    """
 
     #: one collective of the table, by name, for every rank: ``_driver(collective, xs,
     #: outs, op, root, streams, async_op, dtype)``, implemented by the face (World)

@@ -103,11 +103,11 @@ class Buf:
 
 @dataclass(frozen=True)
 class Step:
-    """One operation on ``rank``'s stream.
+    """One operation on ``rank``'s stream, of ``kind``.
 
-    kinds: ``copy`` (dst <- srcs[0]), ``reduce`` (dst <- op(*srcs), times ``alpha`` when
-    that is not 1: a mean folded into its sum), ``scale``
-    (dst <- dst * alpha), ``record`` (event ``event`` marks this point), ``wait`` (later
+    kinds: ``copy`` (``dst <- srcs[0]``), ``reduce`` (``dst <- op(*srcs)``, times
+    ``alpha`` when that is not 1: a mean folded into its sum), ``scale``
+    (``dst <- dst * alpha``), ``record`` (event ``event`` marks this point), ``wait`` (later
     work waits for event ``event``).
     """
 
@@ -121,6 +121,7 @@ class Step:
 
     @property
     def touches(self) -> tuple[Buf, ...]:
+        """The buffers the step writes and reads (``dst`` first, then ``srcs``)."""
         return (self.dst, *self.srcs) if self.dst is not None else self.srcs
 
 
@@ -130,7 +131,11 @@ class Plan:
 
     ``same_buffer`` says that ``in`` and ``out`` are one buffer (an in-place call), so the
     race checker treats them as the same memory. ``scratch[r]`` is the number of elements
-    of scratch memory rank ``r`` needs.
+    of scratch memory rank ``r`` needs, ``stage[r]`` of pinned host staging memory.
+    ``steps`` are the operations in issue order, using events ``0 .. n_events - 1``;
+    ``start_events[r]`` and ``end_events[r]`` are the events that mark where rank ``r``'s
+    part begins and ends (a caller's stream waits on the end ones). ``description`` says
+    what the plan does, for reports.
     """
 
     size: int
@@ -161,6 +166,7 @@ class Plan:
         return owners
 
     def steps_of(self, rank: int) -> list[Step]:
+        """The steps on ``rank``'s stream, in order."""
         return [s for s in self.steps if s.rank == rank]
 
     def transfers(self) -> list[tuple[int, int, int]]:

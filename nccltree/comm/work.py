@@ -18,6 +18,12 @@ class Work:
     ``synchronize()`` blocks until it is done; ``result()`` synchronises and returns the
     output. The Work holds every buffer the collective uses (inputs, outputs, scratch),
     so none is freed while the devices still work on it.
+
+    Made by the collectives (``async_op=True``), not by callers: ``events`` mark the
+    end of each rank's part, ``caller_streams`` are the streams ``wait()`` orders by
+    default, ``result`` is what ``result()`` returns, ``keepalive`` holds the buffers,
+    ``timeout`` bounds ``synchronize()`` (``CommTimeout`` past it) and ``on_error`` turns
+    a failure seen while waiting into the error raised (the World's ``PeerFailure``).
     """
 
     def __init__(

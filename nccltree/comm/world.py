@@ -90,6 +90,9 @@ class World(DriverCollectives, HasLifeCycle):
     giving each kernel all the cores reaches the memory bandwidth without a hand-off
     between threads (measured: docs/performance.md#inline-calls-on-the-host-backend).
     Calls with ``async_op=True`` or explicit streams go to the streams.
+    ``max_scratch_bytes`` caps the scratch (device) and staging (pinned host) memory the
+    World keeps between calls for intermediate results (default None: no cap); a call
+    that needs more gets buffers of its own for that call only.
 
     Every collective takes ``dtype=``: None (the default) computes in the arrays' own
     dtype; ``"bfloat16"`` also takes ``uint16`` arrays holding bfloat16 bits, which is
@@ -287,7 +290,7 @@ class World(DriverCollectives, HasLifeCycle):
     ) -> dict[int, World]:
         """MPI's ``Comm_split``, driver side: the ranks of each color form a group
         (:meth:`new_group`), ordered by ``(keys[r], r)``; a rank of color None joins none.
-        Returns the groups by color."""
+        ``colors[r]`` is rank r's color. Returns the groups by color."""
         self._check_usable()
         return self._subgroups.split(colors, keys)
 
@@ -362,8 +365,11 @@ class World(DriverCollectives, HasLifeCycle):
         """all_to_all with uneven blocks: ``counts[r][q]`` elements go from rank r to rank
         q. Rank r's input holds its blocks for ranks 0, 1, ... one after another
         (``sum(counts[r])`` elements); rank q's output receives the blocks of ranks 0, 1,
-        ... one after another (``sum(counts[p][q] for p)``). Not in place. One copy per
-        block, on every algorithm (NCCL Worlds too)."""
+        ... one after another (``sum(counts[p][q] for p)``). ``xs``/``outs``: one input
+        and one output array per rank. Not in place. One copy per block, on every
+        algorithm (NCCL Worlds too). ``streams``, ``async_op``, ``dtype`` and the errors as
+        for every collective (:class:`~nccltree.comm.faces.DriverCollectives`); counts
+        that do not match the arrays raise ``ValueError``."""
         self._check_usable()
         callers = self._callers(streams)
         with self._lock:
@@ -497,7 +503,8 @@ class World(DriverCollectives, HasLifeCycle):
         """Perform one call of ``collective`` (driver side, synchronous) step by step,
         timing each step (:mod:`nccltree.comm.trace`; ``write_chrome_trace`` shows them).
         ``algorithm``: tree, ring or direct (default: the World's choice for this call;
-        NCCL runs as one call and has no steps to show); ``dtype`` as for the call."""
+        NCCL runs as one call and has no steps to show); ``xs``, ``outs``, ``op``,
+        ``root`` and ``dtype`` as for the call. Returns the timed steps."""
         with self._lock:
             self._check_usable()
             prep = prepare(
@@ -546,7 +553,10 @@ class World(DriverCollectives, HasLifeCycle):
         dtype: DTypeLike = np.float32,
         algorithm: str | None = None,
     ) -> Plan:
-        """The plan a call with these parameters runs (for inspection and tests)."""
+        """The plan a call with these parameters runs (for inspection and tests):
+        ``collective`` over ``count`` elements per rank of ``dtype``, with ``op``,
+        ``root``, ``in_place`` and ``algorithm`` (default: the World's choice) as the call
+        would have them. Pure data: nothing runs."""
         prep = Prepared(
             collective_name(collective),
             [],

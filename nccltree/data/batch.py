@@ -39,7 +39,8 @@ class Batch:
 
     The arrays live in a buffer the reader reuses: hand the batch back with
     ``release()`` (or use it as a context manager) when done with them, and do not use
-    the arrays afterwards.
+    the arrays afterwards. Made by the reader (``DataReader.next_batch``), which passes
+    its pipeline ``state``, the ``rank`` and the filled ``slot``.
     """
 
     __slots__ = ("rank", "index", "position", "_slot", "_state")
@@ -59,21 +60,26 @@ class Batch:
 
     @property
     def x_host(self) -> np.ndarray:
+        """The records in host memory (the pinned copy under a device hand-off)."""
         s = self._live()
         return _first(s.x, s.count)
 
     @property
     def y_host(self) -> np.ndarray:
+        """The int64 labels in host memory (the pinned copy under a device hand-off)."""
         s = self._live()
         return _first(s.y, s.count)
 
     @property
     def x(self) -> Any:
+        """The records: a device array under a device hand-off, else the host array.
+        ``RuntimeError`` once the batch is released."""
         s = self._live()
         return _first(s.x, s.count, s.x_mem)
 
     @property
     def y(self) -> Any:
+        """The int64 labels, on the device as ``x`` is."""
         s = self._live()
         return _first(s.y, s.count, s.y_mem)
 
@@ -82,6 +88,7 @@ class Batch:
 
     @property
     def released(self) -> bool:
+        """Whether the batch was handed back (its arrays are then not to be used)."""
         return self._slot is None
 
     def release(self) -> None:

@@ -296,7 +296,7 @@ def encode_datum(
     encoded: bytes | None = None,
     packed_floats: bool = False,
 ) -> bytes:
-    """Encode a Datum as Caffe does.
+    """Encode a Datum of ``x`` and ``label`` as Caffe does.
 
     ``x`` uint8 C×H×W (or H×W, one channel) goes to ``data``; float32 goes to
     ``float_data`` (unpacked unless ``packed_floats``). With ``encoded=`` (the bytes of an

@@ -62,13 +62,15 @@ def _dtype_code(dtype: np.dtype) -> int:
 
 @dataclass(frozen=True)
 class RecordLayout:
-    """Shape and dtype shared by all records of a database, and their header bytes."""
+    """``shape`` and ``dtype`` shared by all records of a database, and their header
+    bytes."""
 
     shape: tuple[int, ...]
     dtype: np.dtype
 
     @property
     def header_size(self) -> int:
+        """Bytes of one record's header (8-byte aligned)."""
         return _header_size(len(self.shape))
 
     @property
@@ -78,6 +80,7 @@ class RecordLayout:
 
     @property
     def record_size(self) -> int:
+        """Bytes of one whole record: header and array."""
         return self.header_size + self.nbytes
 
     def header(self, label: int = 0) -> bytes:
@@ -96,7 +99,7 @@ def _pack_header(shape: tuple[int, ...], dtype: np.dtype, label: int) -> bytes:
 
 
 def encode_record(x: np.ndarray, label: int) -> bytes:
-    """Encode one array and its integer label as a record."""
+    """Encode one array ``x`` and its integer ``label`` as a record."""
     x = np.asarray(x)
     if x.ndim > MAX_NDIM:
         raise ValueError(f"records have at most {MAX_NDIM} dimensions, got {x.ndim}")

@@ -147,7 +147,8 @@ class HoldsEnv(abc.ABC):
 
 
 class Database(HoldsEnv):
-    """A read-only view of a record database (nccltree records or Caffe Datums).
+    """A read-only view of the record database at ``path`` (nccltree records or Caffe
+    Datums; ``format``: ``"auto"`` tells them apart).
 
     ``len(db)``, ``db.format``, ``db.shape``, ``db.dtype`` (taken from the first record),
     ``iter(db)`` yields ``(key, x, y)`` with ``x`` a fresh array; ``db.labels()`` reads all
@@ -253,7 +254,8 @@ def db_info(
     force_color: bool = False,
     force_gray: bool = False,
 ) -> dict[str, Any]:
-    """Summary of a database: records, format, shape, dtype, label range, size on disk.
+    """Summary of the database at ``path``: records, format, shape, dtype, label range,
+    size on disk. ``format``, ``force_color`` and ``force_gray`` as for :class:`Database`.
 
     Reads every label (one sequential pass), so it takes a moment on a large database.
     """

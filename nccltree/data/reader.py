@@ -215,7 +215,8 @@ class DataReader(HoldsEnv):
         return Batch(self._state, rank, self._state.take(rank, timeout))
 
     def batches(self, rank: int = 0, timeout: float | None = None) -> Iterator[Batch]:
-        """Iterate over ``rank``'s batches until the end of the data.
+        """Iterate over ``rank``'s batches until the end of the data, each waited for up
+        to ``timeout`` s as in :meth:`next_batch`.
 
         Each batch is released when the next one is requested (or the loop ends), so a
         batch's arrays are valid until the next iteration.
@@ -254,6 +255,7 @@ class DataReader(HoldsEnv):
 
     @property
     def closed(self) -> bool:
+        """Whether the reader was closed (:meth:`close`, or its finalizer)."""
         return self._state.closed
 
     def close(self) -> None:

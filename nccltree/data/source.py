@@ -30,7 +30,9 @@ class RankBatch(Protocol):
 
     def __iter__(self) -> Iterator[Array]: ...
 
-    def release(self) -> None: ...
+    def release(self) -> None:
+        """Hand the batch back to its source (a second call does nothing)."""
+        ...
 
     def __enter__(self) -> RankBatch: ...
 
@@ -48,15 +50,24 @@ class BatchSource(Protocol):
     """
 
     @property
-    def ranks(self) -> int: ...
+    def ranks(self) -> int:
+        """The number of consumers (ranks) the source serves."""
+        ...
 
     @property
-    def start(self) -> int | None: ...
+    def start(self) -> int | None:
+        """The sequence position of the first round served (None: not positioned)."""
+        ...
 
     @property
-    def round_size(self) -> int: ...
+    def round_size(self) -> int:
+        """The number of examples in one round over all ranks."""
+        ...
 
-    def next_batch(self, rank: int = 0, timeout: float | None = None) -> RankBatch: ...
+    def next_batch(self, rank: int = 0, timeout: float | None = None) -> RankBatch:
+        """The next batch of ``rank``; ``TimeoutError`` when ``timeout`` seconds pass
+        first (None: no limit)."""
+        ...
 
 
 class _HeldBatch:
@@ -97,6 +108,7 @@ class MemorySource:
 
     @property
     def ranks(self) -> int:
+        """The number of ranks (one list of batches each)."""
         return len(self._batches)
 
     @property
@@ -105,7 +117,8 @@ class MemorySource:
         return sum(len(per_rank[0].y) for per_rank in self._batches)
 
     def next_batch(self, rank: int = 0, timeout: float | None = None) -> _HeldBatch:
-        """The rank's next batch (held in memory: there is never a wait)."""
+        """The next batch of ``rank`` (held in memory: there is never a wait, so
+        ``timeout`` is not used)."""
         rank = check_index(rank, "rank", self.ranks)
         per_rank = self._batches[rank]
         i = self._next[rank]

@@ -133,7 +133,16 @@ def _host_devices(pl: Placement, nlocal: int, threads: int) -> tuple[list[Device
 
 class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
     """Ranks across processes and nodes (see the module docstring). Made by
-    :func:`init_process_group`."""
+    :func:`init_process_group`, whose arguments (``comm``, ``devices``, ``algorithm``,
+    ``timeout``, ``shm``) it takes.
+
+    With one rank in this process, the group is that rank's face: the collectives,
+    point-to-point calls and their arguments, stream order and errors are those of every
+    per-rank face (:class:`~nccltree.comm.faces.RankCollectives`); ``pg.call`` takes a
+    list per rank, and with several ranks here ``pg.comm(i)`` is rank i's face, used from
+    its own thread. ``pg.rank``, ``pg.size``, ``pg.local_rank``, ``pg.local_size`` and
+    ``pg.node`` say where this process stands.
+    """
 
     _life: Lifecycle  # the shared life cycle with the group's own steps
 
@@ -262,8 +271,9 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
 
     def abort(self, reason: str = "aborted by the caller") -> None:
         """Fail the group now: this process's ranks waiting in a collective, and the
-        node's other processes, raise ``PeerFailure``. Nothing is printed here (the
-        caller knows why); the other processes report the failure they learn of."""
+        node's other processes, raise ``PeerFailure`` (with ``reason`` in its cause).
+        Nothing is printed here (the caller knows why); the other processes report the
+        failure they learn of."""
         self._life.fail(CommError(reason), report=False)
         self._local.abort(CommError(reason))
 
@@ -365,7 +375,10 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         sends and receives (CuPy arrays). Blocks meet in one order with the pair's
         send/recv: every rank calls it at the same point of its exchanges with each peer.
         A block of another size than its receiver expects raises ``ValueError`` (within
-        the node on both sides, the group going on). Returns ``out``."""
+        the node on both sides, the group going on). Returns ``out``. ``stream`` and
+        ``dtype`` as for every collective (:class:`~nccltree.comm.faces.RankCollectives`);
+        errors: ``ValueError``/``TypeError`` for counts, sizes or dtypes that do not fit,
+        ``CommTimeout`` and ``PeerFailure`` as for the collectives."""
         sc = [check_int(c, "send_counts[i]", min=0) for c in send_counts]
         rc = [check_int(c, "recv_counts[i]", min=0) for c in recv_counts]
         if len(sc) != self.size or len(rc) != self.size:
@@ -500,8 +513,12 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         dtype: DTypeLike | None = None,
     ) -> list[np.ndarray]:
         """A collective with one array per rank of this process (``xs[i]`` for rank
-        ``ranks[i]``), synchronous; returns each rank's result. ``dtype``: as for a
-        World's collectives (``"bfloat16"`` for ``uint16`` arrays of its bits)."""
+        ``ranks[i]``, ``outs[i]`` its output, None: in place where the collective allows
+        it), synchronous; returns each rank's result. ``collective``: a name of the
+        collectives table (``"all_reduce"``, ``"reduce"``, ``"broadcast"``, ...; its
+        ``"sendrecv"`` is the ring shift). ``op``, ``root`` and ``dtype``: as for a
+        World's collectives (``"bfloat16"`` for ``uint16`` arrays of its bits). Errors as
+        for every collective."""
         if self._stream is not None:
             # the calls in flight first (outside the lock, which their runs take)
             self._stream.synchronize(self.timeout)
@@ -640,6 +657,9 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         )
 
     def tree(self, root: int = 0) -> Tree:
+        """The tree the group's ``tree`` algorithm reduces and broadcasts over, rooted at
+        rank ``root`` (built from the group's topology once per root, then cached).
+        ``ValueError`` for a root outside the group."""
         root = check_index(root, "root", self.size)
         if root not in self._trees:
             from ...tree import build_tree
@@ -649,7 +669,10 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
 
     def plan(self, collective: str, count: int, *, algorithm: str = "tree", op: str = "sum",
              root: int = 0, in_place: bool = False, dtype: DTypeLike = np.float32) -> Plan:  # fmt: skip
-        """The plan a call runs (every process builds the same)."""
+        """The plan a call runs (every process builds the same): ``collective`` (a name
+        of the collectives table) over ``count`` elements per rank of ``dtype``, with
+        ``algorithm`` (``"tree"``, ``"ring"`` or ``"direct"``), ``op``, ``root`` and
+        ``in_place`` as the call would have them. Pure data: nothing runs."""
         return build_plan(
             algorithm, collective_name(collective), size=self.size, count=count, op=op,
             root=root, in_place=in_place, chunk=chunk_elements(CHUNK_BYTES, np.dtype(dtype).itemsize),
@@ -701,12 +724,22 @@ def init_process_group(
     shm: bool | None = None,
 ) -> ProcessGroup:
     """The process group of every process of ``comm`` (default ``MPI.COMM_WORLD``: run
-    under ``mpiexec`` or ``srun``). ``devices``: ``"cpu"`` (one rank in this process) or
-    ``"cpu:N"``. Ranks are numbered node-major, then by process, then by local rank; the
+    under ``mpiexec`` or ``srun``). ``devices``: ``"cpu"`` (one rank in this process),
+    ``"cpu:N"`` (N ranks), ``"gpu"`` (one GPU, by the process's index on its node) or
+    ``"gpu:K"`` (CUDA device K). ``algorithm``: ``"tree"``, ``"ring"``, ``"direct"``,
+    ``"mpi"``, ``"nccl"`` or ``"auto"``. ``timeout``: seconds every wait of the group
+    (its creation included) is bounded by; past it the group fails with
+    ``CommTimeout``. Ranks are numbered node-major, then by process, then by local rank; the
     node of a process is its host name, or ``NCCLTREE_NODE`` where set. ``shm``: whether
     the processes of a node share memory (default: where ``/dev/shm`` has 64 MiB free, or
     as ``NCCLTREE_SHM`` says; otherwise their data goes over MPI). Collective: every
-    process calls it. ``close()`` the group before calling it again."""
+    process calls it. ``close()`` the group before calling it again.
+
+    Errors: ``ValueError`` for bad arguments or arguments that differ between the
+    processes; :class:`~nccltree.BackendUnavailable` without mpi4py (or, for GPUs,
+    CuPy); :class:`~nccltree.CommError` when a group is already open here;
+    :class:`~nccltree.CommTimeout` or :class:`~nccltree.MissingRanks` when processes do
+    not all arrive within ``timeout``."""
     global _current
     if _current is not None and not _current.closed:
         raise CommError("a process group is open in this process; close() it first")

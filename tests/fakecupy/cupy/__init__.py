@@ -23,6 +23,7 @@ float64 = np.float64
 int32 = np.int32
 int64 = np.int64
 uint8 = np.uint8
+uint16 = np.uint16
 int8 = np.int8
 dtype = np.dtype
 
@@ -290,6 +291,12 @@ class ndarray:
         _log_kernel("astype", out.data.ptr, out.nbytes)
         return out
 
+    def __float__(self) -> float:
+        # CuPy: a one-element array only, read with get() on the current stream
+        if self.size != 1:
+            raise TypeError("only length-1 arrays can be converted to Python scalars")
+        return float(self.get().reshape(()))
+
     def fill(self, value: Any) -> None:
         if value == 0 and self._np.flags.c_contiguous:
             self.data.memset_async(0, self.nbytes)
@@ -381,6 +388,12 @@ def empty(shape: Any, dtype: Any = float, order: str = "C") -> ndarray:
 def zeros(shape: Any, dtype: Any = float, order: str = "C") -> ndarray:
     a = ndarray(shape, dtype, order=order)
     a.data.memset_async(0, a.nbytes)  # on the current stream, as CuPy's
+    return a
+
+
+def full(shape: Any, fill_value: Any, dtype: Any = None, order: str = "C") -> ndarray:
+    a = empty(shape, np.result_type(fill_value) if dtype is None else dtype, order=order)
+    a.fill(fill_value)
     return a
 
 

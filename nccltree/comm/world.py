@@ -24,12 +24,18 @@ from .._validate import check_call_timeout, check_choice, check_index, check_int
 from . import debug
 from ._args import Array, Launched, Prepared, prepare
 from .algorithms import ALGORITHMS
-from .alltoallv import prepare_all_to_all_v
+from .alltoallv import (
+    AllToAllV,
+    prepare_all_gather_v,
+    prepare_all_to_all_v,
+    prepare_reduce_scatter_v,
+)
 from .chooser import Chooser
 from .collectives import collective_name
 from .comm import Comm, _Rendezvous
 from .faces import DriverCollectives
 from .flight import FlightRecorder
+from .interop import as_stream
 from .issuer import Issuer
 from .lifecycle import HasLifeCycle, LifeCycle
 from .p2p import Mailbox
@@ -364,14 +370,62 @@ class World(DriverCollectives, HasLifeCycle):
         (``sum(counts[r])`` elements); rank q's output receives the blocks of ranks 0, 1,
         ... one after another (``sum(counts[p][q] for p)``). Not in place. One copy per
         block, on every algorithm (NCCL Worlds too)."""
+        return self._run_v(
+            lambda: prepare_all_to_all_v(self.devices, xs, outs, counts, dtype), streams, async_op
+        )
+
+    def all_gather_v(
+        self,
+        xs: Sequence[Array],
+        outs: Sequence[Array],
+        counts: Sequence[int],
+        *,
+        streams: Sequence[Stream | None] | None = None,
+        async_op: bool = False,
+        dtype: DTypeLike | None = None,
+    ) -> list[Array] | Work:
+        """all_gather with uneven blocks: rank r's input holds ``counts[r]`` elements;
+        every output (``sum(counts)``) gets them all, rank r's at ``sum(counts[:r])``.
+        Not in place. One copy per block and rank, on every algorithm."""
+        return self._run_v(
+            lambda: prepare_all_gather_v(self.devices, xs, outs, counts, dtype), streams, async_op
+        )
+
+    def reduce_scatter_v(
+        self,
+        xs: Sequence[Array],
+        outs: Sequence[Array],
+        counts: Sequence[int],
+        *,
+        op: str = "sum",
+        streams: Sequence[Stream | None] | None = None,
+        async_op: bool = False,
+        dtype: DTypeLike | None = None,
+    ) -> list[Array] | Work:
+        """reduce_scatter with uneven blocks: every input holds ``sum(counts)``
+        elements; rank q's output (``counts[q]``) gets ``op`` over every rank's block q
+        (at ``sum(counts[:q])``), reduced at rank q in rank order. Not in place."""
+        return self._run_v(
+            lambda: prepare_reduce_scatter_v(self.devices, xs, outs, counts, op, dtype),
+            streams,
+            async_op,
+        )
+
+    def _run_v(
+        self,
+        prepare_call: Callable[[], AllToAllV],
+        streams: Sequence[Stream | None] | None,
+        async_op: bool,
+    ) -> list[Array] | Work:
+        """A v-collective: checked by ``prepare_call``, run by its own cached plan."""
         self._check_usable()
         callers = self._callers(streams)
         with self._lock:
             self._check_usable()
-            call = prepare_all_to_all_v(self.devices, xs, outs, counts, dtype)
+            call = prepare_call()
             prep, program = call.prep, self._programs.program_for(call.key, call.make)
             self._seq += 1
-            entry = self.flight.start(self._seq, "all_to_all_v", call.total, prep.dtype, "direct")
+            entry = self.flight.start(self._seq, prep.collective, call.total, prep.dtype, "direct")
             try:
                 launched = self._issuer.issue(prep, "direct", callers, async_op, False, program)
             except BaseException as exc:
@@ -417,7 +471,7 @@ class World(DriverCollectives, HasLifeCycle):
         callers = list(streams)
         if len(callers) != self.size:
             raise ValueError(f"streams has {len(callers)} entries for {self.size} ranks")
-        return callers
+        return [as_stream(d, s) for d, s in zip(self.devices, callers, strict=True)]
 
     def _work(self, launched: Launched) -> Work:
         """The Work of an asynchronous driver-side call."""
@@ -425,10 +479,11 @@ class World(DriverCollectives, HasLifeCycle):
                     launched.keepalive, self.timeout, self._on_stream_error)  # fmt: skip
 
     def _caller_stream(self, rank: int, stream: Stream | None) -> Stream | None:
-        """The stream a rank's call is ordered against (None: the calling host thread)."""
-        if stream is not None:
-            return stream
+        """The stream a rank's call is ordered against (None: the calling host thread);
+        ``stream`` may be any kind :func:`~nccltree.comm.interop.as_stream` takes."""
         dev = self.devices[rank]
+        if stream is not None:
+            return as_stream(dev, stream)
         if self.backend == "host":
             return dev.explicit_current_stream()
         return dev.current_stream()

@@ -61,6 +61,7 @@ from ..algorithms import build_plan
 from ..collectives import COLLECTIVES, collective_name
 from ..faces import PointToPoint, RankCall, RankCollectives
 from ..flight import FlightRecorder
+from ..interop import as_stream
 from ..lifecycle import HasLifeCycle
 from ..plan import CHUNK_BYTES, Plan, chunk_elements
 from ..work import Work
@@ -300,6 +301,7 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         the call returns; a fault surfaces from ``Work.synchronize``/``result``, and the
         group's later calls fail. ``dtype``: as for a World's collectives."""
         self._one(call.collective)
+        call.stream = as_stream(self.devices[0], call.stream)
         if self._gpu is not None:
             return self._gpu_call(call)
         outs = None if call.out is None else [call.out]
@@ -339,12 +341,24 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         self, kind: str, buf: Array, peer: int, stream: Stream | None, dtype: DTypeLike | None
     ) -> None:
         buf = _p2p_buffer(self, buf, kind, dtype)
+        stream = as_stream(self.devices[0], stream)
         self._p2p.drain()
         with self._lock:
             self._p2p.post(kind, buf, peer, stream)
 
     def batch(self) -> AbstractContextManager[None]:
         return self._p2p.batch()
+
+    def _own(self) -> tuple[int, int, Device]:
+        return self.rank, self.size, self.devices[0]
+
+    def _post_p2p_async(
+        self, kind: str, buf: Array, peer: int, stream: Stream | None, dtype: DTypeLike | None
+    ) -> Work:
+        """``isend``/``irecv``: see :func:`.async_p2p.post_async`."""
+        from .async_p2p import post_async
+
+        return post_async(self, kind, buf, peer, stream, dtype)
 
     def all_to_all_v(
         self,
@@ -386,7 +400,7 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
             raise TypeError(f"rank {self.rank}: output dtype {oa.dtype} differs from {xa.dtype}")
         xa = _p2p_buffer(self, xa, "input", dtype)
         oa = _p2p_buffer(self, oa, "output", dtype)
-        self._p2p.all_to_all_v(xa, oa, sc, rc, stream)
+        self._p2p.all_to_all_v(xa, oa, sc, rc, as_stream(dev, stream))
         return out
 
     def split(self, color: int | None, key: int = 0) -> ProcessGroup | None:

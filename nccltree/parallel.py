@@ -59,7 +59,7 @@ from ._validate import check_int, check_real
 from .comm.plan import align_bytes
 from .comm.rendezvous import Meeting, Rendezvous
 from .data.source import BatchSource, RankBatch
-from .models import Model
+from .models import Model, TrainableModel
 from .params import FlatParams
 from .snapshot import SNAPSHOT_FORMAT, Snapshot, load_snapshot, save_snapshot
 from .solver import SGD, Callback, Diverged, GradientCallback
@@ -654,7 +654,9 @@ class _Run:
 class DataParallel:
     """Data-parallel SGD over ``devices`` (a list from :func:`nccltree.devices` or a spec).
 
-    ``model`` is a :class:`~nccltree.models.Model`; keyword arguments not listed below go
+    ``model`` is a :class:`~nccltree.models.Model`, or any model that follows the
+    protocol :class:`~nccltree.models.TrainableModel` (parameters as one flat buffer, a
+    gradient callback); keyword arguments not listed below go
     to every rank's :class:`~nccltree.solver.SGD` (``lr``, ``momentum``, ``weight_decay``,
     ``lr_policy`` and its parameters). ``algorithm`` picks the collective algorithm
     (``tree``, ``ring``, ``direct``, ``nccl``, ``auto``), ``update_mode`` is
@@ -692,7 +694,7 @@ class DataParallel:
 
     def __init__(
         self,
-        model: Model,
+        model: TrainableModel,
         devices: Sequence[Device] | str,
         *,
         algorithm: str = "tree",
@@ -711,8 +713,11 @@ class DataParallel:
         from .backends import devices as make_devices
         from .comm import ALGORITHM_CHOICES
 
-        if not isinstance(model, Model):
-            raise TypeError(f"model must be an nccltree Model, got {type(model).__name__}")
+        if not isinstance(model, TrainableModel):
+            raise TypeError(
+                f"model must follow the model protocol (make_params, init, loss_and_grad: "
+                f"nccltree.models.TrainableModel), got {type(model).__name__}"
+            )
         self._owns_devices = isinstance(devices, str)  # then close() shuts them down
         if isinstance(devices, str):
             devices = make_devices(devices)

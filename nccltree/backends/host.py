@@ -568,7 +568,14 @@ class HostDevice(Device):
             # before __array__, which may copy: DLPack is a view or an error (a torch CPU
             # tensor comes here: the collective writes into the tensor's own memory)
             try:
-                return np.from_dlpack(obj)
+                arr = np.from_dlpack(obj)
+                if not arr.flags.writeable and hasattr(obj, "__array__"):
+                    # an unversioned DLPack import is read-only; __array__ may give the
+                    # same memory writable (a torch tensor's .numpy()): only then is it used
+                    alt = np.asarray(obj)
+                    if alt.flags.writeable and alt.ctypes.data == arr.ctypes.data:
+                        return alt
+                return arr
             except (BufferError, RuntimeError, TypeError, ValueError) as exc:
                 raise TypeError(
                     f"cannot view {type(obj).__name__} as a host array: {exc}"

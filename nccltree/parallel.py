@@ -645,10 +645,30 @@ class _Run:
         # Two slots per rank: a rank can run at most one iteration ahead of the root
         # (the next collective needs the root), so slot it % 2 is stable while read.
         self.losses = [[0.0, 0.0] for _ in range(size)]
+        # the last iteration whose loss each rank stored: with gradient buckets the
+        # ranks meet inside the backward pass, before a rank's loss_and_grad returns, so
+        # the root waits for the others' loss of its iteration (bounded) before reading
+        self.loss_iter = [-1] * size
+        self.loss_posted = threading.Condition()
         self.alive = size
         self.done = threading.Condition(self.lock)
         self.agreed_stop = False  # over a process group: every rank saw a stop flag
         self.board: _Board | None = None  # the gradient buckets' collectives in one process
+
+    def post_loss(self, rank: int, it: int, loss: float) -> None:
+        with self.loss_posted:
+            self.losses[rank][it % 2] = loss
+            self.loss_iter[rank] = it
+            self.loss_posted.notify_all()
+
+    def losses_of(self, it: int, timeout: float) -> list[float]:
+        """Every rank's loss of iteration ``it``, once stored (at most ``timeout`` s: a
+        rank that failed meanwhile ends the run anyway)."""
+        with self.loss_posted:
+            self.loss_posted.wait_for(
+                lambda: self.stop.is_set() or min(self.loss_iter) >= it, timeout
+            )
+            return [per_rank[it % 2] for per_rank in self.losses]
 
 
 class DataParallel:
@@ -1112,7 +1132,7 @@ class DataParallel:
                 else:
                     loss = self.model.loss_and_grad(params, x, y, ready=ready)
                 batch.release()  # the reader may refill the buffer during communication
-                run.losses[rank][it % 2] = loss
+                run.post_loss(rank, it, loss)
                 if self.grad_hook is not None:
                     self.grad_hook(rank, it, params)
                 return loss
@@ -1133,7 +1153,7 @@ class DataParallel:
             mean_loss = math.fsum(losses) / self.size
             examples = round_size
         elif self.comm_enabled:
-            mean_loss = math.fsum(run.losses[k][it % 2] for k in range(self.size)) / self.size
+            mean_loss = math.fsum(run.losses_of(it, self.timeout)) / self.size
             examples = round_size
         else:
             mean_loss, examples = loss, n_local * self.size

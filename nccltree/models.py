@@ -28,7 +28,7 @@ from .memory import ShapeLike
 from .params import FlatParams
 
 if TYPE_CHECKING:
-    from .backends.base import Device
+    from .backends.base import Array, Device
 
 # -- shared pieces ------------------------------------------------------------------------
 
@@ -132,7 +132,9 @@ class TrainableModel(Protocol):
         """Write the initial parameter values, from ``seed``."""
         ...
 
-    def loss_and_grad(self, params: FlatParams, x: Any, y: Any, ready: Ready | None = ...) -> float:
+    def loss_and_grad(
+        self, params: FlatParams, x: Array, y: Array, ready: Ready | None = ...
+    ) -> float:
         """The mean loss of the batch; the gradients into ``params.grad_views``."""
         ...
 

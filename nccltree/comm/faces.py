@@ -39,7 +39,7 @@ import pickle
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -227,7 +227,7 @@ class RankCollectives:
         what is written over the collectives and sends live)."""
         raise NotImplementedError
 
-    def broadcast_object(self, obj: object, root: int = 0) -> Any:
+    def broadcast_object(self, obj: object, root: int = 0) -> object:
         """Every rank gets the root's ``obj`` (torch's ``broadcast_object_list`` for one
         object): pickled at the root, broadcast as bytes (its length first), unpickled
         elsewhere; the root gets its ``obj`` back as it is. Collective: every rank calls
@@ -247,7 +247,7 @@ class RankCollectives:
             return obj
         return pickle.loads(_to_host(dev, buf).tobytes())
 
-    def all_gather_object(self, obj: object) -> list[Any]:
+    def all_gather_object(self, obj: object) -> list[object]:
         """Every rank's ``obj``, in rank order (torch's ``all_gather_object``): pickled,
         all-gathered as bytes (the lengths first, then every rank's bytes padded to the
         longest), unpickled. Collective, and the trust rule of :meth:`broadcast_object`
@@ -659,7 +659,7 @@ class DriverCollectives:
     #: the devices, one per rank (the object collectives' buffers live there)
     devices: list[Device]
 
-    def broadcast_object(self, objs: Sequence[object], root: int = 0) -> list[Any]:
+    def broadcast_object(self, objs: Sequence[object], root: int = 0) -> list[object]:
         """Every rank gets ``objs[root]`` (the others are ignored; pass None): what
         :meth:`RankCollectives.broadcast_object` gives each rank, as a list per rank
         (pickled and broadcast as bytes; the root's entry is its object as it is). The
@@ -681,7 +681,7 @@ class DriverCollectives:
             for r, d in enumerate(self.devices)
         ]
 
-    def all_gather_object(self, objs: Sequence[object]) -> list[list[Any]]:
+    def all_gather_object(self, objs: Sequence[object]) -> list[list[object]]:
         """Rank r's entry: every rank's object in rank order, as
         :meth:`RankCollectives.all_gather_object` gives rank r (pickled, all-gathered as
         bytes padded to the longest, unpickled). Trusted data of the job only."""

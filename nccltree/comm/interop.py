@@ -12,7 +12,7 @@ calling thread on the host backend).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..backends.base import Stream
 
@@ -42,7 +42,7 @@ def as_stream(device: Device, stream: object) -> Stream | None:
 
     cp = _cupy()
     assert isinstance(device, CudaDevice)
-    raw: Any
+    raw: object
     if isinstance(stream, (cp.cuda.Stream, cp.cuda.ExternalStream)):
         raw = stream
     else:

@@ -14,16 +14,18 @@ issued; the Work then marks the caller's stream.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .._args import Array
+from ...backends.base import carried_dtype, carry
+from .._args import Array, _device_array, check_call_dtype
 from ..interop import as_stream
 from ..work import Work
 
 if TYPE_CHECKING:
     from numpy.typing import DTypeLike
 
-    from ...backends.base import Stream
+    from ...backends.base import Device, Stream
     from .group import ProcessGroup
 
 
@@ -31,8 +33,6 @@ def post_async(
     pg: ProcessGroup, kind: str, buf: Array, peer: int, stream: object, dtype: DTypeLike | None
 ) -> Work:
     """Post one send or receive of ``pg``'s one rank; its Work (see the module)."""
-    from .group import _ArgumentErrors, _p2p_buffer
-
     pg._one(f"i{kind}")
     pg._check_usable()
     dev = pg.devices[0]
@@ -46,18 +46,47 @@ def post_async(
         pg._post_p2p(kind, buf, peer, st, dtype)
         caller = st if st is not None else dev.current_stream()
         return Work([caller.record()], [caller], buf, buf, pg.timeout)
-    arr = _p2p_buffer(pg, buf, kind, dtype)
+    arr = _carried(dev, buf, f"rank {pg.rank}: {kind} buffer", dtype)
     if pg._stream is None:
         pg._stream = dev.new_stream()
     host_caller: Stream | None = st if st is not None else dev.explicit_current_stream()
     if host_caller is not None:
         pg._stream.wait_event(host_caller.record())
-    work = _ArgumentErrors([], [host_caller], buf, buf, pg.timeout, pg._stream_error)
+    work = _Posted([], [host_caller], buf, buf, pg.timeout)
 
-    def run(_: object) -> None:
+    def run() -> None:
         with pg._lock:
             pg._p2p.post(kind, arr, peer, None)
 
-    pg._stream.call(work.perform, run, None)
-    work.add_event(pg._stream.record())
+    pg._stream.call(work.perform, run)
+    work._events.append(pg._stream.record())
     return work
+
+
+class _Posted(Work):
+    """An ``isend``/``irecv`` on a host group's stream: an argument error (a receive of
+    another size) is kept here, raised by ``synchronize``, not left on the group's
+    stream, where it would fail every operation behind it."""
+
+    error: BaseException | None = None
+
+    def perform(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except (ValueError, TypeError) as exc:
+            self.error = exc
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        super().synchronize(timeout)
+        if self.error is not None:
+            raise self.error
+
+
+def _carried(dev: Device, buf: Array, what: str, dtype: DTypeLike | None) -> Array:
+    """The buffer with ``dtype=`` checked as a collective's is (a numpy buffer that
+    carries the dtype viewed as it)."""
+    logical = check_call_dtype(dtype)
+    if logical is None:
+        return buf
+    arr = _device_array(dev, buf, what)
+    return carry(arr, carried_dtype(arr, logical, what))[0]

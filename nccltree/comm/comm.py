@@ -20,6 +20,7 @@ from .work import Work
 
 if TYPE_CHECKING:
     from ..backends.base import Device, Stream
+    from .interop import StreamArg
     from .world import World
 
 
@@ -70,7 +71,7 @@ class Comm(RankCollectives, PointToPoint):
         return self.world._mailbox.batch(self.rank)
 
     def _post_p2p(
-        self, kind: str, buf: Array, peer: int, stream: Stream | None, dtype: DTypeLike | None
+        self, kind: str, buf: Array, peer: int, stream: StreamArg, dtype: DTypeLike | None
     ) -> None:
         box = self.world._mailbox
         pending = box.in_batch(self.rank)
@@ -88,7 +89,7 @@ class Comm(RankCollectives, PointToPoint):
             box.wait([op])
 
     def _post_p2p_async(
-        self, kind: str, buf: Array, peer: int, stream: Stream | None, dtype: DTypeLike | None
+        self, kind: str, buf: Array, peer: int, stream: StreamArg, dtype: DTypeLike | None
     ) -> Work:
         box = self.world._mailbox
         if box.in_batch(self.rank) is not None or peer == self.rank:

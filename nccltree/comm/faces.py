@@ -49,7 +49,8 @@ from .work import Work
 if TYPE_CHECKING:
     from numpy.typing import DTypeLike
 
-    from ..backends.base import Device, Stream
+    from ..backends.base import Device
+    from .interop import StreamArg
 
 #: the per-rank collectives every face declares (in the collectives table's order)
 RANK_COLLECTIVES = (
@@ -85,7 +86,7 @@ class RankCall:
     out: Array | None = None
     op: str = "sum"
     root: int = 0
-    stream: Stream | None = None
+    stream: StreamArg = None
     async_op: bool = False
     dtype: DTypeLike | None = None
 
@@ -120,7 +121,7 @@ class RankCollectives:
         *,
         out: Array | None = None,
         op: str = "sum",
-        stream: Stream | None = None,
+        stream: StreamArg = None,
         async_op: bool = False,
         dtype: DTypeLike | None = None,
     ) -> Array | Work:
@@ -134,7 +135,7 @@ class RankCollectives:
         *,
         out: Array | None = None,
         op: str = "sum",
-        stream: Stream | None = None,
+        stream: StreamArg = None,
         async_op: bool = False,
         dtype: DTypeLike | None = None,
     ) -> Array | Work:
@@ -147,7 +148,7 @@ class RankCollectives:
         root: int = 0,
         *,
         out: Array | None = None,
-        stream: Stream | None = None,
+        stream: StreamArg = None,
         async_op: bool = False,
         dtype: DTypeLike | None = None,
     ) -> Array | Work:
@@ -159,7 +160,7 @@ class RankCollectives:
         x: Array,
         out: Array,
         *,
-        stream: Stream | None = None,
+        stream: StreamArg = None,
         async_op: bool = False,
         dtype: DTypeLike | None = None,
     ) -> Array | Work:
@@ -172,7 +173,7 @@ class RankCollectives:
         out: Array,
         *,
         op: str = "sum",
-        stream: Stream | None = None,
+        stream: StreamArg = None,
         async_op: bool = False,
         dtype: DTypeLike | None = None,
     ) -> Array | Work:
@@ -185,7 +186,7 @@ class RankCollectives:
         out: Array,
         root: int = 0,
         *,
-        stream: Stream | None = None,
+        stream: StreamArg = None,
         async_op: bool = False,
         dtype: DTypeLike | None = None,
     ) -> Array | Work:
@@ -200,7 +201,7 @@ class RankCollectives:
         out: Array,
         root: int = 0,
         *,
-        stream: Stream | None = None,
+        stream: StreamArg = None,
         async_op: bool = False,
         dtype: DTypeLike | None = None,
     ) -> Array | Work:
@@ -213,7 +214,7 @@ class RankCollectives:
         x: Array,
         out: Array,
         *,
-        stream: Stream | None = None,
+        stream: StreamArg = None,
         async_op: bool = False,
         dtype: DTypeLike | None = None,
     ) -> Array | Work:
@@ -311,7 +312,7 @@ class PointToPoint:
     unless a batch is open) and ``batch``."""
 
     def _post_p2p(
-        self, kind: str, buf: Array, peer: int, stream: Stream | None, dtype: DTypeLike | None
+        self, kind: str, buf: Array, peer: int, stream: StreamArg, dtype: DTypeLike | None
     ) -> None:
         """Post a ``"send"`` of ``buf`` to ``peer`` or a ``"recv"`` into it from ``peer``;
         outside a batch, return once it is matched and issued."""
@@ -328,7 +329,7 @@ class PointToPoint:
         x: Array,
         peer: int,
         *,
-        stream: Stream | None = None,
+        stream: StreamArg = None,
         dtype: DTypeLike | None = None,
     ) -> None:
         """Send ``x`` to rank ``peer``, matched with its n-th ``recv`` from this rank.
@@ -342,7 +343,7 @@ class PointToPoint:
         out: Array,
         peer: int,
         *,
-        stream: Stream | None = None,
+        stream: StreamArg = None,
         dtype: DTypeLike | None = None,
     ) -> Array:
         """Receive into ``out`` what rank ``peer`` sends (its n-th send to this rank);
@@ -358,7 +359,7 @@ class PointToPoint:
         out: Array,
         source: int,
         *,
-        stream: Stream | None = None,
+        stream: StreamArg = None,
         dtype: DTypeLike | None = None,
     ) -> Array:
         """Send ``x`` to ``dest`` and receive ``out`` from ``source`` together (one batch:
@@ -370,7 +371,7 @@ class PointToPoint:
 
     # -- asynchronous sends and receives ------------------------------------------------
     def _post_p2p_async(
-        self, kind: str, buf: Array, peer: int, stream: Stream | None, dtype: DTypeLike | None
+        self, kind: str, buf: Array, peer: int, stream: StreamArg, dtype: DTypeLike | None
     ) -> Work:
         """Post a ``"send"`` or ``"recv"`` and return its Work at once."""
         raise NotImplementedError
@@ -380,7 +381,7 @@ class PointToPoint:
         x: Array,
         peer: int,
         *,
-        stream: Stream | None = None,
+        stream: StreamArg = None,
         dtype: DTypeLike | None = None,
     ) -> Work:
         """:meth:`send` without waiting: posted now (in order with this rank's other
@@ -395,7 +396,7 @@ class PointToPoint:
         out: Array,
         peer: int,
         *,
-        stream: Stream | None = None,
+        stream: StreamArg = None,
         dtype: DTypeLike | None = None,
     ) -> Work:
         """:meth:`recv` without waiting; the Work's ``result()`` is ``out``, filled once
@@ -413,7 +414,7 @@ class PointToPoint:
         send_counts: Sequence[int],
         recv_counts: Sequence[int],
         *,
-        stream: Stream | None = None,
+        stream: StreamArg = None,
         dtype: DTypeLike | None = None,
     ) -> Array:
         """all_to_all with uneven blocks: ``x`` holds this rank's blocks for ranks 0, 1,
@@ -445,7 +446,7 @@ class PointToPoint:
         out: Array,
         counts: Sequence[int],
         *,
-        stream: Stream | None = None,
+        stream: StreamArg = None,
         dtype: DTypeLike | None = None,
     ) -> Array:
         """all_gather with uneven blocks: rank r's ``x`` holds ``counts[r]`` elements;
@@ -480,7 +481,7 @@ class PointToPoint:
         counts: Sequence[int],
         *,
         op: str = "sum",
-        stream: Stream | None = None,
+        stream: StreamArg = None,
         dtype: DTypeLike | None = None,
     ) -> Array:
         """reduce_scatter with uneven blocks: every rank's ``x`` holds ``sum(counts)``
@@ -532,7 +533,7 @@ class DriverCollectives:
     #: outs, op, root, streams, async_op, dtype)``, implemented by the face (World)
     _driver: Callable[
         [str, Sequence[Array], Sequence[Array] | None, str, int,
-         Sequence[Stream | None] | None, bool, DTypeLike | None],
+         Sequence[StreamArg] | None, bool, DTypeLike | None],
         list[Array] | Work,
     ]  # fmt: skip
 
@@ -542,7 +543,7 @@ class DriverCollectives:
         *,
         outs: Sequence[Array] | None = None,
         op: str = "sum",
-        streams: Sequence[Stream | None] | None = None,
+        streams: Sequence[StreamArg] | None = None,
         async_op: bool = False,
         dtype: DTypeLike | None = None,
     ) -> list[Array] | Work:
@@ -556,7 +557,7 @@ class DriverCollectives:
         *,
         outs: Sequence[Array] | None = None,
         op: str = "sum",
-        streams: Sequence[Stream | None] | None = None,
+        streams: Sequence[StreamArg] | None = None,
         async_op: bool = False,
         dtype: DTypeLike | None = None,
     ) -> list[Array] | Work:
@@ -569,7 +570,7 @@ class DriverCollectives:
         root: int = 0,
         *,
         outs: Sequence[Array] | None = None,
-        streams: Sequence[Stream | None] | None = None,
+        streams: Sequence[StreamArg] | None = None,
         async_op: bool = False,
         dtype: DTypeLike | None = None,
     ) -> list[Array] | Work:
@@ -581,7 +582,7 @@ class DriverCollectives:
         xs: Sequence[Array],
         outs: Sequence[Array],
         *,
-        streams: Sequence[Stream | None] | None = None,
+        streams: Sequence[StreamArg] | None = None,
         async_op: bool = False,
         dtype: DTypeLike | None = None,
     ) -> list[Array] | Work:
@@ -594,7 +595,7 @@ class DriverCollectives:
         outs: Sequence[Array],
         *,
         op: str = "sum",
-        streams: Sequence[Stream | None] | None = None,
+        streams: Sequence[StreamArg] | None = None,
         async_op: bool = False,
         dtype: DTypeLike | None = None,
     ) -> list[Array] | Work:
@@ -607,7 +608,7 @@ class DriverCollectives:
         outs: Sequence[Array],
         root: int = 0,
         *,
-        streams: Sequence[Stream | None] | None = None,
+        streams: Sequence[StreamArg] | None = None,
         async_op: bool = False,
         dtype: DTypeLike | None = None,
     ) -> list[Array] | Work:
@@ -621,7 +622,7 @@ class DriverCollectives:
         outs: Sequence[Array],
         root: int = 0,
         *,
-        streams: Sequence[Stream | None] | None = None,
+        streams: Sequence[StreamArg] | None = None,
         async_op: bool = False,
         dtype: DTypeLike | None = None,
     ) -> list[Array] | Work:
@@ -634,7 +635,7 @@ class DriverCollectives:
         xs: Sequence[Array],
         outs: Sequence[Array],
         *,
-        streams: Sequence[Stream | None] | None = None,
+        streams: Sequence[StreamArg] | None = None,
         async_op: bool = False,
         dtype: DTypeLike | None = None,
     ) -> list[Array] | Work:
@@ -647,7 +648,7 @@ class DriverCollectives:
         xs: Sequence[Array],
         outs: Sequence[Array],
         *,
-        streams: Sequence[Stream | None] | None = None,
+        streams: Sequence[StreamArg] | None = None,
         async_op: bool = False,
         dtype: DTypeLike | None = None,
     ) -> list[Array] | Work:

@@ -12,12 +12,31 @@ calling thread on the host backend).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 from ..backends.base import Stream
 
 if TYPE_CHECKING:
     from ..backends.base import Device
+
+
+class HasCudaStream(Protocol):
+    """A torch stream (``torch.cuda.Stream``, ``torch.cuda.ExternalStream``)."""
+
+    @property
+    def cuda_stream(self) -> int: ...
+
+
+class HasPtr(Protocol):
+    """A CuPy stream (``cupy.cuda.Stream``, ``cupy.cuda.ExternalStream``)."""
+
+    @property
+    def ptr(self) -> int: ...
+
+
+#: the type of every ``stream=`` argument: nccltree's Stream, a torch or CuPy stream, a
+#: raw ``cudaStream_t`` (an int), or None
+StreamArg: TypeAlias = Stream | HasCudaStream | HasPtr | int | None
 
 #: what ``stream=`` accepts, for messages
 STREAM_KINDS = (

@@ -35,6 +35,7 @@ from .work import Work
 if TYPE_CHECKING:
     from ..backends.base import Event, Stream
     from ..backends.host import HostDevice
+    from .interop import StreamArg
     from .world import World
 
 
@@ -74,7 +75,7 @@ class Mailbox:
         rank: int,
         peer: int,
         buf: Array,
-        stream: Stream | None,
+        stream: StreamArg,
         dtype: object = None,
     ) -> _Op:
         """Check and post one operation (matched at once where its partner waits). An

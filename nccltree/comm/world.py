@@ -35,7 +35,7 @@ from .collectives import collective_name
 from .comm import Comm, _Rendezvous
 from .faces import DriverCollectives
 from .flight import FlightRecorder
-from .interop import as_stream
+from .interop import StreamArg, as_stream
 from .issuer import Issuer
 from .lifecycle import HasLifeCycle, LifeCycle
 from .p2p import Mailbox
@@ -361,7 +361,7 @@ class World(DriverCollectives, HasLifeCycle):
         outs: Sequence[Array],
         counts: Sequence[Sequence[int]],
         *,
-        streams: Sequence[Stream | None] | None = None,
+        streams: Sequence[StreamArg] | None = None,
         async_op: bool = False,
         dtype: DTypeLike | None = None,
     ) -> list[Array] | Work:
@@ -380,7 +380,7 @@ class World(DriverCollectives, HasLifeCycle):
         outs: Sequence[Array],
         counts: Sequence[int],
         *,
-        streams: Sequence[Stream | None] | None = None,
+        streams: Sequence[StreamArg] | None = None,
         async_op: bool = False,
         dtype: DTypeLike | None = None,
     ) -> list[Array] | Work:
@@ -398,7 +398,7 @@ class World(DriverCollectives, HasLifeCycle):
         counts: Sequence[int],
         *,
         op: str = "sum",
-        streams: Sequence[Stream | None] | None = None,
+        streams: Sequence[StreamArg] | None = None,
         async_op: bool = False,
         dtype: DTypeLike | None = None,
     ) -> list[Array] | Work:
@@ -414,7 +414,7 @@ class World(DriverCollectives, HasLifeCycle):
     def _run_v(
         self,
         prepare_call: Callable[[], AllToAllV],
-        streams: Sequence[Stream | None] | None,
+        streams: Sequence[StreamArg] | None,
         async_op: bool,
     ) -> list[Array] | Work:
         """A v-collective: checked by ``prepare_call``, run by its own cached plan."""
@@ -449,7 +449,7 @@ class World(DriverCollectives, HasLifeCycle):
         outs: Sequence[Array] | None,
         op: str,
         root: int,
-        streams: Sequence[Stream | None] | None,
+        streams: Sequence[StreamArg] | None,
         async_op: bool,
         dtype: DTypeLike | None = None,
     ) -> list[Array] | Work:
@@ -460,7 +460,7 @@ class World(DriverCollectives, HasLifeCycle):
         launched = self._launch(collective, xs, outs, op, root, callers, async_op, dtype=dtype)
         return self._work(launched) if async_op else launched.results
 
-    def _callers(self, streams: Sequence[Stream | None] | None) -> list[Stream | None]:
+    def _callers(self, streams: Sequence[StreamArg] | None) -> list[Stream | None]:
         """The stream each rank's driver-side call is ordered against: ``streams``
         (checked: one per rank), or each device's current stream (None on the host
         backend where none is made explicit: the calling host thread)."""
@@ -478,7 +478,7 @@ class World(DriverCollectives, HasLifeCycle):
         return Work(launched.events or [], launched.caller_streams, launched.results,
                     launched.keepalive, self.timeout, self._on_stream_error)  # fmt: skip
 
-    def _caller_stream(self, rank: int, stream: Stream | None) -> Stream | None:
+    def _caller_stream(self, rank: int, stream: StreamArg) -> Stream | None:
         """The stream a rank's call is ordered against (None: the calling host thread);
         ``stream`` may be any kind :func:`~nccltree.comm.interop.as_stream` takes."""
         dev = self.devices[rank]

@@ -61,7 +61,7 @@ from ..algorithms import build_plan
 from ..collectives import COLLECTIVES, collective_name
 from ..faces import PointToPoint, RankCall, RankCollectives
 from ..flight import FlightRecorder
-from ..interop import as_stream
+from ..interop import StreamArg, as_stream
 from ..lifecycle import HasLifeCycle
 from ..plan import CHUNK_BYTES, Plan, chunk_elements
 from ..work import Work
@@ -324,7 +324,8 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         async_op = call.async_op
         with self._lock:
             prep = self._prepare(call.collective, [call.x], outs, call.op, call.root, call.dtype)
-            caller = call.stream if call.stream is not None else self.devices[0].current_stream()
+            given = as_stream(self.devices[0], call.stream)
+            caller = given if given is not None else self.devices[0].current_stream()
             g.caller, g.caller_waits = caller, not async_op
             try:
                 self._perform(prep)
@@ -338,7 +339,7 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
 
     # -- point-to-point (p2p.py) ---------------------------------------------------------
     def _post_p2p(
-        self, kind: str, buf: Array, peer: int, stream: Stream | None, dtype: DTypeLike | None
+        self, kind: str, buf: Array, peer: int, stream: StreamArg, dtype: DTypeLike | None
     ) -> None:
         buf = _p2p_buffer(self, buf, kind, dtype)
         stream = as_stream(self.devices[0], stream)
@@ -353,7 +354,7 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         return self.rank, self.size, self.devices[0]
 
     def _post_p2p_async(
-        self, kind: str, buf: Array, peer: int, stream: Stream | None, dtype: DTypeLike | None
+        self, kind: str, buf: Array, peer: int, stream: StreamArg, dtype: DTypeLike | None
     ) -> Work:
         """``isend``/``irecv``: see :func:`.async_p2p.post_async`."""
         from .async_p2p import post_async
@@ -367,7 +368,7 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         send_counts: Sequence[int],
         recv_counts: Sequence[int],
         *,
-        stream: Stream | None = None,
+        stream: StreamArg = None,
         dtype: DTypeLike | None = None,
     ) -> Array:
         """all_to_all with uneven blocks, one rank per process: ``x`` holds this rank's

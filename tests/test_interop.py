@@ -223,3 +223,17 @@ def test_v_collective_argument_errors_name_the_cause(world3: Any):
         world3.reduce_scatter_v(outs, [o[:c] for o, c in zip(outs, (1, 2, 3), strict=True)],
                                 [1, 2, 3])  # fmt: skip
     world3.all_gather_v(xs, outs, [1, 2, 3])  # still usable
+
+
+def test_work_wait_orders_a_given_host_stream_and_takes_a_timedelta(world3: Any):
+    import datetime
+
+    xs = [np.full(4, 1.0, np.float32) for _ in range(3)]
+    work = world3.all_reduce(xs, async_op=True)
+    st = world3.devices[0].new_stream()
+    work.wait(st)  # an nccltree stream, though the call's callers were host threads
+    st.synchronize()
+    work.wait(timeout=datetime.timedelta(seconds=10))
+    assert work.is_completed() and float(xs[0][0]) == 3.0
+    with pytest.raises(TypeError, match="only an nccltree Stream"):
+        work.wait(7)

@@ -13,6 +13,7 @@ from .._validate import check_timeout
 
 if TYPE_CHECKING:
     from ..backends.base import Event, Stream
+    from .interop import StreamArg
 
 log = logging.getLogger("nccltree")
 
@@ -78,7 +79,7 @@ class Work:
     # -- the public face -------------------------------------------------------------------
     def wait(
         self,
-        stream: object = None,
+        stream: StreamArg = None,
         *,
         timeout: float | datetime.timedelta | None = None,
     ) -> None:
@@ -92,17 +93,19 @@ class Work:
                 timeout = timeout.total_seconds()
             self.synchronize(timeout)
             return
-        if stream is not None:
+        from ..backends.base import Stream as _Stream
+
+        if stream is not None and not isinstance(stream, _Stream):
             from .interop import as_stream
 
             devices = [s.device for s in self._caller_streams if s is not None]
             if not devices:
                 raise TypeError(
-                    "wait(stream=...): this work was ordered against the calling host thread, "
-                    "not a stream (call wait() or synchronize())"
+                    "wait(stream=...): this work was ordered against the calling host "
+                    "thread, so only an nccltree Stream can be ordered after it"
                 )
             stream = as_stream(devices[0], stream)
-        assert stream is None or hasattr(stream, "wait_event")
+        assert stream is None or isinstance(stream, _Stream)
         if not self._order(stream):
             self.synchronize()
 

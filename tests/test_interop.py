@@ -237,3 +237,19 @@ def test_work_wait_orders_a_given_host_stream_and_takes_a_timedelta(world3: Any)
     assert work.is_completed() and float(xs[0][0]) == 3.0
     with pytest.raises(TypeError, match="only an nccltree Stream"):
         work.wait(7)
+
+
+def test_a_read_only_buffer_is_refused_where_it_would_be_written(world3: Any):
+    """An immutable framework array (a JAX array's view, an unversioned DLPack import)
+    may be read, never written: refused before anything is written."""
+    xs = [np.ones(3, np.float32) for _ in range(3)]
+    xs[1].flags.writeable = False
+    with pytest.raises(ValueError, match="rank 1: the input .written in place. is read-only"):
+        world3.all_reduce(xs)
+    outs = [np.zeros(3, np.float32) for _ in range(3)]
+    world3.all_reduce(xs, outs=outs)  # read, not written: fine
+    assert float(outs[0][0]) == 3.0 and float(xs[0][0]) == 1.0
+    world3.reduce([xs[1], xs[0], xs[2]], 1, outs=[outs[1], outs[0], outs[2]])
+    outs[2].flags.writeable = False
+    with pytest.raises(ValueError, match="rank 2: the output is read-only"):
+        world3.all_reduce(xs, outs=outs)

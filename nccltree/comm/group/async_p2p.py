@@ -15,51 +15,59 @@ issued; the Work then marks the caller's stream.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...backends.base import carried_dtype, carry
 from .._args import Array, _device_array, check_call_dtype
-from ..interop import as_stream
+from ..interop import StreamArg, as_stream
 from ..work import Work
 
 if TYPE_CHECKING:
     from numpy.typing import DTypeLike
 
-    from ...backends.base import Device, Stream
-    from .group import ProcessGroup
+    from ...backends.base import Device, Event, Stream
+
+
+@dataclass
+class AsyncP2pContext:
+    """What ``isend``/``irecv`` need of the group (made by ``ProcessGroup``)."""
+
+    rank: int
+    device: Device
+    timeout: float
+    gpu: bool
+    check: Callable[[], None]  # one rank per process, the group usable
+    in_batch: Callable[[], bool]  # inside ``with pg.batch():`` in this thread
+    post_now: Callable[[Array, StreamArg], None]  # as send/recv do (GPU groups)
+    queued: Callable[[Array], None]  # post and finish it (run on the group's stream)
+    group_stream: Callable[[], Stream]  # the group's stream, made on first use
 
 
 def post_async(
-    pg: ProcessGroup, kind: str, buf: Array, peer: int, stream: object, dtype: DTypeLike | None
+    ctx: AsyncP2pContext, kind: str, buf: Array, stream: StreamArg, dtype: DTypeLike | None
 ) -> Work:
-    """Post one send or receive of ``pg``'s one rank; its Work (see the module)."""
-    pg._one(f"i{kind}")
-    pg._check_usable()
-    dev = pg.devices[0]
+    """Post one send or receive of the group's one rank; its Work (see the module)."""
+    ctx.check()
+    dev = ctx.device
     st = as_stream(dev, stream)
-    if getattr(pg._p2p._batch, "ops", None) is not None:
+    if ctx.in_batch():
         raise ValueError(
-            f"rank {pg.rank}: i{kind} posts on its own; inside a batch use {kind} (the "
+            f"rank {ctx.rank}: i{kind} posts on its own; inside a batch use {kind} (the "
             "batch finishes it)"
         )
-    if pg._gpu is not None:
-        pg._post_p2p(kind, buf, peer, st, dtype)
+    if ctx.gpu:
+        ctx.post_now(buf, st)
         caller = st if st is not None else dev.current_stream()
-        return Work([caller.record()], [caller], buf, buf, pg.timeout)
-    arr = _carried(dev, buf, f"rank {pg.rank}: {kind} buffer", dtype)
-    if pg._stream is None:
-        pg._stream = dev.new_stream()
+        return Work([caller.record()], [caller], buf, buf, ctx.timeout)
+    arr = _carried(dev, buf, f"rank {ctx.rank}: {kind} buffer", dtype)
+    group_stream = ctx.group_stream()
     host_caller: Stream | None = st if st is not None else dev.explicit_current_stream()
     if host_caller is not None:
-        pg._stream.wait_event(host_caller.record())
-    work = _Posted([], [host_caller], buf, buf, pg.timeout)
-
-    def run() -> None:
-        with pg._lock:
-            pg._p2p.post(kind, arr, peer, None)
-
-    pg._stream.call(work.perform, run)
-    work._events.append(pg._stream.record())
+        group_stream.wait_event(host_caller.record())
+    work = _Posted([], [host_caller], buf, buf, ctx.timeout)
+    group_stream.call(work.perform, lambda: ctx.queued(arr))
+    work.add_event(group_stream.record())
     return work
 
 
@@ -75,6 +83,9 @@ class _Posted(Work):
             fn()
         except (ValueError, TypeError) as exc:
             self.error = exc
+
+    def add_event(self, event: Event) -> None:
+        self._events.append(event)
 
     def synchronize(self, timeout: float | None = None) -> None:
         super().synchronize(timeout)

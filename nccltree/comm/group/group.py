@@ -356,10 +356,29 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
     def _post_p2p_async(
         self, kind: str, buf: Array, peer: int, stream: StreamArg, dtype: DTypeLike | None
     ) -> Work:
-        """``isend``/``irecv``: see :func:`.async_p2p.post_async`."""
-        from .async_p2p import post_async
+        """``isend``/``irecv``: see :mod:`.async_p2p`."""
+        from .async_p2p import AsyncP2pContext, post_async
 
-        return post_async(self, kind, buf, peer, stream, dtype)
+        def check() -> None:
+            self._one(f"i{kind}")
+            self._check_usable()
+
+        def queued(arr: Array) -> None:  # on the group's stream, in order
+            with self._lock:
+                self._p2p.post(kind, arr, peer, None)
+
+        def group_stream() -> Stream:
+            if self._stream is None:
+                self._stream = self.devices[0].new_stream()
+            return self._stream
+
+        ctx = AsyncP2pContext(
+            rank=self.rank, device=self.devices[0], timeout=self.timeout,
+            gpu=self._gpu is not None, check=check, in_batch=self._p2p.in_batch,
+            post_now=lambda b, s: self._post_p2p(kind, b, peer, s, dtype),
+            queued=queued, group_stream=group_stream,
+        )  # fmt: skip
+        return post_async(ctx, kind, buf, stream, dtype)
 
     def all_to_all_v(
         self,

@@ -27,6 +27,7 @@ asserts it stays below 1e-4).
 from __future__ import annotations
 
 import argparse
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -39,12 +40,17 @@ from nccltree.params import FlatParams
 FEATURES, CLASSES, HIDDEN = 8, 3, 16
 
 
+_RNG = threading.Lock()  # torch's default generator is one for the whole process
+
+
 def make_module(seed: int = 0) -> torch.nn.Module:
-    """The model: the same initial weights for every ``seed``."""
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, CLASSES)
-    )
+    """The model: the same initial weights for every ``seed``, from any thread (seeded and
+    built under one lock: another thread seeding in between would change them)."""
+    with _RNG:
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(
+            torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, CLASSES)
+        )
 
 
 def make_data(n: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 from numpy.typing import DTypeLike
@@ -28,7 +28,7 @@ from .memory import ShapeLike
 from .params import FlatParams
 
 if TYPE_CHECKING:
-    from .backends.base import Device
+    from .backends.base import Array, Device
 
 # -- shared pieces ------------------------------------------------------------------------
 
@@ -100,8 +100,47 @@ def _check_batch(xp: Any, params: FlatParams, x: Any, y: Any | None) -> tuple[An
     return x, y
 
 
+@runtime_checkable
+class TrainableModel(Protocol):
+    """What :class:`~nccltree.parallel.DataParallel` needs of a model: the protocol any
+    model follows, whatever computes it (the reference models below, a torch module
+    behind an adapter: docs/examples/torch_dataparallel.py).
+
+    * **Parameters are one flat buffer.** ``make_params(dtype=, device=)`` returns a
+      :class:`~nccltree.params.FlatParams` (usually ``FlatParams(shapes, dtype=dtype,
+      device=device)``): one contiguous ``data`` and one ``grad`` buffer with a view per
+      parameter. The driver makes one per rank, all-reduces ``grad`` (whole, or in
+      buckets) and the solver updates ``data`` in place, so the model must read its
+      parameters from ``params.views`` on every call (views, never copies kept across
+      calls).
+    * ``init(params, seed=0)`` writes the initial values (called on rank 0 only; a
+      broadcast copies them to the other ranks).
+    * ``loss_and_grad(params, x, y, ready=None)`` returns the batch's mean loss (a float)
+      and overwrites every parameter's gradient in ``params.grad_views`` (the gradient of
+      that mean). **The gradient callback:** when ``ready`` is given it calls
+      ``ready(name)`` once per parameter as soon as that gradient is final, ideally in
+      reverse layout order (the last layer first), so that buckets
+      (``bucket_bytes > 0``) are communicated while backward still runs; a parameter
+      never announced is communicated after the call returns.
+    """
+
+    def make_params(self, dtype: DTypeLike = ..., device: Device | None = ...) -> FlatParams:
+        """A zero FlatParams of the model's parameters on ``device``."""
+        ...
+
+    def init(self, params: FlatParams, seed: int = ...) -> None:
+        """Write the initial parameter values, from ``seed``."""
+        ...
+
+    def loss_and_grad(
+        self, params: FlatParams, x: Array, y: Array, ready: Ready | None = ...
+    ) -> float:
+        """The mean loss of the batch; the gradients into ``params.grad_views``."""
+        ...
+
+
 class Model:
-    """The interface of every reference model."""
+    """The interface of every reference model (a :class:`TrainableModel`)."""
 
     name: str = ""
     classes: int

@@ -59,7 +59,7 @@ from ._validate import check_int, check_real
 from .comm.plan import align_bytes
 from .comm.rendezvous import Meeting, Rendezvous
 from .data.source import BatchSource, RankBatch
-from .models import Model
+from .models import Model, TrainableModel
 from .params import FlatParams
 from .snapshot import SNAPSHOT_FORMAT, Snapshot, load_snapshot, save_snapshot
 from .solver import SGD, Callback, Diverged, GradientCallback
@@ -667,17 +667,40 @@ class _Run:
         # Two slots per rank: a rank can run at most one iteration ahead of the root
         # (the next collective needs the root), so slot it % 2 is stable while read.
         self.losses = [[0.0, 0.0] for _ in range(size)]
+        # the last iteration whose loss each rank stored: with gradient buckets the
+        # ranks meet inside the backward pass, before a rank's loss_and_grad returns, so
+        # the root waits for the others' loss of its iteration (bounded) before reading
+        self.loss_iter = [-1] * size
+        self.loss_posted = threading.Condition()
         self.alive = size
         self.done = threading.Condition(self.lock)
         self.agreed_stop = False  # over a process group: every rank saw a stop flag
         self.board: _Board | None = None  # the gradient buckets' collectives in one process
 
+    def post_loss(self, rank: int, it: int, loss: float) -> None:
+        with self.loss_posted:
+            self.losses[rank][it % 2] = loss
+            self.loss_iter[rank] = it
+            self.loss_posted.notify_all()
+
+    def losses_of(self, it: int, timeout: float) -> list[float]:
+        """Every rank's loss of iteration ``it``, once stored (at most ``timeout`` s: a
+        rank that failed meanwhile ends the run anyway)."""
+        with self.loss_posted:
+            self.loss_posted.wait_for(
+                lambda: self.stop.is_set() or min(self.loss_iter) >= it, timeout
+            )
+            return [per_rank[it % 2] for per_rank in self.losses]
+
 
 class DataParallel:
     """Data-parallel SGD over ``devices`` (a list from :func:`nccltree.devices` or a spec).
 
-    ``model`` is a :class:`~nccltree.models.Model`; keyword arguments not listed below
-    (``sgd``) go to every rank's :class:`~nccltree.solver.SGD` (``lr``, ``momentum``, ``weight_decay``,
+    ``model`` is a :class:`~nccltree.models.Model`, or any model that follows the
+    protocol :class:`~nccltree.models.TrainableModel` (parameters as one flat buffer, a
+    gradient callback); keyword arguments not listed below
+    (``sgd``) go
+    to every rank's :class:`~nccltree.solver.SGD` (``lr``, ``momentum``, ``weight_decay``,
     ``lr_policy`` and its parameters). ``algorithm`` picks the collective algorithm
     (``tree``, ``ring``, ``direct``, ``nccl``, ``auto``), ``update_mode`` is
     ``allreduce`` or ``root``; ``comm=False`` turns communication off (each rank steps on
@@ -723,7 +746,7 @@ class DataParallel:
 
     def __init__(
         self,
-        model: Model,
+        model: TrainableModel,
         devices: Sequence[Device] | str,
         *,
         algorithm: str = "tree",
@@ -743,8 +766,11 @@ class DataParallel:
         from .backends import devices as make_devices
         from .comm import ALGORITHM_CHOICES
 
-        if not isinstance(model, Model):
-            raise TypeError(f"model must be an nccltree Model, got {type(model).__name__}")
+        if not isinstance(model, TrainableModel):
+            raise TypeError(
+                f"model must follow the model protocol (make_params, init, loss_and_grad: "
+                f"nccltree.models.TrainableModel), got {type(model).__name__}"
+            )
         self._owns_devices = isinstance(devices, str)  # then close() shuts them down
         if isinstance(devices, str):
             devices = make_devices(devices)
@@ -1178,9 +1204,10 @@ class DataParallel:
                 params.grad *= params.grad.dtype.type(1.0 / k)
                 loss = math.fsum(losses) / k
                 if ready is not None:  # every gradient is final now, in backward order
-                    for name in self.model.gradient_order():
+                    order = getattr(self.model, "gradient_order", None)
+                    for name in order() if order is not None else reversed(list(params.views)):
                         ready(name)
-            run.losses[rank][it % 2] = loss
+            run.post_loss(rank, it, loss)
             if self.grad_hook is not None:
                 self.grad_hook(rank, it, params)
             return loss
@@ -1202,7 +1229,7 @@ class DataParallel:
             mean_loss = math.fsum(losses) / self.size
             examples = round_size
         elif self.comm_enabled:
-            mean_loss = math.fsum(run.losses[k][it % 2] for k in range(self.size)) / self.size
+            mean_loss = math.fsum(run.losses_of(it, self.timeout)) / self.size
             examples = round_size
         else:
             mean_loss, examples = loss, n_local * self.size

@@ -17,7 +17,12 @@ import pytest
 import nccltree as nt
 from nccltree.comm import Comm, World
 from nccltree.comm.collectives import COLLECTIVES
-from nccltree.comm.faces import POINT_TO_POINT, RANK_COLLECTIVES, driver_method
+from nccltree.comm.faces import (
+    OBJECT_COLLECTIVES,
+    POINT_TO_POINT,
+    RANK_COLLECTIVES,
+    driver_method,
+)
 from nccltree.comm.group import ProcessGroup
 from nccltree.comm.group.local import GroupComm
 
@@ -37,7 +42,7 @@ def test_every_table_collective_has_a_per_rank_and_a_driver_method():
     assert driver_method("sendrecv") == "shift"
 
 
-@pytest.mark.parametrize("name", [*RANK_COLLECTIVES, "barrier"])
+@pytest.mark.parametrize("name", [*RANK_COLLECTIVES, "barrier", *OBJECT_COLLECTIVES])
 def test_per_rank_faces_declare_each_collective_alike(name: str) -> None:
     shapes = {face.__name__: _shape(getattr(face, name)) for face in PER_RANK}
     assert len({repr(s) for s in shapes.values()}) == 1, shapes
@@ -81,3 +86,22 @@ def test_the_ring_shift_is_world_shift_and_sendrecv_names_it():
         assert float(got[1][0]) == 6.0
     finally:
         world.close()
+
+
+@pytest.mark.parametrize("name", ["all_to_all_v", "all_gather_v", "reduce_scatter_v"])
+def test_the_v_collectives_driver_side_add_only_async_op(name: str) -> None:
+    """Per rank a v-collective is a batch of sends and receives (synchronous); the World
+    runs it as one plan, which may also be asynchronous. Otherwise the same parameters in
+    the same places (the World's all_to_all_v takes the whole count matrix)."""
+    per_rank = _shape(getattr(Comm, name), DRIVER_NAMES)
+    driver = [p for p in _shape(getattr(World, name)) if p[0] != "async_op"]
+    if name == "all_to_all_v":
+        per_rank = [p for p in per_rank if p[0] != "recv_counts"]
+        per_rank = [("counts", *p[1:]) if p[0] == "send_counts" else p for p in per_rank]
+    assert driver == per_rank
+
+
+@pytest.mark.parametrize("name", OBJECT_COLLECTIVES)
+def test_the_object_collectives_driver_side_take_an_object_per_rank(name: str) -> None:
+    per_rank = _shape(getattr(Comm, name), {"obj": "objs"})
+    assert _shape(getattr(World, name)) == per_rank

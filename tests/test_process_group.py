@@ -301,3 +301,11 @@ def test_a_message_that_never_comes_times_out_by_name(tmp_path: Path) -> None:
     assert failed.get(0, "").startswith("nccltree: CommTimeout: rank 0: waited 2 s for ranks [1]")
     assert "message #0" in failed[0], failed
     assert proc.returncode != 0
+
+
+def test_interop_torch_tensors_objects_async_p2p_and_v_collectives(tmp_path: Path) -> None:
+    """tests/mpi/pg_interop.py on 3 processes: every check passes on every rank."""
+    pytest.importorskip("torch")
+    got = _reports(tmp_path, 3, "pg_interop.py", timeout=120)
+    assert sorted(r["rank"] for r in got) == [0, 1, 2]
+    assert all(r["failures"] == [] for r in got), got

@@ -536,3 +536,20 @@ def test_on_the_fake_gpu_groups_split(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
     assert len(reports) == 4 and all(r["failures"] == [] for r in reports), reports
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_on_the_fake_objects_async_p2p_and_v_collectives(tmp_path: Path) -> None:
+    """Wiring check on tests/fakecupy (not GPU verification): tests/mpi/pg_interop.py with
+    CuPy arrays on 3 processes: broadcast_object/all_gather_object through device
+    buffers, an irecv/isend pair with a done-callback, all_gather_v and reduce_scatter_v
+    with uneven counts, a collective after; every check passes on every rank."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_mpi(3, HERE / "pg_interop.py", "--fake", "4",
+                   env={"NCCLTREE_TEST_OUT": str(out)}, timeout=240)  # fmt: skip
+    reports = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(reports) == 3 and all(r["failures"] == [] for r in reports), reports
+    assert all(not r["misuse"] for r in reports), reports

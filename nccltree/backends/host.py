@@ -562,10 +562,26 @@ class HostDevice(Device):
                 f"{type(obj).__name__} lives in GPU memory; a host device takes numpy arrays "
                 "or host buffers (copy it to the host first)"
             )
-        if hasattr(obj, "__array_interface__") or hasattr(obj, "__array__"):
+        if hasattr(obj, "__array_interface__"):
             return np.asarray(obj)
         if hasattr(obj, "__dlpack__"):
-            return np.from_dlpack(obj)
+            # before __array__, which may copy: DLPack is a view or an error (a torch CPU
+            # tensor comes here: the collective writes into the tensor's own memory)
+            try:
+                arr = np.from_dlpack(obj)
+                if not arr.flags.writeable and hasattr(obj, "__array__"):
+                    # an unversioned DLPack import is read-only; __array__ may give the
+                    # same memory writable (a torch tensor's .numpy()): only then is it used
+                    alt = np.asarray(obj)
+                    if alt.flags.writeable and alt.ctypes.data == arr.ctypes.data:
+                        return alt
+                return arr
+            except (BufferError, RuntimeError, TypeError, ValueError) as exc:
+                raise TypeError(
+                    f"cannot view {type(obj).__name__} as a host array: {exc}"
+                ) from None
+        if hasattr(obj, "__array__"):
+            return np.asarray(obj)
         try:
             return np.asarray(memoryview(obj))
         except TypeError:

@@ -158,6 +158,12 @@ def prepare(
         results.append(outs[i])
         in_place.append(same)
     all_in_place = all(in_place)
+    for i, r in enumerate(ids):
+        # a read-only view (an immutable framework array, an unversioned DLPack import)
+        # is refused where the collective writes it, before anything is written
+        if (not coll.root_output or r == at) and not getattr(flat_out[i].flags, "writeable", True):
+            what = "output" if outs_arr[i] is not None else "input (written in place)"
+            raise ValueError(f"rank {r}: the {what} is read-only")
     if not coll.in_place_ok and any(in_place):
         raise ValueError(
             f"{collective} cannot run in place: pass an output that does not overlap the "

@@ -14,11 +14,13 @@ from .._errors import CommError, CommTimeout, MissingRanks, NcclTreeError, PeerF
 from ._args import Array, Launched
 from .collectives import COLLECTIVES
 from .faces import PointToPoint, RankCall, RankCollectives
+from .p2p import P2pWork
 from .rendezvous import Meeting, Rendezvous
 from .work import Work
 
 if TYPE_CHECKING:
     from ..backends.base import Device, Stream
+    from .interop import StreamArg
     from .world import World
 
 
@@ -72,7 +74,7 @@ class Comm(RankCollectives, PointToPoint):
         return self.world._mailbox.batch(self.rank)
 
     def _post_p2p(
-        self, kind: str, buf: Array, peer: int, stream: Stream | None, dtype: DTypeLike | None
+        self, kind: str, buf: Array, peer: int, stream: StreamArg, dtype: DTypeLike | None
     ) -> None:
         box = self.world._mailbox
         pending = box.in_batch(self.rank)
@@ -88,6 +90,23 @@ class Comm(RankCollectives, PointToPoint):
             pending.append(op)
         else:
             box.wait([op])
+
+    def _post_p2p_async(
+        self, kind: str, buf: Array, peer: int, stream: StreamArg, dtype: DTypeLike | None
+    ) -> Work:
+        box = self.world._mailbox
+        if box.in_batch(self.rank) is not None or peer == self.rank:
+            exc = ValueError(
+                f"rank {self.rank}: i{kind} posts on its own; inside a batch, or with itself, "
+                f"use {kind} in a batch (with comm.batch(): ...)"
+            )
+            self.world._argument_error_raised(exc)
+            raise exc
+        op = box.post(kind, self.rank, peer, buf, stream, dtype)
+        return P2pWork(box, op, buf, self.world.timeout)
+
+    def _own(self) -> tuple[int, int, Device]:
+        return self.rank, self.world.size, self.device
 
     def split(self, color: int | None, key: int = 0) -> Comm | None:
         """MPI's ``Comm_split``: every rank calls it; the ranks of one ``color`` form a

@@ -30,10 +30,12 @@ from typing import TYPE_CHECKING, cast
 from .._errors import CommTimeout, PeerFailure
 from ..backends.base import CopyArgs, carried_dtype, carry
 from ._args import Array, _device_array, check_call_dtype
+from .work import Work
 
 if TYPE_CHECKING:
     from ..backends.base import Event, Stream
     from ..backends.host import HostDevice
+    from .interop import StreamArg
     from .world import World
 
 
@@ -73,7 +75,7 @@ class Mailbox:
         rank: int,
         peer: int,
         buf: Array,
-        stream: Stream | None,
+        stream: StreamArg,
         dtype: object = None,
     ) -> _Op:
         """Check and post one operation (matched at once where its partner waits). An
@@ -151,11 +153,15 @@ class Mailbox:
         send.done = recv.done = True
 
     # -- waiting ---------------------------------------------------------------------------
-    def wait(self, ops: list[_Op]) -> None:
+    def wait(
+        self, ops: list[_Op], timeout: float | None = None, stream: Stream | None = None
+    ) -> None:
         """Until every op is matched and issued (bounded; an abort wakes it); then the
-        callers' streams are ordered after the copies."""
+        callers' streams (or ``stream``) are ordered after the copies. ``timeout``: the
+        caller's own bound (an ``irecv``'s ``Work.wait(timeout=...)``): running out of it
+        raises ``CommTimeout`` and fails nothing, the ops still posted."""
         w = self.world
-        deadline = time.monotonic() + w.timeout
+        deadline = time.monotonic() + (w.timeout if timeout is None else timeout)
         with self._cond:
             while not all(op.done or op.error for op in ops):
                 if w._failure is not None:
@@ -167,9 +173,10 @@ class Mailbox:
                     exc = CommTimeout(
                         f"rank {stuck.rank}: its {what} rank {stuck.peer} "
                         f"({stuck.buf.size} {stuck.buf.dtype}) was not matched within "
-                        f"{w.timeout:g} s"
+                        f"{w.timeout if timeout is None else timeout:g} s"
                     )
-                    w._abort(exc)
+                    if timeout is None:
+                        w._abort(exc)
                     raise exc
                 self._cond.wait(min(left, 0.1))
         for op in ops:
@@ -179,8 +186,9 @@ class Mailbox:
                 raise op.error
         for op in ops:
             if op.end is not None:
-                if op.caller is not None:
-                    op.caller.wait_event(op.end)
+                caller = stream if stream is not None else op.caller
+                if caller is not None:
+                    caller.wait_event(op.end)
                 else:
                     op.end.synchronize(w.timeout)
 
@@ -209,3 +217,29 @@ class Mailbox:
             raise
         del self._batch.ops[rank]
         self.wait(ops)
+
+
+class P2pWork(Work):
+    """The ``Work`` of an ``isend``/``irecv`` on a World's rank: done once the operation
+    is matched and its copy has run. ``wait()`` returns once it is matched, with the
+    caller's stream ordered after the copy (a host caller: after the copy itself);
+    ``wait(timeout=...)``/``synchronize`` block until the copy is done."""
+
+    def __init__(self, box: Mailbox, op: _Op, result: object, timeout: float) -> None:
+        super().__init__([], [op.caller], result, op, timeout)
+        self._box, self._op = box, op
+
+    def _wait_all(self, limit: float, callers_bound: bool) -> None:
+        self._box.wait([self._op], limit if callers_bound else None)
+        if self._op.end is not None:
+            self._op.end.synchronize(limit)
+
+    def _query(self) -> bool:
+        op = self._op
+        if op.error is not None:
+            return True  # finished, with an error that wait/synchronize raise
+        return op.done and (op.end is None or op.end.query())
+
+    def _order(self, stream: Stream | None) -> bool:
+        self._box.wait([self._op], None, stream)
+        return True

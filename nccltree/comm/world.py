@@ -24,12 +24,18 @@ from .._validate import check_call_timeout, check_choice, check_index, check_int
 from . import debug
 from ._args import Array, Launched, Prepared, prepare
 from .algorithms import ALGORITHMS
-from .alltoallv import prepare_all_to_all_v
+from .alltoallv import (
+    AllToAllV,
+    prepare_all_gather_v,
+    prepare_all_to_all_v,
+    prepare_reduce_scatter_v,
+)
 from .chooser import Chooser
 from .collectives import collective_name
 from .comm import Comm, _Rendezvous
 from .faces import DriverCollectives
 from .flight import FlightRecorder
+from .interop import StreamArg, as_stream
 from .issuer import Issuer
 from .lifecycle import HasLifeCycle, LifeCycle
 from .p2p import Mailbox
@@ -358,7 +364,7 @@ class World(DriverCollectives, HasLifeCycle):
         outs: Sequence[Array],
         counts: Sequence[Sequence[int]],
         *,
-        streams: Sequence[Stream | None] | None = None,
+        streams: Sequence[StreamArg] | None = None,
         async_op: bool = False,
         dtype: DTypeLike | None = None,
     ) -> list[Array] | Work:
@@ -370,14 +376,62 @@ class World(DriverCollectives, HasLifeCycle):
         algorithm (NCCL Worlds too). ``streams``, ``async_op``, ``dtype`` and the errors as
         for every collective (:class:`~nccltree.comm.faces.DriverCollectives`); counts
         that do not match the arrays raise ``ValueError``."""
+        return self._run_v(
+            lambda: prepare_all_to_all_v(self.devices, xs, outs, counts, dtype), streams, async_op
+        )
+
+    def all_gather_v(
+        self,
+        xs: Sequence[Array],
+        outs: Sequence[Array],
+        counts: Sequence[int],
+        *,
+        streams: Sequence[StreamArg] | None = None,
+        async_op: bool = False,
+        dtype: DTypeLike | None = None,
+    ) -> list[Array] | Work:
+        """all_gather with uneven blocks: rank r's input holds ``counts[r]`` elements;
+        every output (``sum(counts)``) gets them all, rank r's at ``sum(counts[:r])``.
+        Not in place. One copy per block and rank, on every algorithm."""
+        return self._run_v(
+            lambda: prepare_all_gather_v(self.devices, xs, outs, counts, dtype), streams, async_op
+        )
+
+    def reduce_scatter_v(
+        self,
+        xs: Sequence[Array],
+        outs: Sequence[Array],
+        counts: Sequence[int],
+        *,
+        op: str = "sum",
+        streams: Sequence[StreamArg] | None = None,
+        async_op: bool = False,
+        dtype: DTypeLike | None = None,
+    ) -> list[Array] | Work:
+        """reduce_scatter with uneven blocks: every input holds ``sum(counts)``
+        elements; rank q's output (``counts[q]``) gets ``op`` over every rank's block q
+        (at ``sum(counts[:q])``), reduced at rank q in rank order. Not in place."""
+        return self._run_v(
+            lambda: prepare_reduce_scatter_v(self.devices, xs, outs, counts, op, dtype),
+            streams,
+            async_op,
+        )
+
+    def _run_v(
+        self,
+        prepare_call: Callable[[], AllToAllV],
+        streams: Sequence[StreamArg] | None,
+        async_op: bool,
+    ) -> list[Array] | Work:
+        """A v-collective: checked by ``prepare_call``, run by its own cached plan."""
         self._check_usable()
         callers = self._callers(streams)
         with self._lock:
             self._check_usable()
-            call = prepare_all_to_all_v(self.devices, xs, outs, counts, dtype)
+            call = prepare_call()
             prep, program = call.prep, self._programs.program_for(call.key, call.make)
             self._seq += 1
-            entry = self.flight.start(self._seq, "all_to_all_v", call.total, prep.dtype, "direct")
+            entry = self.flight.start(self._seq, prep.collective, call.total, prep.dtype, "direct")
             try:
                 launched = self._issuer.issue(prep, "direct", callers, async_op, False, program)
             except BaseException as exc:
@@ -401,7 +455,7 @@ class World(DriverCollectives, HasLifeCycle):
         outs: Sequence[Array] | None,
         op: str,
         root: int,
-        streams: Sequence[Stream | None] | None,
+        streams: Sequence[StreamArg] | None,
         async_op: bool,
         dtype: DTypeLike | None = None,
     ) -> list[Array] | Work:
@@ -412,7 +466,7 @@ class World(DriverCollectives, HasLifeCycle):
         launched = self._launch(collective, xs, outs, op, root, callers, async_op, dtype=dtype)
         return self._work(launched) if async_op else launched.results
 
-    def _callers(self, streams: Sequence[Stream | None] | None) -> list[Stream | None]:
+    def _callers(self, streams: Sequence[StreamArg] | None) -> list[Stream | None]:
         """The stream each rank's driver-side call is ordered against: ``streams``
         (checked: one per rank), or each device's current stream (None on the host
         backend where none is made explicit: the calling host thread)."""
@@ -423,18 +477,19 @@ class World(DriverCollectives, HasLifeCycle):
         callers = list(streams)
         if len(callers) != self.size:
             raise ValueError(f"streams has {len(callers)} entries for {self.size} ranks")
-        return callers
+        return [as_stream(d, s) for d, s in zip(self.devices, callers, strict=True)]
 
     def _work(self, launched: Launched) -> Work:
         """The Work of an asynchronous driver-side call."""
         return Work(launched.events or [], launched.caller_streams, launched.results,
                     launched.keepalive, self.timeout, self._on_stream_error)  # fmt: skip
 
-    def _caller_stream(self, rank: int, stream: Stream | None) -> Stream | None:
-        """The stream a rank's call is ordered against (None: the calling host thread)."""
-        if stream is not None:
-            return stream
+    def _caller_stream(self, rank: int, stream: StreamArg) -> Stream | None:
+        """The stream a rank's call is ordered against (None: the calling host thread);
+        ``stream`` may be any kind :func:`~nccltree.comm.interop.as_stream` takes."""
         dev = self.devices[rank]
+        if stream is not None:
+            return as_stream(dev, stream)
         if self.backend == "host":
             return dev.explicit_current_stream()
         return dev.current_stream()

@@ -61,6 +61,7 @@ from ..algorithms import build_plan
 from ..collectives import COLLECTIVES, collective_name
 from ..faces import PointToPoint, RankCall, RankCollectives
 from ..flight import FlightRecorder
+from ..interop import StreamArg, as_stream
 from ..lifecycle import HasLifeCycle
 from ..plan import CHUNK_BYTES, Plan, chunk_elements
 from ..work import Work
@@ -310,6 +311,7 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         the call returns; a fault surfaces from ``Work.synchronize``/``result``, and the
         group's later calls fail. ``dtype``: as for a World's collectives."""
         self._one(call.collective)
+        call.stream = as_stream(self.devices[0], call.stream)
         if self._gpu is not None:
             return self._gpu_call(call)
         outs = None if call.out is None else [call.out]
@@ -332,7 +334,8 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         async_op = call.async_op
         with self._lock:
             prep = self._prepare(call.collective, [call.x], outs, call.op, call.root, call.dtype)
-            caller = call.stream if call.stream is not None else self.devices[0].current_stream()
+            given = as_stream(self.devices[0], call.stream)
+            caller = given if given is not None else self.devices[0].current_stream()
             g.caller, g.caller_waits = caller, not async_op
             try:
                 self._perform(prep)
@@ -346,15 +349,46 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
 
     # -- point-to-point (p2p.py) ---------------------------------------------------------
     def _post_p2p(
-        self, kind: str, buf: Array, peer: int, stream: Stream | None, dtype: DTypeLike | None
+        self, kind: str, buf: Array, peer: int, stream: StreamArg, dtype: DTypeLike | None
     ) -> None:
         buf = _p2p_buffer(self, buf, kind, dtype)
+        stream = as_stream(self.devices[0], stream)
         self._p2p.drain()
         with self._lock:
             self._p2p.post(kind, buf, peer, stream)
 
     def batch(self) -> AbstractContextManager[None]:
         return self._p2p.batch()
+
+    def _own(self) -> tuple[int, int, Device]:
+        return self.rank, self.size, self.devices[0]
+
+    def _post_p2p_async(
+        self, kind: str, buf: Array, peer: int, stream: StreamArg, dtype: DTypeLike | None
+    ) -> Work:
+        """``isend``/``irecv``: see :mod:`.async_p2p`."""
+        from .async_p2p import AsyncP2pContext, post_async
+
+        def check() -> None:
+            self._one(f"i{kind}")
+            self._check_usable()
+
+        def queued(arr: Array) -> None:  # on the group's stream, in order
+            with self._lock:
+                self._p2p.post(kind, arr, peer, None)
+
+        def group_stream() -> Stream:
+            if self._stream is None:
+                self._stream = self.devices[0].new_stream()
+            return self._stream
+
+        ctx = AsyncP2pContext(
+            rank=self.rank, device=self.devices[0], timeout=self.timeout,
+            gpu=self._gpu is not None, check=check, in_batch=self._p2p.in_batch,
+            post_now=lambda b, s: self._post_p2p(kind, b, peer, s, dtype),
+            queued=queued, group_stream=group_stream,
+        )  # fmt: skip
+        return post_async(ctx, kind, buf, stream, dtype)
 
     def all_to_all_v(
         self,
@@ -363,7 +397,7 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         send_counts: Sequence[int],
         recv_counts: Sequence[int],
         *,
-        stream: Stream | None = None,
+        stream: StreamArg = None,
         dtype: DTypeLike | None = None,
     ) -> Array:
         """all_to_all with uneven blocks, one rank per process: ``x`` holds this rank's
@@ -399,7 +433,7 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
             raise TypeError(f"rank {self.rank}: output dtype {oa.dtype} differs from {xa.dtype}")
         xa = _p2p_buffer(self, xa, "input", dtype)
         oa = _p2p_buffer(self, oa, "output", dtype)
-        self._p2p.all_to_all_v(xa, oa, sc, rc, stream)
+        self._p2p.all_to_all_v(xa, oa, sc, rc, as_stream(dev, stream))
         return out
 
     def split(self, color: int | None, key: int = 0) -> ProcessGroup | None:

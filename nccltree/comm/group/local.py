@@ -20,6 +20,7 @@ from ..work import Work
 if TYPE_CHECKING:
     from numpy.typing import DTypeLike
 
+    from ...backends.base import Device
     from .group import ProcessGroup
 
 
@@ -130,6 +131,9 @@ class GroupComm(RankCollectives):
                 f"{len(self.pg.ranks)}): call synchronously from each rank's thread"
             )
         return self.pg._local.arrive(self.index, call)
+
+    def _own(self) -> tuple[int, int, Device]:
+        return self.rank, self.size, self.pg.devices[self.index]
 
     def barrier(self) -> None:
         if self.pg.gpu:

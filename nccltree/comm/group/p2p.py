@@ -636,6 +636,10 @@ class GroupP2p:
             raise CommError(f"rank {self.pl.rank}: NCCL send/recv failed: {error!r}") from error
         g.watch("NCCL send/recv", [caller.record()], [op.buf for op in ops])
 
+    def in_batch(self) -> bool:
+        """Whether the calling thread is inside ``with batch():``."""
+        return getattr(self._batch, "ops", None) is not None
+
     @contextmanager
     def batch(self) -> Iterator[None]:
         """Post every send and receive of the block; finish them all at its end."""

@@ -733,7 +733,7 @@ class DriverCollectives:
         ]
 
     def all_gather_object(self, objs: Sequence[object]) -> list[list[object]]:
-        """Rank r's entry: every rank's object in rank order, as
+        """``objs``: one object per rank. Rank r's entry: every rank's object in rank order, as
         :meth:`RankCollectives.all_gather_object` gives rank r (pickled, all-gathered as
         bytes padded to the longest, unpickled). Trusted data of the job only."""
         n = len(self.devices)

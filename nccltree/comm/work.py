@@ -33,6 +33,12 @@ class Work:
     and the Work can be waited for again. A wait without one is bounded by the World's
     (or group's) timeout, and running out of that fails the World, as in every other
     wait of it.
+
+    Made by the collectives (``async_op=True``), not by callers: ``events`` mark the
+    end of each rank's part, ``caller_streams`` are the streams ``wait()`` orders by
+    default, ``result`` is what ``result()`` returns, ``keepalive`` holds the buffers,
+    ``timeout`` bounds ``synchronize()`` (``CommTimeout`` past it) and ``on_error`` turns
+    a failure seen while waiting into the error raised (the World's ``PeerFailure``).
     """
 
     def __init__(

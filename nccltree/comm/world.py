@@ -392,7 +392,8 @@ class World(DriverCollectives, HasLifeCycle):
     ) -> list[Array] | Work:
         """all_gather with uneven blocks: rank r's input holds ``counts[r]`` elements;
         every output (``sum(counts)``) gets them all, rank r's at ``sum(counts[:r])``.
-        Not in place. One copy per block and rank, on every algorithm."""
+        ``xs``/``outs``: one input and one output array per rank. Not in place. One copy
+        per block and rank, on every algorithm."""
         return self._run_v(
             lambda: prepare_all_gather_v(self.devices, xs, outs, counts, dtype), streams, async_op
         )
@@ -410,7 +411,8 @@ class World(DriverCollectives, HasLifeCycle):
     ) -> list[Array] | Work:
         """reduce_scatter with uneven blocks: every input holds ``sum(counts)``
         elements; rank q's output (``counts[q]``) gets ``op`` over every rank's block q
-        (at ``sum(counts[:q])``), reduced at rank q in rank order. Not in place."""
+        (at ``sum(counts[:q])``), reduced at rank q in rank order. ``xs``/``outs``: one
+        input and one output array per rank. Not in place."""
         return self._run_v(
             lambda: prepare_reduce_scatter_v(self.devices, xs, outs, counts, op, dtype),
             streams,

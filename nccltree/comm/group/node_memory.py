@@ -10,7 +10,8 @@ its segments' names derives from it: :func:`.shm.name_part`), the generation and
 of its arena, the descriptor of its current call (by call parity: the signature and
 where its ranks' buffers are), and on GPU groups the IPC handles of its arena (one per
 generation) and of its newest symmetric buffer; after the slots, the point-to-point
-mailboxes (:class:`~.p2p.Mailboxes`).
+mailboxes (:class:`~.p2p.Mailboxes`); after those, page-aligned, the payload slots of the
+small calls (:mod:`.small`).
 
 Each process's **arena** (a segment it creates, or GPU memory exported through CUDA IPC)
 holds its mirrors and scratch; it grows by a new generation, which the node's other
@@ -70,6 +71,7 @@ _Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers
 # control segment layout (one per node): the abort word and its reason, then a slot per
 # process of the node
 _ABORT = 0
+ABORT_OFFSET = _ABORT  # (the small calls' native waits read it)
 _REASON = 8
 REASON_BYTES = 1024
 _CLAIM = 2048  # a counter: who tells the node first (see set_abort)
@@ -148,6 +150,11 @@ class NodeMemory:
         procs = pl.node_procs
         lead = node_comm.Get_rank() == 0
         size = _SLOTS + _SLOT * len(procs) + mailbox_bytes(len(procs))
+        # the payload slots of the small calls (small.py), page-aligned, after the rest
+        from .small import region_bytes
+
+        self.small_at = (size + 4095) // 4096 * 4096
+        size = self.small_at + (region_bytes(len(procs)) if pl.shm else 0)
         if not pl.shm:
             # a process of its own: its control block is private memory
             seg = Segment("", size, mmap.mmap(-1, size))

@@ -62,9 +62,9 @@ except ImportError:  # built without Python headers: the general path takes ever
 
 #: bytes per rank up to which the path takes a call (measured: bench/small_pg.py and
 #: docs/performance.md, "Small messages within a node")
-THRESHOLD = 64 << 10
+THRESHOLD = 256 << 10
 #: the largest threshold ``NCCLTREE_SMALL`` may set (the payload slots' size follows it)
-MAX_THRESHOLD = 1 << 20
+MAX_THRESHOLD = 4 << 20
 MAX_PROCS = 8  # one reduce pass over every process's slot (the kernels' fan-in)
 SPIN_NS = 20_000  # spin this long (only where every process of the node has a core)
 YIELD_NS = 200_000  # then yield the core this long

@@ -197,7 +197,9 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         self._lock = threading.RLock()
         self._stream: Stream | None = None  # the group's stream (async and stream calls)
         self._node_comm = self._comm.Split(pl.tnode_of_proc[pl.proc], pl.proc)
-        self._mem = NodeMemory(pl, self._node_comm, self._gpu)
+        small_on = small.eligible(pl, gpu, algorithm) and small.setting() > 0
+        self._mem = NodeMemory(pl, self._node_comm, self._gpu,
+                               small.region_bytes(pl.nprocs) if small_on else 0)  # fmt: skip
         self._life.mem = self._mem
         self._launcher = LauncherWatch()
         self._waits = Waits(pl, self._mem, self._life, self._launcher, MPI, self.timeout)
@@ -231,7 +233,7 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         self._comms = [GroupComm(self, i) for i in range(len(self.ranks))]
         # small calls within one node: one native call each (small.py)
         self._small: SmallPath | None = None
-        if small.eligible(pl, gpu, algorithm) and small.setting():
+        if small_on:
             self._small = SmallPath(pl, self._mem, self._waits, self._life, self.flight,
                                     self._engine, self._lock, self._fail_call)  # fmt: skip
 

@@ -131,8 +131,11 @@ class NodeMemory:
     """This process's view of its node's shared memory (see the module docstring).
     Bootstrap is collective over ``node_comm`` (the transport node's processes)."""
 
-    def __init__(self, placement: Placement, node_comm: _MPI.Comm, gpu: GpuSide | None) -> None:
+    def __init__(
+        self, placement: Placement, node_comm: _MPI.Comm, gpu: GpuSide | None, small_bytes: int = 0
+    ) -> None:
         self.placement = placement
+        self.small_bytes = small_bytes  # the small calls' payload slots (small.py)
         self.gpu = gpu
         self.arenas: dict[int, Mem] = {}  # the node's arenas (own and attached)
         self.arena_gen = dict.fromkeys(placement.node_procs, 0)
@@ -151,10 +154,8 @@ class NodeMemory:
         lead = node_comm.Get_rank() == 0
         size = _SLOTS + _SLOT * len(procs) + mailbox_bytes(len(procs))
         # the payload slots of the small calls (small.py), page-aligned, after the rest
-        from .small import region_bytes
-
         self.small_at = (size + 4095) // 4096 * 4096
-        size = self.small_at + (region_bytes(len(procs)) if pl.shm else 0)
+        size = self.small_at + (self.small_bytes if pl.shm else 0)
         if not pl.shm:
             # a process of its own: its control block is private memory
             seg = Segment("", size, mmap.mmap(-1, size))

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from .waits import Waits
 
 try:
-    from ... import _small as _ext  # type: ignore[attr-defined]
+    from ... import _small as _ext
 except ImportError:  # built without Python headers: the general path takes every call
     _ext = None
 
@@ -190,7 +190,7 @@ class SmallPath:
         if _DTYPES[prep.dtype] == _BF16 or not isinstance(x, np.ndarray):
             x, out = np.asarray(x).view(np.uint8), np.asarray(out).view(np.uint8)
         self.path.run(slot, x, out)
-        self.engine._arrivals += 1
+        self.engine.count_arrival()
 
     def agree(self, sig: str) -> None:
         """Every process of the node calls alike (``sig``), or every one raises the
@@ -200,7 +200,7 @@ class SmallPath:
         try:
             self.path.run(slot, None, None)
         finally:
-            self.engine._arrivals += 1
+            self.engine.count_arrival()
 
     def all_reduce(self, x: object, out: object, op: str) -> object | None:
         """The fast entry: the result, or None where the general path takes the call
@@ -213,13 +213,13 @@ class SmallPath:
             try:
                 got = self.path.all_reduce(x, out, op)
             except BaseException as exc:
-                self.engine._arrivals += 1
+                self.engine.count_arrival()
                 self._failed(exc, x)
                 raise
             if got is None:
                 life.seq -= 1
                 return None
-            self.engine._arrivals += 1
+            self.engine.count_arrival()
             e = self._entry
             entries = self.flight.entries
             if e is None or not entries or entries[-1] is not e:

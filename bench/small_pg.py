@@ -99,6 +99,7 @@ def worker(args: argparse.Namespace) -> None:
         for _ in range(50):
             pg.all_reduce(xs[s])
             comm.Allreduce(MPI.IN_PLACE, bs[s])
+    out["wrong"] = {str(s): _wrong(pg, comm, lambda x: pg.all_reduce(x), s) for s in sizes}
     n = args.iters
     t_nt = {s: np.empty(n, np.int64) for s in sizes}
     t_mpi = {s: np.empty(n, np.int64) for s in sizes}
@@ -148,6 +149,18 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.worker).write_text(json.dumps(got))
 
 
+def _wrong(pg: Any, comm: Any, call: Any, size: int) -> int:
+    """Elements that differ from the exact sum after ``call`` (twice: the first call of a
+    signature takes the general path), summed over the processes."""
+    bad = 0
+    want = pg.size * (pg.size + 1) / 2
+    for _ in range(2):
+        x = np.full(max(1, size // 4), pg.rank + 1.0, np.float32)
+        call(x)
+        bad += int(np.count_nonzero(x != want))
+    return int(comm.allreduce(bad))
+
+
 def _modes(pg: Any) -> dict[str, tuple[Any, str]]:
     """The group's private settings for each path measured (every process switches alike)."""
     return {"small": (pg._small, "auto"), "auto before": (None, "auto"),
@@ -156,14 +169,16 @@ def _modes(pg: Any) -> dict[str, tuple[Any, str]]:
 
 def sweep(pg: Any, comm: Any, MPI: Any, sizes: list[int], args: argparse.Namespace) -> Any:
     modes = _modes(pg)
-    res: dict[str, dict[str, float]] = {}
+    res: dict[str, Any] = {}
+    wrong = 0
     for s in sizes:
         x = np.ones(max(1, s // 4), np.float32)
         b = np.ones_like(x)
         iters = max(50, min(args.sweep_iters, int(args.sweep_iters * 4096 / max(s, 4096))))
         times: dict[str, list[int]] = {m: [] for m in [*modes, "mpich"]}
-        for sp, alg in modes.values():  # warm up every path
+        for sp, alg in modes.values():  # warm up every path, and check it
             pg._small, pg.algorithm = sp, alg
+            wrong += _wrong(pg, comm, lambda v: pg.all_reduce(v), s)
             for _ in range(5):
                 pg.all_reduce(x)
         for i in range(iters):
@@ -180,6 +195,7 @@ def sweep(pg: Any, comm: Any, MPI: Any, sizes: list[int], args: argparse.Namespa
                 b.fill(1.0)
         pg._small, pg.algorithm = modes["small"]
         res[str(s)] = {m: float(np.median(v)) / 1e3 for m, v in times.items()}
+    res["wrong"] = wrong
     return res
 
 
@@ -248,13 +264,18 @@ def report(
               f"{r['small_p50'] / r['mpich_p50']:.2f} | {r['small_p99'] / r['mpich_p99']:.2f} | "
               f"{b['python']:.2f} | {b['entry']:.2f} | {b['exchange']:.2f} | {b['wait']:.2f} | "
               f"{b['reduce']:.2f} |")  # fmt: skip
-    out: dict[str, Any] = {"procs": procs, "load": load, "per_call_us": rows}
+    wrong = {s: got[0]["wrong"][s] for s in sizes}
+    out: dict[str, Any] = {"procs": procs, "load": load, "per_call_us": rows, "wrong": wrong}
+    print(f"\nwrong elements (small path, summed over processes): {wrong}")
     if "sweep" in got[0]:
         print("\nsweep, p50 of per-call times (us), median over processes:\n")
         print("| size | small | auto before (MPI) | direct | MPICH |")
         print("|---:|---:|---:|---:|---:|")
         sw = {}
+        wrong["sweep"] = got[0]["sweep"]["wrong"]
         for s in got[0]["sweep"]:
+            if s == "wrong":
+                continue
             med = {m: float(np.median([g["sweep"][s][m] for g in got])) for m in got[0]["sweep"][s]}
             sw[s] = med
             print(f"| {human(int(s))} | {med['small']:.1f} | {med['auto before']:.1f} | "

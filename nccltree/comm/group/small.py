@@ -34,7 +34,7 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -125,6 +125,16 @@ def _slot_bytes(cap: int) -> int:
     return (cap + _SLOT_ALIGN - 1) // _SLOT_ALIGN * _SLOT_ALIGN
 
 
+class NativePath(Protocol):
+    """The extension's ``Path`` (``csrc/nccltree_small.c``)."""
+
+    def learn(self, coll: int, dtype: int, count: int, op: int, root: int, itemsize: int,
+              sig: bytes) -> int: ...  # fmt: skip
+    def run(self, slot: int, x: object, out: object) -> None: ...
+    def all_reduce(self, x: object, out: object, op: object) -> object | None: ...
+    def timing(self, on: bool) -> tuple[int, int, int, int]: ...
+
+
 def _kernel_addresses() -> list[int]:
     lib = _native.library()
     names = ("nt_reduce_n", "nt_reduce_n_scaled", "nt_counter_wait", "nt_counter_add_wake")
@@ -161,7 +171,7 @@ class SmallPath:
                 desc.append(ctypes.addressof(ctypes.c_char.from_buffer(d)))
                 data.append(base + mem.small_at + (2 * mem.slot_of[p] + parity) * slot)
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        self.path: Any = _ext.Path(
+        self.path: NativePath = _ext.Path(
             pl.rank, arrive, desc, data, self.threshold, base + ABORT_OFFSET, _kernel_addresses(),
             mem.desc_written, np.ndarray, self._slow_wait, self._mismatch, n > cpus,
             SPIN_NS, YIELD_NS, BUDGET_NS,

@@ -449,24 +449,25 @@ static PyObject *path_run(Path *s, PyObject *const *args, Py_ssize_t nargs) {
     Py_RETURN_NONE;
 }
 
-/* all_reduce(x, out, op) -> out (x when out is None), or None where this path does not
-   take the call as it stands (an unknown signature, or arrays not plain, contiguous
-   numpy arrays of a dtype taken here): the caller takes the general path, which checks
+/* One fast call of collective coll: the result (out, or x when out is None), None where
+   this path does not take the call as it stands (an unknown signature, or arrays not
+   plain, contiguous numpy arrays of a dtype taken here, an output of another size or
+   overlapping the input): the caller then takes the general path, which checks
    everything and comes back through run() for the signatures this path takes. */
-static PyObject *path_all_reduce(Path *s, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *fast_call(Path *s, int coll, PyObject *x, PyObject *out, PyObject *opobj,
+                           long root) {
     int64_t t0 = s->timing ? now_ns() : 0;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "all_reduce takes 3 arguments");
-        return NULL;
-    }
-    PyObject *x = args[0], *out = args[1];
     int inplace = out == Py_None || out == x;
-    int op = op_of(args[2]);
-    if (op < 0) Py_RETURN_NONE;
+    if (coll == C_ALL_GATHER && inplace) Py_RETURN_NONE; /* its output is required */
+    int op = op_of(opobj);
+    if (op < 0 || root < 0 || root >= s->n) Py_RETURN_NONE;
+    /* the input is written in place by all_reduce, a broadcast's non-roots, a reduce's root */
+    int writes_x = inplace && (coll == C_ALL_REDUCE || (coll == C_BROADCAST && s->me != root) ||
+                               (coll == C_REDUCE && s->me == root));
     Py_buffer bi, bo;
-    if (get_buf(s, x, &bi, inplace) < 0) Py_RETURN_NONE;
+    if (get_buf(s, x, &bi, writes_x) < 0) Py_RETURN_NONE;
     int dt = dtype_of(bi.format, bi.itemsize);
-    entry *e = dt < 0 ? NULL : find(s, C_ALL_REDUCE, dt, bi.len / bi.itemsize, op, 0);
+    entry *e = dt < 0 ? NULL : find(s, coll, dt, bi.len / bi.itemsize, op, (int)root);
     if (e == NULL) {
         PyBuffer_Release(&bi);
         Py_RETURN_NONE;
@@ -478,8 +479,11 @@ static PyObject *path_all_reduce(Path *s, PyObject *const *args, Py_ssize_t narg
             Py_RETURN_NONE;
         }
         char *a = bi.buf, *b = bo.buf;
-        if (bo.len != bi.len || dtype_of(bo.format, bo.itemsize) != dt ||
-            (a < b + bo.len && b < a + bi.len)) {
+        Py_ssize_t want = coll == C_ALL_GATHER ? bi.len * s->n : bi.len;
+        int overlap = a < b + bo.len && b < a + bi.len;
+        /* all_gather in place: the input is this rank's block of the output */
+        int own_block = coll == C_ALL_GATHER && a == b + s->me * bi.len;
+        if (bo.len != want || dtype_of(bo.format, bo.itemsize) != dt || (overlap && !own_block)) {
             PyBuffer_Release(&bo);
             PyBuffer_Release(&bi);
             Py_RETURN_NONE;
@@ -494,6 +498,35 @@ static PyObject *path_all_reduce(Path *s, PyObject *const *args, Py_ssize_t narg
     PyObject *res = inplace ? x : out;
     Py_INCREF(res);
     return res;
+}
+
+/* all_reduce(x, out, op): fast_call of an all_reduce */
+static PyObject *path_all_reduce(Path *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "all_reduce takes 3 arguments");
+        return NULL;
+    }
+    return fast_call(s, C_ALL_REDUCE, args[0], args[1], args[2], 0);
+}
+
+/* fast(coll, x, out, op, root): fast_call of any collective this path takes */
+static PyObject *path_fast(Path *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "fast takes 5 arguments");
+        return NULL;
+    }
+    long coll = PyLong_AsLong(args[0]);
+    if (coll < 0 || coll >= C_AGREE) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "fast: no such collective");
+        return NULL;
+    }
+    if (!PyLong_CheckExact(args[4])) Py_RETURN_NONE;
+    long root = PyLong_AsLong(args[4]);
+    if (root == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    return fast_call(s, (int)coll, args[1], args[2], args[3], root);
 }
 
 /* timing(on) -> (entry, exchange, wait, result) of the last call, in ns (when on) */
@@ -512,6 +545,8 @@ static PyMethodDef path_methods[] = {
      "run(slot, x, out): one call of a learnt signature"},
     {"all_reduce", (PyCFunction)(void (*)(void))path_all_reduce, METH_FASTCALL,
      "all_reduce(x, out, op) -> result, or None where the general path takes it"},
+    {"fast", (PyCFunction)(void (*)(void))path_fast, METH_FASTCALL,
+     "fast(coll, x, out, op, root) -> result, or None where the general path takes it"},
     {"timing", (PyCFunction)path_timing, METH_O,
      "timing(on) -> the last call's (entry, exchange, wait, result) in ns"},
     {NULL, NULL, 0, NULL}};
@@ -525,9 +560,6 @@ static PyTypeObject PathType = {
     .tp_methods = path_methods,
     .tp_new = path_new,
 };
-
-/* wait_counter(addr, target, timeout_ns) -> bool: for tests of the waits (the phases of
-   a Path's wait on a plain counter: no process group needed) */
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_small",
                                     "Small collectives of a process group within a node.",

@@ -250,6 +250,51 @@ def test_the_fast_entry_declines_what_it_does_not_know() -> None:
 
 
 @needs_ext
+def test_the_other_fast_entries_decline_what_they_cannot_take() -> None:
+    node = _Node(2)
+    p = node.paths[0]
+    x = np.ones(4, np.float32)
+    for coll in (1, 2, 3):  # broadcast, all_gather, reduce
+        p.learn(coll, _native.DTYPES[x.dtype], 4, 0, 0, 4, b"sig")
+    out = np.zeros(8, np.float32)
+    assert p.fast(2, x, None, "sum", 0) is None  # all_gather needs its output
+    assert p.fast(2, x, np.zeros(6, np.float32), "sum", 0) is None  # of n blocks
+    assert p.fast(2, out[2:6], out, "sum", 0) is None  # overlapping, not its own block
+    assert p.fast(1, x, None, "sum", 1) is None  # a root never learnt
+    assert p.fast(1, x, None, "sum", 2) is None  # a root out of range
+    assert p.fast(1, x, None, "sum", np.int64(0)) is None  # not a plain int
+    assert p.fast(3, x, np.zeros(5, np.float32), "sum", 0) is None  # an output of another size
+    with pytest.raises(ValueError, match="no such collective"):
+        p.fast(4, x, None, "sum", 0)
+    assert node.buf[4096 : 4096 + 128].sum() == 0  # nothing arrived
+
+
+@needs_ext
+def test_broadcast_all_gather_and_reduce_through_the_fast_entry() -> None:
+    node = _Node(3)
+    xs = [np.full(5, r + 1.0, np.float32) for r in range(3)]
+
+    def call(p: Any, r: int) -> Any:
+        for coll in (1, 2, 3):
+            p.learn(coll, _native.DTYPES[np.dtype(np.float32)], 5, 0, 1, 4, b"root1")
+        p.learn(2, _native.DTYPES[np.dtype(np.float32)], 5, 0, 0, 4, b"gather")
+        b = xs[r].copy()
+        got_b = p.fast(1, b, None, "sum", 1)
+        g = np.zeros(15, np.float32)
+        got_g = p.fast(2, xs[r], g, "sum", 0)
+        rd = xs[r].copy()
+        got_r = p.fast(3, rd, None, "sum", 1)
+        return got_b is b, b.tolist(), got_g is g, g.tolist(), got_r is rd, rd.tolist()
+
+    got = node.run([lambda p, r=r: call(p, r) for r in range(3)])
+    for r, (isb, b, isg, g, isr, rd) in enumerate(got):
+        assert isb and isg and isr, got[r]
+        assert b == [2.0] * 5  # root 1's
+        assert g == [1.0] * 5 + [2.0] * 5 + [3.0] * 5
+        assert rd == ([6.0] * 5 if r == 1 else [r + 1.0] * 5)  # others' inputs unchanged
+
+
+@needs_ext
 def test_learn_refuses_calls_beyond_its_slots() -> None:
     node = _Node(2, cap=4096)
     with pytest.raises(ValueError, match="cannot take"):

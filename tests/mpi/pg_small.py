@@ -107,7 +107,14 @@ if mode == "bitwise":
                 pg.all_gather(x.copy(), g)
                 rd = x.copy()
                 pg.reduce(rd, root=0)
-                res[label] = (b.tobytes(), g.tobytes(), rd.tobytes())
+                bo, ro = np.zeros_like(x), np.zeros_like(x)
+                pg.broadcast(x.copy(), root=1, out=bo)
+                pg.reduce(x.copy(), root=1, out=ro, op="max")
+                g2 = np.zeros(count * pg.size, dt)
+                mine = g2[pg.rank * count : (pg.rank + 1) * count]
+                mine[:] = x
+                pg.all_gather(mine, g2)  # in place: the input is this rank's block
+                res[label] = tuple(v.tobytes() for v in (b, g, rd, bo, ro, g2))
                 if label != "general":
                     paths.add(last_algorithm())
                 fast(saved)

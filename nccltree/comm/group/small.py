@@ -19,9 +19,9 @@ process and a small call on another raise ``ValueError`` on both; calls that ``a
 gives to MPI agree the same way first (one native call, no payload), instead of an
 ``MPI_Iallreduce`` of digests.
 
-The fast entry (:meth:`SmallPath.all_reduce`) takes a plain numpy array as it is: the
-extension checks its type, contiguity and dtype itself and looks the call up in its
-cache of signatures (by collective, dtype, count, op and root); a signature is learnt
+The fast entries (:meth:`SmallPath.all_reduce`, :meth:`SmallPath.fast`) take plain numpy
+arrays as they are: the extension checks their type, contiguity and dtype itself and
+looks the call up in its cache of signatures (by collective, dtype, count, op and root); a signature is learnt
 only after the general path checked a call of it (:meth:`SmallPath.run`), so the first
 call of each signature goes the general way. ``NCCLTREE_SMALL=off`` turns the path off
 (``auto`` then hands small messages to MPI, as before); ``NCCLTREE_SMALL=BYTES`` sets
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     import threading
 
     from .._args import Prepared
+    from ..faces import RankCall
     from ..flight import FlightRecorder
     from .engine import Engine
     from .lifecycle import Lifecycle
@@ -132,6 +133,9 @@ class NativePath(Protocol):
               sig: bytes) -> int: ...  # fmt: skip
     def run(self, slot: int, x: object, out: object) -> None: ...
     def all_reduce(self, x: object, out: object, op: object) -> object | None: ...
+    def fast(
+        self, coll: int, x: object, out: object, op: object, root: object
+    ) -> object | None: ...
     def timing(self, on: bool) -> tuple[int, int, int, int]: ...
 
 
@@ -213,8 +217,8 @@ class SmallPath:
             self.engine.count_arrival()
 
     def all_reduce(self, x: object, out: object, op: str) -> object | None:
-        """The fast entry: the result, or None where the general path takes the call
-        (nothing was done then)."""
+        """The fast entry of ``all_reduce``: the result, or None where the general path
+        takes the call (nothing was done then)."""
         life = self.life
         if life.failed or life.closed:
             return None
@@ -224,23 +228,46 @@ class SmallPath:
                 got = self.path.all_reduce(x, out, op)
             except BaseException as exc:
                 self.engine.count_arrival()
-                self._failed(exc, x)
+                self._failed(exc, "all_reduce", x)
                 raise
-            if got is None:
-                life.seq -= 1
-                return None
-            self.engine.count_arrival()
-            e = self._entry
-            entries = self.flight.entries
-            if e is None or not entries or entries[-1] is not e:
-                e = self._entry = Entry(life.seq, "all_reduce", getattr(x, "size", 0),
-                                        getattr(x, "dtype", None), "small", "done", 0.0)  # fmt: skip
-                entries.append(e)
-            else:
-                e.seq = life.seq
-            return got
+            return self._done(got, "all_reduce", x)
 
-    def _failed(self, exc: BaseException, x: object) -> None:
+    def fast(self, call: RankCall) -> object | None:
+        """The fast entry of ``broadcast``, ``reduce`` and ``all_gather`` (and
+        ``all_reduce`` through the group's ``_call``): as :meth:`all_reduce`."""
+        code = _COLLECTIVES.get(call.collective)
+        life = self.life
+        if (code is None or call.stream is not None or call.async_op or call.dtype is not None
+                or life.failed or life.closed):  # fmt: skip
+            return None
+        with self.lock:
+            life.seq += 1
+            try:
+                got = self.path.fast(code, call.x, call.out, call.op, call.root)
+            except BaseException as exc:
+                self.engine.count_arrival()
+                self._failed(exc, call.collective, call.x)
+                raise
+            return self._done(got, call.collective, call.x)
+
+    def _done(self, got: object | None, name: str, x: object) -> object | None:
+        """After a fast call: undone (None), or counted and in the flight recorder."""
+        life = self.life
+        if got is None:
+            life.seq -= 1
+            return None
+        self.engine.count_arrival()
+        e = self._entry
+        entries = self.flight.entries
+        if e is None or not entries or entries[-1] is not e or e.collective != name:
+            e = self._entry = Entry(life.seq, name, getattr(x, "size", 0),
+                                    getattr(x, "dtype", None), "small", "done", 0.0)  # fmt: skip
+            entries.append(e)
+        else:
+            e.seq = life.seq
+        return got
+
+    def _failed(self, exc: BaseException, name: str, x: object) -> None:
         """The flight recorder's line of a fast call that raised; a failure (not an
         argument error) fails the group."""
         arg = isinstance(exc, (ValueError, TypeError))

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from ... import _native
+from .. import debug
 from ..flight import Entry
 from .agreement import call_signature, mismatch_text
 from .node_memory import ABORT_OFFSET, SIG_BYTES
@@ -181,6 +182,9 @@ class SmallPath:
             SPIN_NS, YIELD_NS, BUDGET_NS,
         )  # fmt: skip
         self._entry: Entry | None = None  # the flight recorder's line of the fast calls
+        # NCCLTREE_DEBUG=TRACE (when the group is made) traces every call: the fast
+        # entries are off then, so every call goes through the group's traced dispatch
+        self.traced = debug.trace_enabled()
 
     # -- the calls ------------------------------------------------------------------------
     def takes(self, prep: Prepared) -> bool:
@@ -220,7 +224,7 @@ class SmallPath:
         """The fast entry of ``all_reduce``: the result, or None where the general path
         takes the call (nothing was done then)."""
         life = self.life
-        if life.failed or life.closed:
+        if life.failed or life.closed or self.traced:
             return None
         with self.lock:
             life.seq += 1
@@ -238,7 +242,7 @@ class SmallPath:
         code = _COLLECTIVES.get(call.collective)
         life = self.life
         if (code is None or call.stream is not None or call.async_op or call.dtype is not None
-                or life.failed or life.closed):  # fmt: skip
+                or life.failed or life.closed or self.traced):  # fmt: skip
             return None
         with self.lock:
             life.seq += 1

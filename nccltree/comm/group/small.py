@@ -70,7 +70,7 @@ MAX_THRESHOLD = 4 << 20
 MAX_PROCS = 8  # one reduce pass over every process's slot (the kernels' fan-in)
 SPIN_NS = 20_000  # spin this long (only where every process of the node has a core)
 YIELD_NS = 200_000  # then yield the core this long
-BUDGET_NS = 2_000_000  # then the futex; past this, the group's own wait (liveness, bound)
+BUDGET_NS = 500_000  # then the futex; past this, the group's own wait (liveness, bound)
 
 _COLLECTIVES = {"all_reduce": 0, "broadcast": 1, "all_gather": 2, "reduce": 3}
 _AGREE = 4

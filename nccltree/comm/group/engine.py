@@ -106,6 +106,11 @@ class Engine:
         self._arrivals = 0  # collectives that arrive through shared memory (not "mpi")
         self._base = dict.fromkeys(self.pl.node_procs, 0)  # steps completed before this call
 
+    def count_arrival(self) -> None:
+        """A call that arrived through the node's arrival counter outside the engine (the
+        small path, :mod:`.small`): the engine's numbering of arrivals follows it."""
+        self._arrivals += 1
+
     def run(self, algorithm: str, prep: Prepared, entry: Entry) -> None:
         """One call of this process's ranks with ``algorithm``'s plan (the module
         docstring's steps)."""

@@ -65,6 +65,7 @@ from ..interop import StreamArg, as_stream
 from ..lifecycle import HasLifeCycle
 from ..plan import CHUNK_BYTES, Plan, chunk_elements
 from ..work import Work
+from . import small
 from .agreement import Agreement, call_signature, check_enabled, refusal_signature
 from .bootstrap import MpiBootstrap
 from .core import Core
@@ -76,6 +77,7 @@ from .mpi_collectives import MpiContext, mpi_reduces, run_mpi
 from .node_memory import MAX_LOCAL_RANKS, LauncherWatch, NodeMemory
 from .p2p import GroupP2p, P2pContext
 from .placement import Placement, place
+from .small import SmallPath
 from .waits import Waits
 
 if TYPE_CHECKING:
@@ -167,7 +169,7 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         boot = MpiBootstrap(comm, self.timeout, MPI)
         try:
             settings = {"algorithm": algorithm, "devices": "gpu" if gpu else "cpu",
-                        "NCCLTREE_CHECK": check_enabled()}  # fmt: skip
+                        "NCCLTREE_CHECK": check_enabled(), "NCCLTREE_SMALL": small.setting()}  # fmt: skip
             pl = self.placement = place(boot, nlocal, shm, settings)
         finally:
             boot.close()
@@ -205,7 +207,9 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         self._lock = threading.RLock()
         self._stream: Stream | None = None  # the group's stream (async and stream calls)
         self._node_comm = self._comm.Split(pl.tnode_of_proc[pl.proc], pl.proc)
-        self._mem = NodeMemory(pl, self._node_comm, self._gpu)
+        small_on = small.eligible(pl, gpu, algorithm) and small.setting() > 0
+        self._mem = NodeMemory(pl, self._node_comm, self._gpu,
+                               small.region_bytes(pl.nprocs) if small_on else 0)  # fmt: skip
         self._life.mem = self._mem
         self._launcher = LauncherWatch()
         self._waits = Waits(pl, self._mem, self._life, self._launcher, MPI, self.timeout)
@@ -237,6 +241,11 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         self._launcher.watch()
         self._local = LocalRendezvous(self)
         self._comms = [GroupComm(self, i) for i in range(len(self.ranks))]
+        # small calls within one node: one native call each (small.py)
+        self._small: SmallPath | None = None
+        if small_on:
+            self._small = SmallPath(pl, self._mem, self._waits, self._life, self.flight,
+                                    self._engine, self._lock, self._fail_call)  # fmt: skip
 
     # -- life cycle -----------------------------------------------------------------------
     def close(self) -> None:
@@ -283,6 +292,11 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         failure and the flight recorder."""
         self._life.fail(exc)
 
+    def _fail_call(self, exc: BaseException) -> None:
+        """A call that failed: as ``_perform`` handles it."""
+        self._fail(exc)
+        self._local.abort(exc)
+
     def comm(self, index: int) -> GroupComm:
         """The per-rank face of this process's ``index``-th rank (``ranks[index]``), used
         from that rank's own thread."""
@@ -294,6 +308,22 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         return run_local(self, fn, *args)
 
     # -- public collectives (one rank per process) ---------------------------------------
+    def all_reduce(
+        self,
+        x: Array,
+        *,
+        out: Array | None = None,
+        op: str = "sum",
+        stream: Stream | None = None,
+        async_op: bool = False,
+        dtype: DTypeLike | None = None,
+    ) -> Array | Work:
+        # a small call within a node: one native call (small.py), else the general path
+        if self._small is not None and stream is None and not async_op and dtype is None:
+            if self._stream is None and (got := self._small.all_reduce(x, out, op)) is not None:
+                return cast("Array", got)
+        return super().all_reduce(x, out=out, op=op, stream=stream, async_op=async_op, dtype=dtype)
+
     def _one(self, name: str) -> None:
         if len(self.ranks) != 1:
             raise ValueError(
@@ -312,6 +342,10 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         group's later calls fail. ``dtype``: as for a World's collectives."""
         self._one(call.collective)
         call.stream = as_stream(self.devices[0], call.stream)
+        if self._small is not None and self._stream is None:
+            got = self._small.fast(call)  # a small call within a node: one native call
+            if got is not None:
+                return cast("Array", got)
         if self._gpu is not None:
             return self._gpu_call(call)
         outs = None if call.out is None else [call.out]
@@ -458,7 +492,10 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         self._life.seq += 1
         entry = self.flight.start(self._life.seq, sig.split()[0], 0, np.dtype(np.uint8), "mpi")
         try:
-            self._agreement.check(sig, sig.split()[0])
+            if self._small is not None:
+                self._small.agree(sig)  # where the node's calls agree: by arrival
+            else:
+                self._agreement.check(sig, sig.split()[0])
         except ValueError:
             entry.state = "argument error"
             raise
@@ -598,7 +635,10 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
             if self._life.failed or self._life.closed:
                 return
             try:
-                if self._agreement.first(self.algorithm):
+                if self._small is not None:
+                    self._life.seq += 1
+                    self._small.agree(sig)
+                elif self._agreement.first(self.algorithm):
                     self._life.seq += 1
                     self._agreement.check(sig)
                 elif self.nprocs > 1 and self._gpu is None:
@@ -619,9 +659,16 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
             entry = self.flight.start(seq, prep.collective, prep.count, prep.dtype, algorithm)
             debug.trace_call(f"process group rank {self.rank} #{seq}", prep, algorithm)
             try:
-                if self._agreement.first(self.algorithm) or self._agreement.first(algorithm):
+                if self._small is not None:
+                    # the node's calls agree by arrival (small.py): MPI's calls first
+                    if algorithm == "mpi":
+                        self._small.agree(call_signature(prep))
+                elif self._agreement.first(self.algorithm) or self._agreement.first(algorithm):
                     self._agreement.check(call_signature(prep))
-                if algorithm == "mpi":
+                if algorithm == "small":
+                    assert self._small is not None
+                    self._small.run(prep)
+                elif algorithm == "mpi":
                     run_mpi(self._mpi, prep, entry)
                 elif algorithm == "nccl":
                     assert self._gpu is not None
@@ -679,6 +726,8 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         group, else the tree across nodes and direct within one node."""
         if self.algorithm != "auto":
             return self.algorithm
+        if self._small is not None and self._small.takes(prep):
+            return "small"
         return auto.choose_group(
             gpu=self._gpu is not None,
             nccl_usable=self._gpu is not None and self._gpu.nccl_ok,

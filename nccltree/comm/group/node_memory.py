@@ -10,7 +10,8 @@ its segments' names derives from it: :func:`.shm.name_part`), the generation and
 of its arena, the descriptor of its current call (by call parity: the signature and
 where its ranks' buffers are), and on GPU groups the IPC handles of its arena (one per
 generation) and of its newest symmetric buffer; after the slots, the point-to-point
-mailboxes (:class:`~.p2p.Mailboxes`).
+mailboxes (:class:`~.p2p.Mailboxes`); after those, page-aligned, the payload slots of the
+small calls (:mod:`.small`).
 
 Each process's **arena** (a segment it creates, or GPU memory exported through CUDA IPC)
 holds its mirrors and scratch; it grows by a new generation, which the node's other
@@ -70,6 +71,7 @@ _Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers
 # control segment layout (one per node): the abort word and its reason, then a slot per
 # process of the node
 _ABORT = 0
+ABORT_OFFSET = _ABORT  # (the small calls' native waits read it)
 _REASON = 8
 REASON_BYTES = 1024
 _CLAIM = 2048  # a counter: who tells the node first (see set_abort)
@@ -129,8 +131,11 @@ class NodeMemory:
     """This process's view of its node's shared memory (see the module docstring).
     Bootstrap is collective over ``node_comm`` (the transport node's processes)."""
 
-    def __init__(self, placement: Placement, node_comm: _MPI.Comm, gpu: GpuSide | None) -> None:
+    def __init__(
+        self, placement: Placement, node_comm: _MPI.Comm, gpu: GpuSide | None, small_bytes: int = 0
+    ) -> None:
         self.placement = placement
+        self.small_bytes = small_bytes  # the small calls' payload slots (small.py)
         self.gpu = gpu
         self.arenas: dict[int, Mem] = {}  # the node's arenas (own and attached)
         self.arena_gen = dict.fromkeys(placement.node_procs, 0)
@@ -148,6 +153,9 @@ class NodeMemory:
         procs = pl.node_procs
         lead = node_comm.Get_rank() == 0
         size = _SLOTS + _SLOT * len(procs) + mailbox_bytes(len(procs))
+        # the payload slots of the small calls (small.py), page-aligned, after the rest
+        self.small_at = (size + 4095) // 4096 * 4096
+        size = self.small_at + (self.small_bytes if pl.shm else 0)
         if not pl.shm:
             # a process of its own: its control block is private memory
             seg = Segment("", size, mmap.mmap(-1, size))

@@ -314,11 +314,13 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         *,
         out: Array | None = None,
         op: str = "sum",
-        stream: Stream | None = None,
+        stream: StreamArg = None,
         async_op: bool = False,
         dtype: DTypeLike | None = None,
     ) -> Array | Work:
-        # a small call within a node: one native call (small.py), else the general path
+        """:meth:`RankCollectives.all_reduce` (``x``, ``out``, ``op``, ``stream``,
+        ``async_op``, ``dtype`` as there); a small synchronous call within a node is one
+        native call (:mod:`.small`)."""
         if self._small is not None and stream is None and not async_op and dtype is None:
             if self._stream is None and (got := self._small.all_reduce(x, out, op)) is not None:
                 return cast("Array", got)

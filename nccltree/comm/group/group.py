@@ -64,12 +64,13 @@ from ..flight import FlightRecorder
 from ..lifecycle import HasLifeCycle
 from ..plan import CHUNK_BYTES, Plan, chunk_elements
 from ..work import Work
-from .agreement import Agreement, call_signature, check_enabled, refusal_signature
+from .agreement import call_signature, check_enabled, make_agreement, refusal_signature
 from .bootstrap import MpiBootstrap
 from .core import Core
 from .engine import Engine, EngineContext
 from .gpu import GpuContext, GpuSide
 from .lifecycle import Lifecycle
+from .links import BootOwner, Links, refuse_without_mpi
 from .local import GroupComm, LocalRendezvous, run_local
 from .mpi_collectives import MpiContext, mpi_reduces, run_mpi
 from .node_memory import MAX_LOCAL_RANKS, LauncherWatch, NodeMemory
@@ -84,6 +85,7 @@ if TYPE_CHECKING:
     from ...backends.base import Event, Stream
     from ...backends.host import HostDevice
     from ...tree import Tree
+    from .bootstrap import Bootstrap
 
 GROUP_ALGORITHMS = ("tree", "ring", "direct", "mpi", "nccl", "auto")
 _GPU_SPEC = re.compile(r"gpu(:\d+)?")
@@ -144,25 +146,37 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         algorithm: str = "auto",
         timeout: float = 60.0,
         shm: bool | None = None,
+        *,
+        bootstrap: Bootstrap | None = None,
+        owner: BootOwner | None = None,
+        method: str = "",
     ) -> None:
+        """Over MPI (``comm``, default ``MPI.COMM_WORLD``), or without MPI over
+        ``bootstrap`` (kept for the group's life; ``owner``: who closes it, for the
+        groups ``split`` makes; ``method``: how the job was started, for messages)."""
         self.timeout, gpu, nlocal = _check_args(devices, algorithm, timeout)
         self.algorithm = algorithm
         self.gpu = gpu
-        from mpi4py import MPI
+        settings = {"algorithm": algorithm, "devices": "gpu" if gpu else "cpu",
+                    "NCCLTREE_CHECK": check_enabled()}  # fmt: skip
+        if bootstrap is None:
+            from mpi4py import MPI
 
-        if comm is None:
-            comm = MPI.COMM_WORLD
-        self._MPI = MPI
-        # every process here (or each names the missing ones), within the timeout
-        boot = MpiBootstrap(comm, self.timeout, MPI)
-        try:
-            settings = {"algorithm": algorithm, "devices": "gpu" if gpu else "cpu",
-                        "NCCLTREE_CHECK": check_enabled()}  # fmt: skip
-            pl = self.placement = place(boot, nlocal, shm, settings)
-        finally:
-            boot.close()
-        self._comm = comm.Dup()  # our own message space: data and notifications
-        self._ctl_comm = comm.Dup()  # signatures, agreement
+            if comm is None:
+                comm = MPI.COMM_WORLD
+            # every process here (or each names the missing ones), within the timeout
+            boot = MpiBootstrap(comm, self.timeout, MPI)
+            try:
+                pl = self.placement = place(boot, nlocal, shm, settings)
+            finally:
+                boot.close()
+            links = Links.over_mpi(comm, pl, MPI)
+        else:
+            pl = self.placement = place(bootstrap, nlocal, shm, settings)
+            refuse_without_mpi(pl, gpu, algorithm, method or "without MPI")
+            links = Links.over_boot(bootstrap, pl, owner or BootOwner(bootstrap))
+        self._links = links
+        self._MPI = links.mpi
         self.proc, self.nprocs, self.size, self.ranks = pl.proc, pl.nprocs, pl.size, pl.ranks
         self.node, self.node_index, self.nodes, self.shm = pl.node, pl.node_index, pl.nodes, pl.shm
         self.rank, self.local_rank, self.local_size = pl.rank, pl.local_rank, pl.local_size
@@ -174,7 +188,7 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         if gpu:
             ctx = GpuContext(
                 placement=pl,
-                comm=self._comm,
+                links=links,
                 algorithm=algorithm,
                 timeout=self.timeout,
                 life=self._life,
@@ -194,18 +208,17 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         self._trees: dict[int, Tree] = {}
         self._lock = threading.RLock()
         self._stream: Stream | None = None  # the group's stream (async and stream calls)
-        self._node_comm = self._comm.Split(pl.tnode_of_proc[pl.proc], pl.proc)
-        self._mem = NodeMemory(pl, self._node_comm, self._gpu)
+        self._mem = NodeMemory(pl, links, self._gpu)
         self._life.mem = self._mem
         self._launcher = LauncherWatch()
-        self._waits = Waits(pl, self._mem, self._life, self._launcher, MPI, self.timeout)
-        self._agreement = Agreement(pl, self._ctl_comm, MPI, self._waits)
+        self._waits = Waits(pl, self._mem, self._life, self._launcher, links.mpi, self.timeout)
         if self._gpu is not None:
-            self._gpu.connect(self._node_comm)
-        core = Core(pl, self._mem, self._waits, self._gpu, self._comm, MPI)
+            self._gpu.connect()
+        core = Core(pl, self._mem, self._waits, self._gpu, links.comm, links.mpi)
         self._engine = Engine(
-            EngineContext(core, self._ctl_comm, self.devices, all_devices, threads, self.plan)
+            EngineContext(core, links.ctl, self.devices, all_devices, threads, self.plan)
         )
+        self._agreement = make_agreement(pl, links, self._waits, self._engine, self._gpu)
         self._mpi = MpiContext(core, self._one)
         self._p2p = GroupP2p(
             P2pContext(
@@ -249,11 +262,7 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
             _current = None
 
     def _free_comms(self) -> None:
-        for c in (self._node_comm, self._ctl_comm, self._comm):
-            try:
-                c.Free()
-            except Exception:  # noqa: BLE001 - best effort at teardown
-                pass
+        self._links.close()  # the communicators, or this group's hold on its bootstrap
 
     @property
     def sent_bytes(self) -> int:
@@ -405,8 +414,7 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
     def _split(self, color: int | None, key: int, sig: str) -> ProcessGroup | None:
         self._check_usable()
         self._one("split")
-        MPI = self._MPI
-        c = MPI.UNDEFINED if color is None else check_int(color, "color", min=0)
+        c = None if color is None else check_int(color, "color", min=0)
         k = check_int(key, "key", min=0)
         self._life.seq += 1
         entry = self.flight.start(self._life.seq, sig.split()[0], 0, np.dtype(np.uint8), "mpi")
@@ -420,17 +428,25 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
             self._fail(exc)
             raise
         entry.state = "done"
+        args = (self._spec, self.algorithm, self.timeout, self._shm_arg)
+        links = self._links
+        if links.comm is None:
+            # without MPI: the members' own bootstrap (boot.sub), one exchange
+            made = links.split_boot(c, k)
+            if made is None:
+                return None
+            sub, owner = made
+            return ProcessGroup(None, *args, bootstrap=sub, owner=owner, method="split")
+        MPI = self._MPI
+        assert MPI is not None
         # MPI orders by key, then by rank in the parent: the group's rank breaks ties
-        sub = self._comm.Split(c, k * self.size + self.rank)
-        if sub == MPI.COMM_NULL:
+        split = links.comm.Split(MPI.UNDEFINED if c is None else c, k * self.size + self.rank)
+        if split == MPI.COMM_NULL:
             return None
         try:
-            return ProcessGroup(
-                cast("_MPI.Intracomm", sub), self._spec, self.algorithm, self.timeout,
-                self._shm_arg,
-            )  # fmt: skip
+            return ProcessGroup(cast("_MPI.Intracomm", split), *args)
         finally:
-            sub.Free()  # the group keeps its own duplicates
+            split.Free()  # the group keeps its own duplicates
 
     def new_group(self, ranks: Sequence[int]) -> ProcessGroup | None:
         """The group of ``ranks`` (ordered as given within a node), from :meth:`split`:
@@ -550,7 +566,7 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
                 if self._agreement.first(self.algorithm):
                     self._life.seq += 1
                     self._agreement.check(sig)
-                elif self.nprocs > 1 and self._gpu is None:
+                elif self.nprocs > 1 and (self._gpu is None or self._agreement.in_node):
                     self._life.seq += 1
                     self._engine.refuse(sig)
             except ValueError:
@@ -633,7 +649,8 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
             nccl_usable=self._gpu is not None and self._gpu.nccl_ok,
             nodes=self.nodes,
             ranks_per_process=len(self.ranks),
-            mpi_order=self._mpi_rank_of_proc == list(range(self.nprocs)),
+            # (no MPI: never MPI's collectives)
+            mpi_order=self._MPI is not None and self._mpi_rank_of_proc == list(range(self.nprocs)),
             nbytes=prep.nbytes,
             reduces=COLLECTIVES[prep.collective].reduces,
             mpi_reduces=mpi_reduces(prep.dtype),

@@ -12,6 +12,11 @@ duplicate the communicator (a collective that cannot be bounded). The roll call 
 tags of the parent communicator (:data:`HELLO_TAG` and the next), which a program
 should not use for messages of its own in flight at that moment.
 
+:class:`StoreBootstrap` provides it over a key-value store (:mod:`.store`: a TCP store
+hosted by rank 0 or by the launcher, or a directory on a shared filesystem), for jobs
+started without MPI; :class:`LocalBootstrap` is the one process of a job that has no
+other.
+
 What travels is JSON (names, numbers, flags), never pickled objects.
 """
 
@@ -24,13 +29,16 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from ..._errors import CommTimeout, PeerFailure
+from ..._errors import CommError, CommTimeout, MissingRanks, PeerFailure
 from .shm import exit_without_finalize
+from .store import KeysTimeout
 
 if TYPE_CHECKING:
     from types import ModuleType
 
     from mpi4py import MPI as _MPI
+
+    from .store import Store
 
 #: the roll call's tags on the parent communicator (the answer uses the next one)
 HELLO_TAG = 32_700
@@ -203,3 +211,173 @@ def _poll_all(reqs: list[_MPI.Request], deadline: float) -> None:
     for r in reqs:
         if not _poll(r, deadline):
             r.Cancel()
+
+
+#: seconds between a store bootstrap's looks for an abort while it waits
+_SLICE = 0.25
+#: the longest a store's host waits at ``close`` for the others to be done with it
+_CLOSE_WAIT = 10.0
+
+
+class StoreBootstrap:
+    """The bootstrap over a key-value store (:mod:`.store`), for ``size`` processes of
+    which this one is ``rank``; every wait is bounded by ``timeout``.
+
+    Keys live under ``prefix`` and a generation (each process counts the bootstraps it
+    made on the prefix, so a second group on the same store reuses no key), and each
+    exchange or barrier takes a sequence number: ``<prefix>g<gen>/x<seq>/<rank>``. When
+    every process has written exchange ``seq``, all have read ``seq - 1``, whose keys
+    rank 0 then deletes. ``abort`` writes ``<prefix>g<gen>/abort``, which the others'
+    waits look for between slices of :data:`_SLICE` seconds. ``own_store``: ``close``
+    also closes the store (a store's host first waits, up to :data:`_CLOSE_WAIT`
+    seconds, until every process has closed, so nobody loses it while still reading)."""
+
+    def __init__(
+        self,
+        store: Store,
+        rank: int,
+        size: int,
+        timeout: float,
+        prefix: str = "",
+        *,
+        own_store: bool = True,
+    ) -> None:
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"bootstrap: rank {rank} is not in 0..{size - 1}")
+        if timeout <= 0:
+            raise ValueError(f"bootstrap: timeout must be positive, not {timeout}")
+        self.store = store
+        self.rank = rank
+        self.size = size
+        self.timeout = float(timeout)
+        self.own_store = own_store
+        gen = store.add(f"{prefix}gen/{rank}", 1)
+        self.prefix = f"{prefix}g{gen}/"
+        self._seq = 0
+        self._abort_key = self.prefix + "abort"
+        self._aborted = False
+        self._closed = False
+
+    def _key(self, kind: str, seq: int, p: int) -> str:
+        return f"{self.prefix}{kind}{seq}/{p}"
+
+    def exchange(self, obj: object) -> list[object]:
+        raw = self._round("x", json.dumps(obj).encode(), "the bootstrap's exchange")
+        out: list[object] = []
+        for p, got in enumerate(raw):
+            try:
+                out.append(json.loads(got))
+            except ValueError as exc:
+                raise PeerFailure(
+                    f"bootstrap: process {p} sent a malformed message ({exc})"
+                ) from exc
+        return out
+
+    def barrier(self) -> None:
+        self._round("x", b"null", "the bootstrap's barrier")
+
+    def _round(self, kind: str, mine: bytes, what: str) -> list[bytes]:
+        seq = self._seq
+        self._seq += 1
+        self.store.set(self._key(kind, seq, self.rank), mine)
+        keys = [self._key(kind, seq, p) for p in range(self.size)]
+        got = self._gather(keys, what)
+        if self.rank == 0 and seq > 0:
+            for p in range(self.size):  # everyone wrote seq, so read seq - 1
+                self.store.delete(self._key(kind, seq - 1, p))
+        return got
+
+    def _gather(self, keys: list[str], what: str) -> list[bytes]:
+        """The values of ``keys`` (one per process); ``PeerFailure`` when a process
+        aborts, ``MissingRanks`` naming the processes not there after the timeout."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self.store.multi_get(keys, max(0.0, min(_SLICE, left)))
+            except KeysTimeout:
+                pass
+            self._check_abort()
+            if time.monotonic() >= deadline:
+                missing = [p for p, k in enumerate(keys) if not self.store.check([k])]
+                if not missing:
+                    continue  # all came in the last instant
+                raise MissingRanks(
+                    f"bootstrap (process {self.rank} of {self.size}): processes {missing} "
+                    f"did not reach {what} within {self.timeout:g} s",
+                    missing,
+                )
+
+    def _check_abort(self) -> None:
+        if self.store.check([self._abort_key]):
+            who, _, reason = (
+                self.store.get(self._abort_key).decode(errors="replace").partition("\n")
+            )
+            raise PeerFailure(f"bootstrap: process {who} gave up: {reason}")
+
+    def abort(self, reason: str) -> None:
+        self._aborted = True
+        try:
+            self.store.set(self._abort_key, f"{self.rank}\n{reason[:4000]}".encode())
+        except CommError:
+            pass  # the store is gone: the others' waits end on their own
+
+    def sub(self, name: str, members: list[int]) -> StoreBootstrap:
+        """A bootstrap among ``members`` (this process's ranks here, in the sub's order)
+        only, on the same store under a new prefix; called by the members alone, each
+        with the same ``name`` (unique among this bootstrap's subs)."""
+        if self.rank not in members:
+            raise ValueError(f"bootstrap: process {self.rank} is not among {members}")
+        if len(set(members)) != len(members) or not all(0 <= m < self.size for m in members):
+            raise ValueError(f"bootstrap: members {members} are not distinct processes here")
+        if not name or "/" in name:
+            raise ValueError(f"bootstrap: a sub's name has no '/' and is not empty: {name!r}")
+        return StoreBootstrap(
+            self.store,
+            members.index(self.rank),
+            len(members),
+            self.timeout,
+            f"{self.prefix}s/{name}/",
+            own_store=False,
+        )
+
+    def close(self) -> None:
+        """Done with the bootstrap; with ``own_store``, close the store too."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.own_store:
+            return
+        try:
+            done = self.prefix + "closed"
+            if self.store.add(done, 1) >= self.size:
+                self.store.set(done + "/all", b"")
+            elif self.store.hosts and not self._aborted:
+                self.store.wait([done + "/all"], min(self.timeout, _CLOSE_WAIT))
+        except CommError:
+            pass  # best effort: a process that is gone does not close
+        self.store.close()
+
+
+class LocalBootstrap:
+    """The bootstrap of a job of one process: nobody to wait for."""
+
+    rank = 0
+    size = 1
+
+    def exchange(self, obj: object) -> list[object]:
+        return [json.loads(json.dumps(obj))]
+
+    def barrier(self) -> None:
+        pass
+
+    def abort(self, reason: str) -> None:
+        pass
+
+    def sub(self, name: str, members: list[int]) -> LocalBootstrap:
+        if members != [0]:
+            raise ValueError(f"bootstrap: members {members} are not this one process")
+        return LocalBootstrap()
+
+    def close(self) -> None:
+        pass

@@ -151,7 +151,8 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         owner: BootOwner | None = None,
         method: str = "",
     ) -> None:
-        """Over MPI (``comm``, default ``MPI.COMM_WORLD``), or without MPI over
+        """Over MPI (``comm``, default ``MPI.COMM_WORLD``; ``bootstrap`` may be its
+        :class:`MpiBootstrap`, already past the roll call), or without MPI over
         ``bootstrap`` (kept for the group's life; ``owner``: who closes it, for the
         groups ``split`` makes; ``method``: how the job was started, for messages)."""
         self.timeout, gpu, nlocal = _check_args(devices, algorithm, timeout)
@@ -159,13 +160,13 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         self.gpu = gpu
         settings = {"algorithm": algorithm, "devices": "gpu" if gpu else "cpu",
                     "NCCLTREE_CHECK": check_enabled()}  # fmt: skip
-        if bootstrap is None:
+        if bootstrap is None or isinstance(bootstrap, MpiBootstrap):
             from mpi4py import MPI
 
             if comm is None:
                 comm = MPI.COMM_WORLD
             # every process here (or each names the missing ones), within the timeout
-            boot = MpiBootstrap(comm, self.timeout, MPI)
+            boot = bootstrap or MpiBootstrap(comm, self.timeout, MPI)
             try:
                 pl = self.placement = place(boot, nlocal, shm, settings)
             finally:
@@ -716,10 +717,23 @@ def init_process_group(
     algorithm: str = "auto",
     timeout: float = 60.0,
     shm: bool | None = None,
+    *,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
 ) -> ProcessGroup:
-    """The process group of every process of ``comm`` (default ``MPI.COMM_WORLD``: run
-    under ``mpiexec`` or ``srun``). ``devices``: ``"cpu"`` (one rank in this process) or
-    ``"cpu:N"``. Ranks are numbered node-major, then by process, then by local rank; the
+    """The process group of every process of the job. How the processes meet:
+    ``comm`` (an mpi4py communicator: its processes), else ``init_method``:
+    ``"env://"`` (torchrun's variables: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+    MASTER_PORT...), ``"tcp://host:port"`` with ``rank=``/``world_size=``,
+    ``"file://path"`` (a shared filesystem), ``"slurm"``, ``"mpi"``, or None: what the
+    environment shows (MPI under ``mpiexec``, torchrun's or Slurm's variables, else MPI
+    where mpi4py imports, else this process alone). Started without MPI, a group keeps
+    its data in shared memory within a node and moves GPU data between nodes over NCCL;
+    a host group spanning nodes, and ``algorithm="mpi"``, need MPI and are refused.
+
+    ``devices``: ``"cpu"`` (one rank in this process) or ``"cpu:N"``, ``"gpu"`` or
+    ``"gpu:K"``. Ranks are numbered node-major, then by process, then by local rank; the
     node of a process is its host name, or ``NCCLTREE_NODE`` where set. ``shm``: whether
     the processes of a node share memory (default: where ``/dev/shm`` has 64 MiB free, or
     as ``NCCLTREE_SHM`` says; otherwise their data goes over MPI). Collective: every
@@ -727,15 +741,32 @@ def init_process_group(
     global _current
     if _current is not None and not _current.closed:
         raise CommError("a process group is open in this process; close() it first")
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError as exc:
-        from ..._errors import BackendUnavailable
+    if comm is not None:
+        if init_method is not None or rank is not None or world_size is not None:
+            raise ValueError(
+                "comm= names an MPI communicator: leave init_method, rank and world_size out"
+            )
+        _current = ProcessGroup(comm, devices, algorithm, timeout, shm)
+        return _current
+    timeout = _check_args(devices, algorithm, timeout)[0]
+    from .launch_env import start
 
-        raise BackendUnavailable(
-            "process groups need mpi4py and an MPI library: pip install 'nccltree[mpi]'"
-        ) from exc
-    _current = ProcessGroup(comm, devices, algorithm, timeout, shm)
+    started = start(init_method, rank, world_size, timeout)
+    try:
+        _current = ProcessGroup(
+            started.comm, devices, algorithm, timeout, shm,
+            bootstrap=started.boot, method=started.method,
+        )  # fmt: skip
+    except BaseException as exc:
+        if started.mpi is None:
+            # the others' waits in the bootstrap end at once, naming this process
+            started.boot.abort(
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            )
+            close = getattr(started.boot, "close", None)
+            if close is not None:
+                close()
+        raise
     return _current
 
 

@@ -40,6 +40,7 @@ face: argument checks, dispatch, and the objects' assembly.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import threading
@@ -70,7 +71,7 @@ from .core import Core
 from .engine import Engine, EngineContext
 from .gpu import GpuContext, GpuSide
 from .lifecycle import Lifecycle
-from .links import BootOwner, Links, refuse_without_mpi
+from .links import BootOwner, Links, SubBootstrap, refuse_without_mpi
 from .local import GroupComm, LocalRendezvous, run_local
 from .mpi_collectives import MpiContext, mpi_reduces, run_mpi
 from .node_memory import MAX_LOCAL_RANKS, LauncherWatch, NodeMemory
@@ -86,6 +87,7 @@ if TYPE_CHECKING:
     from ...backends.host import HostDevice
     from ...tree import Tree
     from .bootstrap import Bootstrap
+    from .launch_env import Started
 
 GROUP_ALGORITHMS = ("tree", "ring", "direct", "mpi", "nccl", "auto")
 _GPU_SPEC = re.compile(r"gpu(:\d+)?")
@@ -749,25 +751,58 @@ def init_process_group(
         _current = ProcessGroup(comm, devices, algorithm, timeout, shm)
         return _current
     timeout = _check_args(devices, algorithm, timeout)[0]
-    from .launch_env import start
-
-    started = start(init_method, rank, world_size, timeout)
+    started, boot, owner = _start(init_method, rank, world_size, timeout)
     try:
         _current = ProcessGroup(
             started.comm, devices, algorithm, timeout, shm,
-            bootstrap=started.boot, method=started.method,
+            bootstrap=boot, owner=owner, method=started.method,
         )  # fmt: skip
     except BaseException as exc:
         if started.mpi is None:
             # the others' waits in the bootstrap end at once, naming this process
-            started.boot.abort(
-                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            )
-            close = getattr(started.boot, "close", None)
-            if close is not None:
-                close()
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            boot.abort(f"{type(exc).__name__}: {first}")
+            if owner is not None:
+                owner.release()
+            else:
+                close = getattr(boot, "close", None)
+                if close is not None:
+                    close()
         raise
     return _current
+
+
+#: the job's bootstrap without MPI, kept between groups: (how it was started, it, its owner)
+_kept: tuple[tuple[object, ...], Started, BootOwner] | None = None
+
+
+def _start(
+    init_method: str | None, rank: int | None, world_size: int | None, timeout: float
+) -> tuple[Started, Bootstrap, BootOwner | None]:
+    """How this group starts: ``launch_env.start`` (MPI, or a bootstrap over a store).
+    A store's bootstrap is kept for the process's life (closed at exit) and each group
+    gets one of its own on it (``sub`` of every process, keys under a new prefix): a
+    group closed and started again meets on the same store, with no second rendezvous
+    at the same port racing the first one's end. Returns (started, the group's
+    bootstrap, its owner: None over MPI)."""
+    global _kept
+    how = (init_method, rank, world_size)
+    if _kept is not None and _kept[0] != how:
+        _kept[2].release()
+        _kept = None
+    if _kept is None:
+        from .launch_env import start
+
+        started = start(init_method, rank, world_size, timeout)
+        if started.mpi is not None or started.size == 1 or not hasattr(started.boot, "sub"):
+            return started, started.boot, None
+        owner = BootOwner(started.boot)
+        atexit.register(owner.release)
+        _kept = (how, started, owner)
+    _, started, owner = _kept
+    owner.groups += 1
+    sub = cast("SubBootstrap", started.boot).sub(f"group{owner.groups}", list(range(started.size)))
+    return started, sub, owner.hold()
 
 
 __all__ = ["ProcessGroup", "init_process_group", "GROUP_ALGORITHMS"]

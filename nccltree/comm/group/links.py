@@ -53,12 +53,14 @@ class SubBootstrap(Protocol):
 
 
 class BootOwner:
-    """Who closes a bootstrap: the group started over it and every group split from that
-    one hold it; the last to close closes it (its store with it)."""
+    """Who closes a bootstrap: whoever started it (``init_process_group`` keeps a
+    store's for the process's life), the groups started over it and every group split
+    from one hold it; the last to let go closes it (its store with it)."""
 
     def __init__(self, boot: Bootstrap) -> None:
         self.boot = boot
         self.holders = 1
+        self.groups = 0  # groups started on it (each on a bootstrap of its own)
 
     def hold(self) -> BootOwner:
         self.holders += 1
@@ -66,7 +68,7 @@ class BootOwner:
 
     def release(self) -> None:
         self.holders -= 1
-        if self.holders == 0:
+        if self.holders == 0:  # (once: later calls find it negative)
             close = getattr(self.boot, "close", None)
             if close is not None:
                 close()

@@ -56,3 +56,74 @@ def test_host_grid_without_mpi_is_the_worlds(name: str, tmp_path: Path) -> None:
         assert rep["checked"] > 20
         assert rep["nodes"] == 1 and rep["size"] == n * len(rep["ranks"])
         assert rep["mpi4py_loaded"] is False  # never imported (it cannot be)
+
+
+def _nodes(*sizes: int) -> list[tuple[int, dict[str, str]]]:
+    return [(n, {"NCCLTREE_NODE": f"node{chr(97 + i)}"}) for i, n in enumerate(sizes)]
+
+
+GPU_WORKER = Path(__file__).resolve().parent / "mpi" / "pg_gpu.py"
+
+
+@pytest.mark.parametrize("style", ["torchrun", "slurm"])
+def test_on_the_fake_gpu_groups_across_two_nodes_without_mpi(style: str, tmp_path: Path) -> None:
+    """Wiring check on tests/fakecupy (not GPU verification): two simulated nodes of two
+    processes, started without MPI: CUDA IPC within each node, NCCL send/recv between
+    them (the fake carries NCCL between processes over files, not MPI), NCCL's own
+    collectives, auto, and the argument agreement as one NCCL all_reduce of int64
+    digests (ncclInt64, 4) before each call; every result numpy's."""
+    out = tmp_path / "out"
+    out.mkdir()
+    procs = run_env(_nodes(2, 2), GPU_WORKER, "--no-mpi", "--fake", "4", "--algorithms",
+                    "tree,nccl,auto", "--counts", "5,70001", "--dtypes", "float32",
+                    style=style, timeout=240, env={"NCCLTREE_TEST_OUT": str(out)})  # fmt: skip
+    for p in procs:
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    reports = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    assert len(reports) == 4
+    net = [["X", "PHB", "NET", "NET"], ["PHB", "X", "NET", "NET"],
+           ["NET", "NET", "X", "PHB"], ["NET", "NET", "PHB", "X"]]  # fmt: skip
+    for r in reports:
+        assert r["nfail"] == 0 and r["checked"] > 100, r
+        assert not r["misuse"], r
+        assert r["topology"] == net, r
+        # sync mode between nodes: no stream waits on a peer's event
+        assert r["waits_on_peer_events"] == 0, r
+        assert {"send", "recv", "allReduce", "allGather"} <= set(r["nccl"]), r
+        assert 4 in r["nccl_datatypes"], r  # the agreement's int64 digests
+        assert r["ipc"].get("open", 0) > 0, r  # IPC within each node
+
+
+REFUSE = """
+import nccltree as nt
+try:
+    nt.init_process_group(devices={devices!r}, algorithm={algorithm!r}, timeout=30)
+except Exception as exc:
+    print("REFUSED", type(exc).__name__, str(exc).count(chr(10)), exc, flush=True)
+else:
+    print("STARTED", flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "parts, devices, algorithm, words",
+    [
+        (_nodes(2, 2), "cpu", "auto", "spans 2 nodes needs MPI"),
+        (2, "cpu", "mpi", "algorithm='mpi' needs MPI"),
+    ],
+    ids=["a host group across two nodes", "algorithm mpi"],
+)
+def test_refused_without_mpi_with_one_line(
+    tmp_path: Path, parts: Any, devices: str, algorithm: str, words: str
+) -> None:
+    """What needs MPI is refused at start on every process, with one line that says so
+    (BackendUnavailable), within seconds: no process waits for another."""
+    script = tmp_path / "refuse.py"
+    script.write_text(REFUSE.format(devices=devices, algorithm=algorithm))
+    procs = run_env(parts, script, timeout=120)
+    for p in procs:
+        assert p.returncode == 0, p.stderr[-3000:]
+        line = p.stdout.strip()
+        assert line.startswith("REFUSED BackendUnavailable 0 "), line
+        assert words in line, line
+        assert "mpiexec" in line, line

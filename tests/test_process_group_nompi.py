@@ -127,3 +127,70 @@ def test_refused_without_mpi_with_one_line(
         assert line.startswith("REFUSED BackendUnavailable 0 "), line
         assert words in line, line
         assert "mpiexec" in line, line
+
+
+AGREE = Path(__file__).resolve().parent / "mpi" / "pg_agree.py"
+MISMATCH = "collective arguments differ between processes"
+
+
+@pytest.mark.parametrize("alg", ["auto", "tree"])
+def test_disagreeing_host_calls_without_mpi_raise_everywhere(alg: str, tmp_path: Path) -> None:
+    """Without MPI the engine's arrival is the agreement: dtype, op, count and collective
+    mismatches, and a local refusal, raise ``ValueError`` on every process, and the group
+    goes on (tests/mpi/pg_agree.py, as under mpiexec)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    procs = run_env(2, AGREE, "calls", "20", timeout=120,
+                    env={"NCCLTREE_TEST_OUT": str(out), "ALG": alg})  # fmt: skip
+    for p in procs:
+        assert p.returncode == 0, p.stderr[-3000:]
+    reports = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    assert len(reports) == 2
+    for r in reports:
+        for case in ("dtype", "op", "count", "collective", "local_async"):
+            assert r[case].startswith(MISMATCH) or "bogus" in r[case], (case, r[case])
+        for after in ("after_dtype", "after_op", "after_count", "after_collective"):
+            assert r[after] == 3.0, r
+
+
+def test_split_and_new_group_without_mpi_agree_first(tmp_path: Path) -> None:
+    """``new_group`` with different rank lists raises on every process (the agreement
+    through the node's arrival); ``split`` against an ``auto`` collective too."""
+    for mode, n in (("groups", 3), ("split", 2)):
+        out = tmp_path / mode
+        out.mkdir()
+        procs = run_env(n, AGREE, mode, "20", timeout=120,
+                        env={"NCCLTREE_TEST_OUT": str(out), "ALG": "auto"})  # fmt: skip
+        for p in procs:
+            assert p.returncode == 0, p.stderr[-3000:]
+        for r in [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]:
+            if mode == "groups":
+                assert r["new_group"].startswith(MISMATCH), r
+                assert r["after_new_group"] == 6.0, r
+                assert r.get("sub", 2.0) == 2.0, r
+            else:
+                assert r["split"].startswith(f"ValueError: {MISMATCH}"), r
+                assert r["after_split"] == 3.0, r
+
+
+@pytest.mark.parametrize("parts", [2, _nodes(1, 1)], ids=["one node", "two nodes"])
+def test_on_the_fake_disagreeing_gpu_calls_without_mpi_raise_everywhere(
+    parts: Any, tmp_path: Path
+) -> None:
+    """Wiring check on tests/fakecupy: without MPI a GPU group's calls agree through the
+    node's arrival (one node) or one NCCL all_reduce of digests (two nodes); a count
+    mismatch raises ``ValueError`` on every process and the group goes on."""
+    out = tmp_path / "out"
+    out.mkdir()
+    procs = run_env(parts, GPU_WORKER, "--no-mpi", "--fake", "4", "--algorithms", "auto",
+                    "--counts", "5", "--dtypes", "float32", "--mismatch", timeout=180,
+                    env={"NCCLTREE_TEST_OUT": str(out)})  # fmt: skip
+    for p in procs:
+        assert p.returncode == 0, p.stderr[-3000:]
+    reports = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    assert len(reports) == 2
+    for r in reports:
+        assert r["nfail"] == 0, r
+        assert r["mismatch"].startswith(MISMATCH), r
+        assert "count=5" in r["mismatch"] and "count=4" in r["mismatch"], r
+        assert r["after_mismatch"] == 3.0, r

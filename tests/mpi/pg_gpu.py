@@ -36,6 +36,8 @@ p.add_argument("--kill", type=int, default=-1, help="this MPI rank dies in its 3
 p.add_argument("--hang-nccl", action="store_true",
                help="(fake) every process's 3rd NCCL call never completes")  # fmt: skip
 p.add_argument("--timeout", type=float, default=30.0)
+p.add_argument("--mismatch", action="store_true",
+               help="last, process 1 passes another count (every process must raise)")  # fmt: skip
 p.add_argument("--no-mpi", action="store_true",
                help="started without MPI (torchrun's or Slurm's variables, nccltree-run); "
                "on the fake, NCCL across processes is then carried by files")  # fmt: skip
@@ -188,10 +190,23 @@ for alg in args.algorithms.split(","):
                         except Exception as exc:  # noqa: BLE001 - reported, then stop
                             failures.append(f"{what}: {type(exc).__name__}: {exc}")
                             break
+    if args.mismatch and alg == args.algorithms.split(",")[-1]:
+        # process 1 passes another count: every process raises ValueError, naming it,
+        # and the group goes on
+        try:
+            pg.all_reduce(cp.asarray(np.ones(4 + (pg.rank == 1), np.float32)))
+            mismatch = "not raised"
+        except ValueError as exc:
+            mismatch = str(exc)
+        y = cp.asarray(np.full(4, pg.rank + 1.0, np.float32))
+        pg.all_reduce(y)
+        after = float(cp.asnumpy(y)[0])
     pg.close()
 
 report = {"rank": me, "checked": checked, "failures": failures[:20], "nfail": len(failures),
           "topology": topology}  # fmt: skip
+if args.mismatch:
+    report["mismatch"], report["after_mismatch"] = mismatch, after
 if fake is not None:
     kinds: dict[str, int] = {}
     for entry in fake.ipc_log:

@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 
@@ -388,8 +388,12 @@ def link_json(link: Link) -> list[object]:
     return [int(link.kind), link.nvlinks, link.p2p, link.gbps, link.latency_s]
 
 
-def link_of(got: list[Any]) -> Link:
-    return Link(LinkKind(int(got[0])), int(got[1]), bool(got[2]), got[3], got[4])
+_LinkJson = tuple[int, int, bool, "float | None", "float | None"]
+
+
+def link_of(got: object) -> Link:
+    kind, nvlinks, p2p, gbps, latency = cast("_LinkJson", tuple(cast("list[object]", got)))
+    return Link(LinkKind(kind), nvlinks, p2p, gbps, latency)
 
 
 def nccl_move(arr: Array) -> tuple[int, int]:
@@ -439,6 +443,15 @@ def env_gpu_note() -> str:
 # -- the GPU half of a ProcessGroup -----------------------------------------------------------
 
 
+class _NcclComm(Protocol):
+    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,
+                  stream: int) -> None: ...  # fmt: skip
+
+    def abort(self) -> None: ...
+
+    def destroy(self) -> None: ...
+
+
 class _Agree:
     """Without MPI across nodes, what the argument agreement's NCCL ``all_reduce`` of
     ``[h, -h]`` uses (:meth:`GpuSide.agree`): a communicator of its own, made once at
@@ -452,9 +465,9 @@ class _Agree:
         ctx = side.ctx
         pl = ctx.placement
         self.nccl = _nccl_module()
-        self.comm: Any = nccl_comm(ctx.links.share, ctx.links.first, pl.proc, pl.nprocs,
+        self.comm = cast("_NcclComm", nccl_comm(ctx.links.share, ctx.links.first, pl.proc, pl.nprocs,
                                    side.device, timeout=ctx.timeout,
-                                   check_peers=ctx.check_peers)  # fmt: skip
+                                   check_peers=ctx.check_peers))  # fmt: skip
         self.stream: CudaStream = cast("CudaStream", side.device.new_stream())
         self.host = pinned_empty((2,), np.int64, pinned=True)
         self.dev = side.device.empty(2, np.int64)
@@ -509,7 +522,8 @@ class GpuSide:
         sees_all = all(o >= 0 for o in ords)
         row = link_row(mine, node_buses)
         info = [(bool(x[0]), [link_of(v) for v in x[1]])
-                for x in cast("list[list[Any]]", gather([sees_all, [link_json(k) for k in row]]))]  # fmt: skip
+                for x in cast("list[tuple[bool, list[object]]]",
+                              gather([sees_all, [link_json(k) for k in row]]))]  # fmt: skip
         # IPC reaches another GPU only where the process sees it; NCCL needs one GPU per
         # process. Both judged from every process's answers, so all judge alike.
         self.ipc_problem: str | None = None
@@ -609,7 +623,7 @@ class GpuSide:
         if not self.sync_mode and len(pl.node_procs) > 1:
             self.event = IpcEvent(self.device)
             handles = self.ctx.links.node_gather([pl.proc, self.event.handle.hex()])
-            for p, h in cast("list[list[Any]]", handles):
+            for p, h in cast("list[tuple[int, str]]", handles):
                 if p != pl.proc:
                     self.peer_events[p] = IpcEvent(self.device, bytes.fromhex(h))
         if self.sync_mode or algorithm == "nccl":

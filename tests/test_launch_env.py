@@ -70,6 +70,8 @@ def test_precedence():
     assert e is not None and (e.launcher, e.rank, e.size) == ("mpi", 3, 4)
     e = detect({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"})
     assert e is not None and (e.launcher, e.rank) == ("mpi", 1)
+    e = detect({**SLURM, "PMIX_RANK": "5"})  # srun --mpi=pmix: MPI, Slurm's size
+    assert e is not None and (e.launcher, e.rank, e.size) == ("mpi", 5, 8)
 
 
 def test_bad_number():
@@ -273,3 +275,30 @@ def test_mpi_singleton_under_torchrun_variables_refused():
         "the process group would have one (started by mpi); start every process the same "
         "way, or pass init_method= to match how they were launched"
     )
+
+
+def test_store_port_under_torchrun_agent():
+    # torchrun's agent holds MASTER_PORT (here: a listening socket): the store takes the
+    # next port
+    for _ in range(50):
+        agent = socket.create_server(("127.0.0.1", 0))
+        master = agent.getsockname()[1]
+        try:
+            socket.create_server(("127.0.0.1", master + 1)).close()
+            break
+        except OSError:
+            agent.close()
+    else:
+        pytest.skip("no two free ports in a row")
+
+    def env(i: int) -> dict[str, str]:
+        return {"RANK": str(i), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(master), "TORCHELASTIC_USE_AGENT_STORE": "True"}  # fmt: skip
+
+    with agent:
+        assert exchange_in_threads(2, "env://", env) == [[0, 1]] * 2
+        other = free_port()
+        got = exchange_in_threads(
+            2, "env://", lambda i: {**env(i), "NCCLTREE_STORE_PORT": str(other)}
+        )
+        assert got == [[0, 1]] * 2

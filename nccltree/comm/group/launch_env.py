@@ -2,7 +2,8 @@
 
 :func:`detect` reads which launcher started the process from its environment, by
 precedence: an MPI launcher's (``PMI_SIZE``/``PMI_RANK``: MPICH's ``mpiexec``, ``srun
---mpi=pmi2``; ``OMPI_COMM_WORLD_SIZE``/``OMPI_COMM_WORLD_RANK``: Open MPI's), then
+--mpi=pmi2``; ``OMPI_COMM_WORLD_SIZE``/``OMPI_COMM_WORLD_RANK``: Open MPI's;
+``MV2_COMM_WORLD_SIZE``: MVAPICH's; ``PMIX_RANK``: ``srun --mpi=pmix``), then
 torchrun's (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``; ``nccltree-run`` sets the same), then Slurm's
 (``SLURM_STEP_NUM_TASKS`` with ``SLURM_PROCID``: a task of an ``srun`` step; not
@@ -12,7 +13,11 @@ torchrun's (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 :class:`Started`: a bootstrap (:mod:`.bootstrap`) and, over MPI, the communicator.
 ``"env://"``, ``"tcp://host:port"`` and ``"slurm"`` meet through a :class:`.TCPStore`
 hosted by rank 0 (or by ``nccltree-run``'s launcher on node 0, which says so with
-``NCCLTREE_STORE_HOSTED=1``), ``"file://path"`` through a :class:`.FileStore`. The store
+``NCCLTREE_STORE_HOSTED=1``), ``"file://path"`` through a :class:`.FileStore`. The
+store's port is ``NCCLTREE_STORE_PORT`` where set, else ``MASTER_PORT`` -- plus one
+under torchrun, whose agent serves its own store on ``MASTER_PORT``
+(``TORCHELASTIC_USE_AGENT_STORE=True``) -- else, for ``"slurm"``, one derived from the
+job and step ids. The store
 requires the token in ``NCCLTREE_STORE_TOKEN`` when it is set (``nccltree-run`` sets a
 random one per job). mpi4py is imported only on the MPI paths.
 
@@ -32,7 +37,7 @@ from urllib.parse import urlsplit
 
 from ..._errors import BackendUnavailable, CommError
 from .bootstrap import LocalBootstrap, MpiBootstrap, StoreBootstrap
-from .store import FileStore, TCPStore
+from .store import HOSTED_VAR, TOKEN_VAR, FileStore, TCPStore
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -41,10 +46,8 @@ if TYPE_CHECKING:
 
     from .bootstrap import Bootstrap
 
-#: the variable holding the job's store token
-TOKEN_VAR = "NCCLTREE_STORE_TOKEN"
-#: set to 1 by a launcher that hosts the store itself (every rank is then its client)
-HOSTED_VAR = "NCCLTREE_STORE_HOSTED"
+#: the store's port instead of MASTER_PORT (env:// and slurm)
+PORT_VAR = "NCCLTREE_STORE_PORT"
 #: where rank 0's store listens instead of its MASTER_ADDR (e.g. 0.0.0.0)
 BIND_VAR = "NCCLTREE_STORE_BIND"
 #: the key prefix of a group's bootstrap in the store (a launcher uses others)
@@ -106,12 +109,21 @@ def detect(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
     for size_var, rank_var in (
         ("PMI_SIZE", "PMI_RANK"),
         ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
+        ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK"),
     ):
         size = _int(env, size_var)
         if size is not None:
             return LaunchEnv(
                 "mpi", size, _int(env, rank_var), variables=_vars(env, size_var, rank_var)
             )
+    if "PMIX_RANK" in env:  # srun --mpi=pmix: the step's size is Slurm's
+        size_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+        return LaunchEnv(
+            "mpi",
+            _int(env, size_var) or 1,
+            _int(env, "PMIX_RANK"),
+            variables=_vars(env, "PMIX_RANK", size_var),
+        )
     size = _int(env, "WORLD_SIZE")
     if size is not None:
         return LaunchEnv(
@@ -151,7 +163,7 @@ def several_processes(environ: Mapping[str, str] | None = None) -> list[str]:
     than one process (any launcher's, not only the one that wins)."""
     env = os.environ if environ is None else environ
     out = []
-    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "WORLD_SIZE"):
+    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "WORLD_SIZE"):
         n = _int(env, name)
         if n is not None and n > 1:
             out.append(f"{name}={n}")
@@ -386,7 +398,11 @@ def _start_env(
     addr = env.get("MASTER_ADDR") or None
     if addr is None:
         raise ValueError("env://: MASTER_ADDR is not set")
-    port = _need(_int(env, "MASTER_PORT"), "env://: MASTER_PORT")
+    port = _int(env, PORT_VAR)
+    if port is None:
+        port = _need(_int(env, "MASTER_PORT"), "env://: MASTER_PORT")
+        if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get(HOSTED_VAR) != "1":
+            port += 1  # torchrun's agent serves its own store on MASTER_PORT
     local = (_int(env, "LOCAL_RANK"), _int(env, "LOCAL_WORLD_SIZE"))
     return _tcp("env://", addr, port, r, n, timeout, env, local)
 
@@ -404,9 +420,9 @@ def _start_slurm(
     addr = env.get("MASTER_ADDR") or (first_host(nodes) if nodes else None)
     if addr is None:
         raise ValueError("slurm: neither MASTER_ADDR nor SLURM_STEP_NODELIST/SLURM_NODELIST is set")
-    port = _int(env, "MASTER_PORT") or slurm_port(env)
+    port = _int(env, PORT_VAR) or _int(env, "MASTER_PORT") or slurm_port(env)
     if port is None:
-        raise ValueError("slurm: neither MASTER_PORT nor SLURM_JOB_ID is set")
+        raise ValueError(f"slurm: none of {PORT_VAR}, MASTER_PORT, SLURM_JOB_ID is set")
     seen = detect(env)
     local = (_int(env, "SLURM_LOCALID"), seen.local_size if seen else None)
     return _tcp("slurm", addr, port, r, n, timeout, env, local)

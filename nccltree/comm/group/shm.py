@@ -284,6 +284,25 @@ def remove_stale() -> list[str]:
     return removed
 
 
+def remove_of_pids(pids: set[int]) -> list[str]:
+    """Unlink this user's segments created by the processes ``pids`` (ended: a launcher
+    sweeping its job's segments after its children) whose lock nobody holds; their
+    names. A held lock (a live creator, whatever its pid says) keeps a segment."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    me = user_tag()
+    for name in names:
+        m = _NAME.match(name)
+        if not m or m.group(1) != me or int(m.group(2)) not in pids:
+            continue
+        if _remove_if_unlocked(os.path.join(SHM_DIR, name)):
+            removed.append(name)
+    return removed
+
+
 def _remove_if_unlocked(path: str) -> bool:
     """Unlink ``path`` if it is this user's regular file and nobody holds its lock."""
     try:

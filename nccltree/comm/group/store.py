@@ -8,7 +8,8 @@ Two kinds, with the same methods (``set``, ``get``, ``multi_get``, ``add``, ``wa
   frames (``>I`` length, then an operation byte, a ``>H`` key length, the key in UTF-8
   and the value's bytes); a frame longer than :data:`MAX_FRAME`, a key longer than
   :data:`MAX_KEY`, an unknown operation or a key that is not UTF-8 closes the
-  connection. The first frame of a connection is a hello with the job's token: a server
+  connection. The first frame of a connection is a hello (at most :data:`MAX_HELLO`
+  bytes) with the job's token: a server
   with a token refuses a client without the same one (compared in constant time), and a
   client that says nothing within :data:`HELLO_TIMEOUT` seconds is dropped. Values are
   bytes, never unpickled.
@@ -38,10 +39,17 @@ from typing import Protocol
 
 from ..._errors import CommError, CommTimeout, PeerFailure
 
+#: the variable holding the job's store token (the same in every process of a job)
+TOKEN_VAR = "NCCLTREE_STORE_TOKEN"
+#: set to 1 by a launcher that hosts the store itself (every rank is then its client)
+HOSTED_VAR = "NCCLTREE_STORE_HOSTED"
+
 #: the largest frame either side accepts (values are names, ids, small JSON documents)
 MAX_FRAME = 16 << 20
 #: the longest key
 MAX_KEY = 1024
+#: the largest hello (the first frame, before the token is checked)
+MAX_HELLO = 4096
 #: seconds a new connection has to say hello before the server drops it
 HELLO_TIMEOUT = 10.0
 #: connections a server holds at once (more are refused)
@@ -118,11 +126,12 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _recv_frame(sock: socket.socket) -> tuple[int, bytes, bytes]:
-    """One frame: (operation, key bytes, value). ``ValueError`` if malformed."""
+def _recv_frame(sock: socket.socket, limit: int = MAX_FRAME) -> tuple[int, bytes, bytes]:
+    """One frame: (operation, key bytes, value). ``ValueError`` if malformed or longer
+    than ``limit`` bytes."""
     (n,) = _HEAD.unpack(_recv_exact(sock, _HEAD.size))
-    if n < _OPKEY.size or n > MAX_FRAME:
-        raise ValueError(f"a frame of {n} bytes (limit {MAX_FRAME})")
+    if n < _OPKEY.size or n > limit:
+        raise ValueError(f"a frame of {n} bytes (limit {limit})")
     body = _recv_exact(sock, n)
     op, klen = _OPKEY.unpack_from(body)
     if klen > MAX_KEY or _OPKEY.size + klen > n:
@@ -261,7 +270,7 @@ class _Server:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(HELLO_TIMEOUT)
-            op, key, value = _recv_frame(conn)
+            op, key, value = _recv_frame(conn, MAX_HELLO)
             if op != _HELLO or key != _VERSION:
                 conn.sendall(_frame(_ERR, value=b"not a client of this store's version"))
                 return

@@ -88,7 +88,7 @@ def run_env(
     script: str | os.PathLike[str],
     *args: str,
     style: str = "torchrun",
-    timeout: float = 120,
+    timeout: float = 100,
     env: Mapping[str, str] | None = None,
 ) -> list[subprocess.CompletedProcess[str]]:
     """Run ``python script args`` once per rank (see the module docstring)."""
@@ -138,3 +138,40 @@ def kill_all(procs: Sequence[subprocess.Popen[str]]) -> None:
             p.communicate(timeout=10)
         except (subprocess.TimeoutExpired, ValueError):
             pass
+
+
+def run_nccltree_run(
+    nodes: Sequence[Mapping[str, str]],
+    nproc_per_node: int,
+    script: str | os.PathLike[str],
+    *args: str,
+    timeout: float = 100,
+    env: Mapping[str, str] | None = None,
+) -> list[subprocess.CompletedProcess[str]]:
+    """One ``nccltree-run`` per node (``nodes``: each node's extra variables, e.g. its
+    ``NCCLTREE_NODE``), on loopback, mpi4py hidden; their completed processes."""
+    import secrets
+
+    port = free_port()
+    # every node's launcher presents the job's token (node 0 would draw one otherwise)
+    env = {"NCCLTREE_STORE_TOKEN": secrets.token_hex(16), **(env or {})}
+    launchers = []
+    try:
+        for k, nenv in enumerate(nodes):
+            cmd = [sys.executable, "-m", "nccltree.run", "--nproc-per-node",
+                   str(nproc_per_node), "--nnodes", str(len(nodes)), "--node-rank", str(k),
+                   "--master-addr", "127.0.0.1", "--master-port", str(port), str(script),
+                   *args]  # fmt: skip
+            launchers.append(subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True,
+                                              env=child_env({**env, **nenv}),
+                                              cwd=str(ROOT), start_new_session=True))  # fmt: skip
+        deadline = time.monotonic() + timeout
+        done = []
+        for p in launchers:
+            out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        return done
+    except BaseException:
+        kill_all(launchers)
+        raise

@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 
-from tests.envrun import run_env
+from tests.envrun import run_env, run_nccltree_run
 
 pytestmark = pytest.mark.subprocess
 HERE = Path(__file__).resolve().parent / "pg_nompi"
 
 
 def _reports(tmp: Path, parts: Any, script: str, *args: str, style: str = "torchrun",
-             timeout: float = 180) -> tuple[list[dict[str, Any]], list[Any]]:  # fmt: skip
+             timeout: float = 100) -> tuple[list[dict[str, Any]], list[Any]]:  # fmt: skip
     out = tmp / "out"
     out.mkdir(exist_ok=True)
     procs = run_env(parts, HERE / script, *args, style=style, timeout=timeout,
@@ -34,7 +34,7 @@ GRIDS = {
     # (processes, launcher style, grid arguments)
     "2 processes, torchrun's variables": (2, "torchrun", []),
     "3 processes, Slurm's variables": (3, "slurm", ["--dtypes", "float64", "--ops", "sum,mean",
-                                                   "--counts", "5,70001"]),
+                                                   "--counts", "5,1000"]),
     "4 processes, torchrun's variables": (4, "torchrun", ["--algorithms", "tree,ring,direct",
                                                          "--dtypes", "float32", "--ops", "sum",
                                                          "--counts", "1,70001"]),
@@ -76,7 +76,7 @@ def test_on_the_fake_gpu_groups_across_two_nodes_without_mpi(style: str, tmp_pat
     out.mkdir()
     procs = run_env(_nodes(2, 2), GPU_WORKER, "--no-mpi", "--fake", "4", "--algorithms",
                     "tree,nccl,auto", "--counts", "5,70001", "--dtypes", "float32",
-                    style=style, timeout=240, env={"NCCLTREE_TEST_OUT": str(out)})  # fmt: skip
+                    style=style, timeout=100, env={"NCCLTREE_TEST_OUT": str(out)})  # fmt: skip
     for p in procs:
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     reports = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
@@ -120,7 +120,7 @@ def test_refused_without_mpi_with_one_line(
     (BackendUnavailable), within seconds: no process waits for another."""
     script = tmp_path / "refuse.py"
     script.write_text(REFUSE.format(devices=devices, algorithm=algorithm))
-    procs = run_env(parts, script, timeout=120)
+    procs = run_env(parts, script, timeout=90)
     for p in procs:
         assert p.returncode == 0, p.stderr[-3000:]
         line = p.stdout.strip()
@@ -140,7 +140,7 @@ def test_disagreeing_host_calls_without_mpi_raise_everywhere(alg: str, tmp_path:
     goes on (tests/mpi/pg_agree.py, as under mpiexec)."""
     out = tmp_path / "out"
     out.mkdir()
-    procs = run_env(2, AGREE, "calls", "20", timeout=120,
+    procs = run_env(2, AGREE, "calls", "20", timeout=90,
                     env={"NCCLTREE_TEST_OUT": str(out), "ALG": alg})  # fmt: skip
     for p in procs:
         assert p.returncode == 0, p.stderr[-3000:]
@@ -159,7 +159,7 @@ def test_split_and_new_group_without_mpi_agree_first(tmp_path: Path) -> None:
     for mode, n in (("groups", 3), ("split", 2)):
         out = tmp_path / mode
         out.mkdir()
-        procs = run_env(n, AGREE, mode, "20", timeout=120,
+        procs = run_env(n, AGREE, mode, "20", timeout=90,
                         env={"NCCLTREE_TEST_OUT": str(out), "ALG": "auto"})  # fmt: skip
         for p in procs:
             assert p.returncode == 0, p.stderr[-3000:]
@@ -183,7 +183,7 @@ def test_on_the_fake_disagreeing_gpu_calls_without_mpi_raise_everywhere(
     out = tmp_path / "out"
     out.mkdir()
     procs = run_env(parts, GPU_WORKER, "--no-mpi", "--fake", "4", "--algorithms", "auto",
-                    "--counts", "5", "--dtypes", "float32", "--mismatch", timeout=180,
+                    "--counts", "5", "--dtypes", "float32", "--mismatch", timeout=100,
                     env={"NCCLTREE_TEST_OUT": str(out)})  # fmt: skip
     for p in procs:
         assert p.returncode == 0, p.stderr[-3000:]
@@ -194,3 +194,52 @@ def test_on_the_fake_disagreeing_gpu_calls_without_mpi_raise_everywhere(
         assert r["mismatch"].startswith(MISMATCH), r
         assert "count=5" in r["mismatch"] and "count=4" in r["mismatch"], r
         assert r["after_mismatch"] == 3.0, r
+
+
+# -- started by nccltree-run -------------------------------------------------------------
+
+
+def test_host_grid_under_nccltree_run(tmp_path: Path) -> None:
+    """The host grid started by ``nccltree-run --nproc-per-node 3`` (its store, its token):
+    bitwise the in-process World's."""
+    out = tmp_path / "out"
+    out.mkdir()
+    launched = run_nccltree_run([{}], 3, HERE / "grid.py", "--dtypes", "float32",
+                                "--ops", "sum,max", "--counts", "5,70001",
+                                env={"NCCLTREE_TEST_OUT": str(out)})  # fmt: skip
+    for p in launched:
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    reports = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    assert len(reports) == 3
+    for rep in reports:
+        assert rep["failures"] == [] and rep["checked"] > 20, rep
+        assert rep["mpi4py_loaded"] is False
+
+
+def test_on_the_fake_two_nccltree_run_nodes(tmp_path: Path) -> None:
+    """Wiring check on tests/fakecupy: two ``nccltree-run --nnodes 2`` invocations on
+    loopback, two processes each (``NCCLTREE_NODE`` tells the simulated nodes apart):
+    GPU groups run with NCCL between the nodes (carried by files in the fake), and a host
+    group is refused at start with one line on every process."""
+    out = tmp_path / "out"
+    out.mkdir()
+    nodes = [{"NCCLTREE_NODE": "nodea"}, {"NCCLTREE_NODE": "nodeb"}]
+    launched = run_nccltree_run(nodes, 2, GPU_WORKER, "--no-mpi", "--fake", "4",
+                                "--algorithms", "direct,auto", "--counts", "5,70001",
+                                "--dtypes", "float32",
+                                env={"NCCLTREE_TEST_OUT": str(out)})  # fmt: skip
+    for p in launched:
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    reports = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    assert len(reports) == 4
+    for r in reports:
+        assert r["nfail"] == 0 and r["checked"] > 50, r
+        assert {"send", "recv"} <= set(r["nccl"]), r
+        assert r["topology"][0][2] == "NET", r
+    script = tmp_path / "refuse.py"
+    script.write_text(REFUSE.format(devices="cpu", algorithm="auto"))
+    launched = run_nccltree_run(nodes, 2, script)
+    lines = [ln for p in launched for ln in p.stdout.splitlines() if ln.startswith("REFUSED")]
+    assert len(lines) == 4, [p.stdout + p.stderr for p in launched]
+    for line in lines:
+        assert line.startswith("REFUSED BackendUnavailable 0 ") and "spans 2 nodes" in line

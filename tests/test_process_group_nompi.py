@@ -10,6 +10,10 @@ sized to run in seconds on a shared machine."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -243,3 +247,51 @@ def test_on_the_fake_two_nccltree_run_nodes(tmp_path: Path) -> None:
     assert len(lines) == 4, [p.stdout + p.stderr for p in launched]
     for line in lines:
         assert line.startswith("REFUSED BackendUnavailable 0 ") and "spans 2 nodes" in line
+
+
+# -- faults without MPI ------------------------------------------------------------------
+
+FAULTS = Path(__file__).resolve().parent / "mpi" / "pg_faults.py"
+
+
+def _failure_lines(stderr: str) -> list[str]:
+    return re.findall(r"nccltree: \w+: rank \d+: [^\n]*", stderr)
+
+
+def _shm_names() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"nccltree-{os.getuid()}-")}
+
+
+@pytest.mark.parametrize("mode", ["kill", "absent", "mismatch"])
+def test_faults_without_mpi_are_named_as_under_mpi(mode: str, tmp_path: Path) -> None:
+    """Started by torchrun's variables, no MPI: a process SIGKILLed in a collective is
+    named by both survivors (``PeerFailure``, "died"), one that never calls by the
+    others' timeout (``CommTimeout``), a count mismatch raises everywhere and the group
+    goes on; nothing is left in /dev/shm (tests/mpi/pg_faults.py, as under mpiexec)."""
+    before = _shm_names()
+    out = tmp_path / "out"
+    out.mkdir()
+    t0 = time.monotonic()
+    procs = run_env(3, FAULTS, mode, "5", timeout=90, env={"NCCLTREE_TEST_OUT": str(out)})
+    took = time.monotonic() - t0
+    reports = {r["rank"]: r for r in map(json.loads, map(Path.read_text, out.glob("*.json")))}
+    if mode == "mismatch":
+        assert [p.returncode for p in procs] == [0, 0, 0], procs[0].stderr[-3000:]
+        for r in reports.values():
+            assert r["mismatch"].startswith("collective arguments differ"), r
+            assert r["after"] == 6.0, r
+    else:
+        survivors = [procs[0], procs[2]]
+        for p in survivors:
+            assert p.returncode != 0
+            lines = _failure_lines(p.stderr)
+            assert lines, p.stderr[-3000:]
+            assert "ranks [1]" in lines[0], lines
+            kind = "PeerFailure" if mode == "kill" else "PeerFailure|CommTimeout"
+            assert re.match(rf"nccltree: ({kind}): ", lines[0]), lines
+            if mode == "kill":
+                assert "died" in lines[0], lines
+        if mode == "kill":
+            assert procs[1].returncode == -signal.SIGKILL
+    assert took < 60
+    assert _shm_names() <= before

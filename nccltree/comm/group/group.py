@@ -6,7 +6,10 @@ other's buffers in shared memory and order their steps with progress counters th
 (the C wait primitive: a short spin, then a futex; every wait bounded). Between nodes,
 data and "I have got this far" notifications travel as non-blocking MPI point-to-point
 messages. After bootstrap no MPI collective runs (except with ``algorithm="mpi"``), and
-no payload between processes of one node goes through MPI.
+no payload between processes of one node goes through MPI. A group started without MPI
+(torchrun's or Slurm's variables, ``nccltree-run``: :mod:`.links`) keeps its bootstrap
+for the rare exchanges, moves GPU data between nodes over NCCL, and refuses at start
+what would need MPI (host data between nodes, ``algorithm="mpi"``).
 
 One call, in one process:
 
@@ -643,8 +646,9 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
     def _choose(self, prep: Prepared) -> str:
         """``auto``: the process-group rows of the one rule table (``auto.AUTO``, read
         through ``auto.choose_group`` with this group's facts): MPI's own collectives for
-        small messages where MPI can run the call, NCCL on GPUs where it can serve the
-        group, else the tree across nodes and direct within one node."""
+        small messages where MPI can run the call (never in a group started without MPI),
+        NCCL on GPUs where it can serve the group, else the tree across nodes and direct
+        within one node."""
         if self.algorithm != "auto":
             return self.algorithm
         return auto.choose_group(

@@ -75,11 +75,12 @@ def test_on_the_fake_gpu_groups_across_two_nodes_without_mpi(style: str, tmp_pat
     processes, started without MPI: CUDA IPC within each node, NCCL send/recv between
     them (the fake carries NCCL between processes over files, not MPI), NCCL's own
     collectives, auto, and the argument agreement as one NCCL all_reduce of int64
-    digests (ncclInt64, 4) before each call; every result numpy's."""
+    digests (ncclInt64, 4) before each call; every result numpy's; a split into two
+    groups that each span both nodes."""
     out = tmp_path / "out"
     out.mkdir()
     procs = run_env(_nodes(2, 2), GPU_WORKER, "--no-mpi", "--fake", "4", "--algorithms",
-                    "tree,nccl,auto", "--counts", "5,70001", "--dtypes", "float32",
+                    "tree,nccl,auto", "--counts", "5,70001", "--dtypes", "float32", "--split",
                     style=style, timeout=100, env={"NCCLTREE_TEST_OUT": str(out)})  # fmt: skip
     for p in procs:
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
@@ -96,6 +97,8 @@ def test_on_the_fake_gpu_groups_across_two_nodes_without_mpi(style: str, tmp_pat
         assert {"send", "recv", "allReduce", "allGather"} <= set(r["nccl"]), r
         assert 4 in r["nccl_datatypes"], r  # the agreement's int64 digests
         assert r["ipc"].get("open", 0) > 0, r  # IPC within each node
+        # split through the bootstrap: ranks {0, 2} and {1, 3}, each across both nodes
+        assert r["split"] == [2, 4.0 if r["rank"] % 2 == 0 else 6.0], r
 
 
 REFUSE = """

@@ -36,6 +36,8 @@ p.add_argument("--kill", type=int, default=-1, help="this MPI rank dies in its 3
 p.add_argument("--hang-nccl", action="store_true",
                help="(fake) every process's 3rd NCCL call never completes")  # fmt: skip
 p.add_argument("--timeout", type=float, default=30.0)
+p.add_argument("--split", action="store_true",
+               help="last, split into the even and the odd ranks and all_reduce there")  # fmt: skip
 p.add_argument("--mismatch", action="store_true",
                help="last, process 1 passes another count (every process must raise)")  # fmt: skip
 p.add_argument("--no-mpi", action="store_true",
@@ -190,6 +192,14 @@ for alg in args.algorithms.split(","):
                         except Exception as exc:  # noqa: BLE001 - reported, then stop
                             failures.append(f"{what}: {type(exc).__name__}: {exc}")
                             break
+    if args.split and alg == args.algorithms.split(",")[-1]:
+        # the even and the odd ranks: on two nodes of two, each sub-group spans both nodes
+        sub = pg.split(pg.rank % 2)
+        assert sub is not None
+        y = cp.asarray(np.full(4, pg.rank + 1.0, np.float32))
+        sub.all_reduce(y)
+        split_result = [sub.size, float(cp.asnumpy(y)[0])]
+        sub.close()
     if args.mismatch and alg == args.algorithms.split(",")[-1]:
         # process 1 passes another count: every process raises ValueError, naming it,
         # and the group goes on
@@ -207,6 +217,8 @@ report = {"rank": me, "checked": checked, "failures": failures[:20], "nfail": le
           "topology": topology}  # fmt: skip
 if args.mismatch:
     report["mismatch"], report["after_mismatch"] = mismatch, after
+if args.split:
+    report["split"] = split_result
 if fake is not None:
     kinds: dict[str, int] = {}
     for entry in fake.ipc_log:

@@ -88,11 +88,12 @@ def test_variables_and_prefix():
 
 def test_module_and_env(tmp_path):
     script = tmp_path / "show_env.py"
-    script.write_text(
-        "import os\n"
-        "print(*(os.environ.get(k) for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', "
+    script.write_text(  # one write per line: the children share the launcher's stdout
+        "import os, sys\n"
+        "vals = [os.environ.get(k) for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', "
         "'LOCAL_WORLD_SIZE', 'GROUP_RANK', 'MASTER_ADDR', 'NCCLTREE_STORE_HOSTED', "
-        "'PMI_SIZE')), len(os.environ['NCCLTREE_STORE_TOKEN']))\n"
+        "'PMI_SIZE')] + [len(os.environ['NCCLTREE_STORE_TOKEN'])]\n"
+        "sys.stdout.write(' '.join(map(str, vals)) + '\\n')\n"
     )
     env = env_for(PMI_SIZE="9", PYTHONPATH=os.pathsep.join([NOMPI, ROOT, str(tmp_path)]))
     rc, out, err = finish(launch("--nproc-per-node", "2", "-m", "show_env", env=env))
@@ -113,6 +114,28 @@ def test_two_nodes_on_loopback():
     (rc0, out0, err0), (rc1, out1, err1) = finish(n0), finish(n1)
     assert (rc0, rc1) == (0, 0), err0 + err1
     assert "[0] rank 0 of 4: [0, 1, 2, 3]" in out0 and "[3] rank 3 of 4: [0, 1, 2, 3]" in out1
+    assert_clean(out0 + out1, port)
+
+
+def test_failure_on_another_node_stops_the_job():
+    port = free_port()
+    env = env_for(NCCLTREE_STORE_TOKEN="t0k3n", WORKER_TIMEOUT="20")
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-port", str(port),
+              "--rdzv-timeout", "10"]  # fmt: skip
+    n1 = launch(*common, "--node-rank", "1", WORKER, "fail", "3", env=env)
+    n0 = launch(*common, "--node-rank", "0", WORKER, "fail", "3", env=env)
+    (rc0, out0, err0), (rc1, out1, err1) = finish(n0), finish(n1)
+    assert (rc0, rc1) == (7, 7), err0 + err1
+    assert re.fullmatch(
+        r"nccltree-run: rank 3 \(local rank 1, pid \d+, node 1\) exited with status 7; "
+        r"stopping the job",
+        one_line(err1),
+    )
+    assert re.fullmatch(
+        r"nccltree-run: on another node, rank 3 \(local rank 1, pid \d+, node 1\) exited "
+        r"with status 7; stopping this node's children",
+        one_line(err0),
+    )
     assert_clean(out0 + out1, port)
 
 
@@ -163,6 +186,16 @@ def test_signal_forwarded(sig):
     assert_clean("".join(seen) + out)
 
 
+def test_signal_while_waiting_for_node0():
+    p = node(1, free_port(), timeout="60")
+    assert p.stderr is not None
+    time.sleep(1.0)  # connecting to a store that is not there
+    p.send_signal(signal.SIGTERM)
+    rc, _, err = finish(p, limit=10)
+    assert rc == 128 + signal.SIGTERM
+    assert one_line(err) == "nccltree-run: got SIGTERM before the children started"
+
+
 def test_port_in_use():
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
@@ -198,7 +231,9 @@ def test_wrong_master_port():
 def test_wrong_token():
     port = free_port()
     n0, n1 = node(0, port, timeout="3"), node(1, port, token="not-the-token")
-    (rc0, _, err0), (rc1, _, err1) = finish(n0), finish(n1)
+    (rc0, out0, err0), (rc1, out1, err1) = finish(n0), finish(n1)
+    assert out0 + out1 == ""  # no child started
+    assert_clean("", port)
     assert (rc0, rc1) == (1, 1)
     assert "node ranks [1] of 2 did not join" in one_line(err0)
     assert one_line(err1) == (

@@ -131,6 +131,26 @@ def _first_number(env: Mapping[str, str], names: Sequence[str], default: int) ->
     return default
 
 
+def launcher_refusal(prog: str, env: Mapping[str, str] | None = None) -> UsageError | None:
+    """The usage error for a job of several processes started by a launcher other than
+    MPI's (torchrun, ``nccltree-run``, ``srun`` without ``--mpi``): the command lines run
+    a job of several processes over MPI only, and each process would run alone (one
+    model trained per process, into one ``--out``); None otherwise."""
+    from ..comm.group.launch_env import several_processes
+
+    env = os.environ if env is None else env
+    if mpi_world_size(env) > 1:
+        return None
+    names = [v for v in several_processes(env) if not v.startswith(("PMI_", "OMPI_", "MV2_"))]
+    if not names:
+        return None
+    return UsageError(
+        f"the environment says this job has several processes ({', '.join(names)}), but "
+        f"{prog} runs them together under MPI only (mpiexec -n P {prog} ..., srun "
+        "--mpi=pmix); each would run alone"
+    )
+
+
 def reports_usage(env: Mapping[str, str] | None = None) -> bool:
     """Whether this process prints usage errors and help: always, except in an MPI job
     of several processes, where the one of launcher rank 0 speaks for the job."""

@@ -33,6 +33,7 @@ from ._common import (
     checking,
     human_bytes,
     int_at_least,
+    launcher_refusal,
     make_parser,
     open_devices,
     run_main,
@@ -1335,6 +1336,9 @@ def main(argv: list[str] | None = None, *, world_factory: drv.WorldFactory | Non
                 return run_calibrate(args, sys.stdout)
         if args.command != "topo" and (args.mpi or mpi_world_size() > 1):
             return _under_mpi(args)
+        refused = launcher_refusal("nccltree-bench") if args.command != "topo" else None
+        if refused is not None:
+            raise refused
         # first every flag is checked (and Worlds created): errors here run nothing
         with checking():
             if args.command == "collectives":

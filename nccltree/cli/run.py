@@ -315,6 +315,7 @@ class Launcher:
         self.signals: list[int] = []
         self.out_lock = threading.Lock()
         self.pids: set[int] = set()
+        self.spawning = False  # from the first child on, signals are handled in watch()
 
     # -- the store and the nodes' meeting -------------------------------------------------
 
@@ -382,6 +383,7 @@ class Launcher:
 
     def spawn(self) -> None:
         c = self.cfg
+        self.spawning = True
         for local in range(c.nproc):
             rank = c.node_rank * c.nproc + local
             try:
@@ -420,6 +422,10 @@ class Launcher:
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.signals.append(signum)
+        if not self.spawning:
+            # before the children: end the wait in progress (a store's connect, the
+            # nodes' meeting) at once
+            raise _Interrupted(signum)
 
     def _check_signals(self) -> None:
         if self.signals:

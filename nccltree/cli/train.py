@@ -45,6 +45,7 @@ from ._common import (
     RuntimeFailure,
     UsageError,
     checking,
+    launcher_refusal,
     make_parser,
     open_devices,
     report_error,
@@ -1660,6 +1661,10 @@ def main(argv: list[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else list(argv)
     if mpi_world_size() > 1 or "--mpi" in given:
         return _main_in_job(given)
+    refused = launcher_refusal(PROG) if "-h" not in given and "--help" not in given else None
+    if refused is not None:
+        report_error(PROG, refused)
+        return ExitStatus.USAGE
     hint = caffe_hint(given)
     if hint is not None:
         report_error(PROG, hint)

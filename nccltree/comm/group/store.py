@@ -45,7 +45,7 @@ TOKEN_VAR = "NCCLTREE_STORE_TOKEN"
 HOSTED_VAR = "NCCLTREE_STORE_HOSTED"
 
 #: the largest frame either side accepts (values are names, ids, small JSON documents)
-MAX_FRAME = 16 << 20
+MAX_FRAME = 8 << 20
 #: the longest key
 MAX_KEY = 1024
 #: the largest hello (the first frame, before the token is checked)
@@ -344,7 +344,8 @@ class TCPStore:
     process hosts it, listening on ``host``:``port`` (port 0: any free one; ``port``
     then says which); otherwise it connects to it, trying again until ``timeout``
     seconds have passed (the host may start later). ``token``: the job's secret (bytes
-    or str); ``timeout``: the default bound of every wait."""
+    or str); ``timeout``: the default bound of every wait. A client makes one request
+    at a time (threads sharing it take turns, a blocking ``get`` included)."""
 
     def __init__(
         self,

@@ -117,8 +117,9 @@ else:
     [
         (_nodes(2, 2), "cpu", "auto", "spans 2 nodes needs MPI"),
         (2, "cpu", "mpi", "algorithm='mpi' needs MPI"),
+        ([(2, {"NCCLTREE_SHM": "0"})], "cpu", "auto", "cannot share memory"),
     ],
-    ids=["a host group across two nodes", "algorithm mpi"],
+    ids=["a host group across two nodes", "algorithm mpi", "one node without shared memory"],
 )
 def test_refused_without_mpi_with_one_line(
     tmp_path: Path, parts: Any, devices: str, algorithm: str, words: str
@@ -130,6 +131,7 @@ def test_refused_without_mpi_with_one_line(
     procs = run_env(parts, script, timeout=90)
     for p in procs:
         assert p.returncode == 0, p.stderr[-3000:]
+        assert "over MPI" not in p.stderr, p.stderr  # nothing said of a path not there
         line = p.stdout.strip()
         assert line.startswith("REFUSED BackendUnavailable 0 "), line
         assert words in line, line

@@ -178,7 +178,8 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
                 boot.close()
             links = Links.over_mpi(comm, pl, MPI)
         else:
-            pl = self.placement = place(bootstrap, nlocal, shm, settings)
+            # (without MPI a node without shared memory has only NCCL, on GPUs)
+            pl = self.placement = place(bootstrap, nlocal, shm, settings, "NCCL" if gpu else None)
             refuse_without_mpi(pl, gpu, algorithm, method or "without MPI")
             links = Links.over_boot(bootstrap, pl, owner or BootOwner(bootstrap))
         self._links = links

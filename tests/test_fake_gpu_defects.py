@@ -138,8 +138,9 @@ def test_on_the_fake_a_slow_peer_maps_the_arena_generation_it_was_told(
         pl = _Placement(node_procs=[0, 1], proc=proc, shm=False, job="t", node_index=0)
         gpu = SimpleNamespace(device=dev, retired=[], owner_ordinal=lambda p: 0,
                               wait_stream=lambda: None)  # fmt: skip
-        node_comm = SimpleNamespace(Get_rank=lambda proc=proc: proc)
-        sides.append(nm.NodeMemory(pl, node_comm, gpu))  # type: ignore[arg-type]
+        # the group's links (MPI's or the bootstrap's): only who leads the node is read
+        links = SimpleNamespace(node_lead=proc == 0, group_wide=False)
+        sides.append(nm.NodeMemory(pl, links, gpu))  # type: ignore[arg-type]
     owner, reader = sides
     try:
         assert size > 0
@@ -253,7 +254,7 @@ def test_on_the_fake_a_communicator_init_that_never_completes_is_bounded(
         release = fake_cupy.nccl.hang_next_init()
         t0 = time.monotonic()
         with pytest.raises(CommTimeout, match="within 0.5 s"):
-            nccl_comm(_Comm(), 0, 2, dev, timeout=0.5, check_peers=lambda: None)  # type: ignore[arg-type]
+            nccl_comm(_Comm().bcast, True, 0, 2, dev, timeout=0.5, check_peers=lambda: None)
         assert time.monotonic() - t0 < 10
         release()
 
@@ -262,7 +263,7 @@ def test_on_the_fake_a_communicator_init_that_never_completes_is_bounded(
 
         fake_cupy.nccl.hang_next_init()
         with pytest.raises(PeerFailure, match="died"):
-            nccl_comm(_Comm(), 0, 2, dev, timeout=30, check_peers=dead)  # type: ignore[arg-type]
+            nccl_comm(_Comm().bcast, True, 0, 2, dev, timeout=30, check_peers=dead)
         fake_cupy.nccl.release_inits()
     finally:
         dev.runtime.shutdown()
@@ -296,7 +297,7 @@ def test_on_the_fake_a_one_node_group_makes_no_communicator_until_one_is_needed(
 
         GpuSide.ensure_nccl = counting  # type: ignore[method-assign]
         try:
-            side.connect(None)  # type: ignore[arg-type]
+            side.connect()
         finally:
             GpuSide.ensure_nccl = real  # type: ignore[method-assign]
         assert made == [] and side.engine is None

@@ -1,6 +1,7 @@
 """A process group inside someone else's training loop (numpy arrays).
 
-    mpiexec -n 2 python docs/examples/numpy_allreduce.py
+    nccltree-run --nproc-per-node 2 docs/examples/numpy_allreduce.py   # no MPI needed
+    mpiexec -n 2 python docs/examples/numpy_allreduce.py               # or torchrun, srun
 
 Every process owns one rank and a shard of the data. The loop below is the framework's:
 nccltree only averages the gradient (``pg.all_reduce(grad, op="mean")``, in place), so
@@ -13,7 +14,7 @@ import numpy as np
 
 import nccltree as nt
 
-pg = nt.init_process_group()  # every process calls it (MPI.COMM_WORLD)
+pg = nt.init_process_group()  # every process calls it (how it was started: read)
 rng = np.random.default_rng(pg.rank)  # each rank's own shard of a linear problem
 true_w = np.arange(1.0, 9.0, dtype=np.float32)
 x = rng.standard_normal((256, 8)).astype(np.float32)

@@ -90,6 +90,11 @@ NCCL (``fake.nccl``, a ``cupy.cuda.nccl.NcclState``)
   cudaErrorLaunchFailure (719); later calls on it raise ``NcclError(ncclInvalidArgument)``
   (CuPy passes NCCL a NULL communicator).
 - ``set_nccl_available(False)`` makes ``cupy.cuda.nccl.available`` False.
+- Communicators of several processes (``NcclCommunicator(n, uid, rank)`` in each): their
+  operations run at once when posted, carried between the processes over MPI
+  (``fake.mpi_comm = MPI.COMM_WORLD``) or, without MPI, over files in /dev/shm named
+  after the unique id (``fake.nccl_files = True``): see ``fakecupy/_carrier.py``. Wiring
+  only: nothing of NCCL's transports or speed.
 """
 
 from __future__ import annotations
@@ -229,10 +234,12 @@ def release_process() -> None:
     (which the CUDA driver frees when a process dies) and its private kernel caches. For
     a test process about to die on purpose with ``os._exit``, which runs no exit
     handlers; a normal exit does this by itself."""
+    from . import _carrier
     from .cupy.cuda import runtime
 
     runtime._remove_ipc_files()
     _remove_kernel_caches()
+    _carrier.close_all()
 
 
 def release_dead_exports() -> list[str]:

@@ -337,6 +337,9 @@ class FakeCuda:
         #: an mpi4py communicator: NCCL communicators of more than one rank made with
         #: ``NcclCommunicator(n, uid, rank)`` then span the processes (cupy/cuda/nccl.py)
         self.mpi_comm: Any = None
+        #: without MPI: NCCL communicators of more than one rank span the processes,
+        #: their operations carried by files in /dev/shm (fakecupy/_carrier.py)
+        self.nccl_files = False
         #: state of cupy.cuda.nccl (see nccl.py)
         self.nccl: Any = None
         #: state of cupy.cuda.nvrtc: handle -> program

@@ -10,22 +10,21 @@ per process: what was checked, what failed, and what the CUDA layer saw.
 of its bits and every call says ``dtype="bfloat16"``.
 
 With ``--fake N`` every process runs nccltree's unmodified GPU code on the fake of CuPy's
-layer with N GPUs (CUDA IPC through /dev/shm files, NCCL across processes through MPI):
-that checks wiring, never the GPU. Without it, the real GPU runs it.
+layer with N GPUs (CUDA IPC through /dev/shm files, NCCL across processes through MPI,
+or with ``--no-mpi`` through files): that checks wiring, never the GPU. Without it, the
+real GPU runs it. ``--no-mpi``: started without MPI (mpi4py need not import).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 import numpy as np
-from mpi4py import MPI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from counting import report as write_report  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--devices", default="gpu")
@@ -37,7 +36,33 @@ p.add_argument("--kill", type=int, default=-1, help="this MPI rank dies in its 3
 p.add_argument("--hang-nccl", action="store_true",
                help="(fake) every process's 3rd NCCL call never completes")  # fmt: skip
 p.add_argument("--timeout", type=float, default=30.0)
+p.add_argument("--split", action="store_true",
+               help="last, split into the even and the odd ranks and all_reduce there")  # fmt: skip
+p.add_argument("--mismatch", action="store_true",
+               help="last, process 1 passes another count (every process must raise)")  # fmt: skip
+p.add_argument("--no-mpi", action="store_true",
+               help="started without MPI (torchrun's or Slurm's variables, nccltree-run); "
+               "on the fake, NCCL across processes is then carried by files")  # fmt: skip
 args = p.parse_args()
+if args.no_mpi:
+    MPI = None
+    me = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+else:
+    from mpi4py import MPI
+
+    me = MPI.COMM_WORLD.Get_rank()
+
+
+def write_report(d: dict[str, object], key: object) -> None:
+    """One JSON line on stdout, and $NCCLTREE_TEST_OUT/<key>.json where set."""
+    text = json.dumps(d)
+    print(text, flush=True)
+    where = os.environ.get("NCCLTREE_TEST_OUT")
+    if where:
+        with open(os.path.join(where, f"{key}.json"), "w") as f:
+            f.write(text)
+
+
 if os.environ.get("NCCLTREE_TEST_TRACEBACK"):
     import faulthandler
 
@@ -51,7 +76,10 @@ if args.fake:
     fakecupy.private_kernel_cache()
     installed = fakecupy.install(n_gpus=args.fake)  # kept: closing it uninstalls the fake
     fake = installed.__enter__()
-    fake.mpi_comm = MPI.COMM_WORLD
+    if MPI is not None:
+        fake.mpi_comm = MPI.COMM_WORLD
+    else:
+        fake.nccl_files = True
 
 import cupy as cp  # noqa: E402  (the fake, where installed above)
 
@@ -60,7 +88,6 @@ from nccltree.comm.collectives import COLLECTIVES  # noqa: E402
 
 failures: list[str] = []
 checked = 0
-me = MPI.COMM_WORLD.Get_rank()
 counts = [int(c) for c in args.counts.split(",")]
 
 
@@ -165,10 +192,33 @@ for alg in args.algorithms.split(","):
                         except Exception as exc:  # noqa: BLE001 - reported, then stop
                             failures.append(f"{what}: {type(exc).__name__}: {exc}")
                             break
+    if args.split and alg == args.algorithms.split(",")[-1]:
+        # the even and the odd ranks: on two nodes of two, each sub-group spans both nodes
+        sub = pg.split(pg.rank % 2)
+        assert sub is not None
+        y = cp.asarray(np.full(4, pg.rank + 1.0, np.float32))
+        sub.all_reduce(y)
+        split_result = [sub.size, float(cp.asnumpy(y)[0])]
+        sub.close()
+    if args.mismatch and alg == args.algorithms.split(",")[-1]:
+        # process 1 passes another count: every process raises ValueError, naming it,
+        # and the group goes on
+        try:
+            pg.all_reduce(cp.asarray(np.ones(4 + (pg.rank == 1), np.float32)))
+            mismatch = "not raised"
+        except ValueError as exc:
+            mismatch = str(exc)
+        y = cp.asarray(np.full(4, pg.rank + 1.0, np.float32))
+        pg.all_reduce(y)
+        after = float(cp.asnumpy(y)[0])
     pg.close()
 
 report = {"rank": me, "checked": checked, "failures": failures[:20], "nfail": len(failures),
           "topology": topology}  # fmt: skip
+if args.mismatch:
+    report["mismatch"], report["after_mismatch"] = mismatch, after
+if args.split:
+    report["split"] = split_result
 if fake is not None:
     kinds: dict[str, int] = {}
     for entry in fake.ipc_log:

@@ -15,6 +15,21 @@ A process whose own checks refuse a call takes part all the same, with a signatu
 says so: the others raise ``ValueError`` naming it, and no later call is matched with
 the wrong partner.
 
+Without MPI (a group started over another bootstrap, :mod:`.links`) there is no control
+communicator, and the agreement takes one of two other bounded forms:
+
+- every process on one transport node (shared memory): through the node's control block,
+  as the engine's own arrival (:meth:`.engine.Engine.refuse`: each publishes the
+  signature, arrives, and compares every other's with its own). Only calls on NCCL's own
+  collectives need it: an ``auto`` call that chooses an engine algorithm agrees in the
+  engine's arrival, which two processes that chose differently also meet in (their
+  signatures then differ, and both raise);
+- across transport nodes (GPU groups only, host ones are refused): one tiny NCCL
+  ``all_reduce`` (``MAX``) of the same ``[h, -h]``, on a second NCCL communicator of the
+  group and a stream of its own, waited for on the host with the group's bounded waits;
+  before every call, whatever its algorithm (the engine compares signatures only within
+  a node then). On a mismatch the texts go through the bootstrap.
+
 ``NCCLTREE_CHECK=off`` skips the exchange (a user who accepts MPI's and NCCL's rules:
 arguments that differ between processes then give whatever those libraries give); the
 engine's own comparison stays, as it costs nothing extra.
@@ -24,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,6 +52,9 @@ if TYPE_CHECKING:
     from mpi4py import MPI as _MPI
 
     from .._args import Prepared
+    from .engine import Engine
+    from .gpu import GpuSide
+    from .links import Links
     from .placement import Placement
     from .waits import Waits
 
@@ -90,9 +109,21 @@ def mismatch_text(pl: Placement, sig: str, theirs: dict[int, str]) -> str:
 
 class Agreement:
     """The agreement of one group's processes (see the module docstring). ``comm``: the
-    group's control communicator."""
+    group's control communicator (None without MPI: then ``arrive``, the node's arrival
+    with a signature, or ``reduce``, the NCCL ``MAX`` of ``[h, -h]``, with ``gather``,
+    every process's text by process, for a mismatch)."""
 
-    def __init__(self, pl: Placement, comm: _MPI.Intracomm, mpi: ModuleType, waits: Waits) -> None:
+    def __init__(
+        self,
+        pl: Placement,
+        comm: _MPI.Intracomm | None,
+        mpi: ModuleType | None,
+        waits: Waits,
+        *,
+        arrive: Callable[[str], None] | None = None,
+        reduce: Callable[[int], tuple[int, int]] | None = None,
+        gather: Callable[[object], list[object]] | None = None,
+    ) -> None:
         self.pl = pl
         self.comm = comm
         self.mpi = mpi
@@ -101,16 +132,30 @@ class Agreement:
         self._send = np.zeros(2, np.int64)
         self._got = np.zeros(2, np.int64)
         self._digests: dict[str, int] = {}
+        self._arrive = arrive
+        self._reduce = reduce
+        self._gather = gather
+        #: agreement through the node's arrival (no MPI, one transport node)
+        self.in_node = comm is None and arrive is not None
 
     def first(self, algorithm: str) -> bool:
         """Whether a call on ``algorithm`` (the one chosen, or the group's setting)
         agrees here before it runs."""
-        return self.enabled and self.pl.nprocs > 1 and algorithm in AGREE_FIRST
+        if not (self.enabled and self.pl.nprocs > 1):
+            return False
+        if self.comm is not None:
+            return algorithm in AGREE_FIRST
+        if self.in_node:
+            return algorithm == "nccl"  # the engine's calls agree as they arrive
+        return True  # across nodes without MPI: the engine compares only within a node
 
     def check(self, sig: str, what: str = "the call's arguments") -> None:
         """Every process passes ``sig`` alike, or every one raises ``ValueError`` naming
         who passed what. Collective over the group's processes; bounded."""
         if self.pl.nprocs == 1:
+            return
+        if self.comm is None:
+            self._check_without_mpi(sig, what)
             return
         h = self._digests.get(sig)
         if h is None:
@@ -118,6 +163,7 @@ class Agreement:
                 self._digests.clear()
             h = self._digests[sig] = digest(sig)
         MPI = self.mpi
+        assert MPI is not None
         self._send[0], self._send[1] = h, -h
         req = self.comm.Iallreduce([self._send, MPI.INT64_T], [self._got, MPI.INT64_T], MPI.MAX)
         self.waits.request(req, -1, f"the agreement on {what}")
@@ -125,8 +171,22 @@ class Agreement:
             return
         raise ValueError(mismatch_text(self.pl, sig, self._texts(sig, what)))
 
+    def _check_without_mpi(self, sig: str, what: str) -> None:
+        if self._arrive is not None:
+            self._arrive(sig)  # raises ValueError naming who differs
+            return
+        assert self._reduce is not None and self._gather is not None
+        top, neg_bottom = self._reduce(digest(sig))
+        if top == -neg_bottom:
+            return
+        # every process saw the mismatch: every one takes part in this exchange
+        got = self._gather(sig[: TEXT_BYTES * 4])
+        theirs = {p: str(t) for p, t in enumerate(got) if p != self.pl.proc}
+        raise ValueError(mismatch_text(self.pl, sig, theirs))
+
     def _texts(self, sig: str, what: str) -> dict[int, str]:
         """Every process's signature (the rare second exchange, after a mismatch)."""
+        assert self.comm is not None and self.mpi is not None
         mine = np.frombuffer(sig.encode()[:TEXT_BYTES].ljust(TEXT_BYTES, b"\0"), np.uint8)
         table = np.zeros((self.pl.nprocs, TEXT_BYTES), np.uint8)
         MPI = self.mpi
@@ -137,3 +197,16 @@ class Agreement:
             for p in range(self.pl.nprocs)
             if p != self.pl.proc
         }
+
+
+def make_agreement(
+    pl: Placement, links: Links, waits: Waits, engine: Engine, gpu: GpuSide | None
+) -> Agreement:
+    """The group's agreement: over its control communicator (MPI), else through the
+    node's arrival (one transport node), else over NCCL (a GPU group across nodes)."""
+    if links.ctl is not None:
+        return Agreement(pl, links.ctl, links.mpi, waits)
+    if len(set(pl.tnode_of_proc)) == 1:
+        return Agreement(pl, None, None, waits, arrive=engine.refuse)
+    assert gpu is not None  # host groups across nodes are refused without MPI
+    return Agreement(pl, None, None, waits, reduce=gpu.agree, gather=links.gather)

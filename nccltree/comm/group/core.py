@@ -20,11 +20,12 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Core:
     """Who is where, the node's memory, the bounded waits, the GPU side (None on the
-    host), the group's communicator (data and notifications) and the MPI module."""
+    host), the group's communicator (data and notifications) and the MPI module (both
+    None for a group started without MPI: it has no host data path between nodes)."""
 
     placement: Placement
     mem: NodeMemory
     waits: Waits
     gpu: GpuSide | None
-    comm: _MPI.Intracomm
-    mpi: ModuleType
+    comm: _MPI.Intracomm | None
+    mpi: ModuleType | None

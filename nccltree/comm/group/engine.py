@@ -38,6 +38,8 @@ from .schedule import RECV, Item
 from .staging import MIRROR
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from mpi4py import MPI as _MPI
 
     from ...backends.host import HostDevice
@@ -75,11 +77,12 @@ class _Placed:
 @dataclass
 class EngineContext:
     """What the engine needs of its group: the shared core, the control communicator
-    (signatures), the devices (this process's ranks'; every rank's, as the executor
+    (signatures to other nodes; None without MPI, where a GPU group's processes of
+    other nodes agree first, :mod:`.agreement`), the devices (this process's ranks'; every rank's, as the executor
     names them), the host threads for copies and programs, and the plan hook."""
 
     core: Core
-    ctl_comm: _MPI.Intracomm
+    ctl_comm: _MPI.Intracomm | None
     devices: list[Device]
     all_devices: list[Device]
     threads: int
@@ -97,6 +100,10 @@ class Engine:
         self.waits = ctx.core.waits
         self.gpu = ctx.core.gpu
         self.sent_bytes = 0
+        # MPI's communicator and module: used only for messages to other nodes, which a
+        # group started without MPI never has (its host groups span one node)
+        self._comm = cast("_MPI.Intracomm", ctx.core.comm)
+        self._mpi = cast("ModuleType", ctx.core.mpi)
         self.compiler = Compiler(
             ctx.core.placement,
             ctx.plan,
@@ -286,7 +293,8 @@ class Engine:
         ``sig`` (which says so) as its signature, so that every other process raises
         ``ValueError`` naming it instead of waiting for a call that never comes; raises
         ``ValueError`` here too when the others differ (the caller raises its own error).
-        Host groups."""
+        Also the agreement of a group without MPI on one transport node
+        (:mod:`.agreement`), host or GPU: only the control block is used."""
         self._arrivals += 1
         seq = self._arrivals
         parity = seq & 1
@@ -475,7 +483,7 @@ class Engine:
         mine = self.mem.progress[self.pl.proc]
         sends: list[_MPI.Request] = []
         self.waits.inflight = sends
-        MPI = self.ctx.core.mpi
+        MPI = self._mpi
         for run in runs:
             if run.program is not None:
                 run.program.run_inline(
@@ -496,11 +504,11 @@ class Engine:
                 assert it.src is not None
                 src = bufs.view(it.src)
                 sends.append(
-                    self.ctx.core.comm.Isend([src, mpi_type(MPI, src.dtype)], dest, it.tag % 32768)
+                    self._comm.Isend([src, mpi_type(MPI, src.dtype)], dest, it.tag % 32768)
                 )
                 self.sent_bytes += src.nbytes
             else:
-                sends.append(self.ctx.core.comm.Isend([NOTHING, MPI.BYTE], dest, it.tag % 32768))
+                sends.append(self._comm.Isend([NOTHING, MPI.BYTE], dest, it.tag % 32768))
         self.waits.inflight = []
         for req in sends:
             self.waits.request(req, -1, "a send to finish")
@@ -562,33 +570,33 @@ class Engine:
         arena = c.recv_arena
         if arena is None:
             arena = c.recv_arena = np.empty(max(1, c.mine.arena), dt)
-        MPI = self.ctx.core.mpi
+        MPI = self._mpi
         for q, tag, count, off in c.mine.recvs:
             src = self.pl.mpi_rank_of_proc[q]
             if count:
                 view = arena[off : off + count]
-                reqs[(q, tag)] = self.ctx.core.comm.Irecv(
-                    [view, mpi_type(MPI, dt)], src, tag % 32768
-                )
+                reqs[(q, tag)] = self._comm.Irecv([view, mpi_type(MPI, dt)], src, tag % 32768)
             else:
-                reqs[(q, tag)] = self.ctx.core.comm.Irecv([NOTHING, MPI.BYTE], src, tag % 32768)
+                reqs[(q, tag)] = self._comm.Irecv([NOTHING, MPI.BYTE], src, tag % 32768)
         return reqs, arena
 
     def _exchange_signatures(
         self, sig: str, seq: int
     ) -> list[tuple[int, _MPI.Request, np.ndarray]]:
-        """Non-blocking: this call's signature to every process of another node."""
-        if not self.pl.remote_procs:
+        """Non-blocking: this call's signature to every process of another node (over
+        MPI; without MPI the call agreed first instead)."""
+        ctl_comm = self.ctx.ctl_comm
+        if not self.pl.remote_procs or ctl_comm is None:
             return []
-        MPI = self.ctx.core.mpi
+        MPI = self._mpi
         raw = np.frombuffer(sig.encode()[:SIG_BYTES].ljust(SIG_BYTES, b"\0"), np.uint8).copy()
         tag = 0
         out = []
         for p in self.pl.remote_procs:
             dest = self.pl.mpi_rank_of_proc[p]
             box = np.zeros(SIG_BYTES, np.uint8)
-            out.append((p, self.ctx.ctl_comm.Irecv([box, MPI.BYTE], dest, tag), box))
-            out.append((p, self.ctx.ctl_comm.Isend([raw, MPI.BYTE], dest, tag), raw))
+            out.append((p, ctl_comm.Irecv([box, MPI.BYTE], dest, tag), box))
+            out.append((p, ctl_comm.Isend([raw, MPI.BYTE], dest, tag), raw))
         return out
 
     def _finish_signatures(self, ctl: list[tuple[int, _MPI.Request, np.ndarray]]) -> dict[int, str]:

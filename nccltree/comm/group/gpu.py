@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 
@@ -49,14 +49,13 @@ from ...backends.cuda import _cupy
 from ...topology import Link, LinkKind
 
 if TYPE_CHECKING:
-    from mpi4py import MPI as _MPI
-
     from ...backends.base import Device, Event, Stream
     from ...backends.cuda import CudaDevice, CudaStream
     from .._args import Prepared
     from ..nccl import NcclEngine
     from ..watchdog import Watchdog
     from .lifecycle import Lifecycle
+    from .links import Links
     from .placement import Placement
     from .schedule import Schedule
 
@@ -306,7 +305,8 @@ def node_matrix(rows: Sequence[Sequence[Link]]) -> list[list[Link]]:
 
 
 def nccl_comm(
-    comm: _MPI.Intracomm,
+    share: Callable[[object], object],
+    first: bool,
     rank_of: int,
     size: int,
     device: CudaDevice,
@@ -314,8 +314,10 @@ def nccl_comm(
     timeout: float | None = None,
     check_peers: Callable[[], None] | None = None,
 ) -> object:
-    """One NCCL communicator over the group: the unique id made by process 0 and
-    broadcast over MPI; every process joins with its rank (``rank_of``) on its GPU.
+    """One NCCL communicator over the group: the unique id made by the ``first``
+    process and handed to every other by ``share`` (its value on every process: over MPI,
+    or the group's bootstrap, as hex); every process joins with its rank (``rank_of``) on
+    its GPU.
 
     ``ncclCommInitRank`` blocks until every rank joined, and CuPy offers no non-blocking
     form: with ``timeout``, it runs in a helper thread while this one waits at most
@@ -325,8 +327,7 @@ def nccl_comm(
     from ..nccl import _nccl_module
 
     nccl = _nccl_module()
-    uid = nccl.get_unique_id() if comm.Get_rank() == 0 else None
-    uid = comm.bcast(uid, root=0)
+    uid = _uid_from_json(share(_uid_json(nccl.get_unique_id()) if first else None))
     cp = _cupy()
     made: list[object] = []
     failed: list[BaseException] = []
@@ -366,6 +367,33 @@ def nccl_comm(
             "direct algorithm, over CUDA IPC)"
         ) from exc
     return made[0]
+
+
+def _uid_json(uid: object) -> object:
+    """NCCL's unique id as JSON: CuPy gives it as a tuple of 128 small integers (bytes
+    as hex, for a CuPy that gives bytes)."""
+    if isinstance(uid, bytes):
+        return uid.hex()
+    return [int(v) for v in cast("tuple[int, ...]", uid)]
+
+
+def _uid_from_json(got: object) -> object:
+    if isinstance(got, str):
+        return bytes.fromhex(got)
+    return tuple(int(v) for v in cast("list[int]", got))
+
+
+def link_json(link: Link) -> list[object]:
+    """A link as JSON (the bootstrap carries nothing else)."""
+    return [int(link.kind), link.nvlinks, link.p2p, link.gbps, link.latency_s]
+
+
+_LinkJson = tuple[int, int, bool, "float | None", "float | None"]
+
+
+def link_of(got: object) -> Link:
+    kind, nvlinks, p2p, gbps, latency = cast("_LinkJson", tuple(cast("list[object]", got)))
+    return Link(LinkKind(kind), nvlinks, p2p, gbps, latency)
 
 
 def nccl_move(arr: Array) -> tuple[int, int]:
@@ -415,15 +443,51 @@ def env_gpu_note() -> str:
 # -- the GPU half of a ProcessGroup -----------------------------------------------------------
 
 
+class _NcclComm(Protocol):
+    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,
+                  stream: int) -> None: ...  # fmt: skip
+
+    def abort(self) -> None: ...
+
+    def destroy(self) -> None: ...
+
+
+class _Agree:
+    """Without MPI across nodes, what the argument agreement's NCCL ``all_reduce`` of
+    ``[h, -h]`` uses (:meth:`GpuSide.agree`): a communicator of its own, made once at
+    start, a stream of its own (nothing of the group's work waits for it, nor it for that
+    work), two int64 on the GPU and two in pinned host memory."""
+
+    def __init__(self, side: GpuSide) -> None:
+        from ...memory import pinned_empty
+        from ..nccl import _nccl_module
+
+        ctx = side.ctx
+        pl = ctx.placement
+        self.nccl = _nccl_module()
+        self.comm = cast("_NcclComm", nccl_comm(ctx.links.share, ctx.links.first, pl.proc, pl.nprocs,
+                                   side.device, timeout=ctx.timeout,
+                                   check_peers=ctx.check_peers))  # fmt: skip
+        self.stream: CudaStream = cast("CudaStream", side.device.new_stream())
+        self.host = pinned_empty((2,), np.int64, pinned=True)
+        self.dev = side.device.empty(2, np.int64)
+
+    def close(self, abort: bool) -> None:
+        try:
+            self.comm.abort() if abort else self.comm.destroy()
+        except Exception:  # noqa: BLE001 - best effort while tearing down
+            pass
+
+
 @dataclass
 class GpuContext:
-    """What the GPU side needs of its group: who is where, the group's communicator (for
-    bootstrap and NCCL's unique id), its algorithm and timeout, its life cycle (whether it
+    """What the GPU side needs of its group: who is where, its links (:mod:`.links`: the
+    start's exchanges, NCCL's unique id), its algorithm and timeout, its life cycle (whether it
     failed; the call number, for messages), and two hooks: the node's liveness check and
     the group's failure."""
 
     placement: Placement
-    comm: _MPI.Intracomm
+    links: Links
     algorithm: str
     timeout: float
     life: Lifecycle
@@ -444,23 +508,22 @@ class GpuSide:
         self.ctx = ctx
         pl = ctx.placement
         phys = pl.phys
-        comm = ctx.comm
-        by_proc = pl.mpi_rank_of_proc
+        gather = ctx.links.gather
         nprocs = pl.nprocs
         ordinal = pick_gpu(spec, list(phys).index(pl.proc))
         # the group's GPU becomes the calling thread's current one, where the user's
         # arrays are then made (as torch.cuda.set_device(local_rank) does)
         _cupy().cuda.Device(ordinal).use()
         mine = bus_id(ordinal)
-        got = comm.allgather(mine)
-        buses = [str(got[by_proc[p]]) for p in range(nprocs)]
+        buses = [str(b) for b in gather(mine)]
         self.buses = buses
         node_buses = [buses[p] for p in phys]
         ords = visible_ordinals(node_buses)
         sees_all = all(o >= 0 for o in ords)
         row = link_row(mine, node_buses)
-        got2 = comm.allgather((sees_all, row))
-        info = [got2[by_proc[p]] for p in range(nprocs)]
+        info = [(bool(x[0]), [link_of(v) for v in x[1]])
+                for x in cast("list[tuple[bool, list[object]]]",
+                              gather([sees_all, [link_json(k) for k in row]]))]  # fmt: skip
         # IPC reaches another GPU only where the process sees it; NCCL needs one GPU per
         # process. Both judged from every process's answers, so all judge alike.
         self.ipc_problem: str | None = None
@@ -526,6 +589,7 @@ class GpuSide:
         self.last_end: Event | None = None
         self._watchdog: Watchdog | None = None
         self._notify = self.device.empty(1, np.uint8)
+        self._agree: _Agree | None = None  # without MPI across nodes (connect)
 
     @property
     def stream_ptr(self) -> int:
@@ -541,10 +605,11 @@ class GpuSide:
         if self.last_end is not None:
             self.last_end.synchronize(self.ctx.timeout)
 
-    def connect(self, node_comm: _MPI.Comm) -> None:
+    def connect(self) -> None:
         """After the control segment exists: the node's events exchanged and opened (over
-        ``node_comm``, the node's processes); the NCCL communicator made where the group
-        needs one (collective: every process)."""
+        the links: the node's processes); the NCCL communicator made where the group
+        needs one (collective: every process); without MPI across nodes, a second one
+        for the argument agreement (:meth:`agree`)."""
         pl = self.ctx.placement
         algorithm = self.ctx.algorithm
         if not self.nccl_ok and (algorithm == "nccl" or self.sync_mode):
@@ -557,12 +622,14 @@ class GpuSide:
             )
         if not self.sync_mode and len(pl.node_procs) > 1:
             self.event = IpcEvent(self.device)
-            handles = node_comm.allgather((pl.proc, self.event.handle))
-            for p, h in handles:
+            handles = self.ctx.links.node_gather([pl.proc, self.event.handle.hex()])
+            for p, h in cast("list[tuple[int, str]]", handles):
                 if p != pl.proc:
-                    self.peer_events[p] = IpcEvent(self.device, h)
+                    self.peer_events[p] = IpcEvent(self.device, bytes.fromhex(h))
         if self.sync_mode or algorithm == "nccl":
             self.ensure_nccl()  # needed from the first call on
+        if self.sync_mode and self.ctx.links.comm is None:
+            self._agree = _Agree(self)
         elif self.nccl_ok and self.ipc_problem:
             # send/recv within the node go over NCCL where IPC cannot reach the peers'
             # GPUs, between two processes only: the (collective) creation cannot wait
@@ -600,7 +667,8 @@ class GpuSide:
             from ..nccl import NcclEngine
 
             pl = self.ctx.placement
-            self.comm = nccl_comm(self.ctx.comm, pl.proc, pl.nprocs, self.device,
+            links = self.ctx.links
+            self.comm = nccl_comm(links.share, links.first, pl.proc, pl.nprocs, self.device,
                                   timeout=self.ctx.timeout, check_peers=self.ctx.check_peers)  # fmt: skip
             self.engine = NcclEngine([self.device], comms=[self.comm], size=pl.nprocs)
             self.engine.rank0 = pl.proc  # one rank per process: NCCL rank = group rank
@@ -611,6 +679,8 @@ class GpuSide:
             self._watchdog.close()
         if self.engine is not None:
             self.engine.close(abort=self.ctx.life.failure is not None)
+        if self._agree is not None:
+            self._agree.close(abort=self.ctx.life.failure is not None)
         try:
             if self.ctx.life.failure is None:
                 self.stream.synchronize(self.ctx.timeout)
@@ -726,6 +796,32 @@ class GpuSide:
                     raise CommTimeout(
                         f"rank {ctx.placement.rank}: {what} within {ctx.timeout:g} s{why}"
                     )
+
+    def agree(self, h: int) -> tuple[int, int]:
+        """Without MPI across nodes: the NCCL ``MAX`` of every process's ``[h, -h]`` (the
+        argument agreement's digests, :mod:`.agreement`), on the agreement's own
+        communicator and stream, waited for on the host (bounded, watching the node)."""
+        a = self._agree
+        assert a is not None
+        from ...backends.base import data_ptr
+
+        rt = _cupy().cuda.runtime
+        a.host[0], a.host[1] = h, -h
+        st = int(a.stream.cupy_stream.ptr)
+        dev, host = data_ptr(a.dev), int(a.host.ctypes.data)
+        try:
+            with _cupy().cuda.Device(self.device.physical_id):
+                rt.memcpyAsync(dev, host, 16, rt.memcpyHostToDevice, st)
+                a.comm.allReduce(dev, dev, 2, a.nccl.NCCL_INT64, a.nccl.NCCL_MAX, st)
+                rt.memcpyAsync(host, dev, 16, rt.memcpyDeviceToHost, st)
+        except Exception as exc:  # NcclError, CUDARuntimeError
+            raise CommError(
+                f"rank {self.ctx.placement.rank}: NCCL's agreement on the call's arguments "
+                f"failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        self._poll(a.stream.query, "the agreement on the call's arguments (NCCL) did not end",
+                   why=" (a process called something else?)")  # fmt: skip
+        return int(a.host[0]), int(a.host[1])
 
     # -- NCCL point-to-point (sync mode) ---------------------------------------------------------
     def send(self, arr: Array, proc: int) -> None:

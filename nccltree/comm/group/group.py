@@ -6,7 +6,10 @@ other's buffers in shared memory and order their steps with progress counters th
 (the C wait primitive: a short spin, then a futex; every wait bounded). Between nodes,
 data and "I have got this far" notifications travel as non-blocking MPI point-to-point
 messages. After bootstrap no MPI collective runs (except with ``algorithm="mpi"``), and
-no payload between processes of one node goes through MPI.
+no payload between processes of one node goes through MPI. A group started without MPI
+(torchrun's or Slurm's variables, ``nccltree-run``: :mod:`.links`) keeps its bootstrap
+for the rare exchanges, moves GPU data between nodes over NCCL, and refuses at start
+what would need MPI (host data between nodes, ``algorithm="mpi"``).
 
 One call, in one process:
 
@@ -40,6 +43,7 @@ face: argument checks, dispatch, and the objects' assembly.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import threading
@@ -66,12 +70,13 @@ from ..lifecycle import HasLifeCycle
 from ..plan import CHUNK_BYTES, Plan, chunk_elements
 from ..work import Work
 from . import small
-from .agreement import Agreement, call_signature, check_enabled, refusal_signature
+from .agreement import call_signature, check_enabled, make_agreement, refusal_signature
 from .bootstrap import MpiBootstrap
 from .core import Core
 from .engine import Engine, EngineContext
 from .gpu import GpuContext, GpuSide
 from .lifecycle import Lifecycle
+from .links import BootOwner, Links, SubBootstrap, refuse_without_mpi
 from .local import GroupComm, LocalRendezvous, run_local
 from .mpi_collectives import MpiContext, mpi_reduces, run_mpi
 from .node_memory import MAX_LOCAL_RANKS, LauncherWatch, NodeMemory
@@ -87,6 +92,8 @@ if TYPE_CHECKING:
     from ...backends.base import Event, Stream
     from ...backends.host import HostDevice
     from ...tree import Tree
+    from .bootstrap import Bootstrap
+    from .launch_env import Started
 
 GROUP_ALGORITHMS = ("tree", "ring", "direct", "mpi", "nccl", "auto")
 _GPU_SPEC = re.compile(r"gpu(:\d+)?")
@@ -156,25 +163,39 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         algorithm: str = "auto",
         timeout: float = 60.0,
         shm: bool | None = None,
+        *,
+        bootstrap: Bootstrap | None = None,
+        owner: BootOwner | None = None,
+        method: str = "",
     ) -> None:
+        """Over MPI (``comm``, default ``MPI.COMM_WORLD``; ``bootstrap`` may be its
+        :class:`MpiBootstrap`, already past the roll call), or without MPI over
+        ``bootstrap`` (kept for the group's life; ``owner``: who closes it, for the
+        groups ``split`` makes; ``method``: how the job was started, for messages)."""
         self.timeout, gpu, nlocal = _check_args(devices, algorithm, timeout)
         self.algorithm = algorithm
         self.gpu = gpu
-        from mpi4py import MPI
+        settings = {"algorithm": algorithm, "devices": "gpu" if gpu else "cpu",
+                    "NCCLTREE_CHECK": check_enabled(), "NCCLTREE_SMALL": small.setting()}  # fmt: skip
+        if bootstrap is None or isinstance(bootstrap, MpiBootstrap):
+            from mpi4py import MPI
 
-        if comm is None:
-            comm = MPI.COMM_WORLD
-        self._MPI = MPI
-        # every process here (or each names the missing ones), within the timeout
-        boot = MpiBootstrap(comm, self.timeout, MPI)
-        try:
-            settings = {"algorithm": algorithm, "devices": "gpu" if gpu else "cpu",
-                        "NCCLTREE_CHECK": check_enabled(), "NCCLTREE_SMALL": small.setting()}  # fmt: skip
-            pl = self.placement = place(boot, nlocal, shm, settings)
-        finally:
-            boot.close()
-        self._comm = comm.Dup()  # our own message space: data and notifications
-        self._ctl_comm = comm.Dup()  # signatures, agreement
+            if comm is None:
+                comm = MPI.COMM_WORLD
+            # every process here (or each names the missing ones), within the timeout
+            boot = bootstrap or MpiBootstrap(comm, self.timeout, MPI)
+            try:
+                pl = self.placement = place(boot, nlocal, shm, settings)
+            finally:
+                boot.close()
+            links = Links.over_mpi(comm, pl, MPI)
+        else:
+            # (without MPI a node without shared memory has only NCCL, on GPUs)
+            pl = self.placement = place(bootstrap, nlocal, shm, settings, "NCCL" if gpu else None)
+            refuse_without_mpi(pl, gpu, algorithm, method or "without MPI")
+            links = Links.over_boot(bootstrap, pl, owner or BootOwner(bootstrap))
+        self._links = links
+        self._MPI = links.mpi
         self.proc, self.nprocs, self.size, self.ranks = pl.proc, pl.nprocs, pl.size, pl.ranks
         self.node, self.node_index, self.nodes, self.shm = pl.node, pl.node_index, pl.nodes, pl.shm
         self.rank, self.local_rank, self.local_size = pl.rank, pl.local_rank, pl.local_size
@@ -186,7 +207,7 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         if gpu:
             ctx = GpuContext(
                 placement=pl,
-                comm=self._comm,
+                links=links,
                 algorithm=algorithm,
                 timeout=self.timeout,
                 life=self._life,
@@ -206,20 +227,19 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         self._trees: dict[int, Tree] = {}
         self._lock = threading.RLock()
         self._stream: Stream | None = None  # the group's stream (async and stream calls)
-        self._node_comm = self._comm.Split(pl.tnode_of_proc[pl.proc], pl.proc)
         small_on = small.eligible(pl, gpu, algorithm) and small.setting() > 0
-        self._mem = NodeMemory(pl, self._node_comm, self._gpu,
+        self._mem = NodeMemory(pl, links, self._gpu,
                                small.region_bytes(pl.nprocs) if small_on else 0)  # fmt: skip
         self._life.mem = self._mem
         self._launcher = LauncherWatch()
-        self._waits = Waits(pl, self._mem, self._life, self._launcher, MPI, self.timeout)
-        self._agreement = Agreement(pl, self._ctl_comm, MPI, self._waits)
+        self._waits = Waits(pl, self._mem, self._life, self._launcher, links.mpi, self.timeout)
         if self._gpu is not None:
-            self._gpu.connect(self._node_comm)
-        core = Core(pl, self._mem, self._waits, self._gpu, self._comm, MPI)
+            self._gpu.connect()
+        core = Core(pl, self._mem, self._waits, self._gpu, links.comm, links.mpi)
         self._engine = Engine(
-            EngineContext(core, self._ctl_comm, self.devices, all_devices, threads, self.plan)
+            EngineContext(core, links.ctl, self.devices, all_devices, threads, self.plan)
         )
+        self._agreement = make_agreement(pl, links, self._waits, self._engine, self._gpu)
         self._mpi = MpiContext(core, self._one)
         self._p2p = GroupP2p(
             P2pContext(
@@ -268,11 +288,7 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
             _current = None
 
     def _free_comms(self) -> None:
-        for c in (self._node_comm, self._ctl_comm, self._comm):
-            try:
-                c.Free()
-            except Exception:  # noqa: BLE001 - best effort at teardown
-                pass
+        self._links.close()  # the communicators, or this group's hold on its bootstrap
 
     @property
     def sent_bytes(self) -> int:
@@ -488,8 +504,7 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
     def _split(self, color: int | None, key: int, sig: str) -> ProcessGroup | None:
         self._check_usable()
         self._one("split")
-        MPI = self._MPI
-        c = MPI.UNDEFINED if color is None else check_int(color, "color", min=0)
+        c = None if color is None else check_int(color, "color", min=0)
         k = check_int(key, "key", min=0)
         self._life.seq += 1
         entry = self.flight.start(self._life.seq, sig.split()[0], 0, np.dtype(np.uint8), "mpi")
@@ -506,17 +521,25 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
             self._fail(exc)
             raise
         entry.state = "done"
+        args = (self._spec, self.algorithm, self.timeout, self._shm_arg)
+        links = self._links
+        if links.comm is None:
+            # without MPI: the members' own bootstrap (boot.sub), one exchange
+            made = links.split_boot(c, k)
+            if made is None:
+                return None
+            sub, owner = made
+            return ProcessGroup(None, *args, bootstrap=sub, owner=owner, method="split")
+        MPI = self._MPI
+        assert MPI is not None
         # MPI orders by key, then by rank in the parent: the group's rank breaks ties
-        sub = self._comm.Split(c, k * self.size + self.rank)
-        if sub == MPI.COMM_NULL:
+        split = links.comm.Split(MPI.UNDEFINED if c is None else c, k * self.size + self.rank)
+        if split == MPI.COMM_NULL:
             return None
         try:
-            return ProcessGroup(
-                cast("_MPI.Intracomm", sub), self._spec, self.algorithm, self.timeout,
-                self._shm_arg,
-            )  # fmt: skip
+            return ProcessGroup(cast("_MPI.Intracomm", split), *args)
         finally:
-            sub.Free()  # the group keeps its own duplicates
+            split.Free()  # the group keeps its own duplicates
 
     def new_group(self, ranks: Sequence[int]) -> ProcessGroup | None:
         """The group of ``ranks`` (ordered as given within a node), from :meth:`split`:
@@ -643,7 +666,7 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
                 elif self._agreement.first(self.algorithm):
                     self._life.seq += 1
                     self._agreement.check(sig)
-                elif self.nprocs > 1 and self._gpu is None:
+                elif self.nprocs > 1 and (self._gpu is None or self._agreement.in_node):
                     self._life.seq += 1
                     self._engine.refuse(sig)
             except ValueError:
@@ -724,8 +747,9 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
     def _choose(self, prep: Prepared) -> str:
         """``auto``: the process-group rows of the one rule table (``auto.AUTO``, read
         through ``auto.choose_group`` with this group's facts): MPI's own collectives for
-        small messages where MPI can run the call, NCCL on GPUs where it can serve the
-        group, else the tree across nodes and direct within one node."""
+        small messages where MPI can run the call (never in a group started without MPI),
+        NCCL on GPUs where it can serve the group, else the tree across nodes and direct
+        within one node."""
         if self.algorithm != "auto":
             return self.algorithm
         if self._small is not None and self._small.takes(prep):
@@ -735,7 +759,8 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
             nccl_usable=self._gpu is not None and self._gpu.nccl_ok,
             nodes=self.nodes,
             ranks_per_process=len(self.ranks),
-            mpi_order=self._mpi_rank_of_proc == list(range(self.nprocs)),
+            # (no MPI: never MPI's collectives)
+            mpi_order=self._MPI is not None and self._mpi_rank_of_proc == list(range(self.nprocs)),
             nbytes=prep.nbytes,
             reduces=COLLECTIVES[prep.collective].reduces,
             mpi_reduces=mpi_reduces(prep.dtype),
@@ -807,14 +832,29 @@ def init_process_group(
     algorithm: str = "auto",
     timeout: float = 60.0,
     shm: bool | None = None,
+    *,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
 ) -> ProcessGroup:
-    """The process group of every process of ``comm`` (default ``MPI.COMM_WORLD``: run
-    under ``mpiexec`` or ``srun``). ``devices``: ``"cpu"`` (one rank in this process),
-    ``"cpu:N"`` (N ranks), ``"gpu"`` (one GPU, by the process's index on its node) or
-    ``"gpu:K"`` (CUDA device K). ``algorithm``: ``"tree"``, ``"ring"``, ``"direct"``,
-    ``"mpi"``, ``"nccl"`` or ``"auto"``. ``timeout``: seconds every wait of the group
-    (its creation included) is bounded by; past it the group fails with
-    ``CommTimeout``. Ranks are numbered node-major, then by process, then by local rank; the
+    """The process group of every process of the job. How the processes meet:
+    ``comm`` (an mpi4py communicator: its processes), else ``init_method``:
+    ``"env://"`` (torchrun's variables: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+    MASTER_PORT...), ``"tcp://host:port"`` with ``rank=``/``world_size=``,
+    ``"file://path"`` (a shared filesystem), ``"slurm"``, ``"mpi"``, or None: what the
+    environment shows (MPI under ``mpiexec``, torchrun's or Slurm's variables, else MPI
+    where mpi4py imports, else this process alone). Started without MPI, a group keeps
+    its data in shared memory within a node and moves GPU data between nodes over NCCL;
+    a host group spanning nodes, and ``algorithm="mpi"``, need MPI and are refused.
+
+    ``devices``: ``"cpu"`` (one rank in this process), ``"cpu:N"`` (N ranks), ``"gpu"``
+    (one GPU, by the process's index on its node) or ``"gpu:K"`` (CUDA device K).
+    ``algorithm``: ``"tree"``, ``"ring"``, ``"direct"``, ``"mpi"``, ``"nccl"`` or
+    ``"auto"``. ``timeout``: seconds every wait of the group (its creation included) is
+    bounded by; past it the group fails with ``CommTimeout``. ``rank``/``world_size``:
+    this process's rank and the number of processes, for ``"tcp://"`` and ``"file://"``
+    (the environment's otherwise). Ranks are numbered node-major, then by process, then
+    by local rank; the
     node of a process is its host name, or ``NCCLTREE_NODE`` where set. ``shm``: whether
     the processes of a node share memory (default: where ``/dev/shm`` has 64 MiB free, or
     as ``NCCLTREE_SHM`` says; otherwise their data goes over MPI). Collective: every
@@ -828,16 +868,66 @@ def init_process_group(
     global _current
     if _current is not None and not _current.closed:
         raise CommError("a process group is open in this process; close() it first")
+    if comm is not None:
+        if init_method is not None or rank is not None or world_size is not None:
+            raise ValueError(
+                "comm= names an MPI communicator: leave init_method, rank and world_size out"
+            )
+        _current = ProcessGroup(comm, devices, algorithm, timeout, shm)
+        return _current
+    timeout = _check_args(devices, algorithm, timeout)[0]
+    started, boot, owner = _start(init_method, rank, world_size, timeout)
     try:
-        import mpi4py  # noqa: F401
-    except ImportError as exc:
-        from ..._errors import BackendUnavailable
-
-        raise BackendUnavailable(
-            "process groups need mpi4py and an MPI library: pip install 'nccltree[mpi]'"
-        ) from exc
-    _current = ProcessGroup(comm, devices, algorithm, timeout, shm)
+        _current = ProcessGroup(
+            started.comm, devices, algorithm, timeout, shm,
+            bootstrap=boot, owner=owner, method=started.method,
+        )  # fmt: skip
+    except BaseException as exc:
+        if started.mpi is None:
+            # the others' waits in the bootstrap end at once, naming this process
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            boot.abort(f"{type(exc).__name__}: {first}")
+            if owner is not None:
+                owner.release()
+            else:
+                close = getattr(boot, "close", None)
+                if close is not None:
+                    close()
+        raise
     return _current
+
+
+#: the job's bootstrap without MPI, kept between groups: (how it was started, it, its owner)
+_kept: tuple[tuple[object, ...], Started, BootOwner] | None = None
+
+
+def _start(
+    init_method: str | None, rank: int | None, world_size: int | None, timeout: float
+) -> tuple[Started, Bootstrap, BootOwner | None]:
+    """How this group starts: ``launch_env.start`` (MPI, or a bootstrap over a store).
+    A store's bootstrap is kept for the process's life (closed at exit) and each group
+    gets one of its own on it (``sub`` of every process, keys under a new prefix): a
+    group closed and started again meets on the same store, with no second rendezvous
+    at the same port racing the first one's end. Returns (started, the group's
+    bootstrap, its owner: None over MPI)."""
+    global _kept
+    how = (init_method, rank, world_size)
+    if _kept is not None and _kept[0] != how:
+        _kept[2].release()
+        _kept = None
+    if _kept is None:
+        from .launch_env import start
+
+        started = start(init_method, rank, world_size, timeout)
+        if started.mpi is not None or started.size == 1 or not hasattr(started.boot, "sub"):
+            return started, started.boot, None
+        owner = BootOwner(started.boot)
+        atexit.register(owner.release)
+        _kept = (how, started, owner)
+    _, started, owner = _kept
+    owner.groups += 1
+    sub = cast("SubBootstrap", started.boot).sub(f"group{owner.groups}", list(range(started.size)))
+    return started, sub, owner.hold()
 
 
 __all__ = ["ProcessGroup", "init_process_group", "GROUP_ALGORITHMS"]

@@ -37,6 +37,8 @@ def run_mpi(ctx: MpiContext, prep: Prepared, entry: Entry) -> None:
     ctx.one(f"algorithm 'mpi' ({prep.collective})")
     pl = ctx.core.placement
     MPI = ctx.core.mpi
+    comm = ctx.core.comm
+    assert MPI is not None and comm is not None  # (refused at start without MPI)
     if COLLECTIVES[prep.collective].reduces and not mpi_reduces(prep.dtype):
         raise TypeError(
             f"algorithm 'mpi' cannot reduce {prep.dtype} (MPI has no such type); "
@@ -46,7 +48,6 @@ def run_mpi(ctx: MpiContext, prep: Prepared, entry: Entry) -> None:
     t = mpi_type(MPI, prep.dtype)
     mop = {"sum": MPI.SUM, "mean": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX,
            "min": MPI.MIN}[prep.op]  # fmt: skip
-    comm = ctx.core.comm
     # MPI's ranks in this group's numbering: the communicator is the group's own dup, so
     # map roots through it
     root = pl.mpi_rank_of_proc[pl.proc_of_rank[prep.root]]

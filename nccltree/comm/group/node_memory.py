@@ -60,9 +60,8 @@ from .shm import (
 )
 
 if TYPE_CHECKING:
-    from mpi4py import MPI as _MPI
-
     from .gpu import GpuSide
+    from .links import Links
     from .placement import Placement
 
 Mem = Segment | DeviceBlock | PeerBlock  # shared host memory, or GPU memory over IPC
@@ -132,7 +131,7 @@ class NodeMemory:
     Bootstrap is collective over ``node_comm`` (the transport node's processes)."""
 
     def __init__(
-        self, placement: Placement, node_comm: _MPI.Comm, gpu: GpuSide | None, small_bytes: int = 0
+        self, placement: Placement, links: Links, gpu: GpuSide | None, small_bytes: int = 0
     ) -> None:
         self.placement = placement
         self.small_bytes = small_bytes  # the small calls' payload slots (small.py)
@@ -143,15 +142,17 @@ class NodeMemory:
         self.heaps: list[dict[int, Mem]] = []  # pg.empty segments, by allocation
         self.heap_bases: list[int] = []  # their addresses in this process
         self.closed = False
-        self._bootstrap(node_comm)
+        self._bootstrap(links)
         atexit.register(_leave_if_failed, weakref.ref(self))
 
-    def _bootstrap(self, node_comm: _MPI.Comm) -> None:
+    def _bootstrap(self, links: Links) -> None:
         """The node's control segment: made by its first process, attached by the others
-        (MPI barriers are allowed here, at bootstrap), then unlinked at once."""
+        (barriers are allowed here, at bootstrap: the node's communicator's, or the
+        group's bootstrap's, where every process of the group takes part), then unlinked
+        at once."""
         pl = self.placement
         procs = pl.node_procs
-        lead = node_comm.Get_rank() == 0
+        lead = links.node_lead
         size = _SLOTS + _SLOT * len(procs) + mailbox_bytes(len(procs))
         # the payload slots of the small calls (small.py), page-aligned, after the rest
         self.small_at = (size + 4095) // 4096 * 4096
@@ -160,17 +161,17 @@ class NodeMemory:
             # a process of its own: its control block is private memory
             seg = Segment("", size, mmap.mmap(-1, size))
             seg.linked = False
-        else:
-            name = None
-            if lead:
+        if pl.shm or links.group_wide:
+            name: object = None
+            if pl.shm and lead:
                 remove_stale()
                 seg = Segment.create(lambda: segment_name(pl.job, f"ctl{pl.node_index}"), size)
                 name = seg.name
-            name = node_comm.bcast(name, root=0)
-            if not lead:
-                seg = Segment.attach(name)
-            node_comm.Barrier()
-            if lead:
+            name = links.node_share(name)
+            if pl.shm and not lead:
+                seg = Segment.attach(str(name))
+            links.node_barrier()
+            if pl.shm and lead:
                 seg.unlink()
         self.ctl = seg
         self.slot_of = {p: i for i, p in enumerate(procs)}

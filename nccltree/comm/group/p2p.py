@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -56,6 +56,8 @@ from ..plan import align_bytes
 from .mpi_collectives import mpi_type
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from mpi4py import MPI as _MPI
 
     from ...backends.base import Device, Stream
@@ -218,13 +220,19 @@ class GroupP2p:
         self.ctx = ctx
         self.pl = ctx.core.placement
         self.mem = ctx.core.mem
-        self.comm = ctx.core.comm.Dup()  # a message space of its own: matched per pair, in order
+        # a message space of its own (matched per pair, in order): host messages to other
+        # nodes, which a group started without MPI never has
+        comm = ctx.core.comm
+        self.comm = cast("_MPI.Intracomm", None if comm is None else comm.Dup())
+        self._mpi = cast("ModuleType", ctx.core.mpi)
         self._batch = threading.local()
         procs = self.pl.node_procs
         self._sent = dict.fromkeys(procs, 0)  # messages published to each process
         self._received = dict.fromkeys(procs, 0)  # messages consumed from each
 
     def close(self) -> None:
+        if self.comm is None:
+            return
         try:
             self.comm.Free()
         except Exception:  # noqa: BLE001 - best effort at teardown
@@ -296,14 +304,14 @@ class GroupP2p:
             op.call = (kind, args)
         else:
             dest = pl.mpi_rank_of_proc[pl.proc_of_rank[peer]]
-            t = mpi_type(self.ctx.core.mpi, arr.dtype)
+            t = mpi_type(self._mpi, arr.dtype)
             send = kind == "send"
             # a receive takes the next message from its peer whatever its tag, which then
             # says whether kind and dtype agree (messages of a pair keep their order)
             if send:
                 op.request = self.comm.Isend([arr, t], dest, op.tag)
             else:
-                op.request = self.comm.Irecv([arr, t], dest, self.ctx.core.mpi.ANY_TAG)
+                op.request = self.comm.Irecv([arr, t], dest, self._mpi.ANY_TAG)
         if pending is not None:
             pending.append(op)
             self._batch.stream = stream
@@ -385,7 +393,7 @@ class GroupP2p:
 
     def _wait(self, ops: list[_Posted], mismatched: list[str]) -> None:
         pl = self.pl
-        MPI = self.ctx.core.mpi
+        MPI = self._mpi
         statuses = []
         for op in ops:
             assert op.request is not None

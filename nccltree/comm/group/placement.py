@@ -66,12 +66,17 @@ class Placement:
 
 
 def place(
-    boot: Bootstrap, nlocal: int, shm: bool | None, settings: Mapping[str, object] | None = None
+    boot: Bootstrap,
+    nlocal: int,
+    shm: bool | None,
+    settings: Mapping[str, object] | None = None,
+    instead: str | None = "MPI",
 ) -> Placement:
     """Every process's placement (collective over the bootstrap's processes: one
     exchange). ``nlocal``: this process's ranks; ``shm``: as for the group; ``settings``:
     what every process must have alike (the group's algorithm, ...). The first process of
-    a node that cannot share memory says so on stderr."""
+    a node that cannot share memory says so on stderr, naming ``instead``, what carries
+    their data then (None: nothing is said, the group refuses to start)."""
     nprocs = boot.size
     me = boot.rank
     node_name = os.environ.get("NCCLTREE_NODE") or socket.gethostname()
@@ -112,9 +117,9 @@ def place(
     tnode_of_proc = [
         node_of_proc[p] if node_of_proc[p] in shm_nodes else len(order) + p for p in range(nprocs)
     ]
-    if not node_shm and phys[0] == proc and len(phys) > 1:
+    if not node_shm and phys[0] == proc and len(phys) > 1 and instead is not None:
         print(f"nccltree: {shm_usable_reason(shm)}: the processes of node {node_name} "
-              "exchange data over MPI instead of shared memory", file=sys.stderr,
+              f"exchange data over {instead} instead of shared memory", file=sys.stderr,
               flush=True)  # fmt: skip
     mine = tnode_of_proc[proc]
     node_procs = [p for p in range(nprocs) if tnode_of_proc[p] == mine]

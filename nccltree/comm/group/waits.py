@@ -37,7 +37,7 @@ class Waits:
     mem: NodeMemory
     life: Lifecycle
     launcher: LauncherWatch
-    mpi: ModuleType
+    mpi: ModuleType | None  # (None: no MPI; nothing is then in flight)
     timeout: float
     inflight: list[_MPI.Request] = field(default_factory=list)
 
@@ -65,6 +65,7 @@ class Waits:
     def progress_mpi(self) -> None:
         """Let MPI move the data of the call's sends (finished ones are null requests,
         which cost nothing to test)."""
+        assert self.mpi is not None
         self.mpi.Request.Testall(self.inflight)
 
     def request(

@@ -148,11 +148,10 @@ class _Clique:
     comms: dict[int, NcclCommunicator] = field(default_factory=dict)
     queues: dict[int, list[_Posted]] = field(default_factory=dict)
     p2p: dict[tuple[int, int, str], list[_Posted]] = field(default_factory=dict)
-    # a communicator spanning processes: its MPI communicator, the MPI rank of each
-    # NCCL rank there, and the buffered sends not yet known delivered
+    # a communicator spanning processes: what carries its operations between them
+    # (fakecupy._carrier: over MPI, or files), and its MPI communicator where MPI does
+    across: Any = None
     mpi: Any = None
-    mpi_rank: dict[int, int] = field(default_factory=dict)
-    sends: list[Any] = field(default_factory=list)
 
 
 class NcclState:
@@ -276,7 +275,7 @@ class NcclCommunicator:
         if n < 1 or not 0 <= r < n:
             raise NcclError(ncclInvalidArgument)
         fake = _core.active()
-        if n > 1 and fake.mpi_comm is not None:
+        if n > 1 and (fake.mpi_comm is not None or fake.nccl_files):
             self._join_processes(n, commId, r, fake)
             return
         clique = next((c for c in st.cliques if getattr(c, "uid", None) == commId), None)
@@ -289,17 +288,27 @@ class NcclCommunicator:
         self._attach(clique, r, _core.active().tls.device)
 
     def _join_processes(self, n: int, uid: bytes, r: int, fake: _core.FakeCuda) -> None:
-        """A communicator spanning processes (``fake.mpi_comm`` set): every process
-        makes its rank at once (collective, as ncclCommInitRank); operations run through
-        MPI when posted (see _run_across). Only the communicator's processes take part
-        (a sub-group's): they find each other through files named after the unique id,
-        then make an MPI communicator of just them (MPI_Comm_create_group)."""
-        mpi = _members_comm(fake.mpi_comm, n, uid, r)
+        """A communicator spanning processes (``fake.mpi_comm`` or ``fake.nccl_files``
+        set): every process makes its rank at once (collective, as ncclCommInitRank);
+        operations run through the carrier when posted (see _run_across). Only the
+        communicator's processes take part (a sub-group's): over MPI they find each other
+        through files named after the unique id, then make an MPI communicator of just
+        them (MPI_Comm_create_group); over files, the unique id names their folder."""
+        from ... import _carrier
+
+        mpi = None
+        across: Any
+        if fake.mpi_comm is not None:
+            mpi = _members_comm(fake.mpi_comm, n, uid, r)
+        else:
+            across = _carrier.FileCarrier(uid, r, n)
         # a GPU is (its machine, its number): NCCL's "Duplicate GPU detected". NCCL
         # (2.28) takes the machine's identity from NCCL_HOSTID where it is set.
         host = (os.environ.get("NCCL_HOSTID") or os.environ.get("NCCLTREE_NODE")
                 or os.uname().nodename)  # fmt: skip
-        got = mpi.allgather((r, uid, (host, fake.tls.device)))
+        mine = (r, uid, (host, fake.tls.device))
+        got = mpi.allgather(mine) if mpi is not None else across.allgather(mine)
+        got = sorted(got, key=lambda x: x[0]) if mpi is None else got
         ranks = sorted(x[0] for x in got)
         gpus = [x[2] for x in got]
         if (
@@ -308,13 +317,17 @@ class NcclCommunicator:
             or len(got) != n
             or len(set(gpus)) != len(gpus)
         ):
-            mpi.Free()
+            if mpi is not None:
+                mpi.Free()
+            else:
+                across.close()
             raise NcclError(ncclInvalidUsage)
         st = _state()
         clique = _Clique(next(st._clique_ids), n)
+        if mpi is not None:
+            across = _carrier.MpiCarrier(mpi, {x[0]: i for i, x in enumerate(got)})
         clique.mpi = mpi
-        clique.mpi_rank = {x[0]: i for i, x in enumerate(got)}
-        clique.sends = []
+        clique.across = across
         st.cliques.append(clique)
         self._attach(clique, r, fake.tls.device)
         for rr in range(n):  # the other ranks live elsewhere: the clique is complete
@@ -368,6 +381,8 @@ class NcclCommunicator:
         if not self._alive:
             return
         self._alive = False
+        if self._clique.across is not None:
+            self._clique.across.close()  # (files: this rank's unread messages, the folder)
         st = _state()
         (st.aborted if what == "abort" else st.destroyed).append((self._clique.id, self._rank))
         with _core.active().lock:
@@ -537,7 +552,7 @@ def _post(p: _Posted) -> None:
     # enqueued on its stream now (inside a group: at groupEnd), pending until it executes
     p.stream.pending.add(p.token)
     c = p.comm._clique
-    if c.mpi is not None:
+    if c.across is not None:
         _run_across(p)
         return
     if p.call.method in ("send", "recv"):
@@ -710,7 +725,8 @@ def _members_comm(world: Any, n: int, uid: bytes, r: int) -> Any:
 
 
 def _run_across(p: _Posted) -> None:
-    """An operation of a communicator spanning processes, run at once through MPI: a
+    """An operation of a communicator spanning processes, run at once through its carrier
+    (MPI or files, fakecupy._carrier; wiring only): a
     send is buffered (``isend``), a receive waits for its message, a collective gathers
     every rank's input and checks that all posted the same collective. Wiring only: real
     NCCL sends wait for their receive. A call marked to hang (``hang_next_call``) moves
@@ -721,8 +737,7 @@ def _run_across(p: _Posted) -> None:
     if p.hang:
         p.comm._hung.append(p)
         return
-    mpi = c.mpi
-    where = c.mpi_rank
+    across = c.across
     k = p.call
     t = _DTYPE[k.datatype]
 
@@ -733,10 +748,10 @@ def _run_across(p: _Posted) -> None:
     if k.method == "send":
         assert k.peer is not None
         data = get(k.sendbuf, k.count).copy()
-        c.sends.append(mpi.isend((k.count, k.datatype, data), dest=where[k.peer], tag=7))
+        across.send("p2p", k.peer, (k.count, k.datatype, data))
     elif k.method == "recv":
         assert k.peer is not None
-        count, datatype, data = mpi.recv(source=where[k.peer], tag=7)
+        count, datatype, data = across.recv("p2p", k.peer)
         if (count, datatype) != (k.count, k.datatype):
             raise fake.misuse_error(
                 f"send/recv {k.peer}->{k.rank}: count or datatype differ "
@@ -749,7 +764,7 @@ def _run_across(p: _Posted) -> None:
         uses_send = k.method != "broadcast" or k.rank == k.root
         mine = get(k.sendbuf, send_n).copy() if uses_send and k.count else None
         sig = (k.method, k.count, k.datatype, k.op, k.root)
-        got = sorted(mpi.allgather((k.rank, sig, mine)), key=lambda x: x[0])
+        got = sorted(across.allgather((k.rank, sig, mine)), key=lambda x: x[0])
         for rank, other, _ in got:
             if other != sig:
                 raise fake.misuse_error(
@@ -772,6 +787,5 @@ def _run_across(p: _Posted) -> None:
             elif m == "reduceScatter":
                 full = _reduce(datas, k.op or 0, k.datatype)
                 get(k.recvbuf, k.count)[...] = full[k.rank * k.count : (k.rank + 1) * k.count]
-    c.sends = [r for r in c.sends if not r.Test()]
     k.executed = True
     p.token.release(0)

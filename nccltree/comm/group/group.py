@@ -48,7 +48,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, cast
 
@@ -141,6 +141,87 @@ def _host_devices(pl: Placement, nlocal: int, threads: int) -> tuple[list[Device
     return list(local_devs), every
 
 
+def _start_links(
+    comm: _MPI.Intracomm | None,
+    bootstrap: Bootstrap | None,
+    owner: BootOwner | None,
+    method: str,
+    nlocal: int,
+    shm: bool | None,
+    settings: Mapping[str, object],
+    timeout: float,
+) -> tuple[Placement, Links]:
+    """Where a new group's processes stand, and the links between them: over MPI
+    (``comm``, default ``MPI.COMM_WORLD``; ``bootstrap`` may be its
+    :class:`MpiBootstrap`), or without MPI over ``bootstrap``."""
+    gpu = settings["devices"] == "gpu"
+    if bootstrap is None or isinstance(bootstrap, MpiBootstrap):
+        from mpi4py import MPI
+
+        if comm is None:
+            comm = MPI.COMM_WORLD
+        # every process here (or each names the missing ones), within the timeout
+        boot = bootstrap or MpiBootstrap(comm, timeout, MPI)
+        try:
+            pl = place(boot, nlocal, shm, settings)
+        finally:
+            boot.close()
+        return pl, Links.over_mpi(comm, pl, MPI)
+    # (without MPI a node without shared memory has only NCCL, on GPUs)
+    pl = place(bootstrap, nlocal, shm, settings, "NCCL" if gpu else None)
+    refuse_without_mpi(pl, gpu, str(settings["algorithm"]), method or "without MPI")
+    return pl, Links.over_boot(bootstrap, pl, owner or BootOwner(bootstrap))
+
+
+def _v_counts(pg: ProcessGroup, x: Array, out: Array, send_counts: Sequence[int],
+              recv_counts: Sequence[int]) -> tuple[list[int], list[int], Array, Array]:  # fmt: skip
+    """all_to_all_v's counts and buffers, checked (one count per rank, the arrays' sizes
+    their sums, one dtype)."""
+    sc = [check_int(c, "send_counts[i]", min=0) for c in send_counts]
+    rc = [check_int(c, "recv_counts[i]", min=0) for c in recv_counts]
+    if len(sc) != pg.size or len(rc) != pg.size:
+        raise ValueError(
+            f"send_counts and recv_counts need a count per rank ({pg.size}), got "
+            f"{len(sc)} and {len(rc)}"
+        )
+    dev = pg.devices[0]
+    xa = _device_array(dev, x, f"rank {pg.rank}: input").reshape(-1)
+    oa = _device_array(dev, out, f"rank {pg.rank}: output").reshape(-1)
+    if xa.size != sum(sc) or oa.size != sum(rc):
+        raise ValueError(
+            f"rank {pg.rank}: the input needs {sum(sc)} elements (send_counts) and "
+            f"the output {sum(rc)} (recv_counts), got {xa.size} and {oa.size}"
+        )
+    if xa.dtype != oa.dtype:
+        raise TypeError(f"rank {pg.rank}: output dtype {oa.dtype} differs from {xa.dtype}")
+    return sc, rc, xa, oa
+
+
+def _split_group(
+    links: Links, args: tuple[str, str, float, bool | None], c: int | None, k: int, order: int
+) -> ProcessGroup | None:
+    """The new group of a split (``args``: the parent's devices, algorithm, timeout and
+    shm; ``c``/``k``: color and key; ``order``: the key made unique by the parent's
+    rank), once the processes agreed they split."""
+    if links.comm is None:
+        # without MPI: the members' own bootstrap (boot.sub), one exchange
+        made = links.split_boot(c, k)
+        if made is None:
+            return None
+        sub, owner = made
+        return ProcessGroup(None, *args, bootstrap=sub, owner=owner, method="split")
+    MPI = links.mpi
+    assert MPI is not None
+    # MPI orders by key, then by rank in the parent: the group's rank breaks ties
+    split = links.comm.Split(MPI.UNDEFINED if c is None else c, order)
+    if split == MPI.COMM_NULL:
+        return None
+    try:
+        return ProcessGroup(cast("_MPI.Intracomm", split), *args)
+    finally:
+        split.Free()  # the group keeps its own duplicates
+
+
 class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
     """Ranks across processes and nodes (see the module docstring). Made by
     :func:`init_process_group`, whose arguments (``comm``, ``devices``, ``algorithm``,
@@ -173,28 +254,12 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         ``bootstrap`` (kept for the group's life; ``owner``: who closes it, for the
         groups ``split`` makes; ``method``: how the job was started, for messages)."""
         self.timeout, gpu, nlocal = _check_args(devices, algorithm, timeout)
-        self.algorithm = algorithm
-        self.gpu = gpu
+        self.algorithm, self.gpu = algorithm, gpu
         settings = {"algorithm": algorithm, "devices": "gpu" if gpu else "cpu",
                     "NCCLTREE_CHECK": check_enabled(), "NCCLTREE_SMALL": small.setting()}  # fmt: skip
-        if bootstrap is None or isinstance(bootstrap, MpiBootstrap):
-            from mpi4py import MPI
-
-            if comm is None:
-                comm = MPI.COMM_WORLD
-            # every process here (or each names the missing ones), within the timeout
-            boot = bootstrap or MpiBootstrap(comm, self.timeout, MPI)
-            try:
-                pl = self.placement = place(boot, nlocal, shm, settings)
-            finally:
-                boot.close()
-            links = Links.over_mpi(comm, pl, MPI)
-        else:
-            # (without MPI a node without shared memory has only NCCL, on GPUs)
-            pl = self.placement = place(bootstrap, nlocal, shm, settings, "NCCL" if gpu else None)
-            refuse_without_mpi(pl, gpu, algorithm, method or "without MPI")
-            links = Links.over_boot(bootstrap, pl, owner or BootOwner(bootstrap))
-        self._links = links
+        args = (comm, bootstrap, owner, method, nlocal, shm, settings, self.timeout)
+        pl, links = _start_links(*args)
+        self.placement, self._links = pl, links
         self._MPI = links.mpi
         self.proc, self.nprocs, self.size, self.ranks = pl.proc, pl.nprocs, pl.size, pl.ranks
         self.node, self.node_index, self.nodes, self.shm = pl.node, pl.node_index, pl.nodes, pl.shm
@@ -465,27 +530,11 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         ``dtype`` as for every collective (:class:`~nccltree.comm.faces.RankCollectives`);
         errors: ``ValueError``/``TypeError`` for counts, sizes or dtypes that do not fit,
         ``CommTimeout`` and ``PeerFailure`` as for the collectives."""
-        sc = [check_int(c, "send_counts[i]", min=0) for c in send_counts]
-        rc = [check_int(c, "recv_counts[i]", min=0) for c in recv_counts]
-        if len(sc) != self.size or len(rc) != self.size:
-            raise ValueError(
-                f"send_counts and recv_counts need a count per rank ({self.size}), got "
-                f"{len(sc)} and {len(rc)}"
-            )
+        sc, rc, xa, oa = _v_counts(self, x, out, send_counts, recv_counts)
         self._one("all_to_all_v")
-        dev = self.devices[0]
-        xa = _device_array(dev, x, f"rank {self.rank}: input").reshape(-1)
-        oa = _device_array(dev, out, f"rank {self.rank}: output").reshape(-1)
-        if xa.size != sum(sc) or oa.size != sum(rc):
-            raise ValueError(
-                f"rank {self.rank}: the input needs {sum(sc)} elements (send_counts) and "
-                f"the output {sum(rc)} (recv_counts), got {xa.size} and {oa.size}"
-            )
-        if xa.dtype != oa.dtype:
-            raise TypeError(f"rank {self.rank}: output dtype {oa.dtype} differs from {xa.dtype}")
         xa = _p2p_buffer(self, xa, "input", dtype)
         oa = _p2p_buffer(self, oa, "output", dtype)
-        self._p2p.all_to_all_v(xa, oa, sc, rc, as_stream(dev, stream))
+        self._p2p.all_to_all_v(xa, oa, sc, rc, as_stream(self.devices[0], stream))
         return out
 
     def split(self, color: int | None, key: int = 0) -> ProcessGroup | None:
@@ -522,24 +571,7 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
             raise
         entry.state = "done"
         args = (self._spec, self.algorithm, self.timeout, self._shm_arg)
-        links = self._links
-        if links.comm is None:
-            # without MPI: the members' own bootstrap (boot.sub), one exchange
-            made = links.split_boot(c, k)
-            if made is None:
-                return None
-            sub, owner = made
-            return ProcessGroup(None, *args, bootstrap=sub, owner=owner, method="split")
-        MPI = self._MPI
-        assert MPI is not None
-        # MPI orders by key, then by rank in the parent: the group's rank breaks ties
-        split = links.comm.Split(MPI.UNDEFINED if c is None else c, k * self.size + self.rank)
-        if split == MPI.COMM_NULL:
-            return None
-        try:
-            return ProcessGroup(cast("_MPI.Intracomm", split), *args)
-        finally:
-            split.Free()  # the group keeps its own duplicates
+        return _split_group(self._links, args, c, k, k * self.size + self.rank)
 
     def new_group(self, ranks: Sequence[int]) -> ProcessGroup | None:
         """The group of ``ranks`` (ordered as given within a node), from :meth:`split`:

@@ -233,3 +233,56 @@ def test_bench_train_under_nccltree_run(tmp_path: Path) -> None:
         ("cpu:2 x 2 processes", 4),
     ]
     assert all(p["examples_per_s"] > 0 for p in points)
+
+
+@pytest.mark.subprocess
+def test_sigterm_to_nccltree_run_stops_every_process_at_one_iteration(tmp_path: Path) -> None:
+    """SIGTERM to the launcher (passed on to every child) stops every rank after the
+    same iteration, which rank 0 snapshots (status 143); resumed under nccltree-run,
+    the run is bitwise the uninterrupted single-process one."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.envrun import child_env, kill_all
+
+    out = tmp_path / "sig"
+    args = [*TRAIN, "--devices", "cpu", "--iters", "100000", "--out", str(out)]
+    cmd = [sys.executable, "-m", "nccltree.run", "--nproc-per-node", "2", str(CLI), "train"]
+    proc = subprocess.Popen([*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=child_env(), cwd=str(ROOT))  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(_losses_so_far(out)) < 20:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        kill_all([proc])
+    assert proc.returncode == 143, stderr
+    assert stderr.count("interrupted (SIGTERM) at iteration") == 1, stderr
+    with open(out / "metrics.jsonl", encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    stop = records[-1]
+    assert stop["event"] == "interrupted" and isinstance(stop["iter"], int)
+    assert [r["iter"] for r in records if r["event"] == "snapshot"] == [stop["iter"]]
+    assert max(_losses(out)) == stop["iter"]
+    iters = stop["iter"] + 3
+    [(rc, stdout, err)] = _launch("nccltree-run", 2, "train", "--resume", str(out),
+                                  "--iters", str(iters), "--quiet")  # fmt: skip
+    assert rc == 0, stdout + err
+    ref = tmp_path / "single"
+    args = [*TRAIN, "--devices", "cpu:2", "--iters", str(iters), "--out", str(ref)]
+    assert train.main(args) == 0
+    fa, fb = np.load(ref / "final.npz"), np.load(out / "final.npz")
+    assert all(np.array_equal(fa[k], fb[k]) for k in fa.files)
+    assert _losses(ref) == _losses(out)
+
+
+def _losses_so_far(out: Path) -> list[str]:
+    try:
+        with open(out / "metrics.jsonl", encoding="utf-8") as f:
+            return [line for line in f if '"train"' in line]
+    except FileNotFoundError:
+        return []

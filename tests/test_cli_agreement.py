@@ -10,7 +10,7 @@ import pytest
 
 from nccltree.cli import train
 from nccltree.cli._agreement import _disagreement
-from nccltree.cli._common import UsageError, job_rank, mpi_world_size, reports_usage
+from nccltree.cli._common import UsageError, job_rank, job_size, reports_usage
 from tests.mpirun import ROOT, needs_mpi, run_mpi
 
 CLI = ROOT / "tests" / "mpi" / "cli_main.py"
@@ -25,7 +25,7 @@ def test_job_rank_and_who_reports() -> None:
     assert reports_usage({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"})
     assert job_rank({"PMIX_RANK": "1"}) == 1
     # a rank without a job of several processes: it speaks for itself
-    assert reports_usage({"PMI_RANK": "1"}) and mpi_world_size({"PMI_RANK": "1"}) == 1
+    assert reports_usage({"PMI_RANK": "1"}) and job_size({"PMI_RANK": "1"}) == 1
 
 
 def test_the_message_names_each_differing_flag_and_its_processes() -> None:

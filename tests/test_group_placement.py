@@ -108,6 +108,10 @@ def test_different_settings_raise_naming_what_differs(monkeypatch: pytest.Monkey
         match=r"algorithm: 'auto' on MPI ranks \[0, 2, 3, 4\], 'tree' on MPI ranks \[1\]",
     ):
         place(cast("Any", boot), 1, True, {"algorithm": "auto"})
+    # started without MPI: the processes by the launcher's rank
+    with pytest.raises(ValueError, match=r"'auto' on processes \[0, 2, 3, 4\], 'tree' on proc"):
+        place(cast("Any", FakeBoot(0, JOB, every)), 1, True, {"algorithm": "auto"}, None,
+              "processes")  # fmt: skip
 
 
 def test_a_malformed_placement_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

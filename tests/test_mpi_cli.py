@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from nccltree.cli import train
-from nccltree.cli._training import group_devices, mpi_world_size
+from nccltree.cli._training import group_devices, job_size
 from tests.mpirun import ROOT, mpiexec, needs_mpi, run_mpi
 
 CLI = ROOT / "tests" / "mpi" / "cli_main.py"
@@ -52,16 +52,16 @@ def _losses(out: Path) -> dict[object, object]:
 
 
 def test_mpi_detection_and_devices() -> None:
-    assert mpi_world_size({}) == 1
-    assert mpi_world_size({"PMI_SIZE": "4"}) == 4
-    assert mpi_world_size({"OMPI_COMM_WORLD_SIZE": "3"}) == 3
-    assert mpi_world_size({"SLURM_NTASKS": "8"}) == 1  # srun without PMIx: not MPI
-    assert mpi_world_size({"SLURM_NTASKS": "8", "PMIX_RANK": "0"}) == 8
+    assert job_size({}) == 1
+    assert job_size({"PMI_SIZE": "4"}) == 4
+    assert job_size({"OMPI_COMM_WORLD_SIZE": "3"}) == 3
+    assert job_size({"SLURM_NTASKS": "8"}) == 1  # srun without PMIx: not MPI
+    assert job_size({"SLURM_NTASKS": "8", "PMIX_RANK": "0"}) == 8
     # auto: the GPU where CuPy sees one (never here), else one host rank
     assert group_devices("auto") == "cpu" and group_devices("cpu:2") == "cpu:2"
     assert group_devices("gpu") == "gpu" and group_devices("gpu:1") == "gpu:1"
     for bad in ("gpu:0,1", "cpu:0", "cpu:x", "gpu:x", "cuda"):
-        with pytest.raises(ValueError, match="under MPI"):
+        with pytest.raises(ValueError, match="in a job of several processes"):
             group_devices(bad)
 
 

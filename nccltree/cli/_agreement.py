@@ -1,4 +1,4 @@
-"""The processes of an MPI job agree on how they start, before any of them trains.
+"""The processes of a job agree on how they start, before any of them trains.
 
 ``mpiexec -n 1 nccltree-train --lr 0.05 : -n 1 nccltree-train --lr 0.5`` is two processes
 that would train one model with two learning rates, every collective matched and the
@@ -18,7 +18,12 @@ differs):
 
 Every process then raises the same error (a :class:`UsageError`, which the job's first
 process prints, once), before any training. The processes are named by their launcher
-rank (``mpiexec``'s numbering, :func:`job_rank`).
+rank (``mpiexec``'s numbering, torchrun's ``RANK``, Slurm's ``SLURM_PROCID``:
+:func:`job_rank`). The group is started as the environment shows (MPI under mpiexec,
+the store otherwise), so the agreement needs no MPI of its own.
+
+:func:`gather_processes` is the same kind of exchange for anything else the processes
+must tell each other (whether each set up its run), over any group.
 """
 
 from __future__ import annotations
@@ -26,11 +31,12 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ._common import RuntimeFailure, UsageError, job_rank
+from ._common import RuntimeFailure, UsageError, job_rank, over_mpi
 from ._training import ignore_launcher_notices
 
 if TYPE_CHECKING:
@@ -65,13 +71,34 @@ def _all_gather(pg: ProcessGroup, x: np.ndarray) -> np.ndarray:
     return pg.call("all_gather", [x], [np.empty(x.size * pg.size, x.dtype)])[0]
 
 
+def gather_processes(pg: ProcessGroup, obj: object) -> list[object]:
+    """Every process's ``obj`` (picklable; the job's own data only), in the group's
+    process order: one ``all_gather_object`` over the group's ranks, each of this
+    process's ranks bringing the same (one thread per local rank where it holds
+    several). Collective: every process of ``pg`` calls it; bounded by the group's
+    timeout."""
+    mine = (pg.proc, obj)
+    n = len(pg.ranks)
+    if n == 1:
+        every = pg.all_gather_object(mine)
+    else:
+        with ThreadPoolExecutor(n, thread_name_prefix="nccltree-gather") as pool:
+            calls = [pool.submit(pg.comm(i).all_gather_object, mine) for i in range(n)]
+            every = [c.result() for c in calls][0]
+    by_proc: dict[int, object] = {}
+    for item in every:
+        assert isinstance(item, tuple) and len(item) == 2, "each rank sent (proc, obj)"
+        by_proc.setdefault(int(item[0]), item[1])
+    return [by_proc[p] for p in range(pg.nprocs)]
+
+
 def agree_on_start(
     config: Mapping[str, object] | None,
     error: BaseException | None,
     timeout: float,
     flag: Mapping[str, str] | None = None,
 ) -> None:
-    """Under MPI, before anything else: every process brings its ``config`` (a flag's
+    """In a job, before anything else: every process brings its ``config`` (a flag's
     key to its value, as JSON takes it) or the ``error`` that stopped it; unless every
     process brought the same configuration, every process raises the same error:
     :class:`UsageError` naming the flags that differ (``flag`` spells a key as the
@@ -145,7 +172,8 @@ def _disagreement(starts: list[dict[str, object]], flag: Mapping[str, str]) -> E
         if len(held) > 1:
             name = flag.get(key, "--" + key.replace("_", "-"))
             diffs.append(f"{name}: " + ", ".join(f"{v} on {_procs(p)}" for v, p in held.items()))
+    job = "MPI job" if over_mpi() else "job"
     return UsageError(
-        "the processes of this MPI job were given different flags (every process must be "
+        f"the processes of this {job} were given different flags (every process must be "
         "given the same): " + "; ".join(diffs)
     )

@@ -22,9 +22,10 @@ Exit statuses (every ``--help`` epilog prints :data:`EXIT_STATUS_EPILOG`):
   work was cut short (a trainer stops at its next line, with no ``final.npz``), and a
   pipeline under ``set -o pipefail`` must not take that for a finished run.
 
-Under an MPI launcher (``mpiexec -n P``), a usage error is printed once per job, by the
-process whose launcher rank is 0 (:func:`job_rank`, read from the launcher's variables
-without starting MPI); every process still exits with ``2``. ``nccltree-train`` first
+In a job of several processes (``mpiexec -n P``, ``nccltree-run``, torchrun's variables,
+an ``srun`` step: :func:`job_size`), a usage error is printed once per job, by the process
+whose launcher rank is 0 (:func:`job_rank`, read from the launcher's variables without
+starting anything); every process still exits with ``2``. ``nccltree-train`` first
 agrees on its configuration across the processes, so that the first process also names
 what the others found; ``nccltree-bench`` takes every process to have been given the same
 command line. An error a process may have found alone (:attr:`UsageError.alone`) is
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     from _typeshed import SupportsWrite
 
     from ..backends.base import Device
+    from ..comm.group.launch_env import LaunchEnv
 
 
 class ExitStatus(enum.IntEnum):
@@ -86,7 +88,7 @@ ERRORS: tuple[type[Exception], ...] = (NcclTreeError, ValueError, TypeError, OSE
 class UsageError(ValueError):
     """The command cannot run as given (exit status 2); the message says what is accepted.
 
-    ``alone``: this process may be the only one of an MPI job to have found it (its own
+    ``alone``: this process may be the only one of a job to have found it (its own
     environment, say), so it prints it even where it is not the job's first process."""
 
     alone = False
@@ -97,64 +99,66 @@ class RuntimeFailure(NcclTreeError):
     inside :func:`checking`: a corrupt record is not a usage error."""
 
 
-# -- MPI jobs ---------------------------------------------------------------------------------
-
-# The launchers' variables that give the number of processes: MPICH and Intel MPI (Hydra,
-# PMI), Open MPI, MVAPICH; Slurm's srun with PMIx sets PMIX_RANK and SLURM_NTASKS.
-MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
-# ... and this process's rank among them
-MPI_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PMIX_RANK")
+# -- jobs of several processes -----------------------------------------------------------------
 
 
-def mpi_world_size(env: Mapping[str, str] | None = None) -> int:
-    """The number of processes an MPI launcher started this one among (1 when none did):
-    ``PMI_SIZE``, ``OMPI_COMM_WORLD_SIZE``, ``MV2_COMM_WORLD_SIZE``, or ``SLURM_NTASKS``
-    where ``PMIX_RANK`` is set."""
-    env = os.environ if env is None else env
-    names = [*MPI_SIZE_VARIABLES, *(["SLURM_NTASKS"] if "PMIX_RANK" in env else [])]
-    return _first_number(env, names, 1)
+def launched(env: Mapping[str, str] | None = None) -> LaunchEnv | None:
+    """What the launcher that started this process told it
+    (:func:`nccltree.comm.group.launch_env.detect`: an MPI launcher's variables, then
+    torchrun's ``RANK``/``WORLD_SIZE``, then an srun step's ``SLURM_STEP_NUM_TASKS`` with
+    ``SLURM_PROCID``), or None for a process started on its own. A variable that is not
+    a whole number is a :class:`UsageError` this process reports itself."""
+    from ..comm.group.launch_env import detect
+
+    try:
+        return detect(os.environ if env is None else env)
+    except ValueError as exc:
+        error = UsageError(f"the launcher's environment: {exc}")
+        error.alone = True
+        raise error from None
+
+
+def job_size(env: Mapping[str, str] | None = None) -> int:
+    """The number of processes the launcher started this one among (1 when none did):
+    ``PMI_SIZE``, ``OMPI_COMM_WORLD_SIZE``, ``MV2_COMM_WORLD_SIZE`` or an srun step's
+    size under ``PMIX_RANK`` (MPI), else ``WORLD_SIZE`` (torchrun, ``nccltree-run``),
+    else ``SLURM_STEP_NUM_TASKS`` with ``SLURM_PROCID`` (``srun``), as
+    :func:`launched`. Read from the environment: nothing is started."""
+    seen = launched(env)
+    return seen.size if seen is not None else 1
 
 
 def job_rank(env: Mapping[str, str] | None = None) -> int:
-    """This process's rank among those an MPI launcher started (``PMI_RANK``,
-    ``OMPI_COMM_WORLD_RANK``, ``MV2_COMM_WORLD_RANK``, ``PMIX_RANK``); 0 when none did.
-    Read from the environment: no MPI is started."""
-    return _first_number(os.environ if env is None else env, MPI_RANK_VARIABLES, 0)
+    """This process's rank among those the launcher started (``PMI_RANK``,
+    ``OMPI_COMM_WORLD_RANK``, ``MV2_COMM_WORLD_RANK``, ``PMIX_RANK``; ``RANK``;
+    ``SLURM_PROCID``, as :func:`launched`); 0 when none did. Read from the environment:
+    no MPI is started."""
+    seen = launched(env)
+    return seen.rank if seen is not None and seen.rank is not None else 0
 
 
-def _first_number(env: Mapping[str, str], names: Sequence[str], default: int) -> int:
-    """The first of ``names`` set in ``env`` to a whole number, else ``default``."""
-    for name in names:
-        value = env.get(name, "").strip()
-        if value.isdigit():
-            return int(value)
-    return default
-
-
-def launcher_refusal(prog: str, env: Mapping[str, str] | None = None) -> UsageError | None:
-    """The usage error for a job of several processes started by a launcher other than
-    MPI's (torchrun, ``nccltree-run``, ``srun`` without ``--mpi``): the command lines run
-    a job of several processes over MPI only, and each process would run alone (one
-    model trained per process, into one ``--out``); None otherwise."""
-    from ..comm.group.launch_env import several_processes
+def over_mpi(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the process group of this job meets over MPI (``init_process_group`` with
+    no ``init_method``): under an MPI launcher, or started alone where mpi4py imports
+    (:func:`nccltree.comm.group.launch_env.default_method`)."""
+    from ..comm.group.launch_env import default_method
 
     env = os.environ if env is None else env
-    if mpi_world_size(env) > 1:
-        return None
-    names = [v for v in several_processes(env) if not v.startswith(("PMI_", "OMPI_", "MV2_"))]
-    if not names:
-        return None
-    return UsageError(
-        f"the environment says this job has several processes ({', '.join(names)}), but "
-        f"{prog} runs them together under MPI only (mpiexec -n P {prog} ..., srun "
-        "--mpi=pmix); each would run alone"
-    )
+    return default_method(env, launched(env)) == "mpi"
+
+
+def job_processes(n: int, env: Mapping[str, str] | None = None) -> str:
+    """``"N MPI processes"`` for a job over MPI, ``"N processes"`` otherwise (messages)."""
+    return f"{n} {'MPI ' if over_mpi(env) else ''}processes"
 
 
 def reports_usage(env: Mapping[str, str] | None = None) -> bool:
-    """Whether this process prints usage errors and help: always, except in an MPI job
-    of several processes, where the one of launcher rank 0 speaks for the job."""
-    return mpi_world_size(env) <= 1 or job_rank(env) == 0
+    """Whether this process prints usage errors and help: always, except in a job of
+    several processes, where the one of launcher rank 0 speaks for the job."""
+    try:
+        return job_size(env) <= 1 or job_rank(env) == 0
+    except UsageError:  # its own environment: it says so itself
+        return True
 
 
 # -- the parser ------------------------------------------------------------------------------
@@ -183,12 +187,12 @@ class Parser(argparse.ArgumentParser):
         )
 
     #: raise a :class:`UsageError` for a bad flag instead of printing it and exiting (a
-    #: caller that decides who reports it: the processes of an MPI job)
+    #: caller that decides who reports it: the processes of a job)
     raising = False
 
     def error(self, message: str) -> NoReturn:
         """argparse's usage error (the usage and ``PROG: error: MESSAGE``, status 2),
-        printed by one process of an MPI job (:func:`reports_usage`)."""
+        printed by one process of a job (:func:`reports_usage`)."""
         if self.raising:
             raise UsageError(message)
         if not reports_usage():
@@ -196,7 +200,7 @@ class Parser(argparse.ArgumentParser):
         super().error(message)
 
     def print_help(self, file: SupportsWrite[str] | None = None) -> None:
-        """``--help``, printed by one process of an MPI job."""
+        """``--help``, printed by one process of a job."""
         if reports_usage():
             super().print_help(file)
 
@@ -267,7 +271,7 @@ def run_body(
     try:
         return body()
     except UsageError as exc:
-        if exc.alone or reports_usage():  # once per MPI job (see the module's docstring)
+        if exc.alone or reports_usage():  # once per job (see the module's docstring)
             if show_usage:
                 parser.print_usage(sys.stderr)
             report_error(name, exc)

@@ -5,9 +5,11 @@ with a :class:`DriverConfig` and get the devices, the model, the
 :class:`~nccltree.parallel.DataParallel` driver and (given a database) the
 :class:`~nccltree.data.DataReader` from :func:`build_training`, which also releases them.
 
-Under MPI (:func:`mpi_world_size`), the command lines make a process group
-(:func:`open_group`) and pass it to :func:`build_training`: each process then holds only
-its own ranks' devices, replicas and records.
+In a job of several processes (:func:`~nccltree.cli._common.job_size`: under mpiexec,
+``nccltree-run``, torchrun's variables or an srun step), the command lines make a process
+group (:func:`open_group`, started as the environment shows) and pass it to
+:func:`build_training`: each process then holds only its own ranks' devices, replicas and
+records.
 """
 
 from __future__ import annotations
@@ -19,8 +21,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ._common import MPI_SIZE_VARIABLES as MPI_SIZE_VARIABLES
-from ._common import mpi_world_size as mpi_world_size
+from ._common import job_size as job_size
 from ._common import open_devices
 
 if TYPE_CHECKING:
@@ -112,7 +113,7 @@ class Training:
 
 
 def group_devices(spec: str, flag: str = "--devices") -> str:
-    """The devices of each process under MPI: ``cpu`` (one rank), ``cpu:N`` (N ranks),
+    """The devices of each process of a job: ``cpu`` (one rank), ``cpu:N`` (N ranks),
     ``gpu`` (one GPU: the process's index among its node's processes, modulo the GPUs it
     sees) or ``gpu:K`` (CUDA device K); ``auto`` is ``gpu`` where CuPy sees a GPU, else
     ``cpu``. Anything else is a ValueError."""
@@ -132,17 +133,19 @@ def group_devices(spec: str, flag: str = "--devices") -> str:
     ):
         return spec
     raise ValueError(
-        f"{flag} {spec}: under MPI each process holds 'cpu' (one rank), 'cpu:N' (N ranks), "
-        "'gpu' (one GPU, picked by the process's index on its node) or 'gpu:K' (CUDA "
-        "device K)"
+        f"{flag} {spec}: in a job of several processes each holds 'cpu' (one rank), "
+        "'cpu:N' (N ranks), 'gpu' (one GPU, picked by the process's index on its node) or "
+        "'gpu:K' (CUDA device K)"
     )
 
 
 @contextlib.contextmanager
 def open_group(devices: str, algorithm: str, timeout: float) -> Iterator[ProcessGroup]:
-    """The process group of every MPI process (``devices``: each process's, see
-    :func:`group_devices`), closed when the block ends. Every process must hold the same
-    number of ranks (the data are dealt that way)."""
+    """The process group of every process of the job (``devices``: each process's, see
+    :func:`group_devices`), started as the environment shows (MPI under mpiexec, the
+    store under ``nccltree-run``, torchrun's or Slurm's variables), closed when the block
+    ends. Every process must hold the same number of ranks (the data are dealt that
+    way)."""
     from ..comm.group import init_process_group
 
     pg = init_process_group(devices=devices, algorithm=algorithm, timeout=timeout)

@@ -33,9 +33,11 @@ from ._common import (
     checking,
     human_bytes,
     int_at_least,
-    launcher_refusal,
+    job_processes,
+    job_rank,
     make_parser,
     open_devices,
+    over_mpi,
     run_main,
     write_output,
 )
@@ -58,7 +60,7 @@ from ._training import (
     bucket_bytes,
     build_training,
     group_devices,
-    mpi_world_size,
+    job_size,
     open_group,
 )
 
@@ -188,9 +190,10 @@ def using_devices(bench: drv.Benchmark, per_group: int) -> list[str]:
         )
     others = bench.n - len(bench.devices)
     if bench.group is not None and others:
+        mpi = "MPI " if over_mpi() else ""
         lines.append(
             f"#  (and {others} more rank{'s' if others > 1 else ''} in the other "
-            f"{bench.group.nprocs - 1} MPI process{'es' if bench.group.nprocs > 2 else ''})"
+            f"{bench.group.nprocs - 1} {mpi}process{'es' if bench.group.nprocs > 2 else ''})"
         )
     return lines
 
@@ -391,7 +394,7 @@ def make_benchmark(
                 "--algorithm mpi runs MPI's own collectives, one rank per process: use -g 1 "
                 f"(this process holds {len(group.ranks)} ranks)"
             )
-        label = f"{devices} x {group.nprocs} MPI processes"
+        label = f"{devices} x {job_processes(group.nprocs)}"
         devices_used: Sequence[Device] | str = group.devices
     else:
         label = devices_used = resolve_devices(args)
@@ -641,7 +644,7 @@ def train_point(
         return {}
     n, per_rank = t.ranks, t.per_rank_batch
     if group is not None:
-        spec = f"{spec} x {group.nprocs} MPI processes"
+        spec = f"{spec} x {job_processes(group.nprocs)}"
     timed = steps[args.warmup :]
     t0 = steps[args.warmup - 1].elapsed_s if args.warmup else 0.0
     secs = timed[-1].elapsed_s - t0
@@ -720,6 +723,11 @@ def check_train_args(args: argparse.Namespace, *, mpi: bool = False) -> None:
         raise UsageError(f"unknown model {args.model!r}; accepted: {', '.join(MODELS)}")
     if args.algorithm not in choices:
         raise UsageError(f"unknown algorithm {args.algorithm!r}; accepted: {', '.join(choices)}")
+    if mpi and args.algorithm == "mpi" and not over_mpi():
+        raise UsageError(
+            "--algorithm mpi runs MPI's own collectives, and this job was not started by "
+            "an MPI launcher (mpiexec): use tree, ring, direct or auto"
+        )
     if args.algorithm == "mpi" and args.comm_hook == "float16":
         raise UsageError(
             "--comm-hook float16 cannot go with --algorithm mpi: MPI has no float16 type to "
@@ -782,17 +790,11 @@ def _check_model(args: argparse.Namespace, hidden: list[int]) -> None:
 
 
 def run_train(args: argparse.Namespace, out: TextIO, err: TextIO, *, mpi: bool = False) -> int:
-    """The training sweep; ``mpi``: each device set is every MPI process's (a process
-    group per set), and global rank 0 alone reports."""
+    """The training sweep; ``mpi``: each device set is every process's of the job (a
+    process group per set), and global rank 0 alone reports."""
     runs: list[list[dict]] = []
     total = len(args.devices) * len(args.scaling) * len(args.bucket_mb) * args.repeat
     root = True
-    if mpi:
-        from mpi4py import MPI
-
-        root = MPI.COMM_WORLD.Get_rank() == 0  # the group's rank 0 (see ProcessGroup)
-        if not root:
-            args.quiet, args.json, args.plot = True, None, None
     progress = SweepProgress(total, args.quiet, err, every_s=0.0)
     with contextlib.ExitStack() as stack:
         dataset = _train_dataset(args, stack)
@@ -804,6 +806,10 @@ def run_train(args: argparse.Namespace, out: TextIO, err: TextIO, *, mpi: bool =
                     for mb in args.bucket_mb:
                         if mpi:
                             with open_group(spec, args.algorithm, 60.0) as group:
+                                if root and group.rank != 0:  # global rank 0 reports
+                                    root = False
+                                    progress.quiet = args.quiet = True
+                                    args.json, args.plot = None, None
                                 point = train_point(spec, mode, args, dataset, group, mb)
                         else:
                             point = train_point(spec, mode, args, dataset, bucket_mb=mb)
@@ -997,15 +1003,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--algorithm",
         default=d["algorithm"],
         help="comma-separated algorithms compared side by side: tree, ring, "
-        "direct, nccl, auto; under MPI: tree, ring, direct, auto and mpi (MPI's own "
-        "collectives, a peer line) (default: %(default)s)",
+        "direct, nccl, auto; in a job of several processes: tree, ring, direct, auto "
+        "and, under mpiexec, mpi (MPI's own collectives, a peer line; left out with a "
+        "note in a job started without MPI) (default: %(default)s)",
     )
     c.add_argument(
         "--mpi",
         action="store_true",
-        help="MPI mode even where no launcher variable says so. Under mpiexec (PMI_SIZE, "
-        "OMPI_COMM_WORLD_SIZE, MV2_COMM_WORLD_SIZE, or SLURM_NTASKS with PMIX_RANK, above "
-        "1) it is on by itself: every process is part of one process group, -g N gives "
+        help="MPI mode (a job of several processes) even where no launcher variable says "
+        "so. Under mpiexec (PMI_SIZE, OMPI_COMM_WORLD_SIZE, MV2_COMM_WORLD_SIZE, or "
+        "SLURM_NTASKS with PMIX_RANK), nccltree-run or torchrun (WORLD_SIZE) and srun "
+        "(SLURM_STEP_NUM_TASKS with SLURM_PROCID), above 1, it is on by itself: every "
+        "process is part of one process group, -g N gives "
         "each N host ranks (--devices cpu or cpu:N), and global rank 0 prints one table, "
         "as nccl-tests' MPI mode: each rank times its calls, the time shown is the slowest "
         "rank's (-a), and #wrong sums every rank's",
@@ -1189,15 +1198,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--algorithm",
         default="tree",
-        help="collective algorithm: tree, ring, direct, nccl, auto; under MPI tree, ring, "
-        "direct, mpi, auto (default: %(default)s)",
+        help="collective algorithm: tree, ring, direct, nccl, auto; in a job of several "
+        "processes tree, ring, direct, auto, and mpi under mpiexec (default: %(default)s)",
     )
     t.add_argument(
         "--mpi",
         action="store_true",
-        help="MPI mode even where no launcher variable says so (under mpiexec it is on by "
-        "itself): each --devices set (cpu or cpu:N) is every process's, the ranks of all "
-        "processes train together, and global rank 0 reports",
+        help="MPI mode (a job of several processes) even where no launcher variable says "
+        "so (under mpiexec, nccltree-run, torchrun or srun it is on by itself): each "
+        "--devices set (cpu or cpu:N) is every process's, the ranks of all processes "
+        "train together, and global rank 0 reports",
     )
     t.add_argument(
         "--blas-threads",
@@ -1334,11 +1344,8 @@ def main(argv: list[str] | None = None, *, world_factory: drv.WorldFactory | Non
 
             with checking():
                 return run_calibrate(args, sys.stdout)
-        if args.command != "topo" and (args.mpi or mpi_world_size() > 1):
-            return _under_mpi(args)
-        refused = launcher_refusal("nccltree-bench") if args.command != "topo" else None
-        if refused is not None:
-            raise refused
+        if args.command != "topo" and (args.mpi or job_size() > 1):
+            return _in_job(args)
         # first every flag is checked (and Worlds created): errors here run nothing
         with checking():
             if args.command == "collectives":
@@ -1362,14 +1369,16 @@ def main(argv: list[str] | None = None, *, world_factory: drv.WorldFactory | Non
     return run_main(build_parser(), argv, body, prog=lambda a: f"nccltree-bench {a.command}")
 
 
-def _under_mpi(args: argparse.Namespace) -> int:
-    """``collectives`` or ``train`` as one process of an MPI job: a process group over
-    every process; global rank 0 prints and writes the outputs."""
+def _in_job(args: argparse.Namespace) -> int:
+    """``collectives`` or ``train`` as one process of a job (mpiexec, nccltree-run,
+    torchrun's or srun's variables): a process group over every process, started as the
+    environment shows; global rank 0 prints and writes the outputs."""
     with contextlib.ExitStack() as stack:
         with checking():
             if args.command == "collectives":
                 if args.trace:
-                    raise UsageError("--trace runs in one process, not under MPI")
+                    raise UsageError("--trace runs in one process, not in a job of several")
+                _leave_out_mpi(args)
                 spec = mpi_devices(args)
                 first = _split(args.algorithm)[:1] or ["auto"]
                 group = stack.enter_context(open_group(spec, first[0], args.timeout))
@@ -1382,6 +1391,30 @@ def _under_mpi(args: argparse.Namespace) -> int:
             args.quiet, args.json, args.csv, args.plot = True, None, None, None
         # no memory fitting: every process must run the same sweep
         return run_collectives(bench, args, sys.stdout, sys.stderr, {})
+
+
+def _leave_out_mpi(args: argparse.Namespace) -> None:
+    """In a job started without MPI (nccltree-run, torchrun's or srun's variables),
+    ``--algorithm mpi`` (MPI's own collectives, the peer line) cannot run: it is left out
+    of the comparison with a note on stderr from the job's first process (a usage error
+    when it was the only one)."""
+    algorithms = _split(args.algorithm)
+    if "mpi" not in algorithms or over_mpi():
+        return
+    rest = [a for a in algorithms if a != "mpi"]
+    if not rest:
+        raise UsageError(
+            "--algorithm mpi runs MPI's own collectives, and this job was not started by an "
+            "MPI launcher (mpiexec): use tree, ring, direct or auto"
+        )
+    if job_rank() == 0 and not args.quiet:
+        print(
+            "nccltree-bench collectives: note: --algorithm mpi left out (MPI's own "
+            "collectives need a job started by mpiexec; this one started without MPI)",
+            file=sys.stderr,
+            flush=True,
+        )
+    args.algorithm = ",".join(rest)
 
 
 if __name__ == "__main__":

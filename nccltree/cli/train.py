@@ -45,7 +45,8 @@ from ._common import (
     RuntimeFailure,
     UsageError,
     checking,
-    launcher_refusal,
+    job_processes,
+    job_size,
     make_parser,
     open_devices,
     report_error,
@@ -61,7 +62,6 @@ from ._training import (
     build_training,
     group_devices,
     make_model,
-    mpi_world_size,
     open_group,
 )
 
@@ -89,9 +89,13 @@ EPILOG = (
     EXIT_STATUS_EPILOG
     + " On Ctrl-C or SIGTERM the iteration reached is snapshotted in --out. Caffe's -solver "
     "FILE is taken as --solver FILE; its -gpu, -weights, -snapshot and -model are answered "
-    "with the flags to use instead (status 2). Under MPI (mpiexec -n P nccltree-train ...; detected from PMI_SIZE, "
-    "OMPI_COMM_WORLD_SIZE, MV2_COMM_WORLD_SIZE, or SLURM_NTASKS with PMIX_RANK, when above 1; "
-    "or forced with --mpi) the processes form one process group: --devices cpu (one rank "
+    "with the flags to use instead (status 2). In a job of several processes (mpiexec -n P "
+    "nccltree-train ..., nccltree-run --nproc-per-node P --no-python nccltree-train ..., "
+    "torchrun's variables, an srun step; detected from PMI_SIZE, OMPI_COMM_WORLD_SIZE, "
+    "MV2_COMM_WORLD_SIZE, or SLURM_NTASKS with PMIX_RANK, else WORLD_SIZE, else "
+    "SLURM_STEP_NUM_TASKS with SLURM_PROCID, when above 1; or forced with --mpi) the "
+    "processes form one process group, over MPI under mpiexec and through a start-up "
+    "store otherwise: --devices cpu (one rank "
     "each, the default) or cpu:N (N ranks each), global rank 0 prints and writes --out, each "
     "process reads only its own ranks' records, and the result is that of one process with "
     "the same total ranks. SIGTERM or SIGINT to the processes stops every rank after the "
@@ -401,9 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--mpi",
         action="store_true",
-        help="run as one process of an MPI job even where no launcher variable says so "
-        "(they are read otherwise: PMI_SIZE, OMPI_COMM_WORLD_SIZE, MV2_COMM_WORLD_SIZE, "
-        "SLURM_NTASKS with PMIX_RANK; above 1 means MPI mode)",
+        help="run as one process of a job of several processes even where no launcher "
+        "variable says so (they are read otherwise, above 1 meaning a job: an MPI "
+        "launcher's PMI_SIZE, OMPI_COMM_WORLD_SIZE, MV2_COMM_WORLD_SIZE or SLURM_NTASKS "
+        "with PMIX_RANK; torchrun's and nccltree-run's WORLD_SIZE; an srun step's "
+        "SLURM_STEP_NUM_TASKS with SLURM_PROCID); the processes meet as the environment "
+        "shows, over MPI where no launcher's variables say otherwise",
     )
     g.add_argument(
         "--algorithm",
@@ -1127,7 +1134,7 @@ def _print_header(
         (
             f"  devices    {cfg.devices} -> {names} ({n} rank{'s' if n > 1 else ''})"
             if t.group is None
-            else f"  devices    {cfg.devices} in each of {t.group.nprocs} MPI processes on "
+            else f"  devices    {cfg.devices} in each of {job_processes(t.group.nprocs)} on "
             f"{t.group.nodes} node{'s' if t.group.nodes > 1 else ''} ({n} ranks)"
         ),
         f"  algorithm  {cfg.algorithm}, update mode {cfg.update_mode}"
@@ -1259,8 +1266,9 @@ def run(
 
     ``overwrite`` replaces a run held in ``cfg.out``, which is refused otherwise (unless
     continuing ``snap``). ``origins`` (where each setting came from) goes to the header
-    and to the metrics' config record. ``mpi``: this process is one of an MPI job; they train together
-    over a process group, global rank 0 alone prints and writes ``cfg.out``.
+    and to the metrics' config record. ``mpi``: this process is one of a job of several
+    processes (mpiexec, nccltree-run, torchrun, srun); they train together over a process
+    group, global rank 0 alone prints and writes ``cfg.out``.
     """
     from ..parallel import Diverged, RankFailure
 
@@ -1287,7 +1295,7 @@ def run(
         except Exception as exc:  # noqa: BLE001 - raised again once the processes agree
             failure = exc
         if group is not None:
-            _agree_on_setup(failure)
+            _agree_on_setup(group, failure)
         if failure is not None:
             raise failure
         with checking():
@@ -1496,7 +1504,7 @@ def _alone() -> Iterator[None]:
         raise
 
 
-# Each process of an MPI job may have its own: where rank 0 writes (the others cache the
+# Each process of a job may have its own: where rank 0 writes (the others cache the
 # built-in data there), how long a wait may take, its BLAS threads. Every other flag must
 # be the same on every process (see _agreement.py).
 PER_PROCESS = frozenset({"out", "timeout", "blas_threads"})
@@ -1508,7 +1516,7 @@ _AGREED_FLAGS = {
 
 
 def agreed_config(cfg: TrainConfig, snap: Snapshot | None) -> dict[str, object]:
-    """What every process of an MPI job must agree on: the configuration less
+    """What every process of a job must agree on: the configuration less
     :data:`PER_PROCESS`, and the iteration of the snapshot it resumes."""
     flat = {k: v for k, v in cfg.as_dict().items() if k not in PER_PROCESS}
     flat["resume_iter"] = None if snap is None else snap.iter
@@ -1516,8 +1524,8 @@ def agreed_config(cfg: TrainConfig, snap: Snapshot | None) -> dict[str, object]:
 
 
 def _main_in_job(argv: list[str]) -> int:
-    """``nccltree-train`` as one process of an MPI job: the flags are checked as alone,
-    but whatever each process resolved (its configuration, or the usage error that
+    """``nccltree-train`` as one process of a job (mpiexec, nccltree-run, torchrun,
+    srun): the flags are checked as alone, but whatever each process resolved (its configuration, or the usage error that
     stopped it) goes to one agreement of every process before anything else
     (:func:`nccltree.cli._agreement.agree_on_start`): a mismatch or an error is the same
     usage error on every process, printed once, by the job's first process."""
@@ -1573,26 +1581,31 @@ def _train_in_job(args: argparse.Namespace | None, found: Exception | None) -> i
         return TERMINATED
 
 
-def _agree_on_setup(failure: BaseException | None) -> None:
-    """Under MPI, before training: every process learns whether any failed to set up, so
-    that none waits for the others in the first collective; a process that did not fail
-    itself raises the same kind of error (:class:`UsageError` or :class:`RuntimeFailure`)
-    naming the first that did."""
-    from mpi4py import MPI
+def _agree_on_setup(group: ProcessGroup, failure: BaseException | None) -> None:
+    """In a job, before training: every process learns whether any failed to set up, so
+    that none waits for the others in the first collective (one exchange over ``group``,
+    with or without MPI); a process that did not fail itself raises the same kind of
+    error (:class:`UsageError` or :class:`RuntimeFailure`) naming the first that did, by
+    its launcher rank."""
+    from ._agreement import gather_processes
+    from ._common import job_rank, over_mpi
 
     mine = None if failure is None else (str(failure) or repr(failure))
     usage = isinstance(failure, UsageError)
-    said = MPI.COMM_WORLD.allgather((mine, usage))
+    said = gather_processes(group, (job_rank(), mine, usage))
     if failure is None:
-        for proc, (text, was_usage) in enumerate(said):
+        for entry in said:
+            assert isinstance(entry, tuple), "gather_processes returns what was sent"
+            proc, text, was_usage = entry
             if text is not None:  # the same exit status as the process that failed
                 error = UsageError if was_usage else RuntimeFailure
-                raise error(f"MPI process {proc} failed before training: {text}")
+                who = "MPI process" if over_mpi() else "process"
+                raise error(f"{who} {proc} failed before training: {text}")
 
 
 @contextlib.contextmanager
 def _signals_stop(dp: DataParallel) -> Iterator[list[int]]:
-    """Under MPI, inside: SIGTERM and SIGINT ask ``dp`` to stop (the ranks of every process
+    """In a job, inside: SIGTERM and SIGINT ask ``dp`` to stop (the ranks of every process
     agree on the iteration) instead of raising; yields the signals received."""
     import threading
 
@@ -1764,7 +1777,7 @@ def _train(args: argparse.Namespace) -> int:
     try:
         with _sigterm_stops():
             cfg, snap, origins = resolve_with_origins(args)
-            return _run(cfg, snap, args, mpi=args.mpi or mpi_world_size() > 1, origins=origins)
+            return _run(cfg, snap, args, mpi=args.mpi or job_size() > 1, origins=origins)
     except Terminated:  # before or after training: nothing to snapshot
         print("terminated (SIGTERM)", file=sys.stderr, flush=True)
         return TERMINATED
@@ -1818,12 +1831,13 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``nccltree-train``; returns the exit status."""
     given = caffe_spellings(sys.argv[1:] if argv is None else list(argv))
     argv = given
-    if mpi_world_size() > 1 or "--mpi" in given:
-        return _main_in_job(given)
-    refused = launcher_refusal(PROG) if "-h" not in given and "--help" not in given else None
-    if refused is not None:
-        report_error(PROG, refused)
+    try:
+        in_job = job_size() > 1 or "--mpi" in given
+    except UsageError as exc:  # a launcher's variable that is no number
+        report_error(PROG, exc)
         return ExitStatus.USAGE
+    if in_job:
+        return _main_in_job(given)
     hint = caffe_hint(given)
     if hint is not None:
         report_error(PROG, hint)

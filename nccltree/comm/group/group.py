@@ -168,7 +168,7 @@ def _start_links(
             boot.close()
         return pl, Links.over_mpi(comm, pl, MPI)
     # (without MPI a node without shared memory has only NCCL, on GPUs)
-    pl = place(bootstrap, nlocal, shm, settings, "NCCL" if gpu else None)
+    pl = place(bootstrap, nlocal, shm, settings, "NCCL" if gpu else None, "processes")
     refuse_without_mpi(pl, gpu, str(settings["algorithm"]), method or "without MPI")
     return pl, Links.over_boot(bootstrap, pl, owner or BootOwner(bootstrap))
 
@@ -893,8 +893,9 @@ def init_process_group(
     process calls it. ``close()`` the group before calling it again.
 
     Errors: ``ValueError`` for bad arguments or arguments that differ between the
-    processes; :class:`~nccltree.BackendUnavailable` without mpi4py (or, for GPUs,
-    CuPy); :class:`~nccltree.CommError` when a group is already open here;
+    processes; :class:`~nccltree.BackendUnavailable` where the start is MPI's and
+    mpi4py is missing (the message names the ``mpi`` and ``mpich`` extras, and the
+    starts without MPI) (or, for GPUs, CuPy); :class:`~nccltree.CommError` when a group is already open here;
     :class:`~nccltree.CommTimeout` or :class:`~nccltree.MissingRanks` when processes do
     not all arrive within ``timeout``."""
     global _current

@@ -261,6 +261,18 @@ def slurm_port(environ: Mapping[str, str]) -> int | None:
 # -- start ----------------------------------------------------------------------------------
 
 
+def default_method(environ: Mapping[str, str] | None = None, seen: LaunchEnv | None = None) -> str:
+    """The ``init_method`` :func:`start` takes when given none: ``"mpi"`` under an MPI
+    launcher, ``"env://"`` under torchrun's variables, ``"slurm"`` in an srun step, and
+    for a process started on its own ``"mpi"`` where mpi4py imports, else ``"single"``.
+    ``seen``: :func:`detect`'s answer where the caller has it."""
+    if seen is None:
+        seen = detect(environ)
+    if seen is None:
+        return "mpi" if _mpi_importable() else "single"
+    return {"mpi": "mpi", "torchrun": "env://", "slurm": "slurm"}[seen.launcher]
+
+
 def start(
     init_method: str | None,
     rank: int | None,
@@ -273,12 +285,7 @@ def start(
     there or here). Collective: every process of the job calls it."""
     env = os.environ if environ is None else environ
     seen = detect(env)
-    method = init_method
-    if method is None:
-        if seen is None:
-            method = "mpi" if _mpi_importable() else "single"
-        else:
-            method = {"mpi": "mpi", "torchrun": "env://", "slurm": "slurm"}[seen.launcher]
+    method = init_method if init_method is not None else default_method(env, seen)
     if method == "mpi":
         started = _start_mpi(timeout, rank, world_size, seen)
     elif method == "single":
@@ -329,7 +336,10 @@ def _start_mpi(
     except ImportError as exc:
         how = f" (launched by MPI: {', '.join(seen.variables)})" if seen and seen.variables else ""
         raise BackendUnavailable(
-            f"starting over MPI{how} needs mpi4py and an MPI library: pip install 'nccltree[mpi]'"
+            f"starting over MPI{how} needs mpi4py: pip install 'nccltree[mpi]' (mpi4py, over "
+            "this machine's MPI) or 'nccltree[mpich]' (mpi4py and the MPICH wheel, mpiexec "
+            "included); without MPI, start the processes with nccltree-run or torchrun "
+            "(init_method='env://') or in an srun step ('slurm')"
         ) from exc
     comm = MPI.COMM_WORLD
     me, n = comm.Get_rank(), comm.Get_size()

@@ -217,5 +217,6 @@ def refuse_without_mpi(pl: Placement, gpu: bool, algorithm: str, method: str) ->
     raise BackendUnavailable(
         f"a host process group that {why} needs MPI to move its data between them, and "
         f"this job was started without it ({method}): launch it with mpiexec (pip install "
-        "'nccltree[mpi]'), or use devices='gpu' (NCCL between nodes)"
+        "'nccltree[mpich]', or 'nccltree[mpi]' over this machine's MPI), or use "
+        "devices='gpu' (NCCL between nodes)"
     )

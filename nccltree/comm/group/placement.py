@@ -71,12 +71,15 @@ def place(
     shm: bool | None,
     settings: Mapping[str, object] | None = None,
     instead: str | None = "MPI",
+    who: str = "MPI ranks",
 ) -> Placement:
     """Every process's placement (collective over the bootstrap's processes: one
     exchange). ``nlocal``: this process's ranks; ``shm``: as for the group; ``settings``:
     what every process must have alike (the group's algorithm, ...). The first process of
     a node that cannot share memory says so on stderr, naming ``instead``, what carries
-    their data then (None: nothing is said, the group refuses to start)."""
+    their data then (None: nothing is said, the group refuses to start). ``who``: how a
+    settings mismatch names the bootstrap's processes (``"MPI ranks"``; ``"processes"``
+    for a start without MPI, numbered by the launcher's ranks)."""
     nprocs = boot.size
     me = boot.rank
     node_name = os.environ.get("NCCLTREE_NODE") or socket.gethostname()
@@ -92,7 +95,7 @@ def place(
         every.append(got[5])
         if p == 0:
             job = str(got[4])
-    _check_settings(every)
+    _check_settings(every, who)
     # processes numbered node-major: nodes in order of their first MPI rank
     order: list[str] = []
     for name, *_ in info:
@@ -148,18 +151,17 @@ def place(
     )
 
 
-def _check_settings(every: list[dict[str, object]]) -> None:
+def _check_settings(every: list[dict[str, object]], who: str = "MPI ranks") -> None:
     """Every process's group settings alike, or ``ValueError`` (on every process, which
-    all see the same table) naming each that differs, by MPI rank."""
+    all see the same table) naming each that differs, by its bootstrap rank (MPI's, or
+    the launcher's ``RANK``), as ``who`` says."""
     lines = []
     for key in sorted({k for d in every for k in d}):
         values: dict[str, list[int]] = {}
         for p, d in enumerate(every):
             values.setdefault(repr(d.get(key)), []).append(p)
         if len(values) > 1:
-            lines.append(
-                f"  {key}: " + ", ".join(f"{v} on MPI ranks {ps}" for v, ps in values.items())
-            )
+            lines.append(f"  {key}: " + ", ".join(f"{v} on {who} {ps}" for v, ps in values.items()))
     if lines:
         raise ValueError(
             "the processes start the process group with different settings:\n" + "\n".join(lines)

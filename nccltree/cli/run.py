@@ -451,6 +451,11 @@ class Launcher:
                 code = ch.proc.poll()
                 if code is None:
                     running = True
+                elif code != 0 and self.signals:
+                    # the job was told to stop and the child stopped: the signal's round
+                    # (above, next time) reports it, not as a failure
+                    running = True
+                    break
                 elif code != 0:
                     what = (f"rank {ch.rank} (local rank {ch.local}, pid {ch.pid}"
                             f"{', node ' + str(c.node_rank) if c.nnodes > 1 else ''}) "

@@ -24,6 +24,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_MPI = Path(__file__).resolve().parent / "nompi"  # its sitecustomize hides mpi4py
+_tests_only: Path | None = None
+
+
+def tests_path() -> Path:
+    """A folder from which ``import tests`` works but ``import nccltree`` does not find
+    the checkout (a link to ``tests/`` alone): the children's ``PYTHONPATH`` entry and
+    working directory, so that they import the installed nccltree, as the test process
+    does (an editable install, or a wheel under test)."""
+    global _tests_only
+    if _tests_only is None:
+        import tempfile
+
+        _tests_only = Path(tempfile.mkdtemp(prefix="tests-path-"))
+        (_tests_only / "tests").symlink_to(ROOT / "tests", target_is_directory=True)
+    return _tests_only
+
 
 Part = tuple[int, Mapping[str, str]]
 
@@ -75,7 +91,7 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
            if not k.startswith(("SLURM_", "PMI_", "OMPI_", "MPI_", "HYDRA_"))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                          "MASTER_ADDR", "MASTER_PORT")}  # fmt: skip
-    env["PYTHONPATH"] = os.pathsep.join([str(NO_MPI), str(ROOT), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(NO_MPI), str(tests_path()), env.get("PYTHONPATH", "")])
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -106,7 +122,7 @@ def run_env(
                 cmd = [sys.executable, str(script), *args]
                 procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE,
                                               stderr=subprocess.PIPE, text=True, env=e,
-                                              cwd=str(ROOT), start_new_session=True))  # fmt: skip
+                                              cwd=str(tests_path()), start_new_session=True))  # fmt: skip
                 rank += 1
         deadline = time.monotonic() + timeout
         done = []
@@ -165,7 +181,7 @@ def run_nccltree_run(
             launchers.append(subprocess.Popen(cmd, stdout=subprocess.PIPE,
                                               stderr=subprocess.PIPE, text=True,
                                               env=child_env({**env, **nenv}),
-                                              cwd=str(ROOT), start_new_session=True))  # fmt: skip
+                                              cwd=str(tests_path()), start_new_session=True))  # fmt: skip
         deadline = time.monotonic() + timeout
         done = []
         for p in launchers:

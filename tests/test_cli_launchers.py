@@ -245,13 +245,13 @@ def test_sigterm_to_nccltree_run_stops_every_process_at_one_iteration(tmp_path: 
     import sys
     import time
 
-    from tests.envrun import child_env, kill_all
+    from tests.envrun import child_env, kill_all, tests_path
 
     out = tmp_path / "sig"
     args = [*TRAIN, "--devices", "cpu", "--iters", "100000", "--out", str(out)]
     cmd = [sys.executable, "-m", "nccltree.run", "--nproc-per-node", "2", str(CLI), "train"]
     proc = subprocess.Popen([*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=child_env(), cwd=str(ROOT))  # fmt: skip
+                            text=True, env=child_env(), cwd=str(tests_path()))  # fmt: skip
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and len(_losses_so_far(out)) < 20:

@@ -24,7 +24,7 @@ BUILT = {
     "nccltree/_lib/nccltree_kernels.fatbin",
 }
 # names of modules that need an optional package or a build step, looked up only if present
-OPTIONAL = ("nccltree._records", "nccltree.backends.cuda", "nccltree.comm.nccl")
+OPTIONAL = ("nccltree._records", "nccltree._small", "nccltree.backends.cuda", "nccltree.comm.nccl")
 
 PATH_RE = re.compile(r"(?<![\w./-])((?:\.ci|bench|csrc|docs|nccltree|tests)/[\w./-]*[\w/])")
 DOTTED_RE = re.compile(r"(?<![\w./])(nccltree(?:\.\w+)+)(?![\w/])")

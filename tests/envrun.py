@@ -132,7 +132,9 @@ def run_env(
             except subprocess.TimeoutExpired:
                 kill_all(procs)
                 raise
-            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+            cp = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+            cp.pid = p.pid  # type: ignore[attr-defined]  # (in its segments' names)
+            done.append(cp)
         return done
     except BaseException:
         kill_all(procs)
@@ -186,7 +188,9 @@ def run_nccltree_run(
         done = []
         for p in launchers:
             out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+            cp = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+            cp.pid = p.pid  # type: ignore[attr-defined]  # (in its segments' names)
+            done.append(cp)
         return done
     except BaseException:
         kill_all(launchers)

@@ -389,23 +389,12 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         return run_local(self, fn, *args)
 
     # -- public collectives (one rank per process) ---------------------------------------
-    def all_reduce(
-        self,
-        x: Array,
-        *,
-        out: Array | None = None,
-        op: str = "sum",
-        stream: StreamArg = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Array | Work:
-        """:meth:`RankCollectives.all_reduce` (``x``, ``out``, ``op``, ``stream``,
-        ``async_op``, ``dtype`` as there); a small synchronous call within a node is one
-        native call (:mod:`.small`)."""
-        if self._small is not None and stream is None and not async_op and dtype is None:
-            if self._stream is None and (got := self._small.all_reduce(x, out, op)) is not None:
-                return cast("Array", got)
-        return super().all_reduce(x, out=out, op=op, stream=stream, async_op=async_op, dtype=dtype)
+    def _plain_all_reduce(self, x: Array, out: Array | None, op: str) -> Array | None:
+        """A plain :meth:`all_reduce` that is small and within a node: one native call
+        (:mod:`.small`); else None (the general path)."""
+        if self._small is not None and self._stream is None:
+            return cast("Array | None", self._small.all_reduce(x, out, op))
+        return None
 
     def _one(self, name: str) -> None:
         if len(self.ranks) != 1:

@@ -6,11 +6,12 @@ of a light submodule; both resolve a name the same way, here."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, MutableMapping
 
 
-def load(package: str, lazy: Mapping[str, str], namespace: dict[str, Any], name: str) -> object:
+def load(
+    package: str, lazy: Mapping[str, str], namespace: MutableMapping[str, object], name: str
+) -> object:
     """``name`` of ``package``: a public name from the module ``lazy`` maps it to (kept
     in ``namespace``, the package's globals, so the next lookup is direct), else a
     submodule not imported yet (as the eager imports of the package made them all

@@ -53,7 +53,7 @@ def read_field(mv: memoryview, pos: int, end: int, what: str) -> tuple[int, int,
     """The field whose tag is at ``pos`` of the message ``what`` ending at ``end``:
     ``(field, wire, value, pos)``. A varint (wire type 0): its value, ``pos`` past it; a
     length-delimited field (2): its length, ``pos`` at its bytes (ValueError if they run
-    past ``end``); a fixed64 or fixed32 (1, 5): value 0, ``pos`` at its bytes. Any other
+    past ``end``); a fixed64 or fixed32 (1, 5): value 0, ``pos`` at its bytes. Another
     wire type: ValueError. The caller steps over the bytes of 1, 2 and 5."""
     tag, pos = _varint(mv, pos)
     field, wire = tag >> 3, tag & 7

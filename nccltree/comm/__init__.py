@@ -5,8 +5,9 @@ start-up store that ``nccltree-run`` uses, say) does not load the whole engine."
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from .._lazy import load
 
 if TYPE_CHECKING:
     from .comm import Comm
@@ -29,25 +30,7 @@ __all__ = ["ALGORITHM_CHOICES", "Buf", "Comm", "Plan", "Step", "World", "Work", 
 
 
 def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        return _submodule(name)
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def _submodule(name: str) -> object:
-    """A submodule not imported yet (as the eager imports of this package made them all
-    attributes before), else AttributeError."""
-    if name.startswith("__"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    try:
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__name__}.{name}":
-            raise
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    return load(__name__, _LAZY, globals(), name)
 
 
 def __dir__() -> list[str]:

@@ -25,7 +25,7 @@ import os
 
 import numpy as np
 
-from .datum import _int32, _put_varint, _varint
+from .datum import _int32, _put_varint, _varint, read_field
 
 _F32, _F64 = np.dtype("<f4"), np.dtype("<f8")
 
@@ -40,27 +40,18 @@ def _dims(mv: memoryview) -> list[int]:
     dims: list[int] = []
     pos = 0
     while pos < len(mv):
-        tag, pos = _varint(mv, pos)
-        field, wire = tag >> 3, tag & 7
+        field, wire, value, pos = read_field(mv, pos, len(mv), "a BlobShape")
         if wire == 0:
-            value, pos = _varint(mv, pos)
             if field == 1:
                 dims.append(_int64(value))
         elif wire == 2:
-            size, pos = _varint(mv, pos)
-            end = pos + size
-            if end > len(mv):
-                raise ValueError("BlobShape field runs past its end")
+            end = pos + value
             while field == 1 and pos < end:
                 value, pos = _varint(mv, pos)
                 dims.append(_int64(value))
             pos = end
-        elif wire == 5:
-            pos += 4
-        elif wire == 1:
-            pos += 8
         else:
-            raise ValueError(f"unsupported wire type {wire} in BlobShape")
+            pos += 4 if wire == 5 else 8
     return dims
 
 
@@ -76,35 +67,28 @@ def decode_blobproto(buf: bytes | memoryview) -> np.ndarray:
     pos, end = 0, len(mv)
     try:
         while pos < end:
-            tag, pos = _varint(mv, pos)
-            field, wire = tag >> 3, tag & 7
+            field, wire, value, pos = read_field(mv, pos, end, "the file")
             if wire == 0:
-                value, pos = _varint(mv, pos)
                 if 1 <= field <= 4:
                     legacy[field] = _int32(value)
             elif wire == 2:
-                size, pos = _varint(mv, pos)
-                if pos + size > end:
-                    raise ValueError("a field runs past the end of the file")
                 if field == 7:
-                    shape = _dims(mv[pos : pos + size])
+                    shape = _dims(mv[pos : pos + value])
                 elif field in (5, 8):
                     item = 4 if field == 5 else 8
-                    if size % item:
+                    if value % item:
                         raise ValueError(f"packed field {field} is not a multiple of {item} bytes")
-                    arr = np.frombuffer(mv, _F32 if field == 5 else _F64, size // item, pos)
+                    arr = np.frombuffer(mv, _F32 if field == 5 else _F64, value // item, pos)
                     (floats if field == 5 else doubles).append(arr)
-                pos += size
+                pos += value
             elif wire == 5:
                 if field == 5:
                     floats.append(np.frombuffer(mv, _F32, 1, pos))
                 pos += 4
-            elif wire == 1:
+            else:  # fixed64
                 if field == 8:
                     doubles.append(np.frombuffer(mv, _F64, 1, pos))
                 pos += 8
-            else:
-                raise ValueError(f"unsupported wire type {wire} (field {field})")
             if pos > end:
                 raise ValueError("truncated")
     except (ValueError, IndexError) as e:

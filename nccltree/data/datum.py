@@ -49,6 +49,24 @@ def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
             raise ValueError("varint longer than 10 bytes")
 
 
+def read_field(mv: memoryview, pos: int, end: int, what: str) -> tuple[int, int, int, int]:
+    """The field whose tag is at ``pos`` of the message ``what`` ending at ``end``:
+    ``(field, wire, value, pos)``. A varint (wire type 0): its value, ``pos`` past it; a
+    length-delimited field (2): its length, ``pos`` at its bytes (ValueError if they run
+    past ``end``); a fixed64 or fixed32 (1, 5): value 0, ``pos`` at its bytes. Another
+    wire type: ValueError. The caller steps over the bytes of 1, 2 and 5."""
+    tag, pos = _varint(mv, pos)
+    field, wire = tag >> 3, tag & 7
+    if wire == 0 or wire == 2:
+        value, pos = _varint(mv, pos)
+        if wire == 2 and pos + value > end:
+            raise ValueError(f"a field runs past the end of {what}")
+        return field, wire, value, pos
+    if wire == 1 or wire == 5:
+        return field, wire, 0, pos
+    raise ValueError(f"unsupported wire type {wire} (field {field})")
+
+
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
 
 
@@ -94,6 +112,8 @@ def parse_datum(buf: bytes | memoryview) -> DatumFields:
     pos, end = 0, len(mv)
     try:
         while pos < end:
+            # inline, not read_field: this loop runs once a record (a label scan, say),
+            # and the call per field would make it about half again as slow
             tag, pos = _varint(mv, pos)
             field, wire = tag >> 3, tag & 7
             if wire == 0:

@@ -65,26 +65,30 @@ def post_async(
     host_caller: Stream | None = st if st is not None else dev.explicit_current_stream()
     if host_caller is not None:
         group_stream.wait_event(host_caller.record())
-    work = _Posted([], [host_caller], buf, buf, ctx.timeout)
+    work = ArgumentErrorWork([], [host_caller], buf, buf, ctx.timeout)
     group_stream.call(work.perform, lambda: ctx.queued(arr))
     work.add_event(group_stream.record())
     return work
 
 
-class _Posted(Work):
-    """An ``isend``/``irecv`` on a host group's stream: an argument error (a receive of
-    another size) is kept here, raised by ``synchronize``, not left on the group's
-    stream, where it would fail every operation behind it."""
+class ArgumentErrorWork(Work):
+    """The ``Work`` of an operation on a host group's stream (an ``isend``/``irecv``, an
+    asynchronous collective) whose argument error (``ValueError``, ``TypeError``: a
+    receive of another size, a mismatch between processes) is kept here, raised by
+    ``synchronize``, not left on the group's stream, where it would fail every operation
+    behind it."""
 
     error: BaseException | None = None
 
-    def perform(self, fn: Callable[[], None]) -> None:
+    def perform(self, fn: Callable[..., None], *args: object) -> None:
+        """``fn(*args)``, run on the group's stream, keeping its argument error."""
         try:
-            fn()
+            fn(*args)
         except (ValueError, TypeError) as exc:
             self.error = exc
 
     def add_event(self, event: Event) -> None:
+        """Mark the operation's end on the group's stream (once it is queued there)."""
         self._events.append(event)
 
     def synchronize(self, timeout: float | None = None) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import json
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -105,16 +106,9 @@ class MpiBootstrap:
             [data.copy(), MPI.BYTE], [got, (sizes.tolist(), displs.tolist()), MPI.BYTE]
         )
         self._wait(req, _EXCHANGE)
-        out: list[object] = []
-        for p in range(self.size):
-            raw = got[int(displs[p]) : int(displs[p] + sizes[p])].tobytes()
-            try:
-                out.append(json.loads(raw))
-            except ValueError as exc:
-                raise PeerFailure(
-                    f"bootstrap: process {p} sent a malformed message ({exc})"
-                ) from exc
-        return out
+        return _decoded(
+            got[int(displs[p]) : int(displs[p] + sizes[p])].tobytes() for p in range(self.size)
+        )
 
     def barrier(self) -> None:
         self._wait(self.comm.Ibarrier(), "the bootstrap's barrier")
@@ -262,16 +256,7 @@ class StoreBootstrap:
         return f"{self.prefix}{kind}{seq}/{p}"
 
     def exchange(self, obj: object) -> list[object]:
-        raw = self._round("x", json.dumps(obj).encode(), "the bootstrap's exchange")
-        out: list[object] = []
-        for p, got in enumerate(raw):
-            try:
-                out.append(json.loads(got))
-            except ValueError as exc:
-                raise PeerFailure(
-                    f"bootstrap: process {p} sent a malformed message ({exc})"
-                ) from exc
-        return out
+        return _decoded(self._round("x", json.dumps(obj).encode(), "the bootstrap's exchange"))
 
     def barrier(self) -> None:
         self._round("x", b"null", "the bootstrap's barrier")
@@ -381,3 +366,15 @@ class LocalBootstrap:
 
     def close(self) -> None:
         pass
+
+
+def _decoded(raw: Iterable[bytes]) -> list[object]:
+    """The exchange's messages, process by process, read back from JSON; a malformed one
+    is the sender's failure."""
+    out: list[object] = []
+    for p, got in enumerate(raw):
+        try:
+            out.append(json.loads(got))
+        except ValueError as exc:
+            raise PeerFailure(f"bootstrap: process {p} sent a malformed message ({exc})") from exc
+    return out

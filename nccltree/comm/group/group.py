@@ -71,6 +71,7 @@ from ..plan import CHUNK_BYTES, Plan, chunk_elements
 from ..work import Work
 from . import small
 from .agreement import call_signature, check_enabled, make_agreement, refusal_signature
+from .async_p2p import ArgumentErrorWork, AsyncP2pContext, post_async
 from .bootstrap import MpiBootstrap
 from .core import Core
 from .engine import Engine, EngineContext
@@ -89,7 +90,7 @@ if TYPE_CHECKING:
     from mpi4py import MPI as _MPI
     from numpy.typing import DTypeLike
 
-    from ...backends.base import Event, Stream
+    from ...backends.base import Stream
     from ...backends.host import HostDevice
     from ...tree import Tree
     from .bootstrap import Bootstrap
@@ -389,23 +390,12 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         return run_local(self, fn, *args)
 
     # -- public collectives (one rank per process) ---------------------------------------
-    def all_reduce(
-        self,
-        x: Array,
-        *,
-        out: Array | None = None,
-        op: str = "sum",
-        stream: StreamArg = None,
-        async_op: bool = False,
-        dtype: DTypeLike | None = None,
-    ) -> Array | Work:
-        """:meth:`RankCollectives.all_reduce` (``x``, ``out``, ``op``, ``stream``,
-        ``async_op``, ``dtype`` as there); a small synchronous call within a node is one
-        native call (:mod:`.small`)."""
-        if self._small is not None and stream is None and not async_op and dtype is None:
-            if self._stream is None and (got := self._small.all_reduce(x, out, op)) is not None:
-                return cast("Array", got)
-        return super().all_reduce(x, out=out, op=op, stream=stream, async_op=async_op, dtype=dtype)
+    def _plain_all_reduce(self, x: Array, out: Array | None, op: str) -> Array | None:
+        """A plain :meth:`all_reduce` that is small and within a node: one native call
+        (:mod:`.small`); else None (the general path)."""
+        if self._small is not None and self._stream is None:
+            return cast("Array | None", self._small.all_reduce(x, out, op))
+        return None
 
     def _one(self, name: str) -> None:
         if len(self.ranks) != 1:
@@ -484,7 +474,6 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         self, kind: str, buf: Array, peer: int, stream: StreamArg, dtype: DTypeLike | None
     ) -> Work:
         """``isend``/``irecv``: see :mod:`.async_p2p`."""
-        from .async_p2p import AsyncP2pContext, post_async
 
         def check() -> None:
             self._one(f"i{kind}")
@@ -756,7 +745,7 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         if async_op:
             # an argument error (a mismatch) is the call's own, raised by its Work: the
             # stream, and the calls behind it, go on
-            work = _ArgumentErrors([], [caller], result, prep, self.timeout, self._stream_error)
+            work = ArgumentErrorWork([], [caller], result, prep, self.timeout, self._stream_error)
             self._stream.call(work.perform, self._perform, prep)
             work.add_event(self._stream.record())
             return work
@@ -820,28 +809,6 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
             root=root, in_place=in_place, chunk=chunk_elements(CHUNK_BYTES, np.dtype(dtype).itemsize),
             tree_for=self.tree, itemsize=np.dtype(dtype).itemsize,
         )  # fmt: skip
-
-
-class _ArgumentErrors(Work):
-    """The ``Work`` of an asynchronous host call whose argument error (``ValueError``,
-    ``TypeError``: a mismatch between processes) is kept here, not left on the group's
-    stream, which would fail every call behind it; ``synchronize`` raises it."""
-
-    error: BaseException | None = None
-
-    def perform(self, fn: Callable[[Prepared], None], prep: Prepared) -> None:
-        try:
-            fn(prep)
-        except (ValueError, TypeError) as exc:
-            self.error = exc
-
-    def add_event(self, event: Event) -> None:
-        self._events.append(event)
-
-    def synchronize(self, timeout: float | None = None) -> None:
-        super().synchronize(timeout)
-        if self.error is not None:
-            raise self.error
 
 
 def _p2p_buffer(pg: ProcessGroup, buf: Array, what: str, dtype: object) -> Array:

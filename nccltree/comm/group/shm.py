@@ -269,25 +269,20 @@ def remove_stale() -> list[str]:
     live process, of this pid namespace or another, and stays. The creator's pid in the
     name never removes one; a live process of that pid here keeps it (a segment made by
     a version that took no lock is safe too; one whose pid was reused waits for it)."""
-    removed: list[str] = []
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return removed
-    me = user_tag()
-    for name in names:
-        m = _NAME.match(name)
-        if not m or m.group(1) != me or alive(int(m.group(2))):
-            continue  # (a pid alive here only ever keeps one: see the docstring)
-        if _remove_if_unlocked(os.path.join(SHM_DIR, name)):
-            removed.append(name)
-    return removed
+    # (a pid alive here only ever keeps one: see the docstring)
+    return _remove_unlocked(lambda pid: not alive(pid))
 
 
 def remove_of_pids(pids: set[int]) -> list[str]:
     """Unlink this user's segments created by the processes ``pids`` (ended: a launcher
     sweeping its job's segments after its children) whose lock nobody holds; their
     names. A held lock (a live creator, whatever its pid says) keeps a segment."""
+    return _remove_unlocked(lambda pid: pid in pids)
+
+
+def _remove_unlocked(of_pid: Callable[[int], bool]) -> list[str]:
+    """Unlink this user's segments whose creator's pid ``of_pid`` picks and whose lock
+    nobody holds; their names."""
     removed: list[str] = []
     try:
         names = os.listdir(SHM_DIR)
@@ -296,7 +291,7 @@ def remove_of_pids(pids: set[int]) -> list[str]:
     me = user_tag()
     for name in names:
         m = _NAME.match(name)
-        if not m or m.group(1) != me or int(m.group(2)) not in pids:
+        if not m or m.group(1) != me or not of_pid(int(m.group(2))):
             continue
         if _remove_if_unlocked(os.path.join(SHM_DIR, name)):
             removed.append(name)

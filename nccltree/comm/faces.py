@@ -477,6 +477,14 @@ class PointToPoint:
                 f"rank {me}: the input needs {sum(sc)} elements (send_counts) and the "
                 f"output {sum(rc)} (recv_counts), got {xa.size} and {oa.size}"
             )
+        self._all_to_all_v(xa, oa, sc, rc, stream, dtype)
+        return out
+
+    def _all_to_all_v(self, xa: Array, oa: Array, sc: list[int], rc: list[int],
+                      stream: StreamArg, dtype: DTypeLike | None) -> None:  # fmt: skip
+        """all_to_all_v's blocks moved, its arguments checked: one batch of this face's
+        sends and receives (a process group moves them its own way)."""
+        me, n, _ = self._own()
         so, ro = _offsets(sc), _offsets(rc)
         with self.batch():
             for i in range(n):
@@ -485,7 +493,6 @@ class PointToPoint:
                     self.send(xa[so[q] : so[q] + sc[q]], q, stream=stream, dtype=dtype)
                 if rc[p]:
                     self.recv(oa[ro[p] : ro[p] + rc[p]], p, stream=stream, dtype=dtype)
-        return out
 
     def all_gather_v(
         self,

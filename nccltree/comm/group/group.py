@@ -174,30 +174,6 @@ def _start_links(
     return pl, Links.over_boot(bootstrap, pl, owner or BootOwner(bootstrap))
 
 
-def _v_counts(pg: ProcessGroup, x: Array, out: Array, send_counts: Sequence[int],
-              recv_counts: Sequence[int]) -> tuple[list[int], list[int], Array, Array]:  # fmt: skip
-    """all_to_all_v's counts and buffers, checked (one count per rank, the arrays' sizes
-    their sums, one dtype)."""
-    sc = [check_int(c, "send_counts[i]", min=0) for c in send_counts]
-    rc = [check_int(c, "recv_counts[i]", min=0) for c in recv_counts]
-    if len(sc) != pg.size or len(rc) != pg.size:
-        raise ValueError(
-            f"send_counts and recv_counts need a count per rank ({pg.size}), got "
-            f"{len(sc)} and {len(rc)}"
-        )
-    dev = pg.devices[0]
-    xa = _device_array(dev, x, f"rank {pg.rank}: input").reshape(-1)
-    oa = _device_array(dev, out, f"rank {pg.rank}: output").reshape(-1)
-    if xa.size != sum(sc) or oa.size != sum(rc):
-        raise ValueError(
-            f"rank {pg.rank}: the input needs {sum(sc)} elements (send_counts) and "
-            f"the output {sum(rc)} (recv_counts), got {xa.size} and {oa.size}"
-        )
-    if xa.dtype != oa.dtype:
-        raise TypeError(f"rank {pg.rank}: output dtype {oa.dtype} differs from {xa.dtype}")
-    return sc, rc, xa, oa
-
-
 def _split_group(
     links: Links, args: tuple[str, str, float, bool | None], c: int | None, k: int, order: int
 ) -> ProcessGroup | None:
@@ -496,35 +472,18 @@ class ProcessGroup(RankCollectives, PointToPoint, HasLifeCycle):
         )  # fmt: skip
         return post_async(ctx, kind, buf, stream, dtype)
 
-    def all_to_all_v(
-        self,
-        x: Array,
-        out: Array,
-        send_counts: Sequence[int],
-        recv_counts: Sequence[int],
-        *,
-        stream: StreamArg = None,
-        dtype: DTypeLike | None = None,
-    ) -> Array:
-        """all_to_all with uneven blocks, one rank per process: ``x`` holds this rank's
-        blocks for ranks 0, 1, ... (``send_counts[q]`` elements for rank q), ``out``
-        receives rank p's block at the place its ``recv_counts`` give (rank p's
-        ``send_counts[me]`` must equal ``recv_counts[p]``: each side says its own). One
-        batch of sends and receives (p2p.py): within the node through the arenas (shared
-        memory; CUDA IPC on GPUs), to other nodes as MPI messages (host arrays) or NCCL
-        sends and receives (CuPy arrays). Blocks meet in one order with the pair's
-        send/recv: every rank calls it at the same point of its exchanges with each peer.
-        A block of another size than its receiver expects raises ``ValueError`` (within
-        the node on both sides, the group going on). Returns ``out``. ``stream`` and
-        ``dtype`` as for every collective (:class:`~nccltree.comm.faces.RankCollectives`);
-        errors: ``ValueError``/``TypeError`` for counts, sizes or dtypes that do not fit,
-        ``CommTimeout`` and ``PeerFailure`` as for the collectives."""
-        sc, rc, xa, oa = _v_counts(self, x, out, send_counts, recv_counts)
+    def _all_to_all_v(self, xa: Array, oa: Array, sc: list[int], rc: list[int],
+                      stream: StreamArg, dtype: DTypeLike | None) -> None:  # fmt: skip
+        """One rank per process: one batch of p2p.py (within the node through the arenas,
+        shared memory or CUDA IPC; to other nodes as MPI messages or NCCL sends and
+        receives). A block of another size than its receiver expects raises
+        ``ValueError`` (within the node on both sides, the group going on)."""
         self._one("all_to_all_v")
+        if xa.dtype != oa.dtype:
+            raise TypeError(f"rank {self.rank}: output dtype {oa.dtype} differs from {xa.dtype}")
         xa = _p2p_buffer(self, xa, "input", dtype)
         oa = _p2p_buffer(self, oa, "output", dtype)
         self._p2p.all_to_all_v(xa, oa, sc, rc, as_stream(self.devices[0], stream))
-        return out
 
     def split(self, color: int | None, key: int = 0) -> ProcessGroup | None:
         """MPI's ``Comm_split`` over the group's processes: every process calls it (in the

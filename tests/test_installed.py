@@ -57,8 +57,11 @@ def test_the_kernel_library_is_the_wheels() -> None:
     with open(f"/proc/{os.getpid()}/maps") as f:
         maps = f.read()
     gomp = {line.split()[-1] for line in maps.splitlines() if "libgomp" in line}
-    assert gomp, "no OpenMP runtime mapped"
-    assert all("nccltree.libs" in g for g in gomp), f"not the bundled libgomp: {gomp}"
+    assert any("nccltree.libs" in g for g in gomp), f"not the bundled libgomp: {gomp}"
+    # another package's own copy (torch bundles one) may be mapped beside it, never the
+    # system's, which the wheel must not need
+    site = Path(nccltree.__file__).resolve().parent.parent
+    assert all(Path(g).resolve().is_relative_to(site) for g in gomp), gomp
 
 
 @needs_installed

@@ -21,26 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from nccltree.comm.bench import cpu_name
+
 SIZES = {"8 B": 2, "64 KiB": 16384}
 ITERS = {"8 B": 2000, "64 KiB": 400}
 ALGS = ("mpi", "auto", "tree")
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def worker(reps: int) -> None:
@@ -101,7 +92,7 @@ def main() -> None:
         sys.exit(f"the job failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     times = json.loads(proc.stdout.strip().splitlines()[-1])
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"CPU: {_cpu()}, {os.cpu_count()} cores; load average before {load0[0]:.2f}, "
+    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; load average before {load0[0]:.2f}, "
           f"after {os.getloadavg()[0]:.2f}; {args.procs} processes, {args.reps} repetitions")  # fmt: skip
     print()
     print("| all_reduce, float32 sum | check on (µs) | check off (µs) | agreement costs (µs) |")
@@ -115,7 +106,7 @@ def main() -> None:
         Path(args.json).write_text(
             json.dumps(
                 {
-                    "cpu": _cpu(),
+                    "cpu": cpu_name(),
                     "load": [load0, os.getloadavg()],
                     "procs": args.procs,
                     "median_us": med,

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from nccltree.comm.bench import cpu_name
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -112,8 +114,7 @@ def main() -> None:
     if a.worker:
         worker(a.reps, a.iters)
         return
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text()
-                .splitlines() if ln.startswith("model name")), "unknown")  # fmt: skip
+    cpu = cpu_name()
     results = {}
     for nodes in (1, 2):
         print(f"{a.procs} processes on {nodes} node(s) ...", file=sys.stderr, flush=True)

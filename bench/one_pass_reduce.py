@@ -28,19 +28,10 @@ import numpy as np
 
 import nccltree as nt
 from nccltree.comm import executor
+from nccltree.comm.bench import cpu_name
 
 CASES = [("direct", 2, 64 << 20), ("tree", 2, 64 << 20), ("direct", 4, 64 << 20),
          ("direct", 2, 4 << 20)]  # fmt: skip
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def main() -> None:
@@ -78,7 +69,7 @@ def main() -> None:
             w.all_reduce(xs)
             got.append([x.tobytes() for x in xs])
         assert got[0] == got[1], (alg, n, nbytes)
-    print(f"CPU: {_cpu()}, {os.cpu_count()} cores; load average before {load0:.2f}, after "
+    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; load average before {load0:.2f}, after "
           f"{os.getloadavg()[0]:.2f}; {args.reps} repetitions of {args.iters} calls")  # fmt: skip
     print()
     print("| all_reduce, float32, in place | one pass (ms) | reduce, then copies (ms) | speed-up |")
@@ -91,7 +82,7 @@ def main() -> None:
         w.close()
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"cpu": _cpu(), "load_before": load0, "median_ms": med, "runs_ms": times}, indent=1))  # fmt: skip
+            {"cpu": cpu_name(), "load_before": load0, "median_ms": med, "runs_ms": times}, indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":

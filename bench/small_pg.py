@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -49,6 +48,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from nccltree.comm.bench import cpu_name
 
 HERE = Path(__file__).resolve()
 
@@ -64,16 +65,6 @@ def human(n: int) -> str:
         if n >= m and n % m == 0:
             return f"{n // m} {unit}"
     return f"{n} B"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _pct(a: np.ndarray, q: float) -> float:
@@ -322,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
         worker(args)
         return
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    print(f"CPU: {cpu_model()}, {cpus} usable CPUs; float32 sum all_reduce in place, "
+    print(f"CPU: {cpu_name()}, {cpus} usable CPUs; float32 sum all_reduce in place, "
           f"{args.iters} interleaved calls per case and size; times in us")  # fmt: skip
     import tempfile
 
@@ -336,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
             results.append(report(procs, got, load, cpus))
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"cpu": cpu_model(), "cpus": cpus, "results": results}, indent=1)
+            json.dumps({"cpu": cpu_name(), "cpus": cpus, "results": results}, indent=1)
         )
 
 

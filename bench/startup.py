@@ -86,17 +86,6 @@ def one(cmd: list[str], n: int) -> tuple[float, float, float]:
     return wall, max(r["import"] for r in rows), max(r["ready"] for r in rows)
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def loadavg() -> str:
     try:
         with open("/proc/loadavg") as f:
@@ -116,6 +105,9 @@ def main() -> None:
     if a.worker:
         worker(a.worker)
         return
+    # (not at the top: a worker times its own imports of nccltree)
+    from nccltree.comm.bench import cpu_name
+
     what = a.what
     if what is None:
         from nccltree.comm.group import init_process_group

@@ -55,6 +55,7 @@ __all__ = [
     "BenchRecord",
     "MemoryNeed",
     "available_memory",
+    "cpu_name",
     "reference",
     "run_benchmark",
 ]
@@ -170,17 +171,22 @@ def bandwidths(size: int, seconds: float, factor: float) -> tuple[float, float]:
     return algbw, algbw * factor
 
 
-def machine_description(devices: Sequence[Device]) -> dict[str, object]:
-    """The machine and devices a result was measured on."""
-    cpu = platform.processor() or platform.machine()
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` says: recorded
+    with every measurement (the benchmarks' tables and JSON)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
                 if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor() or platform.machine()
+
+
+def machine_description(devices: Sequence[Device]) -> dict[str, object]:
+    """The machine and devices a result was measured on."""
+    cpu = cpu_name()
     import nccltree
 
     backend = devices[0].backend if devices else "none"
